@@ -1,0 +1,1 @@
+"""apmodel: automatic parallelism planning for PyTorch training steps."""

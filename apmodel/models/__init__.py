@@ -1,0 +1,147 @@
+"""Reference models: LLaMA-3-style dense, DeepSeek-MoE-style, GPT-2-style.
+
+>>> import torch
+>>> from apmodel.models import build, sample_inputs, cross_entropy_loss
+>>> with torch.device("meta"):
+...     model = build("llama3-8b", n_layers=2)
+>>> tokens, targets = sample_inputs("llama3-8b", batch=8, seq=2048)
+
+Every model is called as ``model(tokens)`` -> ``logits [batch, seq, vocab]`` or
+``model(tokens, targets)`` -> scalar mean cross-entropy loss (so ``capture(model, (tokens, targets))``
+needs no ``loss_fn``). Models build on the meta device; ``init_weights()`` fills them after
+``to_empty(device=...)``.
+
+Presets (sizes from the published model cards):
+
+==================  =====  ======  =====  =====  ======  =======  =====================================
+name                layers  dim    heads  kv     ffn     vocab    notes
+==================  =====  ======  =====  =====  ======  =======  =====================================
+llama3-debug        2      256     8      4      768     2048     head_dim 32, GQA 2:1, max_seq 512
+llama3-8b           32     4096    32     8      14336   128256   rope theta 5e5 (≈ 8.03e9 params)
+llama3-70b          80     8192    64     8      28672   128256   rope theta 5e5 (≈ 70.6e9 params)
+gpt2                12     768     12     12     3072    50257    ctx 1024, tied head (≈ 124M params)
+gpt2-medium         24     1024    16     16     4096    50257    ctx 1024, tied head (≈ 355M params)
+moe-debug           2      256     8      4      768     2048     8 routed (top-2) + 1 shared, 128 wide;
+                                                                  layer 0 dense
+deepseek-moe-16b    28     2048    16     16     10944   102400   64 routed (top-6) + 2 shared, 1408 wide
+==================  =====  ======  =====  =====  ======  =======  =====================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from apmodel.models.gpt2 import GPT2, GPT2Config
+from apmodel.models.llama3 import LlamaConfig, Transformer
+from apmodel.models.loss import cross_entropy_loss
+from apmodel.models.moe import MoEConfig, MoETransformer
+
+# name -> (config class, model class, config fields)
+PRESETS: MappingProxyType = MappingProxyType(
+    {
+        "llama3-debug": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden_dim=768, vocab_size=2048,
+                 max_seq_len=512),
+        ),
+        # Meta Llama 3 8B / 70B model cards (params.json)
+        "llama3-8b": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256,
+                 rope_theta=500000.0, max_seq_len=8192),
+        ),
+        "llama3-70b": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, vocab_size=128256,
+                 rope_theta=500000.0, max_seq_len=8192),
+        ),
+        # OpenAI GPT-2 (2019) small and medium
+        "gpt2": (GPT2Config, GPT2, dict(dim=768, n_layers=12, n_heads=12, vocab_size=50257, max_seq_len=1024)),
+        "gpt2-medium": (
+            GPT2Config,
+            GPT2,
+            dict(dim=1024, n_layers=24, n_heads=16, vocab_size=50257, max_seq_len=1024),
+        ),
+        "moe-debug": (
+            MoEConfig,
+            MoETransformer,
+            dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden_dim=768, moe_hidden_dim=128,
+                 n_routed_experts=8, n_shared_experts=1, top_k=2, n_dense_layers=1, vocab_size=2048,
+                 max_seq_len=512),
+        ),
+        # DeepSeekMoE 16B (DeepSeek-AI 2024), with GQA-capable attention (n_kv_heads = n_heads: MHA)
+        "deepseek-moe-16b": (
+            MoEConfig,
+            MoETransformer,
+            dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, ffn_hidden_dim=10944, moe_hidden_dim=1408,
+                 n_routed_experts=64, n_shared_experts=2, top_k=6, n_dense_layers=1, vocab_size=102400,
+                 max_seq_len=4096),
+        ),
+    }
+)
+
+ModelConfig = LlamaConfig | GPT2Config | MoEConfig
+
+
+def config(name: str, **overrides: Any) -> ModelConfig:
+    """The config dataclass of preset ``name`` with fields replaced by ``overrides``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+    cfg_cls, _, fields = PRESETS[name]
+    known = {f.name for f in dataclasses.fields(cfg_cls)}
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ValueError(f"model preset {name!r}: unknown config field(s) {bad}; known: {sorted(known)}")
+    return cfg_cls(**{**fields, **overrides})
+
+
+def build(name: str | ModelConfig, **overrides: Any) -> nn.Module:
+    """Build a model from a preset name (or a config object). Builds on the current default device:
+    wrap in ``with torch.device("meta"):`` to build without allocating memory."""
+    cfg = dataclasses.replace(name, **overrides) if not isinstance(name, str) else config(name, **overrides)
+    model_cls = {LlamaConfig: Transformer, GPT2Config: GPT2, MoEConfig: MoETransformer}.get(type(cfg))
+    if model_cls is None:
+        raise TypeError(f"build: expected a preset name or a model config, got {type(cfg).__name__}")
+    return model_cls(cfg)
+
+
+def sample_inputs(
+    name_or_config: str | ModelConfig,
+    batch: int,
+    seq: int,
+    device: str | torch.device = "meta",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, targets)``, both int64 ``[batch, seq]`` with ids below the vocabulary size."""
+    cfg = config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    if batch < 1 or seq < 1:
+        raise ValueError(f"sample_inputs: batch={batch} and seq={seq} must be positive")
+    if seq > cfg.max_seq_len:
+        raise ValueError(f"sample_inputs: seq={seq} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    kw = {} if generator is None else {"generator": generator}
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), dtype=torch.int64, device=device, **kw)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), dtype=torch.int64, device=device, **kw)
+    return tokens, targets
+
+
+__all__ = [
+    "PRESETS",
+    "GPT2",
+    "GPT2Config",
+    "LlamaConfig",
+    "MoEConfig",
+    "MoETransformer",
+    "Transformer",
+    "build",
+    "config",
+    "cross_entropy_loss",
+    "sample_inputs",
+]

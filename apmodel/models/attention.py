@@ -1,0 +1,121 @@
+"""Causal attention shared by the reference models, and a CPU reference for the flash op.
+
+Why two paths (measured on torch 2.13.0+cpu):
+
+* ``aten._scaled_dot_product_flash_attention`` and ``aten._scaled_dot_product_efficient_attention``
+  have no CPU kernel ("Could not run ... with arguments from the 'CPU' backend"), but both run on
+  the meta device and DTensor has sharding rules for them and for their backward ops.
+  ``F.scaled_dot_product_attention`` on meta decomposes to the math path (bmm + softmax + ...),
+  which would make the planner price attention as unfused matmuls, and on fake CPU tensors it becomes
+  ``_scaled_dot_product_flash_attention_for_cpu``, which has no DTensor rule.
+* So :func:`causal_attention` calls the explicit flash (or efficient) aten op when the tensors are on
+  the meta device (tracing), and ``F.scaled_dot_product_attention`` otherwise (real execution).
+
+The two paths compute the same function (softmax(q kᵀ · scale + causal mask) v). To execute a graph
+traced on meta on real CPU tensors (tests, single-process checks), :func:`flash_attention_forward`
+and :func:`flash_attention_backward` implement the flash op and its backward from their definition
+(logsumexp form), independently of ``F.scaled_dot_product_attention``; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_BACKENDS = ("flash", "efficient")
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "flash"
+) -> torch.Tensor:
+    """Causal scaled-dot-product attention. ``q, k, v``: ``[batch, heads, seq, head_dim]``.
+
+    ``backend`` picks the aten op used when tracing on meta: ``"flash"`` or ``"efficient"``.
+    """
+    if q.device.type != "meta":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if backend == "flash":
+        # (query, key, value, dropout_p, is_causal, return_debug_mask) -> (output, logsumexp, ...)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+    if backend == "efficient":
+        # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal) -> (output, ...);
+        # the logsumexp is needed by the backward op.
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, True
+        )[0]
+    raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
+
+
+def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    # causal mask aligned to the top-left corner, as is_causal=True in PyTorch's SDPA
+    future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf"))
+
+
+def flash_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    return_debug_mask: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple:
+    """Reference for ``aten._scaled_dot_product_flash_attention`` (same outputs, dropout 0 only)."""
+    if dropout_p != 0.0:
+        raise ValueError("flash_attention_forward: dropout_p must be 0 in the reference kernel")
+    if is_causal:
+        scores = _causal_scores(q, k, scale)
+    else:
+        s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scores = torch.matmul(q, k.transpose(-2, -1)) * s
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h, s_q]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    empty = q.new_empty(0)
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    return (out, lse, empty, empty, q.shape[-2], k.shape[-2], rng_state, empty, empty)
+
+
+def flash_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p: float,
+    is_causal: bool,
+    philox_seed,
+    philox_offset,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference for ``aten._scaled_dot_product_flash_attention_backward`` (analytic gradient)."""
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = _causal_scores(q, k, s) if is_causal else torch.matmul(q, k.transpose(-2, -1)) * s
+    p = torch.exp(scores - logsumexp.unsqueeze(-1))  # attention probabilities
+    grad_v = torch.matmul(p.transpose(-2, -1), grad_out)
+    grad_p = torch.matmul(grad_out, v.transpose(-2, -1))
+    row = (grad_out * out).sum(dim=-1, keepdim=True)  # = sum_j p_ij grad_p_ij
+    grad_scores = p * (grad_p - row)
+    grad_q = torch.matmul(grad_scores, k) * s
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * s
+    return grad_q, grad_k, grad_v
+
+
+# Ops that have no CPU kernel in torch 2.13, mapped to the reference implementations above
+# (used to run a graph traced on meta on real CPU tensors).
+CPU_REFERENCE_KERNELS = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default: flash_attention_forward,
+    torch.ops.aten._scaled_dot_product_flash_attention_backward.default: flash_attention_backward,
+}

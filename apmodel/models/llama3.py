@@ -1,0 +1,210 @@
+"""LLaMA-3-style dense decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+
+Parameter names follow torchtitan: ``tok_embeddings``, ``layers.N.attention.{wq,wk,wv,wo}``,
+``layers.N.feed_forward.{w1,w2,w3}``, ``layers.N.attention_norm``, ``layers.N.ffn_norm``, ``norm``,
+``output``. The model builds on ``torch.device("meta")``; call :meth:`Transformer.init_weights`
+after moving it to a real device (``to_empty``) to fill parameters and the RoPE tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from apmodel.models.loss import cross_entropy_loss
+from apmodel.models.attention import ATTENTION_BACKENDS, causal_attention
+
+
+@dataclass
+class LlamaConfig:
+    """Sizes of a LLaMA-3-style model. Defaults are LLaMA-3 8B (Meta's published config)."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256
+    ffn_hidden_dim: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+    # aten op used for attention when traced on the meta device ("flash" or "efficient")
+    attention_backend: str = "flash"
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("LlamaConfig: head_dim must be even for RoPE")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"LlamaConfig: attention_backend={self.attention_backend!r} not in {ATTENTION_BACKENDS}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each ``[max_seq_len, head_dim]`` (the half-dim frequencies repeated twice,
+    for the rotate-half formulation)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on ``x: [batch, seq, heads, head_dim]`` with ``cos, sin: [seq, head_dim]``.
+    Real-valued (no complex tensors, which DTensor handles poorly)."""
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.backend = cfg.attention_backend
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q = self.wq(x).view(bs, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # grouped-query attention: each kv head serves n_heads // n_kv_heads query heads
+        k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
+        out = causal_attention(q, k, v, self.backend)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[bs, seq, n_kv_heads, d] -> [bs, seq, n_kv_heads * n_rep, d]`` (each kv head repeated n_rep times)."""
+    if n_rep == 1:
+        return x
+    bs, seq, n_kv, d = x.shape
+    return x[:, :, :, None, :].expand(bs, seq, n_kv, n_rep, d).reshape(bs, seq, n_kv * n_rep, d)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for lin in (self.w2, self.w3):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # depth-scaled init, as torchtitan does
+        self.init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+
+class Transformer(nn.Module):
+    """LLaMA-3-style decoder: ``tokens [batch, seq] (int64) -> logits [batch, seq, vocab]`` (or the loss, given targets)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # a ModuleDict keyed "0", "1", ... gives the torchtitan FQNs layers.N.*
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (scalar) when ``targets``
+        (int64 ``[batch, seq]``) is given."""
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"Transformer: sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        return logits if targets is None else cross_entropy_loss(logits, targets)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fill parameters and RoPE tables (after ``to_empty(device=...)`` from meta)."""
+        cos, sin = rope_tables(
+            self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, device=self.rope_cos.device
+        )
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.init_weights()
+        final_std = self.config.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
