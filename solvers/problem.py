@@ -1,0 +1,335 @@
+"""The pairwise discrete optimisation problem that every backend solves.
+
+Minimise   sum_v unary[v][x_v] + sum_(u,v) cost_uv[x_u, x_v]
+subject to optional linear rows over the indicators x[var, state] (1 when var takes state).
+
+``+inf`` marks a forbidden state (unary) or a forbidden pair of states (edge matrix).
+
+Edges are stored canonically with ``u < v`` (a matrix given for ``(v, u)`` is transposed) and
+grouped by matrix shape ``(n_u, n_v)`` into stacked arrays (:class:`EdgeGroup`) so that backends
+can work on many edges per numpy call.  Duplicate edges (the same unordered pair given more than
+once) are **merged by summing** their matrices; self-loops are rejected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+SENSES = ("<=", ">=", "==")
+
+
+@dataclass(frozen=True)
+class LinearConstraint:
+    """One linear row ``sum coef * x[var, state]  (<=|>=|==)  rhs`` over the indicators.
+
+    ``terms`` is a sequence of ``(var, state, coef)`` or a mapping ``{(var, state): coef}``;
+    repeated ``(var, state)`` pairs are summed.  ``var`` is an index (or a name when the problem
+    has names).
+    """
+
+    name: str
+    terms: Sequence[tuple] | Mapping[tuple, float]
+    sense: str
+    rhs: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"LinearConstraint name must be a str, got {type(self.name).__name__}")
+        if self.sense not in SENSES:
+            raise ValueError(f"constraint {self.name!r}: sense must be one of {SENSES}, got {self.sense!r}")
+        rhs = float(self.rhs)
+        if not math.isfinite(rhs):
+            raise ValueError(f"constraint {self.name!r}: rhs must be finite, got {self.rhs!r}")
+        object.__setattr__(self, "rhs", rhs)
+        if isinstance(self.terms, Mapping):
+            terms = tuple((k[0], k[1], v) for k, v in self.terms.items())
+        else:
+            terms = tuple(tuple(t) for t in self.terms)
+        for t in terms:
+            if len(t) != 3:
+                raise ValueError(f"constraint {self.name!r}: each term must be (var, state, coef), got {t!r}")
+        object.__setattr__(self, "terms", terms)
+
+
+@dataclass(frozen=True)
+class EdgeGroup:
+    """All edges whose cost matrices have the same shape ``(a, b)``, stacked.
+
+    ``u[k] < v[k]`` are the endpoints of edge ``k`` and ``costs[k]`` its ``(a, b)`` matrix
+    (+inf = forbidden pair).  ``edge_ids[k]`` is the edge's position in ``problem.edges``.
+    """
+
+    shape: tuple[int, int]
+    u: np.ndarray
+    v: np.ndarray
+    costs: np.ndarray
+    edge_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.u)
+
+
+@dataclass(frozen=True)
+class _ConstraintRows:
+    matrix: sp.csr_matrix  # (m, n_indicators)
+    lower: np.ndarray
+    upper: np.ndarray
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+class PairwiseProblem:
+    """A pairwise problem over ``n_vars`` discrete variables; see the module docstring.
+
+    Attributes: ``n_vars``; ``n_states`` (int array); ``offsets`` (int array, length n_vars+1; the
+    flat indicator index of ``(v, s)`` is ``offsets[v] + s``); ``unary`` (tuple of float arrays);
+    ``unary_flat``; ``groups`` (tuple of :class:`EdgeGroup`); ``constraints`` (tuple of
+    :class:`LinearConstraint`, terms resolved to integer indices); ``names``.
+    """
+
+    def __init__(
+        self,
+        unary: Sequence[Sequence[float] | np.ndarray],
+        edges: Iterable[tuple] = (),
+        constraints: Iterable[LinearConstraint] = (),
+        names: Sequence[str] | None = None,
+    ) -> None:
+        unary_arrays = []
+        for i, u in enumerate(unary):
+            arr = np.array(u, dtype=np.float64).reshape(-1) if np.ndim(u) <= 1 else None
+            if arr is None:
+                raise ValueError(f"unary cost of variable {i} must be 1-D, got shape {np.shape(u)}")
+            if arr.size == 0:
+                raise ValueError(f"variable {i} has no states (empty unary cost vector)")
+            unary_arrays.append(arr)
+        n_vars = len(unary_arrays)
+        if names is not None:
+            names = tuple(str(n) for n in names)
+            if len(names) != n_vars:
+                raise ValueError(f"names has {len(names)} entries but there are {n_vars} variables")
+        self.names: tuple[str, ...] | None = names
+        self.n_vars = n_vars
+        self.n_states = _readonly(np.array([a.size for a in unary_arrays], dtype=np.int64))
+        self.offsets = _readonly(np.concatenate([[0], np.cumsum(self.n_states)]).astype(np.int64))
+        for i, a in enumerate(unary_arrays):
+            if np.isnan(a).any():
+                raise ValueError(f"unary cost of variable {self.var_name(i)} contains NaN")
+            if np.isneginf(a).any():
+                raise ValueError(f"unary cost of variable {self.var_name(i)} contains -inf")
+        self.unary_flat = _readonly(
+            np.concatenate(unary_arrays) if unary_arrays else np.zeros(0, dtype=np.float64)
+        )
+        self.unary = tuple(
+            self.unary_flat[self.offsets[i] : self.offsets[i + 1]] for i in range(n_vars)
+        )
+        self._name_index = {n: i for i, n in enumerate(names)} if names else {}
+        self.groups = self._build_groups(edges)
+        self.constraints, self._rows = self._build_constraints(constraints)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _resolve_var(self, var, what: str) -> int:
+        if isinstance(var, str):
+            if var not in self._name_index:
+                raise ValueError(f"{what}: unknown variable {var!r}")
+            return self._name_index[var]
+        if isinstance(var, (bool, np.bool_)) or not isinstance(var, (int, np.integer)):
+            raise TypeError(f"{what}: variable must be an int index or a name, got {var!r}")
+        var = int(var)
+        if not 0 <= var < self.n_vars:
+            raise ValueError(f"{what}: unknown variable {var} (there are {self.n_vars} variables)")
+        return var
+
+    def _build_groups(self, edges: Iterable[tuple]) -> tuple[EdgeGroup, ...]:
+        merged: dict[tuple[int, int], np.ndarray] = {}
+        for e in edges:
+            if len(e) != 3:
+                raise ValueError(f"edge must be (u, v, matrix), got a tuple of length {len(e)}")
+            u_in, v_in, mat = e
+            u = self._resolve_var(u_in, f"edge ({u_in!r}, {v_in!r})")
+            v = self._resolve_var(v_in, f"edge ({u_in!r}, {v_in!r})")
+            label = f"edge ({self.var_name(u)}, {self.var_name(v)})"
+            if u == v:
+                raise ValueError(f"{label} is a self-loop; put its diagonal into the unary cost instead")
+            m = np.asarray(mat, dtype=np.float64)
+            want = (int(self.n_states[u]), int(self.n_states[v]))
+            if m.shape != want:
+                raise ValueError(f"{label}: cost matrix has shape {m.shape}, expected {want}")
+            if u > v:
+                u, v, m = v, u, m.T
+            key = (u, v)
+            if key in merged:
+                merged[key] = merged[key] + m  # duplicate edges are merged by summing
+            else:
+                merged[key] = m
+        by_shape: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
+        for (u, v), m in merged.items():
+            by_shape.setdefault(m.shape, []).append((u, v, m))
+        groups = []
+        next_id = 0
+        for shape in sorted(by_shape):
+            items = by_shape[shape]
+            us = np.array([it[0] for it in items], dtype=np.int64)
+            vs = np.array([it[1] for it in items], dtype=np.int64)
+            costs = np.ascontiguousarray(np.stack([it[2] for it in items]))
+            bad = np.isnan(costs).any(axis=(1, 2)) | np.isneginf(costs).any(axis=(1, 2))
+            if bad.any():
+                k = int(np.flatnonzero(bad)[0])
+                raise ValueError(
+                    f"edge ({self.var_name(us[k])}, {self.var_name(vs[k])}): cost matrix contains NaN or -inf"
+                )
+            ids = np.arange(next_id, next_id + len(items), dtype=np.int64)
+            next_id += len(items)
+            groups.append(EdgeGroup(shape, _readonly(us), _readonly(vs), _readonly(costs), _readonly(ids)))
+        return tuple(groups)
+
+    def _build_constraints(self, constraints: Iterable[LinearConstraint]):
+        resolved = []
+        rows, cols, vals, lower, upper = [], [], [], [], []
+        for r, c in enumerate(constraints):
+            if not isinstance(c, LinearConstraint):
+                raise TypeError(f"constraints must be solvers.LinearConstraint, got {type(c).__name__}")
+            terms = []
+            for var, state, coef in c.terms:
+                v = self._resolve_var(var, f"constraint {c.name!r}")
+                if isinstance(state, (bool, np.bool_)) or not isinstance(state, (int, np.integer)):
+                    raise TypeError(f"constraint {c.name!r}: state must be an int, got {state!r}")
+                s = int(state)
+                if not 0 <= s < self.n_states[v]:
+                    raise ValueError(
+                        f"constraint {c.name!r}: variable {self.var_name(v)} has no state {s} "
+                        f"(it has {int(self.n_states[v])})"
+                    )
+                coef = float(coef)
+                if not math.isfinite(coef):
+                    raise ValueError(f"constraint {c.name!r}: coefficient of ({self.var_name(v)}, {s}) is not finite")
+                terms.append((v, s, coef))
+                rows.append(r)
+                cols.append(int(self.offsets[v]) + s)
+                vals.append(coef)
+            resolved.append(LinearConstraint(c.name, terms, c.sense, c.rhs))
+            lower.append(-np.inf if c.sense == "<=" else c.rhs)
+            upper.append(np.inf if c.sense == ">=" else c.rhs)
+        m = len(resolved)
+        mat = sp.csr_matrix(
+            (np.array(vals, dtype=np.float64), (np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64))),
+            shape=(m, self.n_indicators),
+        )
+        mat.sum_duplicates()
+        return tuple(resolved), _ConstraintRows(mat, np.array(lower, dtype=np.float64), np.array(upper, dtype=np.float64))
+
+    @classmethod
+    def _from_parts(cls, base: PairwiseProblem, unary_flat: np.ndarray, constraints: Sequence[LinearConstraint]) -> PairwiseProblem:
+        """A copy of ``base`` with a new unary (same state counts) and constraints; edges shared."""
+        p = cls.__new__(cls)
+        p.names = base.names
+        p.n_vars = base.n_vars
+        p.n_states = base.n_states
+        p.offsets = base.offsets
+        p.unary_flat = _readonly(np.array(unary_flat, dtype=np.float64))
+        p.unary = tuple(p.unary_flat[p.offsets[i] : p.offsets[i + 1]] for i in range(p.n_vars))
+        p._name_index = base._name_index
+        p.groups = base.groups
+        p.constraints, p._rows = p._build_constraints(constraints)
+        return p
+
+    def with_unary(self, unary_flat: np.ndarray, constraints: Sequence[LinearConstraint] | None = None) -> PairwiseProblem:
+        """Same edges, new flat unary vector (and optionally new constraints)."""
+        unary_flat = np.asarray(unary_flat, dtype=np.float64)
+        if unary_flat.shape != (self.n_indicators,):
+            raise ValueError(f"unary_flat must have shape ({self.n_indicators},), got {unary_flat.shape}")
+        if np.isnan(unary_flat).any() or np.isneginf(unary_flat).any():
+            raise ValueError("unary_flat contains NaN or -inf")
+        return PairwiseProblem._from_parts(self, unary_flat, self.constraints if constraints is None else constraints)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def n_indicators(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def n_edges(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    @property
+    def edges(self) -> list[tuple[int, int, np.ndarray]]:
+        """Canonical edge list ``(u, v, matrix)`` with ``u < v``, in ``edge_ids`` order."""
+        out: list = [None] * self.n_edges
+        for g in self.groups:
+            for k in range(len(g)):
+                out[g.edge_ids[k]] = (int(g.u[k]), int(g.v[k]), g.costs[k])
+        return out
+
+    @property
+    def constraint_matrix(self) -> sp.csr_matrix:
+        """Constraint rows as a CSR matrix of shape (n_constraints, n_indicators)."""
+        return self._rows.matrix
+
+    @property
+    def constraint_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lower, upper) bound of each row (-inf / +inf where one-sided)."""
+        return self._rows.lower, self._rows.upper
+
+    def var_name(self, v: int) -> str:
+        v = int(v)
+        return self.names[v] if self.names else f"x{v}"
+
+    def degrees(self) -> np.ndarray:
+        deg = np.zeros(self.n_vars, dtype=np.int64)
+        for g in self.groups:
+            np.add.at(deg, g.u, 1)
+            np.add.at(deg, g.v, 1)
+        return deg
+
+    def check_assignment(self, assignment) -> np.ndarray:
+        x = np.asarray(assignment)
+        if x.shape != (self.n_vars,):
+            raise ValueError(f"assignment must have shape ({self.n_vars},), got {x.shape}")
+        if not np.issubdtype(x.dtype, np.integer):
+            if not np.all(np.equal(np.mod(x, 1), 0)):
+                raise ValueError("assignment must contain integer states")
+        x = x.astype(np.int64)
+        bad = (x < 0) | (x >= self.n_states)
+        if bad.any():
+            v = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"assignment gives variable {self.var_name(v)} state {x[v]}, it has {int(self.n_states[v])}")
+        return x
+
+    def energy(self, assignment) -> float:
+        """Exact energy of a complete assignment (+inf if it uses a forbidden state or pair)."""
+        x = self.check_assignment(assignment)
+        total = math.fsum(self.unary_flat[self.offsets[:-1] + x].tolist())
+        parts = [total]
+        for g in self.groups:
+            parts.append(math.fsum(g.costs[np.arange(len(g)), x[g.u], x[g.v]].tolist()))
+        return math.fsum(parts)
+
+    def constraint_lhs(self, assignment) -> np.ndarray:
+        x = self.check_assignment(assignment)
+        return np.asarray(self._rows.matrix[:, self.offsets[:-1] + x].sum(axis=1)).reshape(-1)
+
+    def violated_constraints(self, assignment, tol: float = 1e-6) -> list[str]:
+        """Names of constraints the assignment violates (tolerance scaled by max(1, |rhs|))."""
+        if not self.constraints:
+            return []
+        lhs = self.constraint_lhs(assignment)
+        lo, hi = self.constraint_bounds
+        out = []
+        for i, c in enumerate(self.constraints):
+            t = tol * max(1.0, abs(c.rhs))
+            if lhs[i] < lo[i] - t or lhs[i] > hi[i] + t:
+                out.append(c.name)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"PairwiseProblem(vars={self.n_vars}, indicators={self.n_indicators}, edges={self.n_edges}, "
+            f"groups={len(self.groups)}, constraints={len(self.constraints)})"
+        )

@@ -1,0 +1,148 @@
+"""Backend lookup and the :func:`solve` entry point.
+
+A backend is a callable ``backend(problem, time_limit=None, **options)`` returning a
+:class:`~solvers.solution.BackendResult` (or a :class:`~solvers.solution.Solution`, or just an
+assignment array), or an object with such a ``solve`` method, or a class whose no-argument
+instance has one.  Built-in backends are named in the constant :data:`BUILTIN_BACKENDS` and imported
+lazily; user backends live in a :class:`SolverRegistry` object.  The default registry is created on
+first use by :func:`default_registry` (no module-level mutable state).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import time
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from .presolve import presolve
+from .problem import PairwiseProblem
+from .solution import STATUSES, BackendResult, Solution, SolverError
+
+log = logging.getLogger(__name__)
+
+# name -> (module, function, third-party module it needs or None)
+BUILTIN_BACKENDS = MappingProxyType({
+    "trws": ("solvers.trws", "solve_trws", None),
+    "highs": ("solvers.highs_backend", "solve_highs", "highspy"),
+    "cvxpy": ("solvers.cvxpy_backend", "solve_cvxpy", "cvxpy"),
+    "pgmpy": ("solvers.pgmpy_backend", "solve_pgmpy", "pgmpy"),
+    "brute": ("solvers.brute", "solve_brute", None),
+})
+
+Backend = Callable[..., Any]
+
+
+def _as_callable(name: str, backend: Any) -> Backend:
+    if isinstance(backend, type):
+        backend = backend()
+    if hasattr(backend, "solve") and callable(backend.solve):
+        return backend.solve
+    if callable(backend):
+        return backend
+    raise TypeError(f"backend {name!r} must be callable or have a solve() method, got {type(backend).__name__}")
+
+
+class SolverRegistry:
+    """Built-in backends plus user-registered ones (registered names shadow built-ins)."""
+
+    def __init__(self) -> None:
+        self._user: dict[str, Backend] = {}
+
+    def register(self, name: str, backend: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"backend name must be a non-empty str, got {name!r}")
+        self._user[name] = _as_callable(name, backend)
+
+    def unregister(self, name: str) -> None:
+        if name not in self._user:
+            raise KeyError(f"no user backend named {name!r}")
+        del self._user[name]
+
+    def available(self) -> list[str]:
+        names = [n for n, (_, _, dep) in BUILTIN_BACKENDS.items()
+                 if dep is None or importlib.util.find_spec(dep) is not None]
+        return names + [n for n in self._user if n not in names]
+
+    def get(self, name: str) -> Backend:
+        if name in self._user:
+            return self._user[name]
+        if name not in BUILTIN_BACKENDS:
+            raise ValueError(f"unknown solver backend {name!r}; available: {', '.join(self.available())}")
+        module, func, dep = BUILTIN_BACKENDS[name]
+        if dep is not None and importlib.util.find_spec(dep) is None:
+            raise ValueError(f"solver backend {name!r} needs the {dep!r} package, which is not installed")
+        return getattr(importlib.import_module(module), func)
+
+
+@functools.lru_cache(maxsize=None)
+def default_registry() -> SolverRegistry:
+    """The process-wide registry used by :func:`solve`, :func:`available` and :func:`register`."""
+    return SolverRegistry()
+
+
+def register(name: str, backend: Any) -> None:
+    """Register a user backend in the default registry."""
+    default_registry().register(name, backend)
+
+
+def available() -> list[str]:
+    """Names of installed built-in backends plus registered ones."""
+    return default_registry().available()
+
+
+def _relative_gap(energy: float, bound: float | None) -> float | None:
+    if bound is None:
+        return None
+    return max(0.0, (energy - bound) / max(abs(energy), 1e-12))
+
+
+def solve(problem: PairwiseProblem, backend: str = "trws", time_limit: float | None = None, *,
+          registry: SolverRegistry | None = None, run_presolve: bool = True, **options: Any) -> Solution:
+    """Solve ``problem`` with the named backend.
+
+    ``time_limit`` is in seconds (None: no limit).  ``options`` go to the backend.  Raises
+    :class:`~solvers.Infeasible` when no assignment is feasible, :class:`~solvers.SolverError`
+    when the backend returns an unusable assignment.
+    """
+    if not isinstance(problem, PairwiseProblem):
+        raise TypeError(f"problem must be a solvers.PairwiseProblem, got {type(problem).__name__}")
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"time_limit must be positive seconds or None, got {time_limit!r}")
+    fn = (registry or default_registry()).get(backend)
+    t0 = time.perf_counter()
+    work = presolve(problem).problem if run_presolve else problem
+    raw = fn(work, time_limit=time_limit, **options)
+    seconds = time.perf_counter() - t0
+    if isinstance(raw, Solution):
+        raw = BackendResult(raw.assignment, raw.lower_bound, raw.status, dict(raw.info))
+    elif not isinstance(raw, BackendResult):
+        raw = BackendResult(np.asarray(raw))
+    try:
+        x = problem.check_assignment(raw.assignment)
+    except ValueError as err:
+        raise SolverError(f"backend {backend!r} returned an invalid assignment: {err}") from err
+    energy = problem.energy(x)
+    if not np.isfinite(energy):
+        raise SolverError(f"backend {backend!r} returned an assignment with infinite energy (a forbidden state or pair)")
+    violated = problem.violated_constraints(x)
+    if violated:
+        raise SolverError(f"backend {backend!r} returned an assignment violating constraint(s) {violated}")
+    status = raw.status
+    if status not in STATUSES:
+        raise SolverError(f"backend {backend!r} returned unknown status {status!r}")
+    bound = None if raw.lower_bound is None else float(raw.lower_bound)
+    if bound is not None and bound > energy:  # rounding in the backend; a bound never exceeds a feasible energy
+        bound = energy if bound - energy <= 1e-6 * max(1.0, abs(energy)) else None
+    gap = _relative_gap(energy, bound)
+    if status == "feasible" and gap is not None and gap <= 1e-9:
+        status = "optimal"
+    log.info("solve: backend=%s vars=%d edges=%d energy=%.6g bound=%s status=%s %.3fs", backend,
+             problem.n_vars, problem.n_edges, energy, bound, status, seconds)
+    return Solution(x, energy, bound, status, seconds, backend, gap, raw.info)
