@@ -1,0 +1,314 @@
+"""Every use of PyTorch's private DTensor APIs lives here (torch 2.13).
+
+apmodel asks DTensor's own sharding propagator which placements each ATen operator accepts, so
+that every plan is semantically valid by construction. Those rules are private torch API; keeping
+all access in this one module (checked by ``tests/test_torch_private.py``) means a torch upgrade
+breaks one place.
+
+Surface:
+
+- :func:`fake_mesh` – a ``"cpu"`` :class:`DeviceMesh` for planning, over the fake process group.
+- :func:`has_sharding_rule` / :func:`rule_kind` – does DTensor know this op, and through which registry.
+- :class:`TensorArg` – one tensor argument: its metadata and the candidate placements of its producer.
+- :func:`op_strategies` – the candidate (output placements, input placements) pairs for one op call.
+
+Two registries hold the rules (on ``DTensor._op_dispatcher.sharding_propagator``):
+
+- ``op_strategy_funcs``: full-mesh strategy functions (view, t, sum, softmax, SDPA, ...). They look at
+  the placements their inputs may have, so we pass every candidate placement of each producer; given
+  a single input placement, "follow the input" ops (view, t, sum) return a single strategy.
+- ``op_single_dim_strategy_funcs``: rules for ONE mesh axis (add, mul, silu, embedding, rms norm, ...),
+  which torch expands to the full mesh with ``_expand_single_dim_strategy_to_mesh`` (cartesian
+  product over axes, shardability filter). We call that expansion. Where an op is in both
+  registries (mm, addmm, bmm) we use the single-dim rule, as torch's dispatcher does.
+
+A third registry, ``op_to_rules`` (convolution in 2.13), maps concrete input specs to one output
+and cannot enumerate candidates; :func:`has_sharding_rule` reports such ops as unsupported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops import utils as _ops_utils
+from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+__all__ = [
+    "fake_mesh",
+    "has_sharding_rule",
+    "rule_kind",
+    "registries",
+    "TensorArg",
+    "op_strategies",
+    "PlacementsT",
+]
+
+logger = logging.getLogger(__name__)
+
+PlacementsT = tuple[Placement, ...]
+
+# Name under which torch.testing registers the fake backend.
+_FAKE_BACKEND = "fake"
+
+
+# ----------------------------------------------------------------------------------------------
+# meshes
+
+
+def _default_pg_backend() -> str | None:
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return str(dist.get_backend())
+
+
+def fake_mesh(mesh_shape: Sequence[int]) -> DeviceMesh:
+    """A ``"cpu"`` DeviceMesh of shape ``mesh_shape`` (1 to 4 axes) for planning; this process is rank 0.
+
+    Strategy enumeration never communicates; it only needs the mesh's shape and identity.
+
+    - No default process group: initialise the fake one (``FakeStore``, backend ``"fake"``,
+      rank 0, world size ``prod(mesh_shape)``) and build the mesh over it.
+    - A fake default group of the same world size: reuse it (idempotent).
+    - Any other default group (a real gloo/nccl group in lowering tests, or a fake group of another
+      size): leave it untouched and build the mesh without process groups
+      (``DeviceMesh(..., _init_backend=False, _rank=0)``). Such a mesh supports planning (shape,
+      coordinates, sharding propagation) but no collectives. We never destroy a group a caller
+      created, because DeviceMeshes and DTensors built on it would break.
+    """
+    shape = tuple(int(s) for s in mesh_shape)
+    if not 1 <= len(shape) <= 4 or any(s < 1 for s in shape):
+        raise ValueError(f"mesh_shape {tuple(mesh_shape)}: expected 1 to 4 positive axis sizes")
+    world = math.prod(shape)
+    ranks = torch.arange(world, dtype=torch.int).reshape(shape)
+    backend = _default_pg_backend()
+    if backend is None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group(_FAKE_BACKEND, store=FakeStore(), rank=0, world_size=world)
+        backend = _FAKE_BACKEND
+    if backend == _FAKE_BACKEND and dist.get_world_size() == world:
+        return DeviceMesh("cpu", ranks)
+    logger.debug("fake_mesh%s: default process group is %r (world %d); building a mesh without process groups",
+                 shape, backend, dist.get_world_size())
+    return DeviceMesh("cpu", ranks, _init_backend=False, _rank=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# registries
+
+
+def _propagator() -> Any:
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def registries() -> dict[str, dict]:
+    """The three rule registries by name (for inspection and the conformance test)."""
+    p = _propagator()
+    return {
+        "op_strategy_funcs": p.op_strategy_funcs,
+        "op_single_dim_strategy_funcs": p.op_single_dim_strategy_funcs,
+        "op_to_rules": p.op_to_rules,
+    }
+
+
+def rule_kind(op: object) -> str | None:
+    """``"single_dim"``, ``"op_strategy"`` or None (no enumerable rule) for an OpOverload."""
+    p = _propagator()
+    if op in p.op_single_dim_strategy_funcs:
+        return "single_dim"
+    if op in p.op_strategy_funcs:
+        return "op_strategy"
+    return None
+
+
+def has_sharding_rule(op: object) -> bool:
+    """True when DTensor can enumerate candidate strategies for ``op`` (an OpOverload)."""
+    return rule_kind(op) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# strategy query
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """One tensor argument of an op call: global metadata plus the producer's candidate placements."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    candidates: tuple[PlacementsT, ...]
+
+    def meta(self) -> TensorMeta:
+        return TensorMeta(torch.Size(self.shape), self.stride, self.dtype)
+
+
+def _tensor_meta(t: object) -> TensorMeta | None:
+    if isinstance(t, torch.Tensor):
+        return TensorMeta(t.shape, t.stride(), t.dtype)
+    return None
+
+
+def output_tensor_meta(val: object) -> TensorMeta | tuple[TensorMeta | None, ...] | list | None:
+    """TensorMeta of an FX node's ``meta["val"]`` (tuple/list for multi-output ops, None for non-tensors)."""
+    if isinstance(val, torch.Tensor):
+        return _tensor_meta(val)
+    if isinstance(val, tuple):
+        return tuple(_tensor_meta(v) for v in val)
+    if isinstance(val, list):
+        return [_tensor_meta(v) for v in val]
+    return None
+
+
+def _map_args(obj: object, fn) -> object:
+    """Replace every TensorArg in a (nested list/tuple) argument structure by fn(TensorArg)."""
+    if isinstance(obj, TensorArg):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        mapped = [_map_args(o, fn) for o in obj]
+        if mapped and all(isinstance(m, OpStrategy) for m in mapped):
+            # a list of tensors: DTensor represents it as a TupleStrategy
+            return TupleStrategy(tuple(mapped) if isinstance(obj, tuple) else mapped)
+        return type(obj)(mapped)
+    return obj
+
+
+def _spec_outputs(spec: object) -> tuple[PlacementsT | None, ...]:
+    if isinstance(spec, DTensorSpec):
+        return (tuple(spec.placements),)
+    if isinstance(spec, (tuple, list)):
+        return tuple(tuple(s.placements) if isinstance(s, DTensorSpec) else None for s in spec)
+    return ()
+
+
+def _first_shardable(args: Sequence[object]) -> TensorArg | None:
+    for a in args:
+        if isinstance(a, TensorArg) and len(a.shape) > 0:
+            return a
+        if isinstance(a, (list, tuple)):
+            r = _first_shardable(a)
+            if r is not None:
+                return r
+    return None
+
+
+def _zero_redistribute_costs(src_strategy: OpStrategy, dst_spec: DTensorSpec) -> list[float]:
+    return [0.0] * len(src_strategy.strategies)
+
+
+@contextlib.contextmanager
+def _without_redistribute_costs() -> Iterator[None]:
+    """Temporarily replace DTensor's ``generate_redistribute_costs`` by a zero-cost stub.
+
+    Strategy functions price every (input candidate -> strategy input) pair with torch's
+    ``redistribute_cost`` (tens of µs each); with full candidate sets that is 85% of enumeration
+    time, and apmodel discards those numbers (it prices redistribution with its own cost model).
+    The functions only record the costs in ``OpSpec.redistribute_cost``; no rule filters on them.
+    The name is bound by ``from ... import`` in several ``_ops`` modules, so each binding is
+    swapped and restored. Not thread-safe: do not run DTensor ops in other threads meanwhile.
+    """
+    original = _ops_utils.generate_redistribute_costs
+    patched = []
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and name.startswith("torch.distributed.tensor"):
+            if getattr(mod, "generate_redistribute_costs", None) is original:
+                mod.generate_redistribute_costs = _zero_redistribute_costs
+                patched.append(mod)
+    try:
+        yield
+    finally:
+        for mod in patched:
+            mod.generate_redistribute_costs = original
+
+
+def op_strategies(
+    op: torch._ops.OpOverload,
+    args: tuple,
+    kwargs: dict,
+    out_val: object,
+    mesh: DeviceMesh,
+    *,
+    with_torch_costs: bool = False,
+) -> list[tuple[tuple[PlacementsT | None, ...], tuple[PlacementsT, ...]]]:
+    """Candidate strategies DTensor allows for one call of ``op``.
+
+    ``args``/``kwargs`` are the call's arguments with every tensor replaced by a :class:`TensorArg`
+    (global shape + the producer's candidate placements); ``out_val`` is the node's output
+    (fake/meta tensor or tuple of them). Returns a list of ``(outputs, inputs)`` where ``outputs``
+    has one placement tuple per op output (None for a masked-off/non-tensor output) and ``inputs``
+    one per tensor argument, in the flattened order of ``args`` then ``kwargs``.
+
+    ``with_torch_costs=False`` skips torch's own redistribution pricing (see
+    :func:`_without_redistribute_costs`); the returned strategies are the same either way.
+
+    Raises KeyError when the op has no enumerable rule (see :func:`has_sharding_rule`); exceptions
+    raised by DTensor's rule itself propagate.
+    """
+    p = _propagator()
+    kind = rule_kind(op)
+    if kind is None:
+        raise KeyError(f"{op}: no DTensor strategy rule")
+    out_meta = output_tensor_meta(out_val)
+    ctx = contextlib.nullcontext() if with_torch_costs else _without_redistribute_costs()
+    with ctx:
+        return _op_strategies(p, kind, op, args, kwargs, out_meta, mesh)
+
+
+def _op_strategies(p, kind, op, args, kwargs, out_meta, mesh):
+
+    if kind == "single_dim":
+        # The single-dim rule enumerates every placement regardless of the inputs' current ones;
+        # torch fills its sharding placeholders with the Shard kinds seen on the inputs, so the
+        # seed schema gives one input a plain Shard. Seeds are single-spec OpStrategies.
+        seed_arg = _first_shardable(list(args) + list(kwargs.values()))
+        nd = mesh.ndim
+
+        def seed(a: TensorArg) -> OpStrategy:
+            pl: PlacementsT = (Shard(0),) + (Replicate(),) * (nd - 1) if a is seed_arg else (Replicate(),) * nd
+            return OpStrategy([OpSpec(DTensorSpec(mesh, pl, a.meta()))])
+
+        schema = OpSchema(op, tuple(_map_args(a, seed) for a in args),
+                          {k: _map_args(v, seed) for k, v in kwargs.items()},
+                          schema_info=p.op_to_schema_info_for_single_dim_strategy.get(op))
+        info = p.op_single_dim_strategy_funcs[op]
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, info, out_meta)
+        strat = fn(op, schema.args_meta, schema.kwargs_meta)
+    else:
+
+        def full(a: TensorArg) -> OpStrategy:
+            meta = a.meta()
+            return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(c), meta)) for c in a.candidates])
+
+        schema = OpSchema(op, tuple(_map_args(a, full) for a in args),
+                          {k: _map_args(v, full) for k, v in kwargs.items()},
+                          schema_info=p.op_to_schema_info.get(op))
+        strat = p.op_strategy_funcs[op](schema)
+
+    if isinstance(strat, TupleStrategy):
+        raise NotImplementedError(f"{op}: rule returned a TupleStrategy (per-output strategies); not supported")
+    if not isinstance(strat, OpStrategy):
+        raise TypeError(f"{op}: rule returned {type(strat).__name__}, expected OpStrategy")
+    n_inputs = len(schema.args_strategy) + len(schema.kwargs_strategy)
+    result = []
+    for spec in strat.strategies:
+        outs = _spec_outputs(spec.output_specs)
+        if spec.input_specs is None:
+            # DTensor's convention: inputs follow the (single) output placement
+            ins = (outs[0],) * n_inputs
+        else:
+            ins = tuple(tuple(s.placements) for s in spec.input_specs)
+        result.append((outs, ins))
+    return result

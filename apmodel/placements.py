@@ -1,0 +1,136 @@
+"""Placement vocabulary shared by apmodel and costmodels.
+
+A *placement tuple* has one entry per mesh axis. Each entry is one of
+
+- ``Replicate()``  written ``"R"``: the whole tensor is present on every device of that axis;
+- ``Shard(d)``     written ``"S(d)"``: tensor dimension ``d`` is split over that axis;
+- ``Partial()``    written ``"P"``: every device holds a partial sum awaiting reduction.
+
+Tuples are written joined, one token per mesh axis: ``"S(0)S(1)"``, ``"RP"``.
+
+This module converts between torch ``Placement`` objects and these strings, and computes the
+per-device (local) shape a placement implies, for pricing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "to_str",
+    "from_str",
+    "tuple_to_str",
+    "parse",
+    "local_shape",
+    "is_even",
+    "shard_degrees",
+]
+
+# One token: R, P, P(<reduce op>) or S(<non-negative int>).
+_TOKEN = re.compile(r"R|P(?:\((sum|avg|max|min|product)\))?|S\((\d+)\)")
+
+
+def to_str(p: Placement) -> str:
+    """``Replicate()`` -> ``"R"``, ``Shard(d)`` -> ``"S(d)"``, ``Partial()`` -> ``"P"``.
+
+    Raises TypeError for placements outside this vocabulary (e.g. ``_StridedShard``, or a
+    ``Partial`` subclass such as the masked partial of embedding).
+    """
+    if type(p) is Shard:
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if type(p) is Partial:
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    raise TypeError(f"placement {p!r} ({type(p).__name__}) has no string form; expected Replicate, Shard or Partial")
+
+
+def _token(m: re.Match) -> Placement:
+    if m.group(2) is not None:
+        return Shard(int(m.group(2)))
+    if m.group(0) == "R":
+        return Replicate()
+    return Partial(m.group(1) or "sum")
+
+
+def from_str(s: str) -> Placement:
+    """``"R"`` -> ``Replicate()``, ``"S(d)"`` -> ``Shard(d)``, ``"P"`` -> ``Partial()``, ``"P(avg)"`` -> ``Partial("avg")``."""
+    if not isinstance(s, str):
+        raise TypeError(f"placement string must be str, got {type(s).__name__}: {s!r}")
+    m = _TOKEN.fullmatch(s.strip())
+    if m is None:
+        raise ValueError(f"malformed placement {s!r}: expected 'R', 'P' or 'S(d)' with d >= 0")
+    return _token(m)
+
+
+def tuple_to_str(placements: Sequence[Placement]) -> str:
+    """``(Shard(0), Replicate())`` -> ``"S(0)R"``."""
+    return "".join(to_str(p) for p in placements)
+
+
+def parse(s: str, ndim: int | None = None) -> tuple[Placement, ...]:
+    """``"S(0)S(1)"`` -> ``(Shard(0), Shard(1))``.
+
+    ``ndim`` (optional) is the expected number of mesh axes. Raises ValueError for a malformed
+    string (the offending position is named) or a wrong number of tokens.
+    """
+    if not isinstance(s, str):
+        raise TypeError(f"placement string must be str, got {type(s).__name__}: {s!r}")
+    text = s.replace(" ", "").replace(",", "")
+    out: list[Placement] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise ValueError(
+                f"malformed placement string {s!r} at position {pos} ({text[pos:]!r}): "
+                "expected tokens 'R', 'P' or 'S(d)', e.g. 'S(0)R'"
+            )
+        out.append(_token(m))
+        pos = m.end()
+    if not out:
+        raise ValueError(f"empty placement string {s!r}")
+    if ndim is not None and len(out) != ndim:
+        raise ValueError(f"placement string {s!r} has {len(out)} tokens, the mesh has {ndim} axes")
+    return tuple(out)
+
+
+def _as_placements(placements: Sequence[Placement] | str) -> tuple[Placement, ...]:
+    return parse(placements) if isinstance(placements, str) else tuple(placements)
+
+
+def shard_degrees(ndim: int, placements: Sequence[Placement] | str, mesh_shape: Sequence[int]) -> list[int]:
+    """Number of shards of each tensor dimension (product of the mesh sizes sharding it)."""
+    pl = _as_placements(placements)
+    if len(pl) != len(mesh_shape):
+        raise ValueError(f"placements {pl} have {len(pl)} entries, mesh_shape {tuple(mesh_shape)} has {len(mesh_shape)} axes")
+    deg = [1] * ndim
+    for p, size in zip(pl, mesh_shape):
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < ndim:
+                raise ValueError(f"placement {to_str(p)} shards dim {p.dim} of a {ndim}-d tensor")
+            deg[p.dim] *= int(size)
+    return deg
+
+
+def local_shape(
+    global_shape: Sequence[int], placements: Sequence[Placement] | str, mesh_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """Per-device shape of a tensor of ``global_shape`` placed as ``placements`` on a mesh.
+
+    A dimension sharded over mesh axes of total size ``k`` has local size ``ceil(n / k)`` (the
+    largest shard, which is what sets the time of an uneven computation). Replicate and Partial
+    leave the shape unchanged. ``placements`` may be a tuple of Placement or a string like "S(0)R".
+    """
+    deg = shard_degrees(len(global_shape), placements, mesh_shape)
+    return tuple(math.ceil(int(n) / k) for n, k in zip(global_shape, deg))
+
+
+def is_even(global_shape: Sequence[int], placements: Sequence[Placement] | str, mesh_shape: Sequence[int]) -> bool:
+    """True when every sharded dimension divides evenly by the number of its shards."""
+    deg = shard_degrees(len(global_shape), placements, mesh_shape)
+    return all(int(n) % k == 0 for n, k in zip(global_shape, deg))

@@ -1,0 +1,457 @@
+"""Candidate strategies for every node of a joint forward/backward ATen graph.
+
+A :class:`Strategy` fixes the placement (one entry per mesh axis) of every output and every tensor
+input of a node. The candidates come from PyTorch's own DTensor rules (through
+:mod:`apmodel._torch_private`), so every strategy the solver can pick is semantically valid.
+
+Rules, node by node:
+
+- placeholders (params, buffers, inputs, tangents): every tuple of ``Replicate``/``Shard(d)`` over
+  the mesh axes, no ``Partial`` (a value that enters the step is whole);
+- ops with a DTensor rule: the rule's strategies, given each producer's FULL set of candidate
+  output placements;
+- ``getitem`` of a multi-output node: one strategy per distinct placement of that output;
+- ops without a rule (or whose rule fails): one all-Replicate strategy, and a warning naming the op
+  (once per op per :class:`StrategyCache`);
+- the ``output`` node is not a decision and gets no entry.
+
+Filters (after the rule): a sharded tensor dim must be at least as large as its number of shards,
+and, unless ``allow_uneven``, divisible by it (uneven shards complicate lowering); strategies with
+placements outside the shared vocabulary (``_StridedShard``, masked partials, partials whose
+reduction is not in ``partial_reduce_ops``) are dropped; so are the combinations listed in
+:data:`EXCLUDED` (broken in torch eager) and duplicates.
+
+``node_strategies`` is pure given its arguments and memoised on a key of
+(op, non-tensor arguments, shapes/strides/dtypes, producers' candidate placements, mesh shape,
+options) in a :class:`StrategyCache`, so 32 identical transformer layers cost one enumeration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import operator
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from apmodel import _torch_private as tp
+from apmodel._torch_private import fake_mesh
+from apmodel.placements import local_shape, tuple_to_str
+
+__all__ = [
+    "Placements",
+    "Strategy",
+    "StrategyCache",
+    "Exclusion",
+    "EXCLUDED",
+    "input_slots",
+    "placeholder_placements",
+    "node_strategies",
+    "enumerate_strategies",
+    "fake_mesh",
+    "local_shape",
+]
+
+logger = logging.getLogger(__name__)
+
+Placements = tuple[Placement, ...]  # one per mesh axis
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements of a node's outputs (None for a non-tensor output) and of its input slots."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements | None, ...]
+
+    def __str__(self) -> str:
+        def s(p: Placements | None) -> str:
+            return "-" if p is None else tuple_to_str(p)
+
+        return f"{', '.join(s(o) for o in self.outputs)} <- ({', '.join(s(i) for i in self.inputs)})"
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A strategy family kept out of the search because torch's eager DTensor execution fails on it."""
+
+    op: Any  # OpOverload
+    input_index: int  # input slot whose placement triggers the failure
+    tensor_dim: int
+    min_mesh_axes: int  # excluded when that dim is sharded over at least this many mesh axes
+    reason: str
+
+    def matches(self, op: object, strategy: Strategy) -> bool:
+        if op != self.op or self.input_index >= len(strategy.inputs):
+            return False
+        pl = strategy.inputs[self.input_index]
+        if pl is None:
+            return False
+        n = sum(1 for p in pl if isinstance(p, Shard) and p.dim == self.tensor_dim)
+        return n >= self.min_mesh_axes
+
+
+# Known-broken-in-eager strategies (torch 2.13), measured on a real 2x2 gloo mesh (DESIGN.md).
+EXCLUDED: tuple[Exclusion, ...] = (
+    Exclusion(
+        op=aten.embedding.default,
+        input_index=0,
+        tensor_dim=0,
+        min_mesh_axes=2,
+        reason="torch 2.13 eager: embedding with weight Shard(0) on two or more mesh axes raises "
+        "'MaskBuffer has been materialized with conflicting data' (works on one axis)",
+    ),
+)
+
+
+@dataclass
+class StrategyCache:
+    """Memo shared across calls: strategies by content key, warned ops, unsupported-op counts."""
+
+    memo: dict[tuple, tuple[Strategy, ...]] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+    unsupported: dict[str, int] = field(default_factory=dict)  # op name -> number of nodes
+    hits: int = 0
+    misses: int = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# graph helpers
+
+
+def _is_tensor(v: object) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _val(node: fx.Node) -> object:
+    return node.meta.get("val")
+
+
+def input_slots(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """(producer node, output index) for each tensor argument, in flattened args-then-kwargs order.
+
+    The output index is 0, except for a ``getitem`` on a multi-output producer (then the index).
+    """
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, idx = node.args[0], node.args[1]
+        if isinstance(src, fx.Node) and isinstance(_val(src), (tuple, list)):
+            return [(src, int(idx))]
+    slots: list[tuple[fx.Node, int]] = []
+
+    def visit(a: object) -> None:
+        if isinstance(a, fx.Node):
+            if _is_tensor(_val(a)):
+                slots.append((a, 0))
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+
+    visit(node.args)
+    visit(node.kwargs)
+    return slots
+
+
+def _out_placement(producer_strategies: Sequence[Strategy], idx: int) -> tuple[Placements, ...]:
+    """Distinct placements of output ``idx`` over a producer's strategies, in first-seen order."""
+    seen: dict[Placements, None] = {}
+    for s in producer_strategies:
+        if idx < len(s.outputs) and s.outputs[idx] is not None:
+            seen.setdefault(s.outputs[idx], None)
+    return tuple(seen)
+
+
+# ----------------------------------------------------------------------------------------------
+# filters
+
+
+def _shardable(shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int], allow_uneven: bool) -> bool:
+    deg = [1] * len(shape)
+    for p, k in zip(pl, mesh_shape):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape):
+                return False
+            deg[p.dim] *= k
+    for n, k in zip(shape, deg):
+        if k > 1 and (n < k or (not allow_uneven and n % k)):
+            return False
+    return True
+
+
+def _in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
+    for p in pl:
+        if type(p) is Shard or isinstance(p, Replicate):
+            continue
+        if type(p) is Partial and p.reduce_op in partial_reduce_ops:
+            continue
+        return False
+    return True
+
+
+def placeholder_placements(shape: Sequence[int], mesh_shape: Sequence[int], allow_uneven: bool = False) -> list[Placements]:
+    """All R / S(d) tuples over the mesh for a tensor of ``shape`` that pass the shardability filter."""
+    options: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    return [
+        pl
+        for pl in itertools.product(options, repeat=len(mesh_shape))
+        if _shardable(shape, pl, mesh_shape, allow_uneven)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# one node
+
+
+def _freeze(a: object) -> object:
+    """Hashable form of a non-tensor argument structure."""
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_freeze(x) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple(sorted((k, _freeze(v)) for k, v in a.items())))
+    if isinstance(a, tp.TensorArg):
+        return ("T", a.shape, a.stride, a.dtype, a.candidates)
+    if isinstance(a, fx.Node):  # non-tensor node (e.g. a SymInt); static shapes make these rare
+        return ("N", repr(_val(a)))
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return repr(a)
+
+
+def _out_shapes(val: object) -> tuple[tuple[int, ...] | None, ...]:
+    if _is_tensor(val):
+        return (tuple(val.shape),)
+    if isinstance(val, (tuple, list)):
+        return tuple(tuple(v.shape) if _is_tensor(v) else None for v in val)
+    return (None,)
+
+
+def _replicate_only(out_shapes: Sequence[object], n_inputs: int, ndim: int) -> Strategy:
+    r = (Replicate(),) * ndim
+    return Strategy(tuple(r if s is not None else None for s in out_shapes), (r,) * n_inputs)
+
+
+def _mesh_shape(mesh: DeviceMesh | Sequence[int]) -> tuple[int, ...]:
+    return tuple(mesh.shape) if isinstance(mesh, DeviceMesh) else tuple(int(s) for s in mesh)
+
+
+def _op_name(target: object) -> str:
+    return str(target) if not callable(target) or hasattr(target, "_schema") else getattr(target, "__name__", str(target))
+
+
+def node_strategies(
+    node: fx.Node,
+    mesh: DeviceMesh | Sequence[int],
+    producer_strategies: dict[str, Sequence[Strategy]],
+    *,
+    allow_uneven: bool = False,
+    partial_inputs: bool = True,
+    partial_reduce_ops: Sequence[str] = ("sum",),
+    cache: StrategyCache | None = None,
+) -> list[Strategy]:
+    """Candidate strategies of one node.
+
+    ``producer_strategies`` maps the name of every producer of ``node`` (see :func:`input_slots`)
+    to its candidate strategies; each input slot's candidate placements are the distinct output
+    placements of its producer. ``mesh`` is a DeviceMesh (or a mesh shape, for which a planning
+    mesh is made). ``partial_inputs=False`` drops strategies that consume a Partial input (e.g. the
+    single-dim mm rule's P x R -> P), which shrinks the search space. ``partial_reduce_ops`` are the
+    Partial reductions kept (DTensor's mean gives Partial("avg"), amax Partial("max")); the default
+    keeps only sums, the "P" of the costmodels vocabulary. Returns a non-empty list; the output node
+    returns [].
+    """
+    if node.op == "output":
+        return []
+    if not isinstance(mesh, DeviceMesh):
+        mesh = fake_mesh(mesh)
+    ms = _mesh_shape(mesh)
+    nd = len(ms)
+    cache = cache if cache is not None else StrategyCache()
+    val = _val(node)
+
+    if node.op == "placeholder":
+        if not _is_tensor(val):
+            return [Strategy((None,), ())]
+        key = ("placeholder", tuple(val.shape), ms, allow_uneven)
+        hit = cache.memo.get(key)
+        if hit is None:
+            hit = tuple(Strategy((pl,), ()) for pl in placeholder_placements(tuple(val.shape), ms, allow_uneven))
+            if not hit:  # unreachable: all-Replicate always passes
+                raise AssertionError(f"placeholder {node.name}: no placement")
+            cache.memo[key] = hit
+        return list(hit)
+
+    if node.op != "call_function":
+        raise ValueError(f"node {node.name}: unsupported FX op kind {node.op!r} (expected placeholder/call_function/output)")
+
+    slots = input_slots(node)
+    try:
+        cand = [_out_placement(producer_strategies[p.name], i) for p, i in slots]
+    except KeyError as e:
+        raise ValueError(f"node {node.name}: no strategies given for its producer {e.args[0]!r}") from None
+    for (p, i), c in zip(slots, cand):
+        if not c:
+            raise ValueError(f"node {node.name}: producer {p.name} output {i} has no candidate placement")
+
+    if node.target is operator.getitem and slots and slots[0][1] >= 0 and isinstance(_val(slots[0][0]), (tuple, list)):
+        return [Strategy((pl,), (pl,)) for pl in cand[0]]
+
+    op = node.target
+    # Arguments with every tensor replaced by a TensorArg (shape + candidate placements).
+    it = iter(cand)
+
+    def sub(a: object) -> object:
+        if isinstance(a, fx.Node):
+            v = _val(a)
+            if _is_tensor(v):
+                return tp.TensorArg(tuple(v.shape), tuple(v.stride()), v.dtype, next(it))
+            return v  # a non-tensor value (e.g. a SymInt) stands for itself
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    args = tuple(sub(a) for a in node.args)
+    kwargs = {k: sub(v) for k, v in node.kwargs.items()}
+    out_shapes = _out_shapes(val)
+    key = (op, _freeze(args), _freeze(kwargs), out_shapes, ms, allow_uneven, partial_inputs, tuple(partial_reduce_ops))
+    hit = cache.memo.get(key)
+    if hit is not None:
+        cache.hits += 1
+        return list(hit)
+    cache.misses += 1
+
+    in_shapes = [tuple(_val(p).shape) if i == 0 else tuple(_val(p)[i].shape) for p, i in slots]
+    result: list[Strategy] = []
+    reason = None
+    if not isinstance(op, torch._ops.OpOverload) or not tp.has_sharding_rule(op):
+        reason = "no DTensor sharding rule"
+    else:
+        try:
+            raw = tp.op_strategies(op, args, kwargs, val, mesh)
+        except Exception as e:  # a rule that rejects these arguments: fall back to replicate
+            reason = f"DTensor rule failed ({type(e).__name__}: {e})"
+            raw = []
+        seen: set[Strategy] = set()
+        for outs, ins in raw:
+            if len(ins) != len(slots):
+                reason = f"rule gave {len(ins)} input placements for {len(slots)} tensor inputs"
+                result = []
+                break
+            s = Strategy(tuple(outs), tuple(ins))
+            if s in seen:
+                continue
+            seen.add(s)
+            if _keep(op, s, out_shapes, in_shapes, ms, allow_uneven, partial_inputs, partial_reduce_ops):
+                result.append(s)
+        if reason is None and not result:
+            reason = "every strategy of the rule was filtered out"
+    if reason is not None and not result:
+        name = _op_name(op)
+        cache.unsupported[name] = cache.unsupported.get(name, 0) + 1
+        if name not in cache.warned:
+            cache.warned.add(name)
+            logger.warning("%s (node %s): %s; using the replicate-only strategy", name, node.name, reason)
+        result = [_replicate_only(out_shapes, len(slots), nd)]
+    cache.memo[key] = tuple(result)
+    return result
+
+
+def _keep(
+    op: object,
+    s: Strategy,
+    out_shapes: Sequence[tuple[int, ...] | None],
+    in_shapes: Sequence[tuple[int, ...]],
+    ms: tuple[int, ...],
+    allow_uneven: bool,
+    partial_inputs: bool,
+    partial_reduce_ops: Sequence[str],
+) -> bool:
+    for pl, shape in itertools.chain(zip(s.outputs, out_shapes), zip(s.inputs, in_shapes)):
+        if pl is None:
+            continue
+        if shape is None or not _in_vocabulary(pl, partial_reduce_ops) or not _shardable(shape, pl, ms, allow_uneven):
+            return False
+    if not partial_inputs and any(pl is not None and any(isinstance(p, Partial) for p in pl) for pl in s.inputs):
+        return False
+    return not any(ex.matches(op, s) for ex in EXCLUDED)
+
+
+# ----------------------------------------------------------------------------------------------
+# whole graph
+
+
+def enumerate_strategies(
+    gm: fx.GraphModule,
+    mesh: DeviceMesh | Sequence[int],
+    *,
+    allow_uneven: bool = False,
+    partial_inputs: bool = True,
+    partial_reduce_ops: Sequence[str] = ("sum",),
+    cache: StrategyCache | None = None,
+    progress: bool = True,
+) -> dict[str, list[Strategy]]:
+    """Candidate strategies for every node of ``gm`` except the output node, in graph order.
+
+    Nodes whose op, arguments, shapes and producers' candidate placements coincide (repeated
+    layers) share one enumeration through ``cache``. Options as in :func:`node_strategies`.
+    Logs the time taken and the unsupported ops at INFO.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        mesh = fake_mesh(mesh)
+    cache = cache if cache is not None else StrategyCache()
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    out: dict[str, list[Strategy]] = {}
+    t0 = time.perf_counter()
+    with _progress(progress, len(nodes), "strategies") as advance:
+        for n in nodes:
+            out[n.name] = node_strategies(
+                n, mesh, out, allow_uneven=allow_uneven, partial_inputs=partial_inputs,
+                partial_reduce_ops=partial_reduce_ops, cache=cache,
+            )
+            advance()
+    dt = time.perf_counter() - t0
+    logger.info(
+        "strategies: %d nodes on mesh %s in %.2f s (%d enumerated, %d reused), %d strategies in all",
+        len(nodes), tuple(mesh.shape), dt, cache.misses, cache.hits, sum(len(v) for v in out.values()),
+    )
+    if cache.unsupported:
+        logger.info("ops without a usable DTensor rule (replicate-only): %s", dict(cache.unsupported))
+    return out
+
+
+class _progress:
+    """A transient rich progress bar (no-op when disabled or rich is missing); yields an advance()."""
+
+    def __init__(self, enabled: bool, total: int, label: str) -> None:
+        self.enabled, self.total, self.label = enabled, total, label
+        self.bar: Any = None
+
+    def __enter__(self):
+        if self.enabled:
+            try:
+                from rich.progress import Progress
+
+                self.bar = Progress(transient=True)
+                self.bar.__enter__()
+                task = self.bar.add_task(self.label, total=self.total)
+                return lambda: self.bar.advance(task)
+            except ImportError:  # rich is optional for library use
+                self.bar = None
+        return lambda: None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
