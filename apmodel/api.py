@@ -1,0 +1,214 @@
+"""The public entry points: ``apmodel.plan`` (and ``apmodel.build_model`` for users who constrain
+the model step by step). ``apmodel.parallelize`` lives in :mod:`apmodel.lowering`.
+
+The pipeline, top to bottom: capture → strategies → model (cluster, price, constrain) → solve → plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+import costmodels
+import solvers
+from apmodel.capture import CapturedGraph, capture
+from apmodel.constraints import ConstraintLike, apply_all
+from apmodel.costs import CostContext
+from apmodel.model import PlacementModel
+from apmodel.plan import Plan
+from apmodel.strategies import enumerate_strategies
+
+logger = logging.getLogger(__name__)
+
+#: Pricing dtypes by their command-line names.
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+def _pricing_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cost_context(
+    mesh_shape: Sequence[int],
+    *,
+    device: str | Any = "h100",
+    gpus_per_node: int = 8,
+    dtype: str | torch.dtype | None = "bf16",
+    compute_model: Any = None,
+    comm_model: Any = None,
+    calibration: str | Path | None = None,
+) -> CostContext:
+    """The default cost models for a mesh on a device, with optional replacements.
+
+    ``compute_model``/``comm_model`` replace the roofline and NCCL models: an object, or a dotted
+    name ``"package.module:Name"`` constructed with the device spec / topology.
+    """
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    spec = costmodels.device(device) if isinstance(device, str) else device
+    topo = costmodels.Topology(mesh_shape=mesh_shape, device=spec, gpus_per_node=gpus_per_node)
+    if compute_model is None:
+        compute = costmodels.RooflineCompute(spec)
+    elif isinstance(compute_model, str):
+        compute = costmodels.load_object(compute_model)(spec)
+    else:
+        compute = compute_model
+    if comm_model is None:
+        comm = costmodels.NCCLCollectives(topo)
+    elif isinstance(comm_model, str):
+        comm = costmodels.load_object(comm_model)(topo)
+    else:
+        comm = comm_model
+    if calibration is not None:
+        comm = costmodels.CalibratedCollectives(comm, costmodels.Calibration.load(calibration))
+    return CostContext(mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=_pricing_dtype(dtype))
+
+
+def build_model(
+    model: nn.Module | CapturedGraph,
+    mesh_shape: Sequence[int],
+    sample_inputs: Sequence[Any] = (),
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    cost: CostContext | None = None,
+    mesh: Any = None,
+    constraints: Sequence[ConstraintLike] = (),
+    input_placements: Sequence[Any] | None = None,
+    output_placements: Sequence[Any] | None = None,
+    param_policy: str = "full_shard",
+    replicate_axes: Sequence[int] = (),
+    param_memory_fraction: float | None = None,
+    merge_copies: bool = True,
+    flow_coupling: bool = True,
+    timings: dict[str, float] | None = None,
+    **cost_options: Any,
+) -> PlacementModel:
+    """Capture (unless given a :class:`CapturedGraph`), enumerate strategies and build the model.
+
+    ``cost_options`` (device, gpus_per_node, dtype, compute_model, comm_model, calibration) go to
+    :func:`cost_context` when ``cost`` is not given.
+    """
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    timings = timings if timings is not None else {}
+    if isinstance(model, CapturedGraph):
+        captured = model
+    else:
+        captured = capture(model, tuple(sample_inputs), loss_fn)
+    timings["trace_s"] = captured.trace_s
+    t0 = time.perf_counter()
+    strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape)
+    timings["strategies_s"] = time.perf_counter() - t0
+    cost = cost or cost_context(mesh_shape, **cost_options)
+    t0 = time.perf_counter()
+    pmodel = PlacementModel(
+        captured,
+        strategies,
+        cost,
+        input_placements=input_placements,
+        output_placements=output_placements,
+        param_policy=param_policy,
+        replicate_axes=replicate_axes,
+        param_memory_fraction=param_memory_fraction,
+        merge_copies=merge_copies,
+        flow_coupling=flow_coupling,
+    )
+    apply_all(pmodel, constraints)
+    pmodel.compile()
+    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"]
+    return pmodel
+
+
+def replay_constraints(saved: Plan | str | Path) -> Callable[[PlacementModel], None]:
+    """A constraint that forces every node to its strategy in ``saved`` (to price a stale plan)."""
+    plan = saved if isinstance(saved, Plan) else Plan.load(saved)
+
+    def apply(m: PlacementModel) -> None:
+        plan.check_compatible(m.captured, m.mesh_shape, exact=False)
+        for node in m.strategies:
+            if node not in plan.node_strategy:
+                raise ValueError(f"replay: node {node!r} of this graph is not in the saved plan")
+            m.fix_strategy(node, plan.node_strategy[node], f"replay of saved plan (node {node})")
+
+    return apply
+
+
+def solve_model(
+    pmodel: PlacementModel,
+    *,
+    solver: str = "trws",
+    time_limit: float | None = None,
+    solver_options: Mapping[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
+    workload: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Solve a built model with a backend and decode the plan."""
+    timings = dict(timings or {})
+    problem = pmodel.compile()
+    sol = solvers.solve(problem, backend=solver, time_limit=time_limit, **dict(solver_options or {}))
+    timings["solve_s"] = sol.seconds
+    timings["total_s"] = timings.get("trace_s", 0.0) + timings.get("build_s", 0.0) + sol.seconds
+    stats = {
+        "backend": sol.backend,
+        "status": sol.status,
+        "seconds": sol.seconds,
+        "energy_us": sol.energy,
+        "lower_bound_us": sol.lower_bound,
+        "gap": sol.gap,
+    }
+    plan = Plan.from_assignment(pmodel, sol.assignment, solver=stats, timings=timings, workload=workload)
+    logger.info(
+        "plan: objective %.1f µs (compute %.1f, comm %.1f), solver %s %s in %.2f s",
+        plan.objective_us, plan.compute_us, plan.comm_us, sol.backend, sol.status, sol.seconds,
+    )
+    return plan
+
+
+def plan(
+    model: nn.Module | CapturedGraph,
+    mesh_shape: Sequence[int],
+    sample_inputs: Sequence[Any] = (),
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    device: str | Any = "h100",
+    gpus_per_node: int = 8,
+    dtype: str | torch.dtype | None = "bf16",
+    solver: str = "trws",
+    time_limit: float | None = None,
+    solver_options: Mapping[str, Any] | None = None,
+    constraints: Sequence[ConstraintLike] = (),
+    replay: Plan | str | Path | None = None,
+    workload: Mapping[str, Any] | None = None,
+    **model_options: Any,
+) -> Plan:
+    """Plan ``model`` on a mesh of ``mesh_shape``: the cheapest per-operator placements.
+
+    ``model`` is an ``nn.Module`` (ideally on the meta device) called as ``model(*sample_inputs)``;
+    ``loss_fn(output, *sample_inputs)`` turns its output into the scalar loss. ``device`` names the
+    target accelerator of the cost model (``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"cpu"``);
+    ``solver`` a backend of :func:`solvers.available`. ``replay`` prices a saved plan on this
+    workload instead of searching. Further options: see :func:`build_model`.
+    """
+    timings: dict[str, float] = {}
+    constraints = list(constraints)
+    if replay is not None:
+        constraints.append(replay_constraints(replay))
+    pmodel = build_model(
+        model, mesh_shape, sample_inputs, loss_fn=loss_fn, constraints=constraints, timings=timings,
+        device=device, gpus_per_node=gpus_per_node, dtype=dtype, **model_options,
+    )
+    wl = {"device": device if isinstance(device, str) else getattr(device, "name", str(device)),
+          "gpus_per_node": gpus_per_node, "dtype": str(dtype), **dict(workload or {})}
+    return solve_model(pmodel, solver=solver, time_limit=time_limit, solver_options=solver_options, timings=timings, workload=wl)

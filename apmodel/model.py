@@ -1,0 +1,511 @@
+"""The declarative placement model: one decision variable per node group, priced and constrained.
+
+``PlacementModel`` turns a captured joint graph, its candidate strategies and a cost model into a
+pairwise problem (``solvers.PairwiseProblem``):
+
+* **variables**: one per group of nodes that choose together (see :mod:`apmodel.clustering`);
+  the states of a variable are the candidate strategies shared by its members;
+* **unary terms**: compute cost (µs) of each strategy on its per-device shapes, summed over the
+  group's members (so L copies of a layer weigh L times), plus the cost of edges that fall inside
+  one group, plus boundary costs (a forward output redistributed to its required placement);
+* **pairwise terms**: redistribution cost (µs) between a producer's output placement and the
+  placement its consumer expects, on every graph edge; a parameter's gradient is an edge back to
+  the parameter (it must end in the parameter's storage placement, which prices the gradient
+  reduction), an input's gradient likewise;
+* **constraints**: allowed-state masks (boundary placements, the parameter-storage policy, user
+  fixes and bans, each recorded with its provenance so conflicts can be named) and linear rows over
+  the indicators (parameter-memory budget, user rows).
+
+The model is built in two steps so users can constrain it in Python in between::
+
+    m = PlacementModel(captured, mesh_shape=(4, 8), cost=cost)
+    m.fix("layers.*.attention.wo.weight", "S(0)S(1)")
+    problem = m.compile()
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+import solvers
+from apmodel import placements as pl
+from apmodel.capture import CapturedGraph
+from apmodel.clustering import Grouping, cluster, local_signature
+from apmodel.costs import CostContext
+from apmodel.strategies import Strategy, input_slots
+
+logger = logging.getLogger(__name__)
+
+Placements = tuple  # tuple[torch Placement, ...], one per mesh axis
+
+
+class ConstraintConflict(ValueError):
+    """Constraints leave some node with no allowed strategy; the message names them."""
+
+
+@dataclass
+class Edge:
+    """One data edge of the joint graph: ``producer`` output ``out_index`` feeds ``consumer``.
+
+    ``slot`` is the consumer's input slot; ``slot == -1`` marks a gradient edge whose consumer is
+    the parameter (or input) placeholder, expecting the placeholder's own output placement.
+    """
+
+    producer: str
+    out_index: int
+    consumer: str
+    slot: int
+
+
+@dataclass
+class CompiledModel:
+    """What :meth:`PlacementModel.compile` produced, kept for decoding solutions."""
+
+    problem: solvers.PairwiseProblem
+    grouping: Grouping
+    group_states: list[list[Strategy]]
+    build_s: float
+
+
+@dataclass
+class _Restriction:
+    mask: np.ndarray
+    reasons: list[str] = field(default_factory=list)
+
+
+def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
+    if isinstance(val, (list, tuple)):
+        val = val[index] if index < len(val) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+class PlacementModel:
+    """Declarative placement problem over one captured joint graph.
+
+    Args:
+        captured: the joint forward-backward graph (:func:`apmodel.capture.capture`).
+        strategies: candidate strategies per node name (:func:`apmodel.strategies.enumerate_strategies`).
+        cost: the cost context (compute and communication models, mesh shape, pricing dtype).
+        input_placements: placement of each model input (by position); ``None`` entries and missing
+            positions get the default, batch dimension sharded on mesh axis 0.
+        output_placements: required placement of each forward output (default: replicated for
+            scalars, batch-sharded like the inputs otherwise).
+        param_policy: ``"full_shard"`` (default: every parameter stored with the largest sharding
+            factor it admits, on all axes but ``replicate_axes``), or ``"free"``.
+        replicate_axes: mesh axes on which parameters are replicated (DDP/HSDP axes).
+        param_memory_fraction: if given, a linear budget row: total per-device parameter bytes
+            ≤ fraction × total parameter bytes (instead of the ``full_shard`` restriction).
+        merge_copies, flow_coupling: clustering switches (see :mod:`apmodel.clustering`).
+    """
+
+    def __init__(
+        self,
+        captured: CapturedGraph,
+        strategies: Mapping[str, list[Strategy]],
+        cost: CostContext,
+        *,
+        input_placements: Sequence[Any] | None = None,
+        output_placements: Sequence[Any] | None = None,
+        param_policy: str = "full_shard",
+        replicate_axes: Sequence[int] = (),
+        param_memory_fraction: float | None = None,
+        merge_copies: bool = True,
+        flow_coupling: bool = True,
+    ) -> None:
+        if param_policy not in ("full_shard", "free"):
+            raise ValueError(f"param_policy must be 'full_shard' or 'free', got {param_policy!r}")
+        self.captured = captured
+        self.cost = cost
+        self.mesh_shape = tuple(cost.mesh_shape)
+        self.merge_copies = merge_copies
+        self.flow_coupling = flow_coupling
+        gm = captured.gm
+        self.nodes: list[fx.Node] = [n for n in gm.graph.nodes if n.op != "output"]
+        self.node_by_name = {n.name: n for n in self.nodes}
+        missing = [n.name for n in self.nodes if n.name not in strategies]
+        if missing:
+            raise ValueError(f"no strategies given for nodes {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        # Intern equal strategy lists into one list object, so that identity (cheap) can key the
+        # clustering and the cost memos.
+        interned: dict[tuple, list[Strategy]] = {}
+        self.strategies: dict[str, list[Strategy]] = {}
+        for n in self.nodes:
+            strats = strategies[n.name]
+            self.strategies[n.name] = interned.setdefault(tuple(strats), list(strats))
+        for name, strats in self.strategies.items():
+            if not strats:
+                raise ValueError(f"node {name!r} ({self.node_by_name[name].target}) has no candidate strategy")
+        self.fqn_to_node = {fqn: node for node, fqn in captured.param_fqn.items()}
+        self._restrictions: dict[str, _Restriction] = {}
+        self.linear_rows: list[tuple[str, list[tuple[str, int, float]], str, float]] = []
+        self.edges = self._collect_edges()
+        self.boundary_outputs = self._boundary_outputs(output_placements)
+        self._apply_input_boundary(input_placements)
+        self._apply_tangent_boundary()
+        self._apply_buffer_policy()
+        self.replicate_axes = tuple(int(a) for a in replicate_axes)
+        for a in self.replicate_axes:
+            if not 0 <= a < len(self.mesh_shape):
+                raise ValueError(f"replicate_axes: axis {a} is not an axis of mesh {self.mesh_shape}")
+        if param_memory_fraction is not None:
+            self._add_param_budget(float(param_memory_fraction))
+        elif param_policy == "full_shard":
+            self._apply_full_shard()
+        self._compiled: CompiledModel | None = None
+
+    # ------------------------------------------------------------------ graph structure
+    def _collect_edges(self) -> list[Edge]:
+        edges: list[Edge] = []
+        for n in self.nodes:
+            for j, (producer, k) in enumerate(input_slots(n)):
+                if _tensor_value(producer.meta.get("val"), k) is None:
+                    continue
+                edges.append(Edge(producer.name, k, n.name, j))
+        cap = self.captured
+        for param, grad in cap.param_grad.items():
+            edges.append(Edge(grad, 0, param, -1))
+        for inp, grad in cap.input_grad.items():
+            edges.append(Edge(grad, 0, inp, -1))
+        return edges
+
+    def _boundary_outputs(self, output_placements: Sequence[Any] | None) -> dict[str, tuple[str, ...]]:
+        """Forward outputs -> required placement strings."""
+        outs = [name for name, role in self.captured.roles.items() if role == "output"]
+        required: dict[str, tuple[str, ...]] = {}
+        for i, name in enumerate(outs):
+            given = output_placements[i] if output_placements is not None and i < len(output_placements) else None
+            val = _tensor_value(self.node_by_name[name].meta.get("val"), 0)
+            if given is None:
+                given = self._default_batch_placement(val)
+            required[name] = self._placement_strs(given, f"output {i} ({name})")
+        return required
+
+    def _default_batch_placement(self, val: torch.Tensor | None) -> tuple:
+        """Batch (dim 0) sharded on mesh axis 0 when it divides evenly, replicated elsewhere."""
+        D = len(self.mesh_shape)
+        if val is not None and val.dim() >= 1 and val.shape[0] % self.mesh_shape[0] == 0 and val.shape[0] >= self.mesh_shape[0]:
+            return tuple(["S(0)"] + ["R"] * (D - 1))
+        return tuple(["R"] * D)
+
+    def _placement_strs(self, given: Any, what: str) -> tuple[str, ...]:
+        try:
+            parsed = pl.parse(given, len(self.mesh_shape)) if isinstance(given, str) else tuple(given)
+            strs = tuple(p if isinstance(p, str) else pl.to_str(p) for p in parsed)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: bad placement {given!r}: {e}") from None
+        if len(strs) != len(self.mesh_shape):
+            raise ValueError(f"{what}: placement {given!r} has {len(strs)} entries, mesh {self.mesh_shape} has {len(self.mesh_shape)} axes")
+        return strs
+
+    # ------------------------------------------------------------------ restrictions
+    def restrict(self, node: str, allowed: Callable[[Strategy], bool] | np.ndarray, reason: str) -> None:
+        """Keep only the strategies of ``node`` for which ``allowed`` holds; record ``reason``."""
+        strats = self.strategies[node]
+        mask = np.asarray(allowed, dtype=bool) if isinstance(allowed, np.ndarray) else np.array([bool(allowed(s)) for s in strats])
+        r = self._restrictions.get(node)
+        if r is None:
+            r = self._restrictions[node] = _Restriction(np.ones(len(strats), dtype=bool))
+        r.mask &= mask
+        r.reasons.append(reason)
+        self._compiled = None
+        if not r.mask.any():
+            raise ConstraintConflict(
+                f"no strategy of node {node!r} ({self.node_by_name[node].target}) satisfies all of: "
+                + "; ".join(r.reasons)
+            )
+
+    def allowed_mask(self, node: str) -> np.ndarray:
+        r = self._restrictions.get(node)
+        return r.mask if r is not None else np.ones(len(self.strategies[node]), dtype=bool)
+
+    def restriction_reasons(self, node: str) -> list[str]:
+        r = self._restrictions.get(node)
+        return list(r.reasons) if r is not None else []
+
+    def _out_strs(self, s: Strategy, k: int = 0) -> tuple[str, ...] | None:
+        p = s.outputs[k] if k < len(s.outputs) else None
+        return None if p is None else tuple(pl.to_str(x) for x in p)
+
+    def _apply_input_boundary(self, input_placements: Sequence[Any] | None) -> None:
+        for name, idx in self.captured.input_index.items():
+            given = input_placements[idx] if input_placements is not None and idx < len(input_placements) else None
+            val = _tensor_value(self.node_by_name[name].meta.get("val"), 0)
+            if given is None:
+                given = self._default_batch_placement(val)
+            want = self._placement_strs(given, f"input {idx} ({name})")
+            self.restrict(name, lambda s, w=want: self._out_strs(s) == w, f"boundary: input {idx} placed {''.join(want)}")
+
+    def _apply_tangent_boundary(self) -> None:
+        for out, tangent in self.captured.output_tangent.items():
+            want = self.boundary_outputs.get(out)
+            if want is not None and tangent in self.strategies:
+                self.restrict(tangent, lambda s, w=want: self._out_strs(s) == w, f"boundary: tangent of {out} placed like it")
+
+    def _apply_buffer_policy(self) -> None:
+        # Buffers (e.g. RoPE tables) are small and not trained: keep them replicated so the lowered
+        # module can hold them as plain replicated tensors.
+        D = len(self.mesh_shape)
+        for name, fqn in self.captured.buffer_fqn.items():
+            self.restrict(name, lambda s: self._out_strs(s) == ("R",) * D, f"policy: buffer {fqn} replicated")
+
+    def _param_shard_factor(self, s: Strategy) -> int:
+        f = 1
+        for axis, p in enumerate(s.outputs[0]):
+            if pl.to_str(p).startswith("S"):
+                f *= self.mesh_shape[axis]
+        return f
+
+    def _apply_full_shard(self) -> None:
+        """Paper §4.3: parameters fully sharded on the non-replicated axes (fixed storage)."""
+        for node, fqn in self.captured.param_fqn.items():
+            strats = self.strategies[node]
+            ok = np.array(
+                [
+                    all(pl.to_str(p) != "P" for p in s.outputs[0])
+                    and all(pl.to_str(s.outputs[0][a]) == "R" for a in self.replicate_axes)
+                    for s in strats
+                ]
+            )
+            if not ok.any():
+                raise ConstraintConflict(f"parameter {fqn}: no candidate placement is replicated on axes {self.replicate_axes}")
+            factors = np.array([self._param_shard_factor(s) for s in strats])
+            best = factors[ok].max()
+            self.restrict(node, ok & (factors == best), f"policy: parameter {fqn} fully sharded (factor {best})")
+
+    def _add_param_budget(self, fraction: float) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"param_memory_fraction must be in (0, 1], got {fraction}")
+        terms = []
+        total = 0.0
+        for node, fqn in self.captured.param_fqn.items():
+            numel = _tensor_value(self.node_by_name[node].meta["val"], 0).numel()
+            total += numel
+            for i, s in enumerate(self.strategies[node]):
+                if any(pl.to_str(p) == "P" for p in s.outputs[0]):
+                    continue
+                terms.append((node, i, numel / self._param_shard_factor(s)))
+            self.restrict(node, lambda s: all(pl.to_str(p) != "P" for p in s.outputs[0]), f"policy: parameter {fqn} not partial")
+        self.linear_rows.append(("param_memory_budget", terms, "<=", fraction * total))
+
+    # ------------------------------------------------------------------ user constraints
+    def select(self, pattern: str) -> list[str]:
+        """Node names matched by ``pattern``: parameter FQNs first (glob), else node names (glob)."""
+        fqns = [f for f in self.fqn_to_node if fnmatch.fnmatchcase(f, pattern)]
+        if fqns:
+            return [self.fqn_to_node[f] for f in fqns]
+        names = [n for n in self.strategies if fnmatch.fnmatchcase(n, pattern)]
+        if not names:
+            raise KeyError(f"pattern {pattern!r} matches no parameter and no graph node")
+        return names
+
+    def _matcher(self, placement: Any, node: str, where: str) -> Callable[[Strategy], bool]:
+        want = self._placement_strs(placement, f"constraint on {node}")
+        if where == "output":
+            return lambda s: self._out_strs(s) == want
+        if where.startswith("input"):
+            j = int(where.split(":")[1]) if ":" in where else 0
+
+            def match(s: Strategy) -> bool:
+                p = s.inputs[j] if j < len(s.inputs) else None
+                return p is not None and tuple(pl.to_str(x) for x in p) == want
+
+            return match
+        raise ValueError(f"constraint 'on' must be 'output' or 'input:J', got {where!r}")
+
+    def fix(self, pattern: str, placement: Any, *, on: str = "output", name: str | None = None) -> list[str]:
+        """Force the nodes/parameters matching ``pattern`` to ``placement`` (e.g. ``"S(0)S(1)"``)."""
+        label = name or f"fix({pattern!r}, {placement!r}, on={on!r})"
+        nodes = self.select(pattern)
+        for n in nodes:
+            self.restrict(n, self._matcher(placement, n, on), label)
+        return nodes
+
+    def forbid(self, pattern: str, placement: Any, *, on: str = "output", name: str | None = None) -> list[str]:
+        """Exclude ``placement`` for the nodes/parameters matching ``pattern``."""
+        label = name or f"forbid({pattern!r}, {placement!r}, on={on!r})"
+        nodes = self.select(pattern)
+        for n in nodes:
+            m = self._matcher(placement, n, on)
+            self.restrict(n, lambda s, m=m: not m(s), label)
+        return nodes
+
+    def fix_strategy(self, node: str, strategy: Strategy, reason: str) -> None:
+        """Force ``node`` to exactly ``strategy`` (used by plan replay)."""
+        strats = self.strategies.get(node)
+        if strats is None:
+            raise KeyError(f"node {node!r} is not in the graph")
+        if strategy not in strats:
+            raise ConstraintConflict(f"{reason}: strategy {strategy} is not a candidate of node {node!r} on this workload")
+        self.restrict(node, np.array([s == strategy for s in strats]), reason)
+
+    def add_linear(self, name: str, terms: Iterable[tuple[str, Any, float]], sense: str, rhs: float) -> None:
+        """A linear row over indicators: ``Σ coef · [pattern placed as placement] (sense) rhs``."""
+        rows: list[tuple[str, int, float]] = []
+        for pattern, placement, coef in terms:
+            for n in self.select(pattern):
+                m = self._matcher(placement, n, "output")
+                rows.extend((n, i, float(coef)) for i, s in enumerate(self.strategies[n]) if m(s))
+        if sense not in ("<=", ">=", "=="):
+            raise ValueError(f"linear constraint {name!r}: sense must be '<=', '>=' or '==', got {sense!r}")
+        self.linear_rows.append((name, rows, sense, float(rhs)))
+        self._compiled = None
+
+    # ------------------------------------------------------------------ costs
+    def _state_key(self, name: str) -> Hashable:
+        """Identity of a node's decision space: its (interned) strategy list and allowed states."""
+        r = self._restrictions.get(name)
+        return (id(self.strategies[name]), None if r is None else r.mask.tobytes())
+
+    def compute_vector(self, name: str) -> np.ndarray:
+        """Compute cost (µs) of every candidate strategy of node ``name``."""
+        return self.cost.compute_vector(self.node_by_name[name], self.strategies[name])
+
+    def edge_matrix(self, e: Edge) -> np.ndarray:
+        """Redistribution cost (µs) for every (producer strategy, consumer strategy) pair of ``e``."""
+        prod = self.node_by_name[e.producer]
+        val = _tensor_value(prod.meta.get("val"), e.out_index)
+        src = [self._out_strs(s, e.out_index) for s in self.strategies[e.producer]]
+        if e.slot < 0:
+            dst = [self._out_strs(s, 0) for s in self.strategies[e.consumer]]
+        else:
+            dst = [
+                None if s.inputs[e.slot] is None else tuple(pl.to_str(x) for x in s.inputs[e.slot])
+                for s in self.strategies[e.consumer]
+            ]
+        return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, dst)
+
+    def boundary_vector(self, name: str) -> np.ndarray:
+        """Cost (µs) of bringing forward output ``name`` to its required placement."""
+        val = _tensor_value(self.node_by_name[name].meta.get("val"), 0)
+        src = [self._out_strs(s, 0) for s in self.strategies[name]]
+        return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, [self.boundary_outputs[name]])[:, 0]
+
+    # ------------------------------------------------------------------ compile
+    def compile(self) -> solvers.PairwiseProblem:
+        """Cluster, price and assemble the pairwise problem (cached until a constraint changes)."""
+        return self._compile().problem
+
+    @property
+    def compiled(self) -> CompiledModel:
+        return self._compile()
+
+    def _compile(self) -> CompiledModel:
+        if self._compiled is not None:
+            return self._compiled
+        t0 = time.perf_counter()
+        cap = self.captured
+        roles = cap.roles
+        signatures = {
+            n.name: local_signature(n, roles.get(n.name) if n.op == "placeholder" else None, cap.is_backward.get(n.name, False))
+            for n in self.nodes
+        }
+        state_key = {n.name: self._state_key(n.name) for n in self.nodes}
+        grouping = cluster(self.nodes, signatures, state_key, merge_copies=self.merge_copies, flow_coupling=self.flow_coupling)
+        G = grouping.num_groups
+        group_states = [self.strategies[ms[0]] for ms in grouping.groups]
+
+        # Unary: compute cost of each member, priced once per distinct content.
+        compute_memo: dict[Hashable, np.ndarray] = {}
+        unary = [np.zeros(len(s)) for s in group_states]
+        for g, members in enumerate(grouping.groups):
+            for m in members:
+                key = (signatures[m], id(self.strategies[m]))
+                vec = compute_memo.get(key)
+                if vec is None:
+                    vec = compute_memo[key] = self.compute_vector(m)
+                unary[g] += vec
+        for name in self.boundary_outputs:
+            unary[grouping.group_of[name]] += self.boundary_vector(name)
+
+        # Pairwise: redistribution per graph edge, priced once per distinct (strategies, shape) pair.
+        matrix_memo: dict[Hashable, np.ndarray] = {}
+        pair_cost: dict[tuple[int, int], np.ndarray] = {}
+        for e in self.edges:
+            val = _tensor_value(self.node_by_name[e.producer].meta.get("val"), e.out_index)
+            key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
+                   tuple(val.shape), val.dtype)
+            mat = matrix_memo.get(key)
+            if mat is None:
+                mat = matrix_memo[key] = self.edge_matrix(e)
+            gu, gv = grouping.group_of[e.producer], grouping.group_of[e.consumer]
+            if gu == gv:
+                unary[gu] += np.diagonal(mat)
+                continue
+            if gu > gv:
+                gu, gv, mat = gv, gu, mat.T
+            acc = pair_cost.get((gu, gv))
+            pair_cost[(gu, gv)] = mat.copy() if acc is None else acc + mat
+
+        # Forbidden states (restrictions) as +inf unaries.
+        for g, members in enumerate(grouping.groups):
+            mask = self.allowed_mask(members[0])
+            unary[g] = np.where(mask, unary[g], np.inf)
+
+        constraints = []
+        for name, rows, sense, rhs in self.linear_rows:
+            coef: dict[tuple[int, int], float] = defaultdict(float)
+            for node, state, c in rows:
+                coef[(grouping.group_of[node], state)] += c
+            constraints.append(solvers.LinearConstraint(name=name, terms=[(g, s, c) for (g, s), c in coef.items()], sense=sense, rhs=rhs))
+
+        names = [self._group_label(ms) for ms in grouping.groups]
+        problem = solvers.PairwiseProblem(
+            unary=unary,
+            edges=[(u, v, m) for (u, v), m in pair_cost.items()],
+            constraints=constraints,
+            names=names,
+        )
+        build_s = time.perf_counter() - t0
+        logger.info(
+            "model: %d nodes, %d groups, %d states, %d edges (built in %.2f s)",
+            len(self.nodes), G, sum(len(s) for s in group_states), len(pair_cost), build_s,
+        )
+        self._compiled = CompiledModel(problem=problem, grouping=grouping, group_states=group_states, build_s=build_s)
+        return self._compiled
+
+    def _group_label(self, members: list[str]) -> str:
+        rep = members[0]
+        label = self.captured.param_fqn.get(rep, rep)
+        return label if len(members) == 1 else f"{label} (+{len(members) - 1} copies)"
+
+    def summary(self) -> dict[str, int]:
+        """Sizes of the compiled problem: nodes, groups, states, edges."""
+        c = self._compile()
+        return {
+            "nodes": len(self.nodes),
+            "groups": c.grouping.num_groups,
+            "states": int(sum(len(s) for s in c.group_states)),
+            "edges": len(c.problem.edges),
+        }
+
+    def decode(self, assignment: Sequence[int]) -> dict[str, Strategy]:
+        """Solver assignment (one state per group) -> strategy per node."""
+        c = self._compile()
+        out: dict[str, Strategy] = {}
+        for g, members in enumerate(c.grouping.groups):
+            s = c.group_states[g][int(assignment[g])]
+            for m in members:
+                out[m] = s
+        return out
+
+    def encode(self, node_strategy: Mapping[str, Strategy]) -> np.ndarray:
+        """Strategy per node -> assignment (one state per group); members must agree."""
+        c = self._compile()
+        assignment = np.zeros(c.grouping.num_groups, dtype=np.int64)
+        for g, members in enumerate(c.grouping.groups):
+            chosen = {node_strategy[m] for m in members}
+            if len(chosen) != 1:
+                raise ValueError(f"group {self._group_label(members)}: members choose different strategies")
+            assignment[g] = c.group_states[g].index(chosen.pop())
+        return assignment
