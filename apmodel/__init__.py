@@ -4,25 +4,45 @@ Pipeline (one module per stage): capture → strategies → clustering → model
 
     plan = apmodel.plan(model, (4, 8), (tokens, targets), loss_fn=loss, device="h100")
     par_model = apmodel.parallelize(model, mesh, (tokens, targets), loss_fn=loss)
+
+Public names are imported on first use, so that ``import apmodel.placements`` (or the command
+line's ``--help``) does not pay for the whole pipeline.
 """
 
-from apmodel.api import build_model, cost_context, plan, replay_constraints, solve_model
-from apmodel.capture import CapturedGraph, capture
-from apmodel.constraints import Fix, Forbid, Linear, fix, forbid, linear
-from apmodel.model import ConstraintConflict, PlacementModel
-from apmodel.plan import Plan, PlanMismatch, diff
+from importlib import import_module
 
-__all__ = [
-    "CapturedGraph", "ConstraintConflict", "Fix", "Forbid", "Linear", "PlacementModel", "Plan", "PlanMismatch",
-    "build_model", "capture", "cost_context", "diff", "fix", "forbid", "linear", "parallelize", "plan",
-    "replay_constraints", "solve_model",
-]
+#: public name -> module that defines it
+_EXPORTS = {
+    "build_model": "apmodel.api",
+    "cost_context": "apmodel.api",
+    "plan": "apmodel.api",
+    "replay_constraints": "apmodel.api",
+    "solve_model": "apmodel.api",
+    "CapturedGraph": "apmodel.capture",
+    "capture": "apmodel.capture",
+    "Fix": "apmodel.constraints",
+    "Forbid": "apmodel.constraints",
+    "Linear": "apmodel.constraints",
+    "fix": "apmodel.constraints",
+    "forbid": "apmodel.constraints",
+    "linear": "apmodel.constraints",
+    "ConstraintConflict": "apmodel.model",
+    "PlacementModel": "apmodel.model",
+    "Plan": "apmodel.plan",
+    "PlanMismatch": "apmodel.plan",
+    "diff": "apmodel.plan",
+    "parallelize": "apmodel.lowering",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # parallelize pulls in the lowering stage (distributed runtime); import it on first use.
-    if name == "parallelize":
-        from apmodel.lowering import parallelize
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'apmodel' has no attribute {name!r}")
+    return getattr(import_module(module), name)
 
-        return parallelize
-    raise AttributeError(f"module 'apmodel' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return __all__
