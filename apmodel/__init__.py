@@ -19,7 +19,6 @@ _EXPORTS = {
     "replay_constraints": "apmodel.api",
     "solve_model": "apmodel.api",
     "CapturedGraph": "apmodel.capture",
-    "capture": "apmodel.capture",
     "Fix": "apmodel.constraints",
     "Forbid": "apmodel.constraints",
     "Linear": "apmodel.constraints",
@@ -28,9 +27,9 @@ _EXPORTS = {
     "linear": "apmodel.constraints",
     "ConstraintConflict": "apmodel.model",
     "PlacementModel": "apmodel.model",
-    "Plan": "apmodel.plan",
-    "PlanMismatch": "apmodel.plan",
-    "diff": "apmodel.plan",
+    "Plan": "apmodel.plans",
+    "PlanMismatch": "apmodel.plans",
+    "diff": "apmodel.plans",
     "parallelize": "apmodel.lowering",
 }
 

@@ -20,7 +20,7 @@ from apmodel.capture import CapturedGraph, capture
 from apmodel.constraints import ConstraintLike, apply_all
 from apmodel.costs import CostContext
 from apmodel.model import PlacementModel
-from apmodel.plan import Plan
+from apmodel.plans import Plan
 from apmodel.strategies import enumerate_strategies
 
 logger = logging.getLogger(__name__)
