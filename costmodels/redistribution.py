@@ -4,7 +4,7 @@ Placements are tuples of strings, one per mesh axis: ``"R"``, ``"S(d)"``, ``"P"`
 The transition is decomposed into per-axis steps in the order DTensor's redistribute
 uses (``torch.distributed.tensor._redistribute``):
 
-1. mesh axes from last (innermost) to first: if the target is a shard whose tensor dim is
+1. if the source is sharded, mesh axes from last (innermost) to first: if the target is a shard whose tensor dim is
    sharded differently by the *earlier* axes in source and target (nested sharding that
    would be misaligned), go to Replicate first; then apply the (possibly replaced) step;
 2. mesh axes from first to last: apply whatever is still different.
@@ -96,8 +96,10 @@ def _steps(comm: Any, global_shape: tuple[int, ...], itemsize: int,
         cur[axis] = new
         return True
 
-    # pass 1: innermost to outermost, clearing misaligned nested sharding through Replicate
-    for axis in reversed(range(D)):
+    # pass 1 (only when the source is sharded at all, as in DTensor): innermost to
+    # outermost, clearing misaligned nested sharding through Replicate
+    src_sharded = math.prod(mesh[m] for m in range(D) if cur[m][0] == "S") > 1
+    for axis in (reversed(range(D)) if src_sharded else ()):
         target = tgt[axis]
         if target[0] == "S":
             d = target[1]
