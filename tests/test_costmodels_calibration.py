@@ -1,0 +1,137 @@
+"""Calibration against nccl-tests logs: parsing, fitting, JSON, wrapping."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import costmodels as cm
+
+DATA = Path(__file__).parent / "data"
+KIND_FILES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+
+
+@pytest.fixture(scope="module")
+def h100x8():
+    return cm.NCCLCollectives(cm.Topology((8,), cm.device("h100"), gpus_per_node=8))
+
+
+def shipped_factor(size):
+    # the known correction written into the synthetic logs' headers
+    return 1.4 + (0.95 - 1.4) * (math.log2(size) - 3) / 27
+
+
+@pytest.mark.parametrize("kind", KIND_FILES)
+def test_shipped_synthetic_logs_parse(kind):
+    path = DATA / f"nccl_tests_synthetic_h100x8_{kind}.txt"
+    assert "SYNTHETIC" in path.read_text().splitlines()[0]
+    log = cm.parse_nccl_tests(path)
+    assert log.kind == kind and log.ranks == 8
+    assert [r.size_bytes for r in log.rows] == [2**k for k in range(3, 31)]
+    big = log.rows[-1]
+    assert big.oop_algbw_GBps == pytest.approx(big.size_bytes / (big.oop_time_us * 1e3), rel=0.01)
+    assert big.oop_busbw_GBps == pytest.approx(big.oop_algbw_GBps * cm.bus_bandwidth_factor(kind, 8), rel=0.01)
+
+
+def test_fit_recovers_known_factors_from_shipped_logs(h100x8):
+    logs = [(cm.parse_nccl_tests(DATA / f"nccl_tests_synthetic_h100x8_{k}.txt"), 0) for k in KIND_FILES]
+    cal = cm.Calibration.fit(h100x8, logs)
+    for k in KIND_FILES:
+        for e in range(3, 31):
+            assert cal.factor(k, 0, 2**e) == pytest.approx(shipped_factor(2**e), rel=0.05), (k, e)
+        # between logged sizes: interpolated in log-size
+        s = 3 * 2**20
+        assert cal.factor(k, 0, s) == pytest.approx(shipped_factor(s), rel=0.05)
+        # beyond the ends: held constant
+        assert cal.factor(k, 0, 1) == pytest.approx(cal.factor(k, 0, 8))
+        assert cal.factor(k, 0, 2**40) == pytest.approx(cal.factor(k, 0, 2**30))
+    assert cal.factor("broadcast", 0, 1024) == 1.0  # not calibrated
+
+
+def test_round_trip_with_other_factors_and_axes(tmp_path):
+    comm = cm.NCCLCollectives(cm.Topology((2, 8), "h100"))
+    truth = {0: lambda s: 2.0 if s < 2**16 else 1.2, 1: lambda s: 0.8 + 0.02 * math.log2(s)}
+    logs = []
+    for axis, n in ((0, 2), (1, 8)):
+        sizes = [2**k for k in range(4, 32, 2)]
+        text = cm.format_nccl_tests("all_gather", n,
+                                    [(s, comm.time_us("all_gather", s, axis) * truth[axis](s)) for s in sizes])
+        f = tmp_path / f"ag_axis{axis}.log"
+        f.write_text(text)
+        logs.append((cm.parse_nccl_tests(f), axis))
+    cal = cm.Calibration.fit(comm, logs)
+    for axis in (0, 1):
+        for k in range(4, 32, 2):
+            assert cal.factor("all_gather", axis, 2**k) == pytest.approx(truth[axis](2**k), rel=0.05)
+    # JSON round trip
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == "apmodel.costmodels.calibration" and data["version"] == 1
+    back = cm.Calibration.load(path)
+    for axis in (0, 1):
+        for s in (16, 1000, 2**20, 2**31):
+            assert back.factor("all_gather", axis, s) == pytest.approx(cal.factor("all_gather", axis, s))
+    # the wrapped model reproduces the "measured" times
+    calibrated = cm.CalibratedCollectives(comm, back)
+    assert isinstance(calibrated, cm.CommModel)
+    for axis in (0, 1):
+        s = 2**20
+        assert calibrated.time_us("all_gather", s, axis) == \
+            pytest.approx(comm.time_us("all_gather", s, axis) * truth[axis](s), rel=0.05)
+    assert calibrated.time_us("all_reduce", 2**20, 1) == comm.time_us("all_reduce", 2**20, 1)
+
+
+GOOD = cm.format_nccl_tests("all_reduce", 4, [(1024, 20.0), (2048, 21.0), (4096, 22.0)])
+
+
+def test_malformed_log_names_the_line():
+    lines = GOOD.splitlines()
+    first_data = next(i for i, l in enumerate(lines) if not l.startswith("#"))
+    bad = list(lines)
+    bad[first_data + 1] = bad[first_data + 1].rsplit(None, 3)[0]     # truncated row
+    with pytest.raises(ValueError, match=rf"line {first_data + 2}: expected 12 or 13 columns"):
+        cm.parse_nccl_tests("\n".join(bad))
+    bad = list(lines)
+    bad[first_data + 2] = bad[first_data + 2].replace("22.00", "2x.00", 1)
+    with pytest.raises(ValueError, match=rf"line {first_data + 3}: out-of-place time '2x.00'"):
+        cm.parse_nccl_tests("\n".join(bad))
+    with pytest.raises(ValueError, match="no data lines"):
+        cm.parse_nccl_tests("# only a comment\n")
+
+
+def test_parse_accepts_real_nccl_tests_layout():
+    # the column layout nccl-tests 2.x prints (with N/A in #wrong when -c 0)
+    text = """# nThread 1 nGpus 1 minBytes 8 maxBytes 128 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 0 graph: 0
+#
+#  Rank  0 Group  0 Pid  12345 on    host0 device  0 [0x18] NVIDIA H100 80GB HBM3
+#  Rank  1 Group  0 Pid  12346 on    host0 device  1 [0x2a] NVIDIA H100 80GB HBM3
+#
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+           8             2     float     sum      -1    10.53    0.00    0.00    N/A    10.41    0.00    0.00    N/A
+         128            32     float     sum      -1    10.60    0.01    0.01    N/A    10.57    0.01    0.01    N/A
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 0.005
+"""
+    log = cm.parse_nccl_tests(text, kind="all_reduce")
+    assert log.ranks == 2 and [r.oop_time_us for r in log.rows] == [10.53, 10.60]
+    assert log.rows[0].ip_time_us == 10.41 and log.rows[1].line == 10
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        cm.parse_nccl_tests(text, kind="allreduce")
+
+
+def test_bad_calibration_files(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"format": "apmodel.costmodels.calibration", "version": 99, "curves": []}))
+    with pytest.raises(ValueError, match="unsupported calibration version 99"):
+        cm.Calibration.load(p)
+    p.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not a calibration file"):
+        cm.Calibration.load(p)
+    p.write_text(json.dumps({"format": "apmodel.costmodels.calibration", "version": 1,
+                             "curves": [{"kind": "all_reduce", "axis": 0, "log2_sizes": [3, 2], "factors": [1, 1]}]}))
+    with pytest.raises(ValueError, match=r"curves\[0\].*increasing"):
+        cm.Calibration.load(p)
