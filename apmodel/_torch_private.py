@@ -47,6 +47,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
+    "without_redistribute_costs",
     "fake_mesh",
     "has_sharding_rule",
     "rule_kind",
@@ -210,7 +211,7 @@ def _zero_redistribute_costs(src_strategy: OpStrategy, dst_spec: DTensorSpec) ->
 
 
 @contextlib.contextmanager
-def _without_redistribute_costs() -> Iterator[None]:
+def without_redistribute_costs() -> Iterator[None]:
     """Temporarily replace DTensor's ``generate_redistribute_costs`` by a zero-cost stub.
 
     Strategy functions price every (input candidate -> strategy input) pair with torch's
@@ -221,6 +222,9 @@ def _without_redistribute_costs() -> Iterator[None]:
     swapped and restored. Not thread-safe: do not run DTensor ops in other threads meanwhile.
     """
     original = _ops_utils.generate_redistribute_costs
+    if original is _zero_redistribute_costs:  # already inside this context (nested use)
+        yield
+        return
     patched = []
     for name, mod in list(sys.modules.items()):
         if mod is not None and name.startswith("torch.distributed.tensor"):
@@ -252,7 +256,7 @@ def op_strategies(
     one per tensor argument, in the flattened order of ``args`` then ``kwargs``.
 
     ``with_torch_costs=False`` skips torch's own redistribution pricing (see
-    :func:`_without_redistribute_costs`); the returned strategies are the same either way.
+    :func:`without_redistribute_costs`); the returned strategies are the same either way.
 
     Raises KeyError when the op has no enumerable rule (see :func:`has_sharding_rule`); exceptions
     raised by DTensor's rule itself propagate.
@@ -262,7 +266,7 @@ def op_strategies(
     if kind is None:
         raise KeyError(f"{op}: no DTensor strategy rule")
     out_meta = output_tensor_meta(out_val)
-    ctx = contextlib.nullcontext() if with_torch_costs else _without_redistribute_costs()
+    ctx = contextlib.nullcontext() if with_torch_costs else without_redistribute_costs()
     with ctx:
         return _op_strategies(p, kind, op, args, kwargs, out_meta, mesh)
 

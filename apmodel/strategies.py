@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -350,7 +349,7 @@ def node_strategies(
                 reason = f"rule gave {len(ins)} input placements for {len(slots)} tensor inputs"
                 result = []
                 break
-            s = Strategy(tuple(outs), tuple(ins))
+            s = Strategy(_align_outputs(outs, out_shapes, nd), tuple(ins))
             if s in seen:
                 continue
             seen.add(s)
@@ -367,6 +366,16 @@ def node_strategies(
         result = [_replicate_only(out_shapes, len(slots), nd)]
     cache.memo[key] = tuple(result)
     return result
+
+
+def _align_outputs(outs: Sequence[Placements | None], out_shapes: Sequence[object], nd: int) -> tuple[Placements | None, ...]:
+    """One placement per output of the node: None for non-tensor outputs; Replicate for a tensor
+    output the rule leaves unplaced (e.g. SDPA's philox offset, a per-rank RNG scalar)."""
+    r = (Replicate(),) * nd
+    return tuple(
+        None if shape is None else (outs[i] if i < len(outs) and outs[i] is not None else r)
+        for i, shape in enumerate(out_shapes)
+    )
 
 
 def _keep(
@@ -415,7 +424,7 @@ def enumerate_strategies(
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     out: dict[str, list[Strategy]] = {}
     t0 = time.perf_counter()
-    with _progress(progress, len(nodes), "strategies") as advance:
+    with tp.without_redistribute_costs(), _progress(progress, len(nodes), "strategies") as advance:
         for n in nodes:
             out[n.name] = node_strategies(
                 n, mesh, out, allow_uneven=allow_uneven, partial_inputs=partial_inputs,

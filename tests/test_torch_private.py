@@ -1,0 +1,116 @@
+"""Conformance of the private torch DTensor APIs apmodel relies on (apmodel/_torch_private.py).
+
+If a torch upgrade moves or changes these, this file says what broke.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from apmodel import _torch_private as tp
+
+aten = torch.ops.aten
+
+
+def _cands(shape, nd):
+    opts = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    return tuple(itertools.product(opts, repeat=nd))
+
+
+def _arg(shape, nd, dtype=torch.float32):
+    t = torch.empty(shape, device="meta", dtype=dtype)
+    return tp.TensorArg(tuple(shape), tuple(t.stride()), dtype, _cands(shape, nd))
+
+
+def test_registries_exist_and_hold_the_ops_we_use():
+    regs = tp.registries()
+    assert set(regs) == {"op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"}
+    full, single = regs["op_strategy_funcs"], regs["op_single_dim_strategy_funcs"]
+    assert len(full) > 100 and len(single) > 500  # ~160 / ~1000 in torch 2.13
+    for op in (aten.mm.default, aten.view.default, aten.t.default, aten.sum.default, aten._log_softmax.default,
+               aten._scaled_dot_product_flash_attention.default,
+               aten._scaled_dot_product_flash_attention_backward.default,
+               aten._scaled_dot_product_efficient_attention.default,
+               aten._scaled_dot_product_efficient_attention_backward.default):
+        assert op in full, op
+    for op in (aten.mm.default, aten.add.Tensor, aten.mul.Tensor, aten.silu.default, aten.embedding.default,
+               aten.embedding_dense_backward.default, aten._fused_rms_norm.default,
+               aten._fused_rms_norm_backward.default, aten.native_layer_norm.default):
+        assert op in single, op
+    assert tp.rule_kind(aten.mm.default) == "single_dim"  # torch's dispatcher prefers the single-dim rule
+    assert tp.rule_kind(aten.view.default) == "op_strategy"
+    assert tp.has_sharding_rule(aten.add.Tensor)
+    assert not tp.has_sharding_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4), (2, 2, 2), (2, 1, 2, 2)])
+def test_fake_mesh_shapes_and_idempotence(shape):
+    m1 = tp.fake_mesh(shape)
+    m2 = tp.fake_mesh(shape)
+    assert tuple(m1.shape) == tuple(m2.shape) == shape
+    assert m1.device_type == "cpu"
+    assert torch.distributed.is_initialized()
+
+
+def test_fake_mesh_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="mesh_shape"):
+        tp.fake_mesh((2, 2, 2, 2, 2))
+    with pytest.raises(ValueError, match="mesh_shape"):
+        tp.fake_mesh((0, 2))
+
+
+def test_single_dim_lookup_mm_counts():
+    out = torch.empty(64, 64, device="meta")
+    for ms, n in [((8,), 6), ((4, 8), 36)]:
+        mesh = tp.fake_mesh(ms)
+        a = _arg((64, 64), len(ms))
+        got = tp.op_strategies(aten.mm.default, (a, a), {}, out, mesh)
+        sums = {(o, i) for o, i in got
+                if all(p.reduce_op == "sum" for pl in o + i for p in pl if isinstance(p, Partial))}
+        # per axis: RxR->R, S0xR->S0, RxS1->S1, S1xS0->P, PxR->P, RxP->P (+ the same with Partial("avg"))
+        assert len(sums) == n
+        if len(ms) == 1:
+            assert len(got) == 8  # P(avg) x R -> P(avg) and R x P(avg) -> P(avg)
+
+
+def test_full_mesh_lookup_follows_all_input_candidates():
+    mesh = tp.fake_mesh((4, 8))
+    a = _arg((64, 32), 2)
+    got = tp.op_strategies(aten.t.default, (a,), {}, torch.empty(32, 64, device="meta"), mesh)
+    # t follows its input: one strategy per candidate placement of the input (3 x 3)
+    assert len(got) == 9
+    for (out,), (inp,) in got:
+        flip = tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in inp)
+        assert out == flip
+
+
+def test_zero_cost_patch_gives_same_strategies_and_restores():
+    mesh = tp.fake_mesh((2, 4))
+    a = _arg((16, 16), 2)
+    out = torch.empty(16, 16, device="meta")
+    original = tp._ops_utils.generate_redistribute_costs
+    for op, args in [(aten.mm.default, (a, a)), (aten.view.default, (a, [256])), (aten.sum.dim_IntList, (a, [1]))]:
+        o = out if op is not aten.view.default else torch.empty(256, device="meta")
+        if op is aten.sum.dim_IntList:
+            o = torch.empty(16, device="meta")
+        fast = tp.op_strategies(op, args, {}, o, mesh)
+        slow = tp.op_strategies(op, args, {}, o, mesh, with_torch_costs=True)
+        assert fast == slow, op
+    assert tp._ops_utils.generate_redistribute_costs is original
+
+
+def test_sdpa_flash_rule_offers_head_and_batch_sharding():
+    mesh = tp.fake_mesh((2,))
+    q = tp.TensorArg((4, 8, 16, 32), (4096, 512, 32, 1), torch.float32, _cands((4, 8, 16, 32), 1))
+    val = aten._scaled_dot_product_flash_attention.default(
+        *(torch.empty(4, 8, 16, 32, device="meta"),) * 3, 0.0, True)
+    got = tp.op_strategies(aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.0, True), {}, val, mesh)
+    ins = {i for _, i in got}
+    assert ((Shard(1),),) * 3 in ins  # heads
+    assert ((Shard(0),),) * 3 in ins  # batch
+    assert ((Replicate(),),) * 3 in ins
+    assert not any(isinstance(p, Partial) for _, i in got for pl in i for p in pl)
