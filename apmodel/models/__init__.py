@@ -19,8 +19,8 @@ name                layers  dim    heads  kv     ffn     vocab    notes
 llama3-debug        2      256     8      4      768     2048     head_dim 32, GQA 2:1, max_seq 512
 llama3-8b           32     4096    32     8      14336   128256   rope theta 5e5 (≈ 8.03e9 params)
 llama3-70b          80     8192    64     8      28672   128256   rope theta 5e5 (≈ 70.6e9 params)
-gpt2                12     768     12     12     3072    50257    ctx 1024, tied head (≈ 124M params)
-gpt2-medium         24     1024    16     16     4096    50257    ctx 1024, tied head (≈ 355M params)
+gpt2                12     768     12     12     3072    50257    ctx 1024, untied head (≈ 163M; tied 124M)
+gpt2-medium         24     1024    16     16     4096    50257    ctx 1024, untied head (≈ 407M; tied 355M)
 moe-debug           2      256     8      4      768     2048     8 routed (top-2) + 1 shared, 128 wide;
                                                                   layer 0 dense
 deepseek-moe-16b    28     2048    16     16     10944   102400   64 routed (top-6) + 2 shared, 1408 wide
