@@ -18,7 +18,6 @@ all_to_all. Times are in µs. Bandwidths in GB/s = 1e9 B/s = 1e3 B/µs.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from .topology import AxisLink, Topology

@@ -17,7 +17,6 @@ object, so repeated calls cost a key build and a dict lookup.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from typing import Any
 

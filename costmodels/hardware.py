@@ -26,7 +26,7 @@ import json
 import logging
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -114,6 +114,10 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: efficiencies must lie in (0, 1]")
         # freeze the mapping so that a DeviceSpec cannot be mutated through it
         object.__setattr__(self, "peak_tflops", MappingProxyType(dict(self.peak_tflops)))
+
+    def __hash__(self) -> int:  # the peak table is a mapping; hash its items
+        return hash((self.name, tuple(sorted(self.peak_tflops.items())), self.hbm_TBps,
+                     self.hbm_GiB, self.fabric, self.nic_GBps, self.launch_floor_us))
 
     # --- derived, in SI units -----------------------------------------------------------
     @property

@@ -46,6 +46,9 @@ def test_overrides_do_not_leak():
         reg.register(slow.replace(name="h100_slow"))
     with pytest.raises(TypeError):
         cm.device("h100").peak_tflops["bf16"] = 1.0  # read-only table
+    # specs are values: equal and hashable (usable as cache keys)
+    assert cm.device("h100", hbm_TBps=1.0) == slow and hash(cm.device("h100", hbm_TBps=1.0)) == hash(slow)
+    assert len({cm.device("h100"), cm.device("h100_sxm"), slow}) == 2
 
 
 def test_load_devices_toml_and_json(tmp_path):
