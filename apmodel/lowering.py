@@ -1,0 +1,692 @@
+"""Lowering: a solved :class:`~apmodel.plan.Plan` + the user's module -> an ordinary ``nn.Module``.
+
+This is the last pipeline stage (paper §5.1). It takes the joint forward-backward ATen graph the plan
+was solved on (:class:`apmodel.capture.CapturedGraph`) and runs it over DTensors on a real
+:class:`~torch.distributed.device_mesh.DeviceMesh`, honouring every placement the plan chose.
+
+Design
+------
+* **Parameters and buffers** become ``DTensor`` s with the plan's storage placement. The module is
+  changed in place (as FSDP2's ``fully_shard`` does): its class becomes a dynamically created subclass
+  of the user's class, so ``isinstance`` checks, the module hierarchy and the ``state_dict`` keys are
+  unchanged (values are DTensors, so distributed checkpointing works). A model on the meta device stays
+  on the meta device; call ``to_empty(device=...)`` and initialise it afterwards.
+* **Execution** is one ``torch.autograd.Function`` per step. Its ``forward`` interprets the forward
+  nodes of the joint graph; its ``backward`` interprets the backward nodes with the incoming tangent.
+  Autograd never differentiates through DTensor, so forward and backward use exactly the layouts the
+  plan chose for each (they may differ).
+* **Redistribution**: before each node runs, every tensor argument whose current placement differs
+  from the node's planned input placement is explicitly ``redistribute`` d (all-gather, reduce-scatter,
+  all-reduce, all-to-all, or a local chunk). Each one is recorded (:class:`Redistribution`), so a
+  step's communication can be compared with the plan's prediction (:func:`planned_redistributions`).
+* **Shapes**: view and factory shape arguments stay global; DTensor's dispatch translates them to
+  local shapes. Factories (ops without a tensor argument) are run at their global shape on every rank
+  and then chunked locally to the planned placement (no communication).
+* **Checks**: after each op the output placement is compared with the plan; a mismatch that needs no
+  communication to fix (``R`` -> ``S(d)``) is fixed locally, any other mismatch raises. Uneven shards,
+  a mesh of the wrong shape, a graph whose fingerprint differs from the plan's, and sample inputs of the
+  wrong shape or dtype at call time raise ``ValueError`` naming the offending node / input.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils import _pytree as pytree
+
+logger = logging.getLogger(__name__)
+
+Placements = tuple[Placement, ...]
+
+__all__ = [
+    "Redistribution",
+    "LoweredProgram",
+    "lower",
+    "parallelize",
+    "planned_redistributions",
+    "collective_kinds",
+    "load_full_state_dict",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# placement helpers (comparison only; string conversion lives in apmodel.placements)
+# ----------------------------------------------------------------------------------------------
+
+
+def _token(p: Placement) -> str:
+    """One placement as the shared vocabulary token ("R", "S(d)", "P"). Partial subclasses
+    (DTensor's MaskPartial for embedding, norm partials) are all "P"."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P"
+    raise TypeError(f"unsupported placement {p!r}")
+
+
+def _tokens(pl: Sequence[Placement]) -> tuple[str, ...]:
+    return tuple(_token(p) for p in pl)
+
+
+def _fmt(pl: Sequence[Placement] | None) -> str:
+    return "None" if pl is None else "".join(_tokens(pl))
+
+
+def _comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """True when going from src to dst needs no collective (only local chunking)."""
+    return all(
+        _token(s) == _token(d) or (isinstance(s, Replicate) and isinstance(d, Shard))
+        for s, d in zip(src, dst)
+    )
+
+
+def collective_kinds(src: Sequence[str], dst: Sequence[str]) -> list[tuple[str, int]]:
+    """Collectives, as (kind, mesh axis), that one redistribution between two placement-string tuples
+    issues, one per mesh axis whose token changes: S->R all_gather, P->R all_reduce, P->S
+    reduce_scatter, S(a)->S(b) all_to_all; R->S (local chunk) and equal tokens issue nothing."""
+    steps: list[tuple[str, int]] = []
+    for axis, (s, d) in enumerate(zip(src, dst)):
+        if s == d or (s == "R" and d.startswith("S")):
+            continue
+        if s.startswith("S") and d == "R":
+            steps.append(("all_gather", axis))
+        elif s == "P" and d == "R":
+            steps.append(("all_reduce", axis))
+        elif s == "P" and d.startswith("S"):
+            steps.append(("reduce_scatter", axis))
+        elif s.startswith("S") and d.startswith("S"):
+            steps.append(("all_to_all", axis))
+        else:
+            raise ValueError(f"no collective turns {s!r} into {d!r} on mesh axis {axis}")
+    return steps
+
+
+# ----------------------------------------------------------------------------------------------
+# records
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """One redistribution of one tensor: `producer`'s output (index `index`) moved from `src` to `dst`
+    placements before `consumer` runs. `phase` is "forward", "backward" or "input" (call-time
+    conversion of a user input). Shapes are global."""
+
+    consumer: str
+    producer: str
+    index: int
+    phase: str
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def key(self) -> tuple:
+        """Identity used to compare issued with planned redistributions."""
+        return (self.consumer, self.producer, self.index, self.src, self.dst)
+
+
+@dataclass
+class _Slot:
+    leaf: int  # position in the flattened (args, kwargs) of the node
+    producer: fx.Node
+    index: int  # output index of producer (getitem index), else 0
+    dst: Placements | None
+
+
+@dataclass
+class _Step:
+    node: fx.Node
+    target: Callable
+    spec: Any  # pytree spec of (args, kwargs)
+    leaves: list  # constants, or ("node", fx.Node) / ("device",) markers
+    slots: list[_Slot]
+    outputs: tuple  # planned output placements (one per tensor output, None for non-tensors)
+    is_getitem: bool
+    is_factory: bool
+    last_use: list[fx.Node] = field(default_factory=list)  # values to free after this step
+
+
+_DEVICE = ("device",)
+
+
+# ----------------------------------------------------------------------------------------------
+# plan validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _tensor_vals(node: fx.Node) -> list:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return list(v)
+    return [v]
+
+
+def _check_even(name: str, shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int]) -> None:
+    for d, size in enumerate(shape):
+        ways = 1
+        for axis, p in enumerate(pl):
+            if isinstance(p, Shard) and p.dim == d:
+                ways *= mesh_shape[axis]
+        if ways > 1 and int(size) % ways:
+            raise ValueError(
+                f"plan shards node {name!r} dim {d} (size {size}) {ways} ways ({_fmt(pl)} on mesh "
+                f"{tuple(mesh_shape)}): uneven shards are not supported by lowering"
+            )
+
+
+def _node_strategy(plan: Any, node: fx.Node):
+    try:
+        return plan.node_strategy[node.name]
+    except KeyError:
+        raise ValueError(f"plan has no strategy for graph node {node.name!r} ({node.target})") from None
+
+
+def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
+    """(leaf position in the flattened (args, kwargs), producer, producer output index) for each
+    input slot of ``node``, in the order of :func:`apmodel.strategies.input_slots` (the order of a
+    strategy's ``inputs``)."""
+    from apmodel.strategies import input_slots
+
+    slots = input_slots(node)
+    if node.target is operator.getitem and slots and slots[0][1] == int(node.args[1]) and isinstance(
+        slots[0][0].meta.get("val"), (tuple, list)
+    ):
+        return [(0, slots[0][0], slots[0][1])]
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(positions) != len(slots):
+        raise ValueError(f"node {node.name!r} ({node.target}): cannot match its {len(slots)} input slots to its arguments")
+    return [(i, prod, k) for i, (prod, k) in zip(positions, slots)]
+
+
+def _local_kernels(device: torch.device) -> dict:
+    """Replacement kernels for ops that have no kernel on ``device`` (run on local shards).
+
+    The reference models trace attention as ``aten._scaled_dot_product_flash_attention`` (it has
+    DTensor rules), which has no CPU kernel in torch 2.13; on CPU, run it with the reference
+    implementation from :mod:`apmodel.models.attention`.
+    """
+    if device.type != "cpu":
+        return {}
+    from apmodel.models.attention import CPU_REFERENCE_KERNELS
+
+    return dict(CPU_REFERENCE_KERNELS)
+
+
+# ----------------------------------------------------------------------------------------------
+# the lowered program
+# ----------------------------------------------------------------------------------------------
+
+
+class LoweredProgram:
+    """The joint graph, prepared for execution on `mesh` under `plan`. Held by the parallel module
+    (attribute ``_apmodel_program``); ``redistributions`` lists what the last step issued."""
+
+    def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any):
+        self.mesh = mesh
+        self.plan = plan
+        self.captured = captured
+        gm: fx.GraphModule = captured.gm
+        roles = captured.roles
+        mesh_shape = tuple(mesh.shape)
+        self.placeholders: list[fx.Node] = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.params = [n for n in self.placeholders if roles.get(n.name) == "param"]
+        self.buffers = [n for n in self.placeholders if roles.get(n.name) == "buffer"]
+        self.inputs = sorted(
+            (n for n in self.placeholders if roles.get(n.name) == "input"),
+            key=lambda n: captured.input_index[n.name],
+        )
+        self.tangents = [n for n in self.placeholders if roles.get(n.name) == "tangent"]
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        out_args = [a for a in pytree.tree_leaves(out_node.args[0]) if isinstance(a, fx.Node)]
+        self.fwd_outputs = [a for a in out_args if roles.get(a.name) == "output"]
+        if len(self.fwd_outputs) != len(self.tangents):
+            # tangents follow forward outputs in order; use the explicit map when given
+            pass
+        self.output_tangent = {
+            o: next(t for t in self.tangents if t.name == captured.output_tangent[o.name])
+            for o in self.fwd_outputs
+            if o.name in captured.output_tangent
+        }
+        by_name = {n.name: n for n in gm.graph.nodes}
+        self.param_grad = {p: by_name[captured.param_grad[p.name]] for p in self.params if p.name in captured.param_grad}
+        self.input_grad = {i: by_name[g] for i, g in captured.input_grad.items()} if captured.input_grad else {}
+        self.input_grad = {by_name[k]: v for k, v in self.input_grad.items()}
+        self.n_inputs = len(self.inputs)
+
+        # storage placements of params (must be R/S) and buffers, checked against the node strategy
+        self.storage: dict[fx.Node, Placements] = {}
+        for n in self.params + self.buffers + self.inputs + self.tangents:
+            strat = _node_strategy(plan, n)
+            pl = tuple(strat.outputs[0])
+            if len(pl) != len(mesh_shape):
+                raise ValueError(f"placement {_fmt(pl)} of {n.name!r} has {len(pl)} entries, mesh has {len(mesh_shape)} axes")
+            if n in self.params:
+                fqn = captured.param_fqn[n.name]
+                planned = plan.param_placements.get(fqn) if hasattr(plan, "param_placements") else None
+                if planned is not None and _tokens(planned) != _tokens(pl):
+                    raise ValueError(
+                        f"plan stores parameter {fqn!r} as {_fmt(planned)} but its graph node "
+                        f"{n.name!r} is planned as {_fmt(pl)}"
+                    )
+                if any(isinstance(p, Partial) for p in pl):
+                    raise ValueError(f"plan stores parameter {fqn!r} as partial ({_fmt(pl)}); storage must be R or S(d)")
+            self.storage[n] = pl
+
+        # steps
+        is_bwd = captured.is_backward
+        self.fwd_steps: list[_Step] = []
+        self.bwd_steps: list[_Step] = []
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            strat = _node_strategy(plan, n)
+            flat, spec = pytree.tree_flatten((n.args, n.kwargs))
+            leaves: list = []
+            for a in flat:
+                if isinstance(a, fx.Node):
+                    leaves.append(("node", a))
+                elif isinstance(a, torch.device):
+                    leaves.append(_DEVICE)
+                else:
+                    leaves.append(a)
+            tl = _tensor_leaves(n)
+            ins = tuple(strat.inputs) if strat.inputs is not None else ()
+            if len(ins) != len(tl):
+                raise ValueError(
+                    f"plan strategy for node {n.name!r} ({n.target}) has {len(ins)} input placements, "
+                    f"the node has {len(tl)} tensor arguments"
+                )
+            is_getitem = n.target is operator.getitem
+            slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst)) for (leaf, prod, k), dst in zip(tl, ins)]
+            outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
+            for v, pl in zip(_tensor_vals(n), outs):
+                if isinstance(v, torch.Tensor) and pl is not None:
+                    _check_even(n.name, v.shape, pl, mesh_shape)
+            for s in slots:
+                if s.dst is not None:
+                    pv = _tensor_vals(s.producer)[s.index]
+                    if isinstance(pv, torch.Tensor):
+                        _check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
+            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl)
+            (self.bwd_steps if is_bwd.get(n.name, False) else self.fwd_steps).append(step)
+        for n in self.storage:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                _check_even(n.name, v.shape, self.storage[n], mesh_shape)
+
+        # values the backward reads from the forward
+        fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
+        self.saved: list[fx.Node] = []
+        seen = set()
+        for s in self.bwd_steps:
+            for a in s.node.all_input_nodes:
+                if a in fwd_set and a not in seen:
+                    seen.add(a)
+                    self.saved.append(a)
+        for o in self.fwd_outputs:
+            seen.add(o)
+        for p, g in list(self.param_grad.items()) + list(self.input_grad.items()):
+            if g in fwd_set:  # gradient computed without the tangent (rare); keep it
+                seen.add(g)
+                self.saved.append(g)
+        self._plan_frees(self.fwd_steps, keep=seen)
+        self._plan_frees(self.bwd_steps, keep=set(self.param_grad.values()) | set(self.input_grad.values()))
+        self.redistributions: list[Redistribution] = []
+        self._kernels: dict[torch.device, dict] = {}
+
+    @staticmethod
+    def _plan_frees(steps: list[_Step], keep: set) -> None:
+        last: dict[fx.Node, int] = {}
+        for i, s in enumerate(steps):
+            for a in s.node.all_input_nodes:
+                last[a] = i
+        for a, i in last.items():
+            if a not in keep:
+                steps[i].last_use.append(a)
+
+    # -------------------------------------------------------------------------------------------
+
+    def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str) -> DTensor:
+        if not isinstance(x, DTensor):
+            raise TypeError(f"argument {producer!r} of node {consumer!r} is a {type(x).__name__}, expected a DTensor")
+        if _tokens(x.placements) == _tokens(dst):
+            return x
+        self.redistributions.append(
+            Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype)
+        )
+        return x.redistribute(self.mesh, dst)
+
+    def _run(self, steps: list[_Step], env: dict, phase: str, device: torch.device) -> None:
+        kernels = self._kernels.get(device)
+        if kernels is None:
+            kernels = self._kernels[device] = _local_kernels(device)
+        for s in steps:
+            n = s.node
+            flat = []
+            for leaf in s.leaves:
+                if isinstance(leaf, tuple) and len(leaf) == 2 and leaf[0] == "node":
+                    flat.append(env[leaf[1]])
+                elif leaf is _DEVICE:
+                    flat.append(device)
+                else:
+                    flat.append(leaf)
+            if s.is_getitem:
+                slot = s.slots[0] if s.slots else None
+                val = flat[0][flat[1]]
+                if slot is not None and slot.dst is not None and isinstance(val, DTensor):
+                    val = self._redistribute(val, slot.dst, n.name, slot.producer.name, slot.index, phase)
+                env[n] = val
+            else:
+                for slot in s.slots:
+                    if slot.dst is not None:
+                        flat[slot.leaf] = self._redistribute(flat[slot.leaf], slot.dst, n.name, slot.producer.name, slot.index, phase)
+                kernel = kernels.get(s.target)
+                try:
+                    if kernel is not None:
+                        out = self._run_local(s, kernel, flat)
+                    else:
+                        args, kwargs = pytree.tree_unflatten(flat, s.spec)
+                        out = s.target(*args, **kwargs)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"DTensor failed to run node {n.name!r} ({s.target}) with input placements "
+                        f"{[_fmt(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}"
+                    ) from e
+                env[n] = self._place_outputs(s, out)
+            for a in s.last_use:
+                env.pop(a, None)
+
+    def _run_local(self, s: _Step, kernel: Callable, flat: list) -> Any:
+        """Run `kernel` on the local shards (inputs already at the planned placements) and wrap its
+        tensor outputs as DTensors with the planned output placements and the traced global shapes."""
+        local = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
+        args, kwargs = pytree.tree_unflatten(local, s.spec)
+        out = kernel(*args, **kwargs)
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        vals = _tensor_vals(s.node)
+        R = tuple(Replicate() for _ in self.mesh.shape)
+        for i, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                pl = s.outputs[i] if i < len(s.outputs) and s.outputs[i] is not None else R
+                v = vals[i] if i < len(vals) else None
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) and pl is not R else None
+                stride = tuple(v.stride()) if shape is not None else None
+                outs[i] = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape, stride=stride)
+        return outs[0] if single else tuple(outs)
+
+    def _place_outputs(self, s: _Step, out: Any) -> Any:
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        R = tuple(Replicate() for _ in self.mesh.shape)
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            pl = s.outputs[i] if i < len(s.outputs) else None
+            if not isinstance(o, DTensor):  # factory: global value on every rank -> local chunk
+                pl = R if pl is None else pl
+                if any(isinstance(p, Partial) for p in pl):
+                    raise RuntimeError(f"node {s.node.name!r} ({s.target}): a factory cannot be planned as partial ({_fmt(pl)})")
+                outs[i] = distribute_tensor(o, self.mesh, pl, src_data_rank=None)
+                continue
+            if pl is None:
+                continue
+            if _tokens(o.placements) != _tokens(pl):
+                if not _comm_free(o.placements, pl):
+                    raise RuntimeError(
+                        f"node {s.node.name!r} ({s.target}): DTensor produced placement {_fmt(o.placements)}, "
+                        f"the plan expects {_fmt(pl)} (inputs {[_fmt(sl.dst) for sl in s.slots]})"
+                    )
+                outs[i] = o.redistribute(self.mesh, pl)
+        return outs[0] if single else tuple(outs) if isinstance(out, tuple) else outs
+
+
+class _JointStep(torch.autograd.Function):
+    """forward: the joint graph's forward nodes; backward: its backward nodes (both over DTensors)."""
+
+    @staticmethod
+    def forward(ctx, prog: LoweredProgram, device: torch.device, keep: bool, *values):  # type: ignore[override]
+        env: dict[fx.Node, Any] = {}
+        ph = prog.params + prog.buffers + prog.inputs
+        for n, v in zip(ph, values):
+            env[n] = v
+        prog._run(prog.fwd_steps, env, "forward", device)
+        ctx.prog = prog
+        ctx.device = device
+        ctx.saved_env = {n: env[n] for n in prog.saved} if keep else {}
+        outs = []
+        for o in prog.fwd_outputs:  # forward output -> its required placement (that of its tangent)
+            t = prog.output_tangent.get(o)
+            v = env[o]
+            if t is not None:
+                v = prog._redistribute(v, prog.storage[t], f"output:{o.name}", o.name, 0, "forward")
+            outs.append(v)
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        prog: LoweredProgram = ctx.prog
+        env = dict(ctx.saved_env)
+        ctx.saved_env = None
+        for o, g in zip(prog.fwd_outputs, grads):
+            t = prog.output_tangent.get(o)
+            if t is None:
+                continue
+            if g is None:
+                g = torch.zeros_like(env.get(o)) if o in env else None
+            env[t] = prog._redistribute(g, prog.storage[t], t.name, "<incoming grad>", 0, "backward")
+        prog._run(prog.bwd_steps, env, "backward", ctx.device)
+        result: list = [None, None, None]
+        for p in prog.params:
+            g = prog.param_grad.get(p)
+            if g is None:
+                result.append(None)
+                continue
+            val = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0, "backward")
+            result.append(val)
+        result.extend([None] * len(prog.buffers))
+        for i in prog.inputs:
+            g = prog.input_grad.get(i)
+            result.append(None if g is None else prog._redistribute(env[g], prog.storage[i], f"grad:input{prog.captured.input_index[i.name]}", g.name, 0, "backward"))
+        return tuple(result)
+
+
+# ----------------------------------------------------------------------------------------------
+# module construction
+# ----------------------------------------------------------------------------------------------
+
+
+def _set_tensor(model: nn.Module, fqn: str, value: torch.Tensor, is_param: bool) -> None:
+    owner_name, _, leaf = fqn.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if is_param:
+        old = getattr(owner, leaf)
+        owner.register_parameter(leaf, nn.Parameter(value, requires_grad=old.requires_grad))
+    else:
+        persistent = leaf not in owner._non_persistent_buffers_set
+        owner.register_buffer(leaf, value, persistent=persistent)
+
+
+def _parallel_forward(self: nn.Module, *inputs: Any) -> Any:
+    prog: LoweredProgram = self._apmodel_program
+    if len(inputs) != prog.n_inputs:
+        raise ValueError(f"{type(self).__name__}.forward takes {prog.n_inputs} inputs (as the sample inputs), got {len(inputs)}")
+    dinputs = []
+    for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
+        want = node.meta["val"]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+        if tuple(x.shape) != tuple(want.shape) or x.dtype != want.dtype:
+            raise ValueError(
+                f"input {i} has shape {tuple(x.shape)} and dtype {x.dtype}; the plan was made for "
+                f"shape {tuple(want.shape)} and dtype {want.dtype} (re-plan for new shapes)"
+            )
+        pl = prog.storage[node]
+        if isinstance(x, DTensor):
+            x = prog._redistribute(x, pl, node.name, f"input{i}", 0, "input")
+        else:  # the global tensor, identical on every rank: keep the local chunk, no communication
+            x = distribute_tensor(x.detach(), prog.mesh, pl, src_data_rank=None).requires_grad_(x.requires_grad)
+        dinputs.append(x)
+    values: list = []
+    device = None
+    for n in prog.params + prog.buffers:
+        fqn = (prog.captured.param_fqn if n in prog.params else prog.captured.buffer_fqn)[n.name]
+        v = self.get_parameter(fqn) if n in prog.params else self.get_buffer(fqn)
+        if not isinstance(v, DTensor) or _tokens(v.placements) != _tokens(prog.storage[n]):
+            raise ValueError(f"{fqn!r} must be a DTensor placed {_fmt(prog.storage[n])}, got {type(v).__name__}")
+        if device is None:
+            device = v.to_local().device
+        values.append(v)
+    if device is None:
+        device = dinputs[0].to_local().device if dinputs else torch.device(prog.mesh.device_type)
+    prog.redistributions = []
+    keep = torch.is_grad_enabled() and any(v.requires_grad for v in values + dinputs)
+    return _JointStep.apply(prog, device, keep, *values, *dinputs)
+
+
+def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Module:
+    """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
+
+    Changes `model` in place and returns it: parameters/buffers become DTensors with the plan's
+    storage placements (on the device they were on; meta stays meta), and its class becomes a subclass
+    of the user's class whose ``forward(*inputs)`` runs the planned joint graph and returns the traced
+    output (the loss when the graph was captured with a loss function) as a DTensor.
+
+    Raises ValueError for a mesh of the wrong shape, a plan made for another graph (fingerprint), a
+    plan with uneven shards, or a plan inconsistent with the graph.
+    """
+    if tuple(mesh.shape) != tuple(plan.mesh_shape):
+        raise ValueError(f"mesh shape {tuple(mesh.shape)} differs from the plan's mesh shape {tuple(plan.mesh_shape)}")
+    if plan.fingerprint != captured.fingerprint:
+        raise ValueError(
+            f"the model's graph (fingerprint {captured.fingerprint[:12]}) does not match the plan's "
+            f"(fingerprint {plan.fingerprint[:12]}): re-plan for this model and these sample inputs"
+        )
+    if getattr(model, "_apmodel_program", None) is not None:
+        raise ValueError(f"{type(model).__name__} has already been parallelized")
+    prog = LoweredProgram(mesh, plan, captured)
+    # params / buffers -> DTensors (local chunk of the tensor each rank holds: no communication)
+    for nodes, fqns, is_param in ((prog.params, captured.param_fqn, True), (prog.buffers, captured.buffer_fqn, False)):
+        for n in nodes:
+            fqn = fqns[n.name]
+            cur = model.get_parameter(fqn) if is_param else model.get_buffer(fqn)
+            pl = prog.storage[n]
+            with torch.no_grad():
+                dt = distribute_tensor(cur.detach(), mesh, pl, src_data_rank=None)
+            _set_tensor(model, fqn, dt, is_param)
+    cls = type(model)
+    new_cls = type(f"Parallel{cls.__name__}", (cls,), {"forward": _parallel_forward, "__module__": cls.__module__})
+    model.__class__ = new_cls
+    model._apmodel_program = prog
+    logger.info(
+        "lowered %s on mesh %s: %d forward + %d backward nodes, %d planned redistributions",
+        cls.__name__, tuple(mesh.shape), len(prog.fwd_steps), len(prog.bwd_steps), len(planned_redistributions(plan, captured)),
+    )
+    return model
+
+
+def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
+    """The redistributions one training step issues under `plan`, read off the plan alone: for every
+    node input whose planned placement differs from its producer's planned output placement, plus
+    forward outputs whose planned placement differs from the required one (that of their tangent)
+    and parameter / input gradients whose planned placement differs from the storage placement."""
+    gm = captured.gm
+    out: list[Redistribution] = []
+    is_bwd = captured.is_backward
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        strat = plan.node_strategy[n.name]
+        for (leaf, prod, idx), dst in zip(_tensor_leaves(n), strat.inputs):
+            src = plan.node_strategy[prod.name].outputs[idx]
+            if dst is None or src is None:
+                continue
+            val = _tensor_vals(prod)[idx]
+            if _tokens(src) != _tokens(dst):
+                out.append(Redistribution(n.name, prod.name, idx, "backward" if is_bwd.get(n.name) else "forward",
+                                          _tokens(src), _tokens(dst), tuple(val.shape), val.dtype))
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for o, t in captured.output_tangent.items():  # forward output -> required (tangent) placement
+        src, dst = plan.node_strategy[o].outputs[0], plan.node_strategy[t].outputs[0]
+        if _tokens(src) != _tokens(dst):
+            val = by_name[o].meta["val"]
+            out.append(Redistribution(f"output:{o}", o, 0, "forward", _tokens(src), _tokens(dst), tuple(val.shape), val.dtype))
+    for p, g in captured.param_grad.items():
+        src, dst = plan.node_strategy[g].outputs[0], plan.node_strategy[p].outputs[0]
+        if _tokens(src) != _tokens(dst):
+            val = by_name[g].meta["val"]
+            out.append(Redistribution(f"grad:{captured.param_fqn[p]}", g, 0, "backward", _tokens(src), _tokens(dst),
+                                      tuple(val.shape), val.dtype))
+    for i, g in captured.input_grad.items():
+        src, dst = plan.node_strategy[g].outputs[0], plan.node_strategy[i].outputs[0]
+        if _tokens(src) != _tokens(dst):
+            val = by_name[g].meta["val"]
+            out.append(Redistribution(f"grad:input{captured.input_index[i]}", g, 0, "backward", _tokens(src), _tokens(dst),
+                                      tuple(val.shape), val.dtype))
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy full (global, unsharded) tensors, identical on every rank, into a parallelized model's
+    DTensor parameters and buffers: each rank keeps its own chunk; no communication. Use after
+    ``to_empty`` to load single-device weights (e.g. a reference model's ``state_dict()``)."""
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    missing = [k for k in own if k not in state_dict]
+    if missing:
+        raise ValueError(f"state_dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for k, t in own.items():
+            src = state_dict[k]
+            if tuple(src.shape) != tuple(t.shape):
+                raise ValueError(f"{k!r}: state_dict shape {tuple(src.shape)} != model shape {tuple(t.shape)}")
+            if isinstance(t, DTensor):
+                chunk = distribute_tensor(src.detach().to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+                t.to_local().copy_(chunk.to_local())
+            else:
+                t.copy_(src)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    sample_inputs: tuple,
+    *,
+    loss_fn: Callable | None = None,
+    plan: Any = None,
+    **plan_options: Any,
+) -> nn.Module:
+    """Plan (unless `plan` is given) and lower `model` on `mesh`; see :func:`lower`.
+
+    `plan_options` go to ``apmodel.plan`` (input_placements, output_placements, solver, device,
+    constraints, ...). `model` may live on the meta device; the returned module's parameters are
+    DTensors: call ``to_empty(device=...)`` and initialise (or :func:`load_full_state_dict`) after.
+    """
+    from apmodel.capture import capture  # lazy: capture imports heavy tracing machinery
+
+    if plan is None:
+        from apmodel.api import plan as make_plan
+
+        plan = make_plan(model, tuple(mesh.shape), sample_inputs, loss_fn=loss_fn, **plan_options)
+        captured = getattr(plan, "captured", None) or capture(model, sample_inputs, loss_fn=loss_fn)
+    else:
+        if plan_options:
+            raise TypeError(f"planning options {sorted(plan_options)} given together with plan=")
+        captured = capture(model, sample_inputs, loss_fn=loss_fn)
+    return lower(model, mesh, plan, captured)
