@@ -49,7 +49,9 @@ class CapturedGraph:
     """
 
     gm: fx.GraphModule
-    """joint fwd+bwd ATen graph; ``node.meta["val"]`` holds fake (meta) tensor(s)"""
+    """joint fwd+bwd ATen graph; ``node.meta["val"]`` holds fake (meta) tensor(s). Flat calling
+    convention: ``gm(*one_value_per_placeholder)`` returns a list aligned with the output node's
+    ``args[0]`` (None where an input has no gradient)."""
     roles: dict[str, str]
     """placeholders: "param" | "buffer" | "input" | "tangent"; returned nodes: "output" (forward
     output, e.g. the loss) | "grad_param" | "grad_input"; other AOT descriptors (rare: input
@@ -150,8 +152,12 @@ def _trace(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[fx.Grap
         return joint.graph_module, joint.out_spec
 
 
-def _drop_detach(gm: fx.GraphModule) -> int:
-    """Bypass ``aten.detach`` nodes (identity on values) and remove dead code. Returns nodes removed."""
+def _simplify(gm: fx.GraphModule) -> int:
+    """Flat calling convention, no ``aten.detach`` nodes (identity on values), no dead code.
+    Returns the number of nodes removed."""
+    # AOTAutograd's pytree codegen wraps inputs/outputs in nested structures; make the module
+    # take one positional argument per placeholder and return the output node's flat list.
+    gm.graph._codegen = fx.graph.CodeGen()
     before = len(gm.graph.nodes)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
@@ -333,7 +339,7 @@ def capture(
     if loss_fn is not None and out_val.dim() != 0:
         raise ValueError(f"capture: loss_fn must return a scalar, got a tensor of shape {tuple(out_val.shape)}")
 
-    removed = _drop_detach(gm)
+    removed = _simplify(gm)
     labels = _label(gm, wrapped=loss_fn is not None)
     is_backward = _backward_flags(gm, labels["roles"])
     no_grad = sorted(labels["param_fqn"][p] for p in labels["param_fqn"] if p not in labels["param_grad"])

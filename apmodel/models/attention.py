@@ -76,10 +76,14 @@ def flash_attention_forward(
         s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         scores = torch.matmul(q, k.transpose(-2, -1)) * s
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, s_q]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
-    empty = q.new_empty(0)
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
-    return (out, lse, empty, empty, q.shape[-2], k.shape[-2], rng_state, empty, empty)
+    # the output takes the strides of the query, as the real kernel (and its meta function) does:
+    # a traced graph may `view` it in ways that only these strides allow
+    out = torch.empty_like(q).copy_(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v))
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+    debug_mask = q.new_empty(0)
+    # cum_seq_q / cum_seq_k are undefined for dense (non-nested) inputs, as in the real kernel
+    return (out, lse, None, None, q.shape[-2], k.shape[-2], rng_state, unused, debug_mask)
 
 
 def flash_attention_backward(
@@ -110,7 +114,8 @@ def flash_attention_backward(
     grad_scores = p * (grad_p - row)
     grad_q = torch.matmul(grad_scores, k) * s
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * s
-    return grad_q, grad_k, grad_v
+    # gradients take the strides of their inputs, as the real kernel does
+    return tuple(torch.empty_like(x).copy_(g) for x, g in ((q, grad_q), (k, grad_k), (v, grad_v)))
 
 
 # Ops that have no CPU kernel in torch 2.13, mapped to the reference implementations above
