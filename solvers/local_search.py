@@ -1,0 +1,209 @@
+"""Local search on a complete assignment: ICM (coordinate descent) and star-block moves.
+
+ICM updates every variable of a colour class at once (no two are adjacent, so their moves do
+not interact): each takes its best state given its neighbours.  A star-block move takes a
+high-degree *hub*, tries each of its states and lets its neighbours best-respond (two rounds),
+and keeps the best result if it lowers the energy.  With a budget row ``w . x <= rhs`` moves
+keep the assignment feasible, and :meth:`LocalSearch.repair` makes an infeasible one feasible.
+Costs are the backend's internal finite ones (forbidden = a large finite value).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .problem import PairwiseProblem
+
+MAX_ROUNDS = 30  # ICM sweeps over all colour classes
+STAR_ROUNDS = 3  # alternations of star-block and ICM
+REL_EPS = 1e-12  # an improvement must exceed this fraction of the energy scale
+
+
+@dataclass
+class _Subset:
+    vars: np.ndarray
+    unary_pad: np.ndarray  # (n, w), +inf padding
+    u_side: list  # per group: (edge ids, row positions) for edges whose u is in the subset
+    v_side: list
+
+
+def _greedy_colouring(n: int, adj_ptr: np.ndarray, adj: np.ndarray) -> np.ndarray:
+    colour = [-1] * n
+    ptr, nb = adj_ptr.tolist(), adj.tolist()
+    deg_order = np.argsort(-(adj_ptr[1:] - adj_ptr[:-1]), kind="stable").tolist()
+    for v in deg_order:
+        used = {colour[w] for w in nb[ptr[v] : ptr[v + 1]]}
+        c = 0
+        while c in used:
+            c += 1
+        colour[v] = c
+    return np.array(colour, dtype=np.int64)
+
+
+class LocalSearch:
+    def __init__(self, problem: PairwiseProblem, unary: np.ndarray, big: float,
+                 budget: tuple[np.ndarray, float] | None = None, star_hubs: int = 16) -> None:
+        p = self.p = problem
+        self.unary = unary
+        self.big = big
+        self.costs = [np.where(np.isfinite(g.costs), g.costs, big) for g in p.groups]
+        self.budget = budget
+        self.eps = REL_EPS * (float(np.abs(unary[unary < big]).sum()) + 1.0)
+        V = p.n_vars
+        eu = np.concatenate([g.u for g in p.groups]) if p.groups else np.zeros(0, np.int64)
+        ev = np.concatenate([g.v for g in p.groups]) if p.groups else np.zeros(0, np.int64)
+        keys = np.concatenate([eu, ev])
+        vals = np.concatenate([ev, eu])
+        order = np.argsort(keys, kind="stable")
+        self.adj_ptr = np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=V))]).astype(np.int64)
+        self.adj = vals[order]
+        colour = _greedy_colouring(V, self.adj_ptr, self.adj)
+        self.classes = [self._subset(np.flatnonzero(colour == c)) for c in range(int(colour.max(initial=-1)) + 1)]
+        deg = self.adj_ptr[1:] - self.adj_ptr[:-1]
+        hubs = np.argsort(-deg, kind="stable")[:star_hubs]
+        self.hubs = [int(h) for h in hubs if deg[h] >= 3]
+        self._stars: dict[int, _Subset] = {}
+
+    def _subset(self, vars_: np.ndarray) -> _Subset:
+        p = self.p
+        pos = np.full(p.n_vars, -1, dtype=np.int64)
+        pos[vars_] = np.arange(len(vars_))
+        n = p.n_states[vars_]
+        w = int(n.max(initial=1))
+        idx = p.offsets[vars_][:, None] + np.arange(w)[None, :]
+        valid = np.arange(w)[None, :] < n[:, None]
+        upad = np.where(valid, self.unary[np.where(valid, idx, 0)], np.inf)
+        u_side, v_side = [], []
+        for g in p.groups:
+            eu = np.flatnonzero(pos[g.u] >= 0)
+            ev = np.flatnonzero(pos[g.v] >= 0)
+            u_side.append((eu, pos[g.u[eu]]))
+            v_side.append((ev, pos[g.v[ev]]))
+        return _Subset(vars_, upad, u_side, v_side)
+
+    def scores(self, x: np.ndarray, s: _Subset) -> np.ndarray:
+        """(n, w) cost of each state of each subset variable given the others' states in x."""
+        sc = s.unary_pad.copy()
+        for g, c, (eu, ru), (ev, rv) in zip(self.p.groups, self.costs, s.u_side, s.v_side):
+            a, b = g.shape
+            if len(eu):
+                np.add.at(sc, (ru[:, None], np.arange(a)[None, :]), c[eu, :, x[g.v[eu]]])
+            if len(ev):
+                np.add.at(sc, (rv[:, None], np.arange(b)[None, :]), c[ev, x[g.u[ev]], :])
+        return sc
+
+    def energy(self, x: np.ndarray) -> float:
+        e = float(self.unary[self.p.offsets[:-1] + x].sum())
+        for g, c in zip(self.p.groups, self.costs):
+            e += float(c[np.arange(len(g)), x[g.u], x[g.v]].sum())
+        return e
+
+    def _lhs(self, x: np.ndarray) -> float:
+        w, _ = self.budget
+        return float(w[self.p.offsets[:-1] + x].sum())
+
+    def icm(self, x: np.ndarray, deadline: float | None) -> bool:
+        changed_any = False
+        offs = self.p.offsets
+        for _ in range(MAX_ROUNDS):
+            changed = False
+            for s in self.classes:
+                sc = self.scores(x, s)
+                rows = np.arange(len(s.vars))
+                cur = x[s.vars]
+                new = sc.argmin(axis=1)
+                gain = sc[rows, cur] - sc[rows, new]
+                acc = gain > self.eps
+                if self.budget is not None and acc.any():
+                    w, rhs = self.budget
+                    dl = w[offs[s.vars] + new] - w[offs[s.vars] + cur]
+                    slack = rhs - self._lhs(x)
+                    free = acc & (dl <= 0)
+                    slack -= float(dl[free].sum())
+                    cand = np.flatnonzero(acc & (dl > 0))
+                    cand = cand[np.argsort(-gain[cand], kind="stable")]
+                    ok = np.cumsum(dl[cand]) <= slack + 1e-9 * max(1.0, abs(rhs))
+                    acc = free.copy()
+                    acc[cand[ok]] = True
+                if acc.any():
+                    x[s.vars[acc]] = new[acc]
+                    changed = changed_any = True
+            if not changed or (deadline is not None and time.perf_counter() > deadline):
+                break
+        return changed_any
+
+    def star(self, x: np.ndarray, deadline: float | None) -> bool:
+        p = self.p
+        improved = False
+        e_cur = self.energy(x)
+        for h in self.hubs:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            if h not in self._stars:
+                self._stars[h] = self._subset(self.adj[self.adj_ptr[h] : self.adj_ptr[h + 1]])
+            s = self._stars[h]
+            best_e, best_x = e_cur, None
+            hu = self.unary[p.offsets[h] : p.offsets[h + 1]]
+            for st in np.flatnonzero(hu < self.big):  # every allowed state
+                if st == x[h]:
+                    continue
+                y = x.copy()
+                y[h] = st
+                for _ in range(2):
+                    y[s.vars] = self.scores(y, s).argmin(axis=1)
+                if self.budget is not None and self._lhs(y) > self.budget[1] + 1e-9 * max(1.0, abs(self.budget[1])):
+                    continue
+                e = self.energy(y)
+                if e < best_e - self.eps:
+                    best_e, best_x = e, y
+            if best_x is not None:
+                x[:] = best_x
+                e_cur = best_e
+                improved = True
+        return improved
+
+    def improve(self, x: np.ndarray, deadline: float | None = None) -> np.ndarray:
+        """ICM, then alternate star-block moves and ICM while they help."""
+        x = x.copy()
+        self.icm(x, deadline)
+        for _ in range(STAR_ROUNDS):
+            if not self.hubs or not self.star(x, deadline):
+                break
+            self.icm(x, deadline)
+        return x
+
+    def repair(self, x: np.ndarray, deadline: float | None = None) -> np.ndarray:
+        """Make ``w . x <= rhs`` hold by cheapest-per-unit moves (best effort), then improve."""
+        w, rhs = self.budget
+        offs = self.p.offsets
+        x = x.copy()
+        for _ in range(50):
+            deficit = self._lhs(x) - rhs
+            if deficit <= 1e-9 * max(1.0, abs(rhs)):
+                return self.improve(x, deadline)
+            for s in self.classes:
+                deficit = self._lhs(x) - rhs
+                if deficit <= 1e-9 * max(1.0, abs(rhs)):
+                    break
+                sc = self.scores(x, s)
+                rows = np.arange(len(s.vars))
+                cur = x[s.vars]
+                n = sc.shape[1]
+                widx = np.minimum(offs[s.vars][:, None] + np.arange(n)[None, :], len(w) - 1)
+                wv = np.where(np.isfinite(sc), w[widx], np.inf)
+                red = wv[rows, cur][:, None] - wv  # reduction of lhs per state
+                cost = sc - sc[rows, cur][:, None]
+                ratio = np.where(red > 0, cost / np.where(red > 0, red, 1.0), np.inf)
+                best = ratio.argmin(axis=1)
+                cand = np.flatnonzero(np.isfinite(ratio[rows, best]))
+                if not len(cand):
+                    continue
+                cand = cand[np.argsort(ratio[cand, best[cand]], kind="stable")]
+                csum = np.cumsum(red[cand, best[cand]])
+                k = int(np.searchsorted(csum, deficit)) + 1
+                take = cand[:k]
+                x[s.vars[take]] = best[take]
+        return x  # may still be infeasible; the caller checks

@@ -1,0 +1,376 @@
+"""Sequential tree-reweighted message passing (TRW-S, Kolmogorov 2006) plus local search.
+
+Approximate: returns the best assignment decoded across sweeps, improved by local search
+(:mod:`solvers.local_search`), and a proven lower bound (the reparametrised energy's sum of
+minima, valid for any messages).
+
+Vectorisation.  Monotonic chains come from the variable order (index order unless ``order`` is
+given): edge ``(u, v)`` points from the earlier to the later variable.  Variable ``v`` can be
+processed in the forward sweep once all its earlier neighbours are, so variables are grouped
+into *levels* (longest path from a source); processing a level at once is exactly sequential
+TRW-S in the given order (no two variables of a level are adjacent).  Within a level the edges
+are handled per ``(n_u, n_v)`` shape group as contiguous slices of stacked cost arrays.
+
+Forbidden states and pairs use a large finite cost internally (``inf - inf`` would give NaN);
+the returned assignment is checked to have finite true energy.
+
+Side constraints: rows that touch one variable (fixed states) are absorbed by the presolve as
+domain restrictions.  One remaining ``<=`` or ``>=`` row (a budget) is handled by Lagrangian
+relaxation with bisection on the multiplier, returning a feasible assignment; anything else
+raises :class:`~solvers.Unsupported`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .local_search import LocalSearch
+from .problem import PairwiseProblem
+from .solution import BackendResult, Infeasible, Unsupported
+
+log = logging.getLogger(__name__)
+
+BIG_FACTOR = 1e6  # forbidden cost = BIG_FACTOR * (sum of the largest finite |cost| of every term + 1)
+DEFAULT_MAX_ITER = 200  # forward+backward sweeps
+DEFAULT_TOL = 1e-7  # relative: stop when the bound improved less than this over `patience` sweeps
+PATIENCE = 5
+LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
+
+
+def _levels(n: int, lo_nbr_ptr: np.ndarray, lo_nbr: np.ndarray) -> np.ndarray:
+    """Longest-path level of every variable given, per variable, its earlier neighbours (CSR)."""
+    lev = [0] * n
+    ptr = lo_nbr_ptr.tolist()
+    nb = lo_nbr.tolist()
+    for v in range(n):
+        best = -1
+        for w in nb[ptr[v] : ptr[v + 1]]:
+            if lev[w] > best:
+                best = lev[w]
+        lev[v] = best + 1
+    return np.array(lev, dtype=np.int64)
+
+
+def _csr(n: int, keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(keys, kind="stable")
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(ptr, keys + 1, 1)
+    return np.cumsum(ptr), vals[order]
+
+
+@dataclass
+class _Directed:
+    """One shape group in one direction, sorted by the level of its source."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    costs: np.ndarray  # (k, n_src, n_dst), finite
+    src_idx: np.ndarray  # (k, n_src) flat indicator indices
+    dst_idx: np.ndarray  # (k, n_dst)
+    msg: np.ndarray  # (k, n_dst) message into dst
+    rev: np.ndarray  # position of the same edge in the other direction's arrays
+    level_ptr: np.ndarray | None  # edges with source level L are [level_ptr[L], level_ptr[L+1])
+    pair: int = -1  # index of the same edges' arrays in the other direction's list
+
+
+class TRWS:
+    """Message-passing state for one problem (reusable across unary changes, e.g. Lagrangian)."""
+
+    def __init__(self, problem: PairwiseProblem, order: np.ndarray | None = None) -> None:
+        p = problem
+        self.p = p
+        V = p.n_vars
+        rank = np.arange(V) if order is None else np.argsort(np.asarray(order))
+        self.rank = rank
+        fin_u = np.isfinite(p.unary_flat)
+        scale = float(np.abs(np.where(fin_u, p.unary_flat, 0.0)).max(initial=0.0)) * V
+        for g in p.groups:
+            fin = np.isfinite(g.costs)
+            scale += float(np.abs(np.where(fin, g.costs, 0.0)).max(axis=(1, 2)).sum())
+        self.scale = scale + 1.0
+        self.big = BIG_FACTOR * self.scale
+        self.unary = np.where(fin_u, p.unary_flat, self.big)
+        self.N = p.n_indicators
+        # orientation by rank, levels
+        us, vs = [], []
+        for g in p.groups:
+            flip = rank[g.u] > rank[g.v]
+            us.append(np.where(flip, g.v, g.u))
+            vs.append(np.where(flip, g.u, g.v))
+        eu = np.concatenate(us) if us else np.zeros(0, np.int64)
+        ev = np.concatenate(vs) if vs else np.zeros(0, np.int64)
+        # process variables in rank order: relabel to rank space for the level computation
+        lo_ptr, lo_nb = _csr(V, rank[ev], rank[eu])
+        hi_ptr, hi_nb = _csr(V, V - 1 - rank[eu], V - 1 - rank[ev])
+        lev_f_rank = _levels(V, lo_ptr, lo_nb)
+        lev_b_rank = _levels(V, hi_ptr, hi_nb)
+        self.lev_f = lev_f_rank[rank]
+        self.lev_b = lev_b_rank[V - 1 - rank]
+        n_in = np.bincount(ev, minlength=V)
+        n_out = np.bincount(eu, minlength=V)
+        self.gamma = 1.0 / np.maximum(1, np.maximum(n_in, n_out))
+        self.n_out = n_out
+        self.fwd: list[_Directed] = []
+        self.bwd: list[_Directed] = []
+        for g, a_u, a_v in zip(p.groups, us, vs):
+            flip = a_u != g.u  # edges whose later endpoint (by rank) is g.u
+            self._add_group(g, ~flip, flip)
+        self.n_lev_f = int(self.lev_f.max(initial=-1)) + 1
+        self.n_lev_b = int(self.lev_b.max(initial=-1)) + 1
+        self.vars_f = self._vars_by_level(self.lev_f, self.n_lev_f)
+        self.vars_b = self._vars_by_level(self.lev_b, self.n_lev_b)
+        for dset, lev, nl in ((self.fwd, self.lev_f, self.n_lev_f), (self.bwd, self.lev_b, self.n_lev_b)):
+            for d in dset:
+                d.level_ptr = np.searchsorted(lev[d.src], np.arange(nl + 1), side="left")
+        self.msum_lo = np.zeros(self.N)  # messages into v from earlier neighbours
+        self.msum_hi = np.zeros(self.N)  # from later neighbours
+        self.smax = int(p.n_states.max(initial=1))
+        self.var_of = np.repeat(np.arange(V), p.n_states)
+
+    def _add_group(self, g, same, flip) -> None:
+        p = self.p
+        fin_costs = np.where(np.isfinite(g.costs), g.costs, self.big)
+        for mask, transposed in ((same, False), (flip, True)):
+            if not mask.any():
+                continue
+            c = fin_costs[mask]
+            u, v = g.u[mask], g.v[mask]
+            if transposed:
+                c = c.transpose(0, 2, 1)
+                u, v = v, u
+            # u earlier, v later; forward costs (k, n_u, n_v), backward (k, n_v, n_u)
+            of = np.argsort(self.lev_f[u], kind="stable")
+            ob = np.argsort(self.lev_b[v], kind="stable")
+            inv_b = np.empty_like(ob)
+            inv_b[ob] = np.arange(len(ob))
+            inv_f = np.empty_like(of)
+            inv_f[of] = np.arange(len(of))
+            a, b = c.shape[1], c.shape[2]
+
+            def idx(vars_, n):
+                return p.offsets[vars_][:, None] + np.arange(n)[None, :]
+
+            df = _Directed(u[of], v[of], np.ascontiguousarray(c[of]), idx(u[of], a), idx(v[of], b),
+                           np.zeros((len(u), b)), inv_b[of], None, len(self.bwd))
+            db = _Directed(v[ob], u[ob], np.ascontiguousarray(c[ob].transpose(0, 2, 1)), idx(v[ob], b),
+                           idx(u[ob], a), np.zeros((len(u), a)), inv_f[ob], None, len(self.fwd))
+            self.fwd.append(df)
+            self.bwd.append(db)
+
+    def _vars_by_level(self, lev, nl):
+        order = np.argsort(lev, kind="stable")
+        ptr = np.searchsorted(lev[order], np.arange(nl + 1))
+        out = []
+        p = self.p
+        for L in range(nl):
+            vs = order[ptr[L] : ptr[L + 1]]
+            n = p.n_states[vs]
+            w = int(n.max())
+            pad = p.offsets[vs][:, None] + np.arange(w)[None, :]
+            valid = np.arange(w)[None, :] < n[:, None]
+            pad = np.where(valid, pad, 0)
+            out.append((vs, pad, valid))
+        return out
+
+    # ------------------------------------------------------------------ sweeps
+    def sweep(self, forward: bool, x: np.ndarray | None = None) -> None:
+        """One sweep; when ``x`` is given (forward only), decode into it by sequential conditioning."""
+        dirs, other = (self.fwd, self.bwd) if forward else (self.bwd, self.fwd)
+        levels = self.vars_f if forward else self.vars_b
+        msum_dst = self.msum_lo if forward else self.msum_hi
+        unary, lo, hi = self.unary, self.msum_lo, self.msum_hi
+        cond = np.zeros(self.N) if x is not None else None
+        for L, (vs, pad, valid) in enumerate(levels):
+            if x is not None:
+                dec = unary[pad] + hi[pad] + cond[pad]
+                dec[~valid] = np.inf
+                x[vs] = dec.argmin(axis=1)
+            for d in dirs:
+                s0, s1 = d.level_ptr[L], d.level_ptr[L + 1]
+                if s0 == s1:
+                    continue
+                si = d.src_idx[s0:s1]
+                hat = unary[si] + lo[si] + hi[si]
+                od = other[d.pair]
+                h = self.gamma[d.src[s0:s1]][:, None] * hat - od.msg[d.rev[s0:s1]]
+                c = d.costs[s0:s1]
+                new = (h[:, :, None] + c).min(axis=1)
+                new -= new.min(axis=1, keepdims=True)
+                delta = new - d.msg[s0:s1]
+                d.msg[s0:s1] = new
+                np.add.at(msum_dst, d.dst_idx[s0:s1], delta)
+                if cond is not None:
+                    np.add.at(cond, d.dst_idx[s0:s1], c[np.arange(s1 - s0), x[d.src[s0:s1]], :])
+
+    def lower_bound(self) -> float:
+        """A proven lower bound on the (internal) energy, valid for any messages.
+
+        Split the reparametrised energy: each forward edge (u earlier, v later) takes
+        ``gamma_u * theta_u`` of its earlier endpoint, and variable v keeps
+        ``(1 - out_v * gamma_v) * theta_v >= 0``; the bound is the sum of the minima of the parts.
+        Right after a forward sweep each edge part's minimum is the message's normalising constant,
+        and the bound equals the TRW-S chain bound (exact on chains and trees).
+        """
+        theta = self.unary + self.msum_lo + self.msum_hi
+        offs = self.p.offsets[:-1]
+        rest = 1.0 - self.n_out * self.gamma
+        total = float((rest * np.minimum.reduceat(theta, offs)).sum()) if self.p.n_vars else 0.0
+        for df, db in zip(self.fwd, self.bwd):
+            te = df.costs - df.msg[:, None, :] + (self.gamma[df.src][:, None] * theta[df.src_idx]
+                                                   - db.msg[df.rev])[:, :, None]
+            total += float(te.min(axis=(1, 2)).sum())
+        return total
+
+    def internal_energy(self, x: np.ndarray) -> float:
+        e = float(self.unary[self.p.offsets[:-1] + x].sum())
+        for d in self.fwd:
+            e += float(d.costs[np.arange(len(d.src)), x[d.src], x[d.dst]].sum())
+        return e
+
+    def set_unary(self, unary_flat: np.ndarray) -> None:
+        fin = np.isfinite(unary_flat)
+        self.unary = np.where(fin, unary_flat, self.big)
+
+    def run(self, max_iter: int, tol: float, deadline: float | None, local: LocalSearch | None,
+            x0: np.ndarray | None = None) -> tuple[np.ndarray, float, float, int]:
+        """Sweeps until convergence; returns (best x, its internal energy, best bound, iterations)."""
+        x = np.zeros(self.p.n_vars, dtype=np.int64)
+        best_x, best_e = None, np.inf
+        if x0 is not None:
+            best_x, best_e = x0.copy(), self.internal_energy(x0)
+        best_lb, hist = -np.inf, []
+        it = 0
+        for it in range(1, max_iter + 1):
+            self.sweep(True, x)
+            e = self.internal_energy(x)
+            if e < best_e:
+                best_e, best_x = e, x.copy()
+            lb = self.lower_bound()
+            self.sweep(False)
+            best_lb = max(best_lb, lb)
+            hist.append(best_lb)
+            if best_e - best_lb <= tol * max(1.0, abs(best_e)):
+                break
+            if len(hist) > PATIENCE and hist[-1] - hist[-1 - PATIENCE] <= tol * max(1.0, abs(hist[-1])):
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+        return best_x, best_e, best_lb, it
+
+
+def _budget_row(p: PairwiseProblem):
+    if not p.constraints:
+        return None
+    if len(p.constraints) > 1:
+        raise Unsupported(f"trws handles at most one multi-variable linear constraint (a budget); got "
+                          f"{[c.name for c in p.constraints]}; use backend 'highs' or 'cvxpy'")
+    c = p.constraints[0]
+    if c.sense == "==":
+        raise Unsupported(f"trws cannot honour the equality constraint {c.name!r} over several variables; "
+                          "use backend 'highs' or 'cvxpy'")
+    w = p.constraint_matrix.getrow(0).toarray().ravel()
+    if c.sense == ">=":
+        return c.name, -w, -c.rhs
+    return c.name, w, c.rhs
+
+
+def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max_iter: int = DEFAULT_MAX_ITER,
+               tol: float = DEFAULT_TOL, order=None, local_search: bool = True,
+               star_hubs: int = 16) -> BackendResult:
+    """TRW-S + local search. ``order``: variable processing order (default: index order).
+
+    ``star_hubs``: how many highest-degree variables get a star-block search.
+    """
+    t0 = time.perf_counter()
+    deadline = None if time_limit is None else t0 + float(time_limit)
+    p = problem
+    budget = _budget_row(p)
+    tr = TRWS(p, order)
+    ls = LocalSearch(p, tr.unary, tr.big, budget=None if budget is None else (budget[1], budget[2]),
+                     star_hubs=star_hubs) if local_search else None
+    finite_cap = tr.scale  # any assignment of finite true energy has internal energy <= scale
+    info = {"levels_fwd": tr.n_lev_f, "levels_bwd": tr.n_lev_b}
+    if budget is None:
+        x, e, lb, it = tr.run(max_iter, tol, deadline, ls)
+        info["iterations"] = it
+        info["trws_energy"] = e
+        if ls is not None and x is not None:
+            x = ls.improve(x, deadline)
+        bound = lb
+    else:
+        name, w, rhs = budget
+        x, bound, it_total = _lagrangian(tr, ls, w, rhs, max_iter, tol, deadline, info)
+        info["iterations"] = it_total
+        if x is None:
+            raise Infeasible(f"trws found no assignment satisfying constraint {name!r} (not proven infeasible)",
+                             constraints=(name,), proven=False)
+    e_true = p.energy(x)
+    if not np.isfinite(e_true):
+        if bound > finite_cap:
+            raise Infeasible("no assignment has finite energy (TRW-S lower bound exceeds every finite energy)",
+                             proven=True)
+        raise Infeasible("trws found no assignment of finite energy (not proven infeasible; try backend 'highs')",
+                         proven=False)
+    status = "feasible"
+    if deadline is not None and time.perf_counter() > deadline:
+        status = "time_limit"
+    info["seconds"] = time.perf_counter() - t0
+    log.info("trws: %d vars %d edges, %d sweeps, energy %.6g bound %.6g, %.3fs", p.n_vars, p.n_edges,
+             info["iterations"], e_true, bound, info["seconds"])
+    return BackendResult(x, lower_bound=min(bound, e_true) if np.isfinite(bound) else None, status=status, info=info)
+
+
+def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max_iter: int, tol: float,
+                deadline: float | None, info: dict):
+    """min E(x) + lam * (w.x - rhs) over lam >= 0 by bisection; best feasible x and the best dual bound."""
+    p = tr.p
+    base = p.unary_flat.copy()
+    offs = p.offsets[:-1]
+    tol_c = 1e-9 * max(1.0, abs(rhs))
+    best_x, best_e, best_bound, its = None, np.inf, -np.inf, 0
+
+    def evaluate(lam: float):
+        nonlocal best_x, best_e, best_bound, its
+        tr.set_unary(base + lam * w)
+        x, _, lb, it = tr.run(max_iter, tol, deadline, None)
+        its += it
+        best_bound = max(best_bound, lb - lam * rhs)
+        lhs = float(w[offs + x].sum())
+        feasible = lhs <= rhs + tol_c
+        if ls is not None:
+            x = ls.improve(x, deadline) if feasible else ls.repair(x, deadline)
+            lhs = float(w[offs + x].sum())
+        e = p.energy(x)
+        feasible = lhs <= rhs + tol_c and np.isfinite(e)
+        if feasible and e < best_e:
+            best_e, best_x = e, x.copy()
+        return feasible
+
+    if evaluate(0.0):
+        info["lagrange_multiplier"] = 0.0
+        return best_x, best_bound, its
+    wscale = float(np.abs(w).max(initial=0.0)) or 1.0
+    lam_hi = tr.scale / wscale / max(1, p.n_vars) * 1e-2
+    lam_lo = 0.0
+    lam_cap = tr.big * 1e-3 / (wscale * max(1, p.n_vars))  # beyond this the multiplier swamps forbidden costs
+    while lam_hi < lam_cap:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        if evaluate(lam_hi):
+            break
+        lam_lo, lam_hi = lam_hi, lam_hi * 4
+    for _ in range(LAGRANGE_STEPS):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        mid = 0.5 * (lam_lo + lam_hi)
+        if evaluate(mid):
+            lam_hi = mid
+        else:
+            lam_lo = mid
+    tr.set_unary(base)
+    info["lagrange_multiplier"] = lam_hi
+    return best_x, best_bound, its
