@@ -272,7 +272,6 @@ def op_strategies(
 
 
 def _op_strategies(p, kind, op, args, kwargs, out_meta, mesh):
-
     if kind == "single_dim":
         # The single-dim rule enumerates every placement regardless of the inputs' current ones;
         # torch fills its sharding placeholders with the Shard kinds seen on the inputs, so the
@@ -291,21 +290,83 @@ def _op_strategies(p, kind, op, args, kwargs, out_meta, mesh):
         fn = _expand_single_dim_strategy_to_mesh(mesh, schema, info, out_meta)
         strat = fn(op, schema.args_meta, schema.kwargs_meta)
     else:
+        return _full_mesh_strategies(p, op, args, kwargs, mesh)
+    return _to_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
 
+
+def _full_mesh_strategies(p, op, args, kwargs, mesh):
+    """Ask a full-mesh rule, given every candidate placement of every tensor input.
+
+    Some rules raise when ANY candidate is unusable (e.g. view: "Cannot unflatten unevenly sharded
+    tensor") instead of skipping it. Then the candidate set of the input with the most candidates
+    is halved and each half asked separately (union of the answers); a single candidate that still
+    fails is dropped. If every candidate fails, the first error is raised.
+    """
+
+    def ask(a_args, a_kwargs):
         def full(a: TensorArg) -> OpStrategy:
             meta = a.meta()
             return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(c), meta)) for c in a.candidates])
 
-        schema = OpSchema(op, tuple(_map_args(a, full) for a in args),
-                          {k: _map_args(v, full) for k, v in kwargs.items()},
+        schema = OpSchema(op, tuple(_map_args(a, full) for a in a_args),
+                          {k: _map_args(v, full) for k, v in a_kwargs.items()},
                           schema_info=p.op_to_schema_info.get(op))
         strat = p.op_strategy_funcs[op](schema)
+        return _to_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
 
+    first_error: list[Exception] = []
+
+    def solve(a_args, a_kwargs):
+        try:
+            return ask(a_args, a_kwargs)
+        except (NotImplementedError, TypeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a rule rejecting some candidate
+            first_error.append(e)
+        tensor_args = _collect_tensor_args((a_args, a_kwargs))
+        widest = max(tensor_args, key=lambda t: len(t.candidates), default=None)
+        if widest is None or len(widest.candidates) <= 1:
+            return []
+        half = len(widest.candidates) // 2
+        out = []
+        for part in (widest.candidates[:half], widest.candidates[half:]):
+            narrowed = TensorArg(widest.shape, widest.stride, widest.dtype, part)
+            swap = lambda a: narrowed if a is widest else a  # noqa: E731
+            out += solve(_replace(a_args, swap), {k: _replace(v, swap) for k, v in a_kwargs.items()})
+        return out
+
+    result = solve(args, kwargs)
+    if not result and first_error:
+        raise first_error[0]
+    if first_error:
+        logger.debug("%s: rule rejected some input candidates (%s); asked per candidate subset", op, first_error[0])
+    return list(dict.fromkeys(result))
+
+
+def _collect_tensor_args(obj: object) -> list[TensorArg]:
+    if isinstance(obj, TensorArg):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _collect_tensor_args(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _collect_tensor_args(o)]
+    return []
+
+
+def _replace(obj: object, fn) -> object:
+    if isinstance(obj, TensorArg):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace(o, fn) for o in obj)
+    return obj
+
+
+def _to_pairs(op, strat, n_inputs):
+    """OpStrategy -> [(output placements, input placements)]."""
     if isinstance(strat, TupleStrategy):
         raise NotImplementedError(f"{op}: rule returned a TupleStrategy (per-output strategies); not supported")
     if not isinstance(strat, OpStrategy):
         raise TypeError(f"{op}: rule returned {type(strat).__name__}, expected OpStrategy")
-    n_inputs = len(schema.args_strategy) + len(schema.kwargs_strategy)
     result = []
     for spec in strat.strategies:
         outs = _spec_outputs(spec.output_specs)

@@ -37,14 +37,15 @@ _TOKEN = re.compile(r"R|P(?:\((sum|avg|max|min|product)\))?|S\((\d+)\)")
 def to_str(p: Placement) -> str:
     """``Replicate()`` -> ``"R"``, ``Shard(d)`` -> ``"S(d)"``, ``Partial()`` -> ``"P"``.
 
-    Raises TypeError for placements outside this vocabulary (e.g. ``_StridedShard``, or a
-    ``Partial`` subclass such as the masked partial of embedding).
+    Raises TypeError for placements outside this vocabulary (e.g. ``_StridedShard``).
     """
     if type(p) is Shard:
         return f"S({p.dim})"
     if isinstance(p, Replicate):
         return "R"
-    if type(p) is Partial:
+    if isinstance(p, Partial) and (type(p) is Partial or p.reduce_op == "sum"):
+        # DTensor's masked partial (embedding with a row-sharded weight) is reduced by a sum,
+        # so it prices and is written as "P"; parsing "P" gives a plain Partial().
         return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
     raise TypeError(f"placement {p!r} ({type(p).__name__}) has no string form; expected Replicate, Shard or Partial")
 

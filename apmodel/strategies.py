@@ -17,8 +17,8 @@ Rules, node by node:
 
 Filters (after the rule): a sharded tensor dim must be at least as large as its number of shards,
 and, unless ``allow_uneven``, divisible by it (uneven shards complicate lowering); strategies with
-placements outside the shared vocabulary (``_StridedShard``, masked partials, partials whose
-reduction is not in ``partial_reduce_ops``) are dropped; so are the combinations listed in
+placements outside the shared vocabulary (``_StridedShard``, partials whose reduction is not in
+``partial_reduce_ops``) are dropped (embedding's masked partial, a sum, is kept and written "P"); so are the combinations listed in
 :data:`EXCLUDED` (broken in torch eager) and duplicates.
 
 ``node_strategies`` is pure given its arguments and memoised on a key of
@@ -193,7 +193,7 @@ def _in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
     for p in pl:
         if type(p) is Shard or isinstance(p, Replicate):
             continue
-        if type(p) is Partial and p.reduce_op in partial_reduce_ops:
+        if isinstance(p, Partial) and p.reduce_op in partial_reduce_ops:  # incl. embedding's masked partial
             continue
         return False
     return True
