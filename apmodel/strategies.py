@@ -18,12 +18,14 @@ Rules, node by node:
 Filters (after the rule): a sharded tensor dim must be at least as large as its number of shards,
 and, unless ``allow_uneven``, divisible by it (uneven shards complicate lowering); strategies with
 placements outside the shared vocabulary (``_StridedShard``, partials whose reduction is not in
-``partial_reduce_ops``) are dropped (embedding's masked partial, a sum, is kept and written "P"); so are the combinations listed in
+``partial_reduce_ops``) are dropped; DTensor's masked partial (embedding, gather) is written as
+Replicate on the indices input and Partial on the output (see ``_unmask``); so are the combinations listed in
 :data:`EXCLUDED` (broken in torch eager) and duplicates.
 
 ``node_strategies`` is pure given its arguments and memoised on a key of
 (op, non-tensor arguments, shapes/strides/dtypes, producers' candidate placements, mesh shape,
 options) in a :class:`StrategyCache`, so 32 identical transformer layers cost one enumeration.
+Candidate placements enter the key only for full-mesh rules; single-dim rules ignore them.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class StrategyCache:
 
     memo: dict[tuple, tuple[Strategy, ...]] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
-    unsupported: dict[str, int] = field(default_factory=dict)  # op name -> number of nodes
+    unsupported: dict[str, int] = field(default_factory=dict)  # op name -> number of replicate-only nodes
+    fallback_keys: set[tuple] = field(default_factory=set)  # memo keys whose entry is the replicate fallback
     hits: int = 0
     misses: int = 0
 
@@ -193,7 +196,7 @@ def _in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
     for p in pl:
         if type(p) is Shard or isinstance(p, Replicate):
             continue
-        if isinstance(p, Partial) and p.reduce_op in partial_reduce_ops:  # incl. embedding's masked partial
+        if type(p) is Partial and p.reduce_op in partial_reduce_ops:
             continue
         return False
     return True
@@ -213,14 +216,14 @@ def placeholder_placements(shape: Sequence[int], mesh_shape: Sequence[int], allo
 # one node
 
 
-def _freeze(a: object) -> object:
-    """Hashable form of a non-tensor argument structure."""
+def _freeze(a: object, with_cands: bool = True) -> object:
+    """Hashable form of an argument structure (tensors as shape/stride/dtype[/candidates])."""
     if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_freeze(x) for x in a))
+        return (type(a).__name__, tuple(_freeze(x, with_cands) for x in a))
     if isinstance(a, dict):
-        return ("dict", tuple(sorted((k, _freeze(v)) for k, v in a.items())))
+        return ("dict", tuple(sorted((k, _freeze(v, with_cands)) for k, v in a.items())))
     if isinstance(a, tp.TensorArg):
-        return ("T", a.shape, a.stride, a.dtype, a.candidates)
+        return ("T", a.shape, a.stride, a.dtype, a.candidates if with_cands else None)
     if isinstance(a, fx.Node):  # non-tensor node (e.g. a SymInt); static shapes make these rare
         return ("N", repr(_val(a)))
     try:
@@ -325,10 +328,17 @@ def node_strategies(
     args = tuple(sub(a) for a in node.args)
     kwargs = {k: sub(v) for k, v in node.kwargs.items()}
     out_shapes = _out_shapes(val)
-    key = (op, _freeze(args), _freeze(kwargs), out_shapes, ms, allow_uneven, partial_inputs, tuple(partial_reduce_ops))
+    # Only full-mesh rules look at the producers' candidate placements; single-dim rules (and the
+    # replicate fallback) do not, so their key leaves them out and more nodes share one entry.
+    with_cands = isinstance(op, torch._ops.OpOverload) and tp.rule_kind(op) == "op_strategy"
+    key = (op, _freeze(args, with_cands), _freeze(kwargs, with_cands), out_shapes, ms, allow_uneven,
+           partial_inputs, tuple(partial_reduce_ops))
     hit = cache.memo.get(key)
     if hit is not None:
         cache.hits += 1
+        if key in cache.fallback_keys:
+            name = _op_name(op)
+            cache.unsupported[name] = cache.unsupported.get(name, 0) + 1
         return list(hit)
     cache.misses += 1
 
@@ -349,7 +359,7 @@ def node_strategies(
                 reason = f"rule gave {len(ins)} input placements for {len(slots)} tensor inputs"
                 result = []
                 break
-            s = Strategy(_align_outputs(outs, out_shapes, nd), tuple(ins))
+            s = _unmask(Strategy(_align_outputs(outs, out_shapes, nd), tuple(ins)))
             if s in seen:
                 continue
             seen.add(s)
@@ -364,8 +374,31 @@ def node_strategies(
             cache.warned.add(name)
             logger.warning("%s (node %s): %s; using the replicate-only strategy", name, node.name, reason)
         result = [_replicate_only(out_shapes, len(slots), nd)]
+        cache.fallback_keys.add(key)
     cache.memo[key] = tuple(result)
     return result
+
+
+def _is_masked_partial(p: Placement) -> bool:
+    return isinstance(p, Partial) and type(p) is not Partial and p.reduce_op == "sum"
+
+
+def _unmask(s: Strategy) -> Strategy:
+    """Write DTensor's masked partial (embedding/gather with a sharded table) in plain terms.
+
+    Such a rule puts ``_MaskPartial`` on the indices input and on the output. For the indices it
+    means "replicated; each device masks out-of-range rows locally" (DTensor does that itself when
+    given replicated indices), so the input is written Replicate; the output is a partial sum,
+    written Partial(). This keeps strategies comparable (a _MaskPartial carries a mask buffer) and
+    in the costmodels vocabulary, where R -> P would otherwise be forbidden.
+    """
+    if not any(pl is not None and any(_is_masked_partial(p) for p in pl) for pl in s.outputs + s.inputs):
+        return s
+
+    def fix(pl: Placements | None, repl: Placement) -> Placements | None:
+        return None if pl is None else tuple(repl if _is_masked_partial(p) else p for p in pl)
+
+    return Strategy(tuple(fix(pl, Partial()) for pl in s.outputs), tuple(fix(pl, Replicate()) for pl in s.inputs))
 
 
 def _align_outputs(outs: Sequence[Placements | None], out_shapes: Sequence[object], nd: int) -> tuple[Placements | None, ...]:
