@@ -114,3 +114,34 @@ def test_sdpa_flash_rule_offers_head_and_batch_sharding():
     assert ((Shard(0),),) * 3 in ins  # batch
     assert ((Replicate(),),) * 3 in ins
     assert not any(isinstance(p, Partial) for _, i in got for pl in i for p in pl)
+
+
+_REAL_PG_SCRIPT = r"""
+import os, tempfile, torch, torch.distributed as dist
+from apmodel import _torch_private as tp
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+pg = dist.group.WORLD
+mesh = tp.fake_mesh((2, 2))
+assert tuple(mesh.shape) == (2, 2)
+assert dist.group.WORLD is pg and dist.get_backend() == "gloo" and dist.get_world_size() == 1
+t = torch.ones(3)
+dist.all_reduce(t)  # the real group still works
+assert t.tolist() == [1.0, 1.0, 1.0]
+from torch.distributed.tensor.placement_types import Replicate, Shard
+a = tp.TensorArg((8, 8), (8, 1), torch.float32, ((Replicate(),) * 2,))
+assert len(tp.op_strategies(torch.ops.aten.mm.default, (a, a), {}, torch.empty(8, 8, device="meta"), mesh)) > 4
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+def test_fake_mesh_leaves_a_real_process_group_alone():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _REAL_PG_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
