@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .local_search import LocalSearch
+from .marginal import _classes
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
 
@@ -36,9 +37,12 @@ log = logging.getLogger(__name__)
 
 BIG_FACTOR = 1e6  # forbidden cost = BIG_FACTOR * (sum of the largest finite |cost| of every term + 1)
 DEFAULT_MAX_ITER = 200  # forward+backward sweeps
-DEFAULT_TOL = 1e-7  # relative: stop when the bound improved less than this over `patience` sweeps
+DEFAULT_TOL = 1e-5  # relative: stop at this gap, or when the bound improved less over PATIENCE sweeps
 PATIENCE = 5
+STALL_GAP = 1e-3  # relative: also stop when the gap is below this and the energy has not improved for
+ENERGY_PATIENCE = 10  # this many sweeps
 LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
+COMPRESS_RATIO = 0.5  # use class-compressed messages when they shrink the cost block at least this much
 
 
 def _levels(n: int, lo_nbr_ptr: np.ndarray, lo_nbr: np.ndarray) -> np.ndarray:
@@ -75,6 +79,67 @@ class _Directed:
     rev: np.ndarray  # position of the same edge in the other direction's arrays
     level_ptr: np.ndarray | None  # edges with source level L are [level_ptr[L], level_ptr[L+1])
     pair: int = -1  # index of the same edges' arrays in the other direction's list
+    comp: _Compressed | None = None  # class-compressed costs when rows/columns repeat
+
+
+@dataclass
+class _ClassMin:
+    """Per edge, the minimum of a vector over each class of identical rows (or columns)."""
+
+    perm: np.ndarray  # (k*n,) flat positions, each edge's entries sorted by class
+    starts: np.ndarray  # (n_segments,) segment starts in the sorted flat order
+    dest: np.ndarray  # (n_segments,) flat position in the padded (k, m) output
+    seg_ptr: np.ndarray  # (k+1,) first segment of each edge
+    n: int
+    m: int
+
+    @classmethod
+    def build(cls, labels: np.ndarray, m: int) -> _ClassMin:
+        k, n = labels.shape
+        order = np.argsort(labels, axis=1, kind="stable")
+        ls = np.take_along_axis(labels, order, axis=1)
+        new = np.ones((k, n), dtype=bool)
+        new[:, 1:] = ls[:, 1:] != ls[:, :-1]
+        starts = np.flatnonzero(new.ravel())
+        dest = (np.arange(k)[:, None] * m + ls)[new]
+        seg_ptr = np.concatenate([[0], np.cumsum(new.sum(axis=1))])
+        perm = (np.arange(k)[:, None] * n + order).ravel()
+        return cls(perm, starts, dest, seg_ptr, n, m)
+
+    def __call__(self, vals: np.ndarray, s0: int, s1: int) -> np.ndarray:
+        n, m = self.n, self.m
+        v = vals.ravel()[self.perm[s0 * n : s1 * n] - s0 * n]
+        a, b = self.seg_ptr[s0], self.seg_ptr[s1]
+        out = np.full((s1 - s0) * m, np.inf)
+        out[self.dest[a:b] - s0 * m] = np.minimum.reduceat(v, self.starts[a:b] - s0 * n)
+        return out.reshape(s1 - s0, m)
+
+
+@dataclass
+class _Compressed:
+    costs: np.ndarray  # (k, m_src, m_dst), +inf padding
+    src: _ClassMin
+    dst: _ClassMin
+    dst_flat: np.ndarray  # (k, n_dst): flat position of each dst state's class in a (k, m_dst) array
+
+    @classmethod
+    def build(cls, costs: np.ndarray, lu: np.ndarray, cu: np.ndarray, lv: np.ndarray, cv: np.ndarray
+              ) -> _Compressed | None:
+        k, a, b = costs.shape
+        if k == 0:
+            return None
+        mu, mv = int(cu.max()), int(cv.max())
+        if mu * mv > COMPRESS_RATIO * a * b:
+            return None
+        rep_u = np.zeros((k, mu), dtype=np.int64)
+        rep_u[np.arange(k)[:, None], lu] = np.arange(a)[None, :]
+        rep_v = np.zeros((k, mv), dtype=np.int64)
+        rep_v[np.arange(k)[:, None], lv] = np.arange(b)[None, :]
+        cc = costs[np.arange(k)[:, None, None], rep_u[:, :, None], rep_v[:, None, :]]
+        valid = (np.arange(mu)[None, :, None] < cu[:, None, None]) & (np.arange(mv)[None, None, :] < cv[:, None, None])
+        cc = np.where(valid, cc, np.inf)
+        return cls(np.ascontiguousarray(cc), _ClassMin.build(lu, mu), _ClassMin.build(lv, mv),
+                   np.arange(k)[:, None] * mv + lv)
 
 
 class TRWS:
@@ -158,6 +223,11 @@ class TRWS:
                            np.zeros((len(u), b)), inv_b[of], None, len(self.bwd))
             db = _Directed(v[ob], u[ob], np.ascontiguousarray(c[ob].transpose(0, 2, 1)), idx(v[ob], b),
                            idx(u[ob], a), np.zeros((len(u), a)), inv_f[ob], None, len(self.fwd))
+            rng = np.random.default_rng(0)
+            lu, cu = _classes(c, 1, rng)
+            lv, cv = _classes(c, 2, rng)
+            df.comp = _Compressed.build(df.costs, lu[of], cu[of], lv[of], cv[of])
+            db.comp = _Compressed.build(db.costs, lv[ob], cv[ob], lu[ob], cu[ob])
             self.fwd.append(df)
             self.bwd.append(db)
 
@@ -198,13 +268,19 @@ class TRWS:
                 od = other[d.pair]
                 h = self.gamma[d.src[s0:s1]][:, None] * hat - od.msg[d.rev[s0:s1]]
                 c = d.costs[s0:s1]
-                new = (h[:, :, None] + c).min(axis=1)
-                new -= new.min(axis=1, keepdims=True)
+                if d.comp is None:
+                    new = (h[:, :, None] + c).min(axis=1)
+                    new -= new.min(axis=1, keepdims=True)
+                else:
+                    cp = d.comp
+                    newc = (cp.src(h, s0, s1)[:, :, None] + cp.costs[s0:s1]).min(axis=1)
+                    newc -= newc.min(axis=1, keepdims=True)
+                    new = newc.ravel()[cp.dst_flat[s0:s1] - s0 * cp.dst.m]
                 delta = new - d.msg[s0:s1]
                 d.msg[s0:s1] = new
-                np.add.at(msum_dst, d.dst_idx[s0:s1], delta)
+                np.add.at(msum_dst, d.dst_idx[s0:s1].ravel(), delta.ravel())
                 if cond is not None:
-                    np.add.at(cond, d.dst_idx[s0:s1], c[np.arange(s1 - s0), x[d.src[s0:s1]], :])
+                    np.add.at(cond, d.dst_idx[s0:s1].ravel(), c[np.arange(s1 - s0), x[d.src[s0:s1]], :].ravel())
 
     def lower_bound(self) -> float:
         """A proven lower bound on the (internal) energy, valid for any messages.
@@ -220,8 +296,12 @@ class TRWS:
         rest = 1.0 - self.n_out * self.gamma
         total = float((rest * np.minimum.reduceat(theta, offs)).sum()) if self.p.n_vars else 0.0
         for df, db in zip(self.fwd, self.bwd):
-            te = df.costs - df.msg[:, None, :] + (self.gamma[df.src][:, None] * theta[df.src_idx]
-                                                   - db.msg[df.rev])[:, :, None]
+            g = self.gamma[df.src][:, None] * theta[df.src_idx] - db.msg[df.rev]
+            if df.comp is None:
+                te = df.costs - df.msg[:, None, :] + g[:, :, None]
+            else:
+                k = len(df.src)
+                te = df.comp.costs + df.comp.src(g, 0, k)[:, :, None] + df.comp.dst(-df.msg, 0, k)[:, None, :]
             total += float(te.min(axis=(1, 2)).sum())
         return total
 
@@ -236,24 +316,25 @@ class TRWS:
         self.unary = np.where(fin, unary_flat, self.big)
 
     def run(self, max_iter: int, tol: float, deadline: float | None, local: LocalSearch | None,
-            x0: np.ndarray | None = None) -> tuple[np.ndarray, float, float, int]:
+            x0: np.ndarray | None = None, stall_gap: float = STALL_GAP) -> tuple[np.ndarray, float, float, int]:
         """Sweeps until convergence; returns (best x, its internal energy, best bound, iterations)."""
         x = np.zeros(self.p.n_vars, dtype=np.int64)
         best_x, best_e = None, np.inf
         if x0 is not None:
             best_x, best_e = x0.copy(), self.internal_energy(x0)
         best_lb, hist = -np.inf, []
-        it = 0
+        it = last_improved = 0
         for it in range(1, max_iter + 1):
             self.sweep(True, x)
             e = self.internal_energy(x)
             if e < best_e:
-                best_e, best_x = e, x.copy()
+                best_e, best_x, last_improved = e, x.copy(), it
             lb = self.lower_bound()
             self.sweep(False)
             best_lb = max(best_lb, lb)
             hist.append(best_lb)
-            if best_e - best_lb <= tol * max(1.0, abs(best_e)):
+            gap = (best_e - best_lb) / max(1.0, abs(best_e))
+            if gap <= tol or (gap <= stall_gap and it - last_improved >= ENERGY_PATIENCE):
                 break
             if len(hist) > PATIENCE and hist[-1] - hist[-1 - PATIENCE] <= tol * max(1.0, abs(hist[-1])):
                 break
@@ -279,11 +360,16 @@ def _budget_row(p: PairwiseProblem):
 
 
 def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max_iter: int = DEFAULT_MAX_ITER,
-               tol: float = DEFAULT_TOL, order=None, local_search: bool = True,
+               tol: float = DEFAULT_TOL, stall_gap: float = STALL_GAP, order=None, local_search: bool = True,
                star_hubs: int = 16) -> BackendResult:
-    """TRW-S + local search. ``order``: variable processing order (default: index order).
+    """TRW-S + local search.
 
-    ``star_hubs``: how many highest-degree variables get a star-block search.
+    Stops after ``max_iter`` forward+backward sweeps, at ``time_limit`` seconds, when the relative
+    gap between the best energy and the bound is ``<= tol``, when the bound stalls, or when the gap
+    is ``<= stall_gap`` and the best energy has not improved for ENERGY_PATIENCE sweeps.
+    ``order``: variable processing order (default: index order; a topological order of the
+    planner's graph gives long monotonic chains).  ``star_hubs``: how many highest-degree
+    variables get a star-block search.
     """
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + float(time_limit)
@@ -295,7 +381,7 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
     finite_cap = tr.scale  # any assignment of finite true energy has internal energy <= scale
     info = {"levels_fwd": tr.n_lev_f, "levels_bwd": tr.n_lev_b}
     if budget is None:
-        x, e, lb, it = tr.run(max_iter, tol, deadline, ls)
+        x, e, lb, it = tr.run(max_iter, tol, deadline, ls, stall_gap=stall_gap)
         info["iterations"] = it
         info["trws_energy"] = e
         if ls is not None and x is not None:
@@ -303,7 +389,7 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
         bound = lb
     else:
         name, w, rhs = budget
-        x, bound, it_total = _lagrangian(tr, ls, w, rhs, max_iter, tol, deadline, info)
+        x, bound, it_total = _lagrangian(tr, ls, w, rhs, max_iter, tol, deadline, info, stall_gap)
         info["iterations"] = it_total
         if x is None:
             raise Infeasible(f"trws found no assignment satisfying constraint {name!r} (not proven infeasible)",
@@ -325,7 +411,7 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
 
 
 def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max_iter: int, tol: float,
-                deadline: float | None, info: dict):
+                deadline: float | None, info: dict, stall_gap: float):
     """min E(x) + lam * (w.x - rhs) over lam >= 0 by bisection; best feasible x and the best dual bound."""
     p = tr.p
     base = p.unary_flat.copy()
@@ -336,7 +422,7 @@ def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max
     def evaluate(lam: float):
         nonlocal best_x, best_e, best_bound, its
         tr.set_unary(base + lam * w)
-        x, _, lb, it = tr.run(max_iter, tol, deadline, None)
+        x, _, lb, it = tr.run(max_iter, tol, deadline, None, stall_gap=stall_gap)
         its += it
         best_bound = max(best_bound, lb - lam * rhs)
         lhs = float(w[offs + x].sum())

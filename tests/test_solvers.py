@@ -1,0 +1,281 @@
+"""Conformance tests for every solver backend against brute force (the independent truth)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import solvers
+
+TOL = 1e-6
+
+
+# ---------------------------------------------------------------- random problem generators
+def random_problem(seed: int, max_vars: int = 8, max_states: int = 4, p_edge: float = 0.4,
+                   p_inf: float = 0.1, graph: str = "random") -> solvers.PairwiseProblem:
+    """Small random problem: ``graph`` is "random", "chain" or "tree"."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, max_vars + 1))
+    ns = rng.integers(1, max_states + 1, size=n)
+    unary = []
+    for k in ns:
+        u = rng.normal(size=k).round(3)
+        u[rng.random(k) < p_inf] = np.inf
+        unary.append(u)
+    if graph == "chain":
+        pairs = [(i, i + 1) for i in range(n - 1)]
+    elif graph == "tree":
+        pairs = [(int(rng.integers(0, i)), i) for i in range(1, n)]
+    else:
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n) if rng.random() < p_edge]
+    edges = []
+    for i, j in pairs:
+        m = rng.normal(scale=1.5, size=(ns[i], ns[j])).round(3)
+        m[rng.random(m.shape) < p_inf] = np.inf
+        if rng.random() < 0.5:
+            edges.append((j, i, m.T))  # reversed orientation on purpose
+        else:
+            edges.append((i, j, m))
+    return solvers.PairwiseProblem(unary, edges)
+
+
+def with_budget(problem: solvers.PairwiseProblem, seed: int, tight: float = 0.5) -> solvers.PairwiseProblem:
+    """Add one "<=" budget row with random non-negative weights, rhs between min and max weight sum."""
+    rng = np.random.default_rng(seed + 7919)
+    w = rng.integers(0, 5, size=problem.n_indicators).astype(float)
+    mins = np.minimum.reduceat(np.where(np.isfinite(problem.unary_flat), w, np.inf), problem.offsets[:-1])
+    maxs = np.maximum.reduceat(np.where(np.isfinite(problem.unary_flat), w, -np.inf), problem.offsets[:-1])
+    lo, hi = np.nansum(np.where(np.isfinite(mins), mins, 0)), np.nansum(np.where(np.isfinite(maxs), maxs, 0))
+    rhs = float(np.floor(lo + tight * (hi - lo)))
+    terms = [(v, s, w[problem.offsets[v] + s]) for v in range(problem.n_vars) for s in range(problem.n_states[v])
+             if w[problem.offsets[v] + s] != 0]
+    return solvers.PairwiseProblem(problem.unary, problem.edges, [solvers.LinearConstraint("budget", terms, "<=", rhs)])
+
+
+def brute_or_none(problem: solvers.PairwiseProblem):
+    """Brute-force solution, or None when infeasible."""
+    try:
+        return solvers.solve(problem, "brute")
+    except solvers.Infeasible:
+        return None
+
+
+# ---------------------------------------------------------------- tests
+EXACT = ["highs", "cvxpy"]
+APPROX = ["trws", "pgmpy"]
+# instances per backend: the slow adapters (cvxpy: ~0.1 s, pgmpy: ~0.5 s per call) get fewer
+N_CASES = {"brute": 0, "highs": 150, "cvxpy": 12, "trws": 300, "pgmpy": 8}
+
+
+def _solve_or_none(problem, backend, **kw):
+    try:
+        return solvers.solve(problem, backend, **kw)
+    except solvers.Infeasible as err:
+        return err
+
+
+@pytest.mark.parametrize("backend", EXACT + APPROX)
+def test_random_problems_against_brute_force(backend):
+    for seed in range(N_CASES[backend]):
+        p = random_problem(seed)
+        ref = brute_or_none(p)
+        got = _solve_or_none(p, backend)
+        if ref is None:
+            assert isinstance(got, solvers.Infeasible), (seed, got)
+            continue
+        if isinstance(got, solvers.Infeasible):
+            assert backend in APPROX and not got.proven, (seed, got)
+            continue
+        assert got.energy == pytest.approx(p.energy(got.assignment))
+        assert got.backend == backend
+        if backend in EXACT:
+            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+            assert got.status == "optimal"
+        else:
+            assert got.energy >= ref.energy - TOL, seed
+        if got.lower_bound is not None:
+            assert got.lower_bound <= ref.energy + TOL, seed
+            assert got.gap is not None and got.gap >= 0
+
+
+@pytest.mark.parametrize("graph", ["chain", "tree"])
+def test_trws_exact_on_chains_and_trees(graph):
+    for seed in range(150):
+        p = random_problem(seed, graph=graph, max_vars=10)
+        ref = brute_or_none(p)
+        if ref is None:
+            continue
+        got = solvers.solve(p, "trws", local_search=False)
+        assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+        assert got.lower_bound == pytest.approx(ref.energy, abs=1e-5), seed
+
+
+@pytest.mark.parametrize("backend", ["highs", "cvxpy", "trws", "brute"])
+def test_budget_constraint_honoured(backend):
+    n = {"highs": 80, "cvxpy": 8, "trws": 120, "brute": 20}[backend]
+    for seed in range(n):
+        p = with_budget(random_problem(seed), seed)
+        ref = brute_or_none(p)
+        got = _solve_or_none(p, backend)
+        if ref is None:
+            assert isinstance(got, solvers.Infeasible)
+            continue
+        if isinstance(got, solvers.Infeasible):
+            assert backend == "trws" and not got.proven, seed
+            continue
+        assert p.violated_constraints(got.assignment) == []
+        if backend == "trws":
+            assert got.energy >= ref.energy - TOL
+            assert got.lower_bound is None or got.lower_bound <= ref.energy + TOL
+        else:
+            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+
+
+@pytest.mark.parametrize("backend", ["brute", "highs", "cvxpy", "trws", "pgmpy"])
+def test_fixed_state_constraint(backend):
+    p0 = random_problem(5, p_inf=0.0)
+    v, s = 1, int(p0.n_states[1]) - 1
+    p = solvers.PairwiseProblem(p0.unary, p0.edges, [solvers.LinearConstraint("fix", [(v, s, 1.0)], "==", 1.0)])
+    got = solvers.solve(p, backend)
+    assert got.assignment[v] == s
+    ref = solvers.solve(p, "brute")
+    assert got.energy >= ref.energy - TOL
+
+
+def _infeasible_cases():
+    yield "all-forbidden", solvers.PairwiseProblem([[0, 1], [np.inf, np.inf]], [], names=["a", "b"]), "b"
+    m = np.array([[np.inf, 0.0], [0.0, np.inf]])
+    yield "contradictory-edge", solvers.PairwiseProblem([[0, np.inf], [0, np.inf]], [(0, 1, m)],
+                                                        names=["p", "q"]), "(p, q)"
+    yield "budget", solvers.PairwiseProblem(
+        [[1, 2], [3, 4]], [(0, 1, np.zeros((2, 2)))],
+        [solvers.LinearConstraint("mem", [(0, 0, 5), (0, 1, 6), (1, 0, 5), (1, 1, 7)], "<=", 9)]), "mem"
+
+
+@pytest.mark.parametrize("backend", ["brute", "highs", "cvxpy", "trws", "pgmpy"])
+@pytest.mark.parametrize("case", list(_infeasible_cases()), ids=lambda c: c[0])
+def test_infeasible_raises_with_names(backend, case):
+    _, p, needle = case
+    with pytest.raises(solvers.Infeasible) as info:
+        solvers.solve(p, backend)
+    assert needle in str(info.value)
+    assert info.value.proven
+
+
+@pytest.mark.parametrize("backend", ["brute", "highs", "trws"])
+def test_infeasible_beyond_presolve(backend):
+    # a triangle of 2-state "must differ" edges is arc consistent yet infeasible
+    ne = np.array([[np.inf, 0.0], [0.0, np.inf]])
+    p = solvers.PairwiseProblem([[0, 0]] * 3, [(0, 1, ne), (1, 2, ne), (0, 2, ne)])
+    with pytest.raises(solvers.Infeasible):
+        solvers.solve(p, backend)
+
+
+def test_validation_errors_name_the_culprit():
+    with pytest.raises(ValueError, match=r"edge \(x0, x1\).*shape"):
+        solvers.PairwiseProblem([[0, 1], [0, 1, 2]], [(0, 1, np.zeros((2, 2)))])
+    with pytest.raises(ValueError, match="NaN"):
+        solvers.PairwiseProblem([[0, np.nan]])
+    with pytest.raises(ValueError, match=r"edge \(a, b\).*NaN"):
+        solvers.PairwiseProblem([[0], [0]], [("a", "b", [[np.nan]])], names=["a", "b"])
+    with pytest.raises(ValueError, match="unknown variable 5"):
+        solvers.PairwiseProblem([[0], [0]], [(0, 5, [[0]])])
+    with pytest.raises(ValueError, match="self-loop"):
+        solvers.PairwiseProblem([[0, 1]], [(0, 0, np.zeros((2, 2)))])
+    with pytest.raises(ValueError, match="no state 3"):
+        solvers.PairwiseProblem([[0, 1]], [], [solvers.LinearConstraint("c", [(0, 3, 1.0)], "<=", 1)])
+    with pytest.raises(ValueError, match="sense"):
+        solvers.LinearConstraint("c", [], "<", 1)
+
+
+def test_duplicate_edges_are_summed_and_canonicalised():
+    a = np.array([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    p = solvers.PairwiseProblem([[0, 0], [0, 0, 0]], [(0, 1, a), (1, 0, a.T * 10)])
+    assert p.n_edges == 1
+    (u, v, m), = p.edges
+    assert (u, v) == (0, 1)
+    np.testing.assert_allclose(m, a * 11)
+    assert p.energy([1, 2]) == 55.0
+
+
+def test_groups_stack_edges_by_shape():
+    p = random_problem(11, max_vars=8)
+    shapes = {(int(p.n_states[u]), int(p.n_states[v])) for u, v, _ in p.edges}
+    assert {g.shape for g in p.groups} == shapes
+    assert sum(len(g) for g in p.groups) == p.n_edges
+
+
+def test_registry_and_user_backend():
+    assert {"highs", "cvxpy", "pgmpy", "trws", "brute"} <= set(solvers.available())
+    reg = solvers.SolverRegistry()
+
+    class Greedy:
+        def solve(self, problem, time_limit=None, **options):
+            return np.array([int(np.argmin(u)) for u in problem.unary])
+
+    reg.register("greedy", Greedy)
+    reg.register("first", lambda problem, time_limit=None: solvers.BackendResult(np.zeros(problem.n_vars, int)))
+    p = solvers.PairwiseProblem([[2.0, 1.0], [0.0, 3.0]], [(0, 1, np.zeros((2, 2)))])
+    sol = solvers.solve(p, "greedy", registry=reg)
+    assert sol.assignment.tolist() == [1, 0] and sol.energy == 1.0 and sol.backend == "greedy"
+    assert solvers.solve(p, "first", registry=reg).energy == 2.0
+    assert "greedy" in reg.available() and "greedy" not in solvers.available()
+    with pytest.raises(ValueError, match="unknown solver backend"):
+        solvers.solve(p, "nope")
+    bad = solvers.SolverRegistry()
+    bad.register("bad", lambda problem, time_limit=None: np.array([0, 5]))
+    with pytest.raises(solvers.SolverError):
+        solvers.solve(p, "bad", registry=bad)
+
+
+def test_unsupported_constraints_are_rejected():
+    p0 = random_problem(2, p_inf=0.0)
+    rows = [solvers.LinearConstraint(f"r{i}", [(0, 0, 1.0), (1, 0, 1.0)], "<=", 1) for i in range(2)]
+    p = solvers.PairwiseProblem(p0.unary, p0.edges, rows)
+    with pytest.raises(solvers.Unsupported, match="at most one"):
+        solvers.solve(p, "trws")
+    with pytest.raises(solvers.Unsupported, match="pgmpy"):
+        solvers.solve(p, "pgmpy")
+    eq = solvers.PairwiseProblem(p0.unary, p0.edges, [solvers.LinearConstraint("e", [(0, 0, 1.0), (1, 0, 1.0)], "==", 1)])
+    with pytest.raises(solvers.Unsupported, match="equality"):
+        solvers.solve(eq, "trws")
+    assert eq.violated_constraints(solvers.solve(eq, "highs").assignment) == []
+
+
+def test_highs_warm_start_and_cvxpy_extra_constraints():
+    p = random_problem(21, p_inf=0.0)
+    ref = solvers.solve(p, "brute")
+    assert solvers.solve(p, "highs", warm_start=ref.assignment).energy == pytest.approx(ref.energy)
+    off = int(p.offsets[0])
+    other = (int(ref.assignment[0]) + 1) % int(p.n_states[0])
+    if p.n_states[0] > 1:
+        sol = solvers.solve(p, "cvxpy", extra_constraints=lambda x: [x[off + other] == 1])
+        assert sol.assignment[0] == other
+
+
+def test_trws_time_limit_returns_feasible():
+    p = random_problem(4, max_vars=8, p_inf=0.0)
+    sol = solvers.solve(p, "trws", time_limit=1e-4)
+    assert np.isfinite(sol.energy)
+
+
+problems = st.builds(lambda seed, n, k, pe, pi: random_problem(seed, max_vars=n, max_states=k, p_edge=pe, p_inf=pi),
+                     st.integers(0, 10**6), st.integers(2, 7), st.integers(1, 4), st.floats(0, 1), st.floats(0, 0.3))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems)
+def test_property_trws_brackets_optimum_and_highs_matches(p):
+    ref = brute_or_none(p)
+    h = _solve_or_none(p, "highs")
+    t = _solve_or_none(p, "trws")
+    if ref is None:
+        assert isinstance(h, solvers.Infeasible) and isinstance(t, solvers.Infeasible)
+        return
+    assert h.energy == pytest.approx(ref.energy, abs=TOL)
+    if not isinstance(t, solvers.Infeasible):
+        assert ref.energy - TOL <= t.energy
+        assert t.lower_bound is None or t.lower_bound <= ref.energy + TOL
+        assert t.energy == pytest.approx(p.energy(t.assignment))
