@@ -251,7 +251,10 @@ def _mesh_shape(mesh: DeviceMesh | Sequence[int]) -> tuple[int, ...]:
 
 
 def _op_name(target: object) -> str:
-    return str(target) if not callable(target) or hasattr(target, "_schema") else getattr(target, "__name__", str(target))
+    """"aten.mm.default" for an OpOverload, the function name otherwise."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
 
 
 def node_strategies(
