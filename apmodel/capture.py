@@ -144,12 +144,75 @@ def _progress(message: str) -> contextlib.AbstractContextManager:
     return console.status(message, spinner="dots")
 
 
-def _trace(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, Any]:
+def _trace(
+    module: nn.Module, inputs: tuple[torch.Tensor, ...], functionalize: bool
+) -> tuple[fx.GraphModule, Any]:
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     with contextlib.ExitStack() as stack:
-        joint = aot_export_joint_with_descriptors(stack, module, inputs)
+        joint = aot_export_joint_with_descriptors(
+            stack, module, inputs, disable_functionalization=not functionalize
+        )
         return joint.graph_module, joint.out_spec
+
+
+def _is_view(node: fx.Node) -> bool:
+    """True when ``node``'s result may alias one of its inputs (a view, or an in-place op)."""
+    if node.op != "call_function":
+        return node.op == "placeholder"
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _functional_variant(op: Any) -> Any:
+    """``aten.add_.Scalar`` -> ``aten.add.Scalar`` (None when there is none)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    name = op.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
+def _remove_local_mutations(gm: fx.GraphModule) -> bool:
+    """Rewrite in-place ops on fresh intermediates as out-of-place ops; False when a mutation is
+    not of that kind (it mutates an input, a view or an aliased tensor) and the graph must be
+    traced with functionalization instead.
+
+    Tracing without AOTAutograd's functionalization is about 20% faster; decompositions such as
+    ``rms_norm``'s then leave ``add_`` on a tensor they just created. ``y = op_(x, ...)`` becomes
+    ``y = op(x, ...)`` with every later use of ``x`` reading ``y``; this is exact when ``x`` is
+    the output of a non-aliasing op and nothing views it.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mutations = [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+    ]
+    for n in mutations:
+        functional = _functional_variant(n.target)
+        mutated = n.args[0] if n.args else None
+        if functional is None or not isinstance(mutated, fx.Node) or _is_view(mutated):
+            return False
+        if any(u is not n and _is_view(u) for u in mutated.users):
+            return False
+        # only the first argument may be written
+        if any(a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments[1:]):
+            return False
+    for n in mutations:
+        mutated = n.args[0]
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(_functional_variant(n.target), n.args, n.kwargs)
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        for u in list(mutated.users):
+            if u is not new and order.get(u, -1) > order[n]:
+                u.replace_input_with(mutated, new)
+        gm.graph.erase_node(n)
+    return True
 
 
 def _simplify(gm: fx.GraphModule) -> int:
@@ -311,19 +374,30 @@ def capture(
     model: nn.Module,
     sample_inputs: tuple[torch.Tensor, ...],
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    functionalize: bool | None = None,
 ) -> CapturedGraph:
     """Trace one training step of ``model`` into a labelled joint forward-backward ATen graph.
 
     The traced function is ``loss_fn(model(*sample_inputs), *sample_inputs)`` (a scalar), or
     ``model(*sample_inputs)`` (a single tensor) when ``loss_fn`` is None. Build the model and the
     inputs on the meta device. Raises ``ValueError`` naming the argument on bad input.
+
+    ``functionalize``: None (default) traces without AOTAutograd's functionalization (faster) and
+    falls back to it when the graph mutates anything but fresh intermediates; True / False force
+    one mode (False fails on such mutations).
     """
     inputs = _validate(model, sample_inputs, loss_fn)
     module = model if loss_fn is None else _WithLoss(model, loss_fn)
     name = type(model).__name__
     start = time.perf_counter()
     with _progress(f"tracing {name} (joint forward + backward)"):
-        gm, out_spec = _trace(module, inputs)
+        gm, out_spec = _trace(module, inputs, functionalize=bool(functionalize))
+        if not functionalize and not _remove_local_mutations(gm):
+            if functionalize is False:
+                raise ValueError(f"capture: {name} mutates an input or a view; trace with functionalize=True")
+            logger.info("capture: %s mutates an input or a view; tracing again with functionalization", name)
+            gm, out_spec = _trace(module, inputs, functionalize=True)
     traced_s = time.perf_counter() - start
 
     out_node = gm.graph.output_node()

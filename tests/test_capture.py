@@ -152,3 +152,34 @@ def test_bad_inputs_are_named():
         capture(model, (tokens,), loss_fn=lambda logits, tok: logits)
     with pytest.raises(ValueError, match="loss_fn"):
         capture(model, (tokens,), loss_fn="cross_entropy")
+
+
+def test_fast_trace_equals_functionalized_trace(llama):
+    """Tracing without functionalization (default, in-place ops on fresh intermediates rewritten)
+    gives the same graph as AOTAutograd's functionalized trace."""
+    with torch.device("meta"):
+        model = build("llama3-debug")
+    slow = capture(model, sample_inputs("llama3-debug", B, S), functionalize=True)
+    assert slow.fingerprint == llama.fingerprint
+    assert not any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+                   for n in llama.gm.graph.nodes if n.op == "call_function")
+
+
+class _MutatesView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y[0].mul_(2.0)  # in-place on a view: needs functionalization
+        return y.sum()
+
+
+def test_mutation_of_a_view_falls_back_to_functionalization():
+    with torch.device("meta"):
+        model, x = _MutatesView(), torch.randn(3, 4)
+    cg = capture(model, (x,))
+    assert cg.fingerprint == capture(model, (x,), functionalize=True).fingerprint
+    with pytest.raises(ValueError, match="functionalize=True"):
+        capture(model, (x,), functionalize=False)

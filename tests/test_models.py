@@ -10,7 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from apmodel.models import PRESETS, build, config, cross_entropy_loss, sample_inputs
-from apmodel.models.attention import causal_attention, flash_attention_backward, flash_attention_forward
+from apmodel.models.attention import (
+    causal_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    rms_norm_backward,
+)
 from apmodel.models.llama3 import apply_rope, repeat_kv, rope_tables
 
 
@@ -169,3 +174,18 @@ def test_moe_dense_routing_equals_sparse_dispatch():
             acc = acc + probs[t, e] * ((F.silu(tokens[t] @ w1) * (tokens[t] @ w3)) @ w2)
         ref.append(acc)
     torch.testing.assert_close(out[0], torch.stack(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_backward_reference_matches_autograd():
+    """The CPU reference of aten._fused_rms_norm_backward against autograd of the written-out formula."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    eps = 1e-5
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    y = x * rstd * w
+    torch.testing.assert_close(y, F.rms_norm(x, (8,), w, eps))
+    grad_out = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), grad_out)
+    rx, rw = rms_norm_backward(grad_out, x.detach(), [8], rstd.detach(), w.detach(), [True, True])
+    torch.testing.assert_close((rx, rw), (gx, gw))

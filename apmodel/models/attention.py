@@ -1,4 +1,5 @@
-"""Causal attention shared by the reference models, and a CPU reference for the flash op.
+"""Causal attention shared by the reference models, and CPU reference kernels (flash attention,
+fused RMSNorm backward) for ops that the models trace to on meta but that have no CPU kernel.
 
 Why two paths (measured on torch 2.13.0+cpu):
 
@@ -20,6 +21,7 @@ and :func:`flash_attention_backward` implement the flash op and its backward fro
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -118,9 +120,35 @@ def flash_attention_backward(
     return tuple(torch.empty_like(x).copy_(g) for x, g in ((q, grad_q), (k, grad_k), (v, grad_v)))
 
 
-# Ops that have no CPU kernel in torch 2.13, mapped to the reference implementations above
-# (used to run a graph traced on meta on real CPU tensors).
-CPU_REFERENCE_KERNELS = {
+def rms_norm_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    normalized_shape: list[int],
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Reference for ``aten._fused_rms_norm_backward`` (the backward ``F.rms_norm`` traces to; no CPU
+    kernel in torch 2.13). ``rstd = 1 / sqrt(mean(x², normalized dims) + eps)``, kept dims.
+
+    With ``x̂ = x · rstd`` and ``g = grad_out · weight``:
+    ``grad_x = rstd · (g − x̂ · mean(g · x̂))`` over the normalized dims, ``grad_w = Σ grad_out · x̂``
+    over the leading dims.
+    """
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    x_hat = x * rstd
+    g = grad_out if weight is None else grad_out * weight
+    grad_x = rstd * (g - x_hat * (g * x_hat).mean(dim=dims, keepdim=True)) if output_mask[0] else None
+    grad_w = None
+    if weight is not None and output_mask[1]:
+        grad_w = (grad_out * x_hat).sum(dim=tuple(range(x.dim() - len(normalized_shape))))
+    return grad_x, grad_w
+
+
+# Ops that the reference models trace to on meta but that have no CPU kernel in torch 2.13, mapped
+# to the reference implementations above (used to run a graph traced on meta on real CPU tensors).
+CPU_REFERENCE_KERNELS = MappingProxyType({
     torch.ops.aten._scaled_dot_product_flash_attention.default: flash_attention_forward,
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default: flash_attention_backward,
-}
+    torch.ops.aten._fused_rms_norm_backward.default: rms_norm_backward,
+})
