@@ -72,7 +72,7 @@ class _Directed:
 
     src: np.ndarray
     dst: np.ndarray
-    costs: np.ndarray  # (k, n_src, n_dst), finite
+    costs: np.ndarray | None  # (k, n_src, n_dst), finite (None when compressed)
     src_idx: np.ndarray  # (k, n_src) flat indicator indices
     dst_idx: np.ndarray  # (k, n_dst)
     msg: np.ndarray  # (k, n_dst) message into dst
@@ -80,6 +80,8 @@ class _Directed:
     level_ptr: np.ndarray | None  # edges with source level L are [level_ptr[L], level_ptr[L+1])
     pair: int = -1  # index of the same edges' arrays in the other direction's list
     comp: _Compressed | None = None  # class-compressed costs when rows/columns repeat
+    raw: np.ndarray | None = None  # forward only: original-order costs (+inf allowed), for decoding
+    eid: np.ndarray | None = None  # position of each sorted edge in ``raw``
 
 
 @dataclass
@@ -123,23 +125,29 @@ class _Compressed:
     dst_flat: np.ndarray  # (k, n_dst): flat position of each dst state's class in a (k, m_dst) array
 
     @classmethod
-    def build(cls, costs: np.ndarray, lu: np.ndarray, cu: np.ndarray, lv: np.ndarray, cv: np.ndarray
-              ) -> _Compressed | None:
-        k, a, b = costs.shape
-        if k == 0:
-            return None
-        mu, mv = int(cu.max()), int(cv.max())
-        if mu * mv > COMPRESS_RATIO * a * b:
-            return None
-        rep_u = np.zeros((k, mu), dtype=np.int64)
-        rep_u[np.arange(k)[:, None], lu] = np.arange(a)[None, :]
-        rep_v = np.zeros((k, mv), dtype=np.int64)
-        rep_v[np.arange(k)[:, None], lv] = np.arange(b)[None, :]
-        cc = costs[np.arange(k)[:, None, None], rep_u[:, :, None], rep_v[:, None, :]]
-        valid = (np.arange(mu)[None, :, None] < cu[:, None, None]) & (np.arange(mv)[None, None, :] < cv[:, None, None])
-        cc = np.where(valid, cc, np.inf)
-        return cls(np.ascontiguousarray(cc), _ClassMin.build(lu, mu), _ClassMin.build(lv, mv),
+    def build(cls, block: np.ndarray, lu: np.ndarray, lv: np.ndarray) -> _Compressed:
+        """``block`` (k, m_src, m_dst): finite costs per class pair, +inf padding; labels per edge."""
+        k, mu, mv = block.shape
+        return cls(np.ascontiguousarray(block), _ClassMin.build(lu, mu), _ClassMin.build(lv, mv),
                    np.arange(k)[:, None] * mv + lv)
+
+
+def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
+    """(k, mu, mv) cost of each class pair (raw values, +inf allowed); padding marked by NaN."""
+    k, a, b = raw.shape
+    mu, mv = int(cu.max()), int(cv.max())
+    rep_u = np.zeros((k, mu), dtype=np.int64)
+    rep_u[np.arange(k)[:, None], lu] = np.arange(a)[None, :]
+    rep_v = np.zeros((k, mv), dtype=np.int64)
+    rep_v[np.arange(k)[:, None], lv] = np.arange(b)[None, :]
+    cc = raw[np.arange(k)[:, None, None], rep_u[:, :, None], rep_v[:, None, :]]
+    valid = (np.arange(mu)[None, :, None] < cu[:, None, None]) & (np.arange(mv)[None, None, :] < cv[:, None, None])
+    return np.where(valid, cc, np.nan)
+
+
+def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
+    fin = np.isfinite(c)  # NaN padding counts as not finite
+    return np.where(fin, np.abs(np.where(fin, c, 0.0)), 0.0).max(axis=(1, 2))
 
 
 class TRWS:
@@ -152,13 +160,6 @@ class TRWS:
         rank = np.arange(V) if order is None else np.argsort(np.asarray(order))
         self.rank = rank
         fin_u = np.isfinite(p.unary_flat)
-        scale = float(np.abs(np.where(fin_u, p.unary_flat, 0.0)).max(initial=0.0)) * V
-        for g in p.groups:
-            fin = np.isfinite(g.costs)
-            scale += float(np.abs(np.where(fin, g.costs, 0.0)).max(axis=(1, 2)).sum())
-        self.scale = scale + 1.0
-        self.big = BIG_FACTOR * self.scale
-        self.unary = np.where(fin_u, p.unary_flat, self.big)
         self.N = p.n_indicators
         # orientation by rank, levels
         us, vs = [], []
@@ -171,19 +172,43 @@ class TRWS:
         # process variables in rank order: relabel to rank space for the level computation
         lo_ptr, lo_nb = _csr(V, rank[ev], rank[eu])
         hi_ptr, hi_nb = _csr(V, V - 1 - rank[eu], V - 1 - rank[ev])
-        lev_f_rank = _levels(V, lo_ptr, lo_nb)
-        lev_b_rank = _levels(V, hi_ptr, hi_nb)
-        self.lev_f = lev_f_rank[rank]
-        self.lev_b = lev_b_rank[V - 1 - rank]
+        self.lev_f = _levels(V, lo_ptr, lo_nb)[rank]
+        self.lev_b = _levels(V, hi_ptr, hi_nb)[V - 1 - rank]
         n_in = np.bincount(ev, minlength=V)
         n_out = np.bincount(eu, minlength=V)
         self.gamma = 1.0 / np.maximum(1, np.maximum(n_in, n_out))
         self.n_out = n_out
+        # phase 1: orient, find classes of identical rows / columns, bound the energy scale
+        parts = []
+        scale = float(np.abs(np.where(fin_u, p.unary_flat, 0.0)).max(initial=0.0)) * V
+        rng = np.random.default_rng(0)
+        for g, a_u in zip(p.groups, us):
+            flip = a_u != g.u  # edges whose later endpoint (by rank) is g.u
+            for mask, transposed in ((~flip, False), (flip, True)):
+                if not mask.any():
+                    continue
+                raw = g.costs if mask.all() else g.costs[mask]
+                u, v = g.u[mask], g.v[mask]
+                if transposed:
+                    raw, u, v = raw.transpose(0, 2, 1), v, u
+                lu, cu = _classes(raw, 1, rng)
+                lv, cv = _classes(raw, 2, rng)
+                a, b = raw.shape[1:]
+                block = None
+                if int(cu.max()) * int(cv.max()) <= COMPRESS_RATIO * a * b:
+                    block = _class_block(raw, lu, cu, lv, cv)
+                    scale += float(_finite_absmax_per_edge(block).sum())
+                else:
+                    scale += float(_finite_absmax_per_edge(raw).sum())
+                parts.append((raw, u, v, lu, lv, block))
+        self.scale = scale + 1.0
+        self.big = BIG_FACTOR * self.scale
+        self.unary = np.where(fin_u, p.unary_flat, self.big)
+        # phase 2: directed arrays sorted by source level
         self.fwd: list[_Directed] = []
         self.bwd: list[_Directed] = []
-        for g, a_u, a_v in zip(p.groups, us, vs):
-            flip = a_u != g.u  # edges whose later endpoint (by rank) is g.u
-            self._add_group(g, ~flip, flip)
+        for part in parts:
+            self._add_part(*part)
         self.n_lev_f = int(self.lev_f.max(initial=-1)) + 1
         self.n_lev_b = int(self.lev_b.max(initial=-1)) + 1
         self.vars_f = self._vars_by_level(self.lev_f, self.n_lev_f)
@@ -193,43 +218,35 @@ class TRWS:
                 d.level_ptr = np.searchsorted(lev[d.src], np.arange(nl + 1), side="left")
         self.msum_lo = np.zeros(self.N)  # messages into v from earlier neighbours
         self.msum_hi = np.zeros(self.N)  # from later neighbours
-        self.smax = int(p.n_states.max(initial=1))
-        self.var_of = np.repeat(np.arange(V), p.n_states)
 
-    def _add_group(self, g, same, flip) -> None:
+    def _add_part(self, raw, u, v, lu, lv, block) -> None:
+        """Edges u (earlier) -> v (later) with raw costs (k, n_u, n_v) (+inf allowed, maybe a view)."""
         p = self.p
-        fin_costs = np.where(np.isfinite(g.costs), g.costs, self.big)
-        for mask, transposed in ((same, False), (flip, True)):
-            if not mask.any():
-                continue
-            c = fin_costs[mask]
-            u, v = g.u[mask], g.v[mask]
-            if transposed:
-                c = c.transpose(0, 2, 1)
-                u, v = v, u
-            # u earlier, v later; forward costs (k, n_u, n_v), backward (k, n_v, n_u)
-            of = np.argsort(self.lev_f[u], kind="stable")
-            ob = np.argsort(self.lev_b[v], kind="stable")
-            inv_b = np.empty_like(ob)
-            inv_b[ob] = np.arange(len(ob))
-            inv_f = np.empty_like(of)
-            inv_f[of] = np.arange(len(of))
-            a, b = c.shape[1], c.shape[2]
+        of = np.argsort(self.lev_f[u], kind="stable")
+        ob = np.argsort(self.lev_b[v], kind="stable")
+        inv_b = np.empty_like(ob)
+        inv_b[ob] = np.arange(len(ob))
+        inv_f = np.empty_like(of)
+        inv_f[of] = np.arange(len(of))
+        a, b = raw.shape[1], raw.shape[2]
 
-            def idx(vars_, n):
-                return p.offsets[vars_][:, None] + np.arange(n)[None, :]
+        def idx(vars_, n):
+            return p.offsets[vars_][:, None] + np.arange(n)[None, :]
 
-            df = _Directed(u[of], v[of], np.ascontiguousarray(c[of]), idx(u[of], a), idx(v[of], b),
-                           np.zeros((len(u), b)), inv_b[of], None, len(self.bwd))
-            db = _Directed(v[ob], u[ob], np.ascontiguousarray(c[ob].transpose(0, 2, 1)), idx(v[ob], b),
-                           idx(u[ob], a), np.zeros((len(u), a)), inv_f[ob], None, len(self.fwd))
-            rng = np.random.default_rng(0)
-            lu, cu = _classes(c, 1, rng)
-            lv, cv = _classes(c, 2, rng)
-            df.comp = _Compressed.build(df.costs, lu[of], cu[of], lv[of], cv[of])
-            db.comp = _Compressed.build(db.costs, lv[ob], cv[ob], lu[ob], cu[ob])
-            self.fwd.append(df)
-            self.bwd.append(db)
+        df = _Directed(u[of], v[of], None, idx(u[of], a), idx(v[of], b), np.zeros((len(u), b)), inv_b[of], None,
+                       len(self.bwd), raw=raw, eid=of)
+        db = _Directed(v[ob], u[ob], None, idx(v[ob], b), idx(u[ob], a), np.zeros((len(u), a)), inv_f[ob], None,
+                       len(self.fwd), raw=None, eid=ob)
+        if block is None:
+            fin = np.where(np.isfinite(raw), raw, self.big)
+            df.costs = np.ascontiguousarray(fin[of])
+            db.costs = np.ascontiguousarray(fin[ob].transpose(0, 2, 1))
+        else:
+            blk = np.where(np.isnan(block), np.inf, np.where(np.isfinite(block), block, self.big))
+            df.comp = _Compressed.build(blk[of], lu[of], lv[of])
+            db.comp = _Compressed.build(blk[ob].transpose(0, 2, 1), lv[ob], lu[ob])
+        self.fwd.append(df)
+        self.bwd.append(db)
 
     def _vars_by_level(self, lev, nl):
         order = np.argsort(lev, kind="stable")
@@ -267,8 +284,8 @@ class TRWS:
                 hat = unary[si] + lo[si] + hi[si]
                 od = other[d.pair]
                 h = self.gamma[d.src[s0:s1]][:, None] * hat - od.msg[d.rev[s0:s1]]
-                c = d.costs[s0:s1]
                 if d.comp is None:
+                    c = d.costs[s0:s1]
                     new = (h[:, :, None] + c).min(axis=1)
                     new -= new.min(axis=1, keepdims=True)
                 else:
@@ -280,7 +297,8 @@ class TRWS:
                 d.msg[s0:s1] = new
                 np.add.at(msum_dst, d.dst_idx[s0:s1].ravel(), delta.ravel())
                 if cond is not None:
-                    np.add.at(cond, d.dst_idx[s0:s1].ravel(), c[np.arange(s1 - s0), x[d.src[s0:s1]], :].ravel())
+                    rows = d.raw[d.eid[s0:s1], x[d.src[s0:s1]], :]  # +inf allowed: argmin only
+                    np.add.at(cond, d.dst_idx[s0:s1].ravel(), rows.ravel())
 
     def lower_bound(self) -> float:
         """A proven lower bound on the (internal) energy, valid for any messages.
@@ -306,9 +324,10 @@ class TRWS:
         return total
 
     def internal_energy(self, x: np.ndarray) -> float:
+        """Energy with the internal unary; forbidden pairs count +inf."""
         e = float(self.unary[self.p.offsets[:-1] + x].sum())
-        for d in self.fwd:
-            e += float(d.costs[np.arange(len(d.src)), x[d.src], x[d.dst]].sum())
+        for g in self.p.groups:
+            e += float(g.costs[np.arange(len(g)), x[g.u], x[g.v]].sum())
         return e
 
     def set_unary(self, unary_flat: np.ndarray) -> None:
@@ -340,6 +359,8 @@ class TRWS:
                 break
             if deadline is not None and time.perf_counter() > deadline:
                 break
+        if best_x is None:
+            best_x = x.copy()
         return best_x, best_e, best_lb, it
 
 
