@@ -30,6 +30,7 @@ Design
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -663,30 +664,69 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
                 t.copy_(src)
 
 
+def _meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are empty meta tensors (for tracing; costs no
+    memory): the module structure is deep-copied, tensors are not."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _capture_for(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None) -> Any:
+    """Capture `model`'s training step on the meta device (as the planner does), whatever device the
+    model and the sample inputs are on."""
+    from apmodel.capture import capture  # lazy: tracing machinery is heavy to import
+
+    on_meta = all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+    meta_model = model if on_meta else _meta_twin(model)
+    meta_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in sample_inputs)
+    return capture(meta_model, meta_inputs, loss_fn)
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
-    sample_inputs: tuple,
+    sample_inputs: Sequence[Any],
     *,
     loss_fn: Callable | None = None,
+    input_placements: Sequence[Any] | None = None,
+    output_placements: Sequence[Any] | None = None,
+    solver: str = "trws",
+    device: str | Any = "h100",
+    constraints: Sequence[Any] = (),
     plan: Any = None,
     **plan_options: Any,
 ) -> nn.Module:
-    """Plan (unless `plan` is given) and lower `model` on `mesh`; see :func:`lower`.
+    """Plan `model`'s training step for `mesh` (unless `plan` is given) and lower it onto `mesh`.
 
-    `plan_options` go to ``apmodel.plan`` (input_placements, output_placements, solver, device,
-    constraints, ...). `model` may live on the meta device; the returned module's parameters are
-    DTensors: call ``to_empty(device=...)`` and initialise (or :func:`load_full_state_dict`) after.
+    Args:
+        model: the user's module, ideally on the meta device (then nothing is allocated); it is
+            changed in place and returned (see :func:`lower`).
+        mesh: the real DeviceMesh to run on; its shape is the planning mesh shape.
+        sample_inputs: the inputs of one step, global shapes (e.g. ``(tokens, targets)``); the
+            returned module's ``forward`` takes inputs of exactly these shapes and dtypes.
+        loss_fn: ``loss_fn(model(*inputs), *inputs)`` gives the scalar loss (then ``forward``
+            returns the loss); None when the model returns what is to be differentiated.
+        input_placements, output_placements, solver, device, constraints, plan_options: passed to
+            :func:`apmodel.plan` (``device`` names the accelerator of the cost model).
+        plan: a :class:`~apmodel.plans.Plan` (e.g. ``Plan.load(path)``): skip planning.
+
+    Returns the module, with DTensor parameters placed as planned. For a meta model call
+    ``to_empty(device=...)`` and initialise it (its ``init_weights``, or
+    :func:`load_full_state_dict`) before training.
     """
-    from apmodel.capture import capture  # lazy: capture imports heavy tracing machinery
-
+    captured = _capture_for(model, sample_inputs, loss_fn)
     if plan is None:
         from apmodel.api import plan as make_plan
 
-        plan = make_plan(model, tuple(mesh.shape), sample_inputs, loss_fn=loss_fn, **plan_options)
-        captured = getattr(plan, "captured", None) or capture(model, sample_inputs, loss_fn=loss_fn)
-    else:
-        if plan_options:
-            raise TypeError(f"planning options {sorted(plan_options)} given together with plan=")
-        captured = capture(model, sample_inputs, loss_fn=loss_fn)
+        plan = make_plan(
+            captured, tuple(mesh.shape), loss_fn=loss_fn, input_placements=input_placements,
+            output_placements=output_placements, solver=solver, device=device, constraints=constraints,
+            **plan_options,
+        )
+    elif plan_options or constraints or input_placements is not None or output_placements is not None:
+        raise TypeError("planning options given together with plan=: the plan is used as it is")
     return lower(model, mesh, plan, captured)

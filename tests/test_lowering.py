@@ -332,3 +332,94 @@ def test_forced_plans_are_what_they_say(plans):
         assert any(k.startswith("all_gather") for k in fsdp.comm_by_collective)
         assert any(k.startswith("reduce_scatter") for k in fsdp.comm_by_collective)
         assert any(k.startswith("all_reduce") for k in tp.comm_by_collective)
+
+
+# ------------------------------------------------------------------------------------------------
+# single-process checks (fake process group: nothing runs that would communicate)
+
+
+def _fake_mesh(shape):
+    from apmodel._torch_private import fake_mesh
+
+    return fake_mesh(shape)
+
+
+@pytest.fixture(scope="module")
+def captured():
+    tokens, targets = batch()
+    return capture(tiny(), (tokens.to("meta"), targets.to("meta")))
+
+
+def test_planned_redistributions_price_to_the_plans_comm_cost(plans, captured):
+    """Lowering reads the same redistributions off a plan as the planner priced."""
+    from apmodel.api import cost_context
+
+    _, ps = plans
+    for name, plan in ps.items():
+        cost = cost_context(plan.mesh_shape, device="h100")
+        planned = planned_redistributions(plan, captured)
+        us = sum(s[3] for r in planned for s in cost.redistribution_steps(r.global_shape, r.dtype, r.src, r.dst))
+        assert us == pytest.approx(plan.comm_us, rel=1e-9, abs=1e-9), name
+
+
+def test_lowered_module_keeps_class_hierarchy_and_keys(plans, captured):
+    from torch.distributed.tensor import DTensor
+
+    from apmodel.models.llama3 import Transformer
+
+    _, ps = plans
+    plan = ps["1d-solver"]
+    model = tiny("meta")
+    keys = list(model.state_dict())
+    modules = [n for n, _ in model.named_modules()]
+    par = lower(model, _fake_mesh((4,)), plan, captured)
+    assert par is model and isinstance(par, Transformer) and type(par) is not Transformer
+    assert list(par.state_dict()) == keys
+    assert [n for n, _ in par.named_modules()] == modules
+    for fqn, p in par.named_parameters():
+        assert isinstance(p, DTensor) and p.device.type == "meta"
+        assert pl.tuple_to_str(p.placements) == pl.tuple_to_str(plan.param_placements[fqn])
+        assert tuple(p.to_local().shape) == pl.local_shape(tuple(p.shape), p.placements, (4,))
+    par.to_empty(device="cpu")
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in par.parameters())
+    with pytest.raises(ValueError, match="already been parallelized"):
+        lower(par, _fake_mesh((4,)), plan, captured)
+
+
+def test_lowering_refuses_wrong_mesh_fingerprint_and_uneven_shards(plans, captured):
+    _, ps = plans
+    plan = ps["1d-solver"]
+    with pytest.raises(ValueError, match=r"mesh shape \(2, 2\) differs from the plan's mesh shape \(4,\)"):
+        lower(tiny(), _fake_mesh((2, 2)), plan, captured)
+    tokens, targets = batch()
+    other = capture(tiny(), (tokens[:, :8].to("meta"), targets[:, :8].to("meta")))
+    with pytest.raises(ValueError, match="does not match the plan"):
+        lower(tiny(), _fake_mesh((4,)), plan, other)
+    # a plan that shards some tensor dimension unevenly (size not divisible by 4)
+    bad = copy.copy(plan)
+    bad.node_strategy = dict(plan.node_strategy)
+    from torch.distributed.tensor import Shard
+
+    for n in captured.gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "call_function" and isinstance(v, torch.Tensor) and any(s % 4 for s in v.shape):
+            d = next(i for i, s in enumerate(v.shape) if s % 4)
+            old = bad.node_strategy[n.name]
+            bad.node_strategy[n.name] = type(old)(outputs=((Shard(d),),), inputs=old.inputs)
+            break
+    else:
+        pytest.skip("no unevenly divisible tensor in the graph")
+    with pytest.raises(ValueError, match="uneven"):
+        lower(tiny(), _fake_mesh((4,)), bad, captured)
+
+
+def test_call_time_inputs_are_checked(plans, captured):
+    _, ps = plans
+    par = lower(tiny(), _fake_mesh((4,)), ps["1d-solver"], captured)
+    tokens, targets = batch()
+    with pytest.raises(ValueError, match=r"input 0 has shape \(4, 8\)"):
+        par(tokens[:, :8], targets)
+    with pytest.raises(ValueError, match="dtype torch.int32"):
+        par(tokens, targets.int())
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        par(tokens)
