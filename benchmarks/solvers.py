@@ -106,15 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="solvers on placement-like instances (median seconds)")
+    table = Table(title="solvers on placement-like instances (median seconds over repeats)")
     for col in ("instance", "backend", "seconds", "energy", "bound", "gap to HiGHS", "status"):
-        table.add_column(col, justify="right" if col not in ("instance", "backend", "status") else "left")
+        table.add_column(col, justify="right" if col not in ("instance", "backend", "status") else "left",
+                         no_wrap=True)
     for r in rows:
-        table.add_row(f"{r['instance']} ({r['vars']}x{r['states']}, {r['edges']} edges)", r["backend"],
-                      f"{r['seconds']:.3f}", f"{r['energy']:.6g}",
-                      "-" if r["bound"] is None else f"{r['bound']:.6g}",
+        table.add_row(f"{r['instance']} {r['vars']}x{r['states']}, {r['edges']} edges", r["backend"],
+                      f"{r['seconds']:.3f}", f"{r['energy']:.3f}",
+                      "-" if r["bound"] is None else f"{r['bound']:.3f}",
                       "-" if r["gap_to_highs"] is None else f"{100 * r['gap_to_highs']:.4f}%", r["status"])
-    Console().print(table)
+    Console(width=140).print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -117,6 +117,8 @@ def solve(problem: PairwiseProblem, backend: str = "trws", time_limit: float | N
         raise ValueError(f"time_limit must be positive seconds or None, got {time_limit!r}")
     fn = (registry or default_registry()).get(backend)
     t0 = time.perf_counter()
+    if problem.n_vars == 0:
+        return Solution(np.zeros(0, dtype=np.int64), 0.0, 0.0, "optimal", time.perf_counter() - t0, backend, 0.0)
     work = presolve(problem).problem if run_presolve else problem
     raw = fn(work, time_limit=time_limit, **options)
     seconds = time.perf_counter() - t0
