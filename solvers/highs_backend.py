@@ -14,6 +14,19 @@ from .solution import BackendResult, Infeasible, SolverError
 log = logging.getLogger(__name__)
 
 
+def _new_highs(highspy):
+    """A silent HiGHS instance.
+
+    highspy's Python ``Highs`` class prints a banner to stdout on construction (before any option
+    can be set), which would corrupt machine-readable stdout (``apmodel plan --json``); its core
+    base class does not, and has every method used here.  Fall back to ``Highs`` if that changes.
+    """
+    core = getattr(getattr(highspy, "_core", None), "_Highs", None)
+    h = core() if core is not None else highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mip_rel_gap: float | None = None,
                 warm_start=None, compress: bool = True, threads: int | None = None,
                 options: dict | None = None) -> BackendResult:
@@ -28,8 +41,7 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
     t0 = time.perf_counter()
     model = build_marginal_model(problem, compress=compress)
     build_s = time.perf_counter() - t0
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _new_highs(highspy)
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
     if mip_rel_gap is not None:

@@ -279,3 +279,29 @@ def test_property_trws_brackets_optimum_and_highs_matches(p):
         assert ref.energy - TOL <= t.energy
         assert t.lower_bound is None or t.lower_bound <= ref.energy + TOL
         assert t.energy == pytest.approx(p.energy(t.assignment))
+
+
+def test_highs_prints_nothing_on_stdout(capfd):
+    solvers.solve(random_problem(1, p_inf=0.0), "highs")
+    out, _ = capfd.readouterr()
+    assert out == ""
+
+
+def test_local_search_never_worsens():
+    from solvers.local_search import LocalSearch
+
+    for seed in range(30):
+        p = random_problem(seed, max_vars=8, p_inf=0.0, p_edge=0.7)
+        ls = LocalSearch(p, p.unary_flat.copy(), big=1e9, star_hubs=4)
+        x0 = np.random.default_rng(seed).integers(0, p.n_states)
+        x1 = ls.improve(x0)
+        assert p.energy(x1) <= p.energy(x0) + TOL
+
+
+def test_pgmpy_greedy_completion_fills_missing_variables():
+    from solvers.pgmpy_backend import _complete_greedily
+
+    p = solvers.PairwiseProblem([[0, 5], [5, 0], [0, 0]], [(0, 2, [[0, 9], [9, 0]]), (1, 2, [[0, 9], [9, 0]])])
+    x = np.array([0, -1, -1])
+    _complete_greedily(p, x, np.array([1, 2]))
+    assert x.tolist() == [0, 1, 0]
