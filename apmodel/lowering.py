@@ -42,7 +42,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils import _pytree as pytree
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ class _Slot:
 class _Step:
     node: fx.Node
     target: Callable
-    spec: Any  # pytree spec of (args, kwargs)
+    spec: Any  # structure of (args, kwargs), see _flatten
     leaves: list  # constants, or ("node", fx.Node) / ("device",) markers
     slots: list[_Slot]
     outputs: tuple  # planned output placements (one per tensor output, None for non-tensors)
@@ -161,6 +160,36 @@ class _Step:
 
 
 _DEVICE = ("device",)
+
+
+def _flatten(obj: Any) -> tuple[list, Any]:
+    """Leaves of nested tuples/lists/dicts (FX's immutable ones included) and a spec to rebuild them
+    with :func:`_unflatten` (lists and tuples come back as tuples' and lists' plain types)."""
+    leaves: list = []
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, (tuple, list)):
+            return (list if isinstance(o, list) else tuple, [walk(x) for x in o])
+        if isinstance(o, dict):
+            return (dict, [(k, walk(v)) for k, v in o.items()])
+        leaves.append(o)
+        return None
+
+    return leaves, walk(obj)
+
+
+def _unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+    it = iter(leaves)
+
+    def build(sp: Any) -> Any:
+        if sp is None:
+            return next(it)
+        kind, items = sp
+        if kind is dict:
+            return {k: build(v) for k, v in items}
+        return kind(build(x) for x in items)
+
+    return build(spec)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +237,7 @@ def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
         slots[0][0].meta.get("val"), (tuple, list)
     ):
         return [(0, slots[0][0], slots[0][1])]
-    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    flat, _ = _flatten((node.args, node.kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
     if len(positions) != len(slots):
         raise ValueError(f"node {node.name!r} ({node.target}): cannot match its {len(slots)} input slots to its arguments")
@@ -254,7 +283,7 @@ class LoweredProgram:
         )
         self.tangents = [n for n in self.placeholders if roles.get(n.name) == "tangent"]
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        out_args = [a for a in pytree.tree_leaves(out_node.args[0]) if isinstance(a, fx.Node)]
+        out_args = [a for a in _flatten(out_node.args[0])[0] if isinstance(a, fx.Node)]
         self.fwd_outputs = [a for a in out_args if roles.get(a.name) == "output"]
         if len(self.fwd_outputs) != len(self.tangents):
             # tangents follow forward outputs in order; use the explicit map when given
@@ -297,7 +326,7 @@ class LoweredProgram:
             if n.op != "call_function":
                 continue
             strat = _node_strategy(plan, n)
-            flat, spec = pytree.tree_flatten((n.args, n.kwargs))
+            flat, spec = _flatten((n.args, n.kwargs))
             leaves: list = []
             for a in flat:
                 if isinstance(a, fx.Node):
@@ -402,7 +431,7 @@ class LoweredProgram:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)
                     else:
-                        args, kwargs = pytree.tree_unflatten(flat, s.spec)
+                        args, kwargs = _unflatten(flat, s.spec)
                         out = s.target(*args, **kwargs)
                 except Exception as e:
                     raise RuntimeError(
@@ -417,7 +446,7 @@ class LoweredProgram:
         """Run `kernel` on the local shards (inputs already at the planned placements) and wrap its
         tensor outputs as DTensors with the planned output placements and the traced global shapes."""
         local = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
-        args, kwargs = pytree.tree_unflatten(local, s.spec)
+        args, kwargs = _unflatten(local, s.spec)
         out = kernel(*args, **kwargs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
@@ -686,6 +715,30 @@ def _capture_for(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callab
     return capture(meta_model, meta_inputs, loss_fn)
 
 
+def _plan_on_one_rank(solve: Callable[[], Any], mesh: DeviceMesh) -> Any:
+    """Run `solve` on the mesh's first rank and send the plan (as JSON) to every rank of the default
+    process group, so that all ranks lower the same plan (and only one pays for planning)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return solve()
+    from apmodel.plans import Plan
+
+    if dist.get_world_size() != mesh.size():
+        raise ValueError(
+            f"parallelize plans on one rank and broadcasts over the default process group, which has "
+            f"{dist.get_world_size()} ranks; the mesh has {mesh.size()}: plan yourself and pass plan="
+        )
+    src = int(mesh.mesh.flatten()[0])
+    box: list = [None]
+    plan = None
+    if dist.get_rank() == src:
+        plan = solve()
+        box[0] = plan.to_json()
+    dist.broadcast_object_list(box, src=src)
+    return plan if plan is not None else Plan.from_json(box[0], "plan broadcast by rank %d" % src)
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -722,11 +775,14 @@ def parallelize(
     if plan is None:
         from apmodel.api import plan as make_plan
 
-        plan = make_plan(
-            captured, tuple(mesh.shape), loss_fn=loss_fn, input_placements=input_placements,
-            output_placements=output_placements, solver=solver, device=device, constraints=constraints,
-            **plan_options,
-        )
+        def solve() -> Any:
+            return make_plan(
+                captured, tuple(mesh.shape), loss_fn=loss_fn, input_placements=input_placements,
+                output_placements=output_placements, solver=solver, device=device, constraints=constraints,
+                **plan_options,
+            )
+
+        plan = _plan_on_one_rank(solve, mesh)
     elif plan_options or constraints or input_placements is not None or output_placements is not None:
         raise TypeError("planning options given together with plan=: the plan is used as it is")
     return lower(model, mesh, plan, captured)
