@@ -1,0 +1,796 @@
+"""The ``apmodel`` command: plan, explain, diff, calibrate, devices.
+
+    apmodel plan --model llama3-8b --mesh 4x8 --device h100 --seq 2048 --batch 8 --solver trws
+    apmodel plan ... --compare-recipes          # price DDP / FSDP / Megatron TP / FSDP+TP too
+    apmodel plan ... --json                     # one JSON object on stdout (see DESIGN.md)
+    apmodel explain plan.json layers.0.attention.wq.weight
+    apmodel diff a.json b.json
+    apmodel calibrate all_gather_perf.log --axis 1 --mesh 4x8 --out calibration.json
+    apmodel devices
+
+``--model`` is a preset of :mod:`apmodel.models` or ``package.module:factory``: a callable returning
+``(model, sample_inputs)`` or ``(model, sample_inputs, loss_fn)``; it is called inside
+``torch.device("meta")`` with those of the keyword arguments ``batch``, ``seq``, ``layers`` that its
+signature accepts. Without ``loss_fn`` the model's output must be the scalar loss.
+
+Results go to stdout (rich tables, or JSON with ``--json``); progress and logs go to stderr.
+Heavy imports (torch) happen inside the commands so that ``--help`` is quick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+logger = logging.getLogger("apmodel.cli")
+
+app = typer.Typer(
+    name="apmodel",
+    help="Plan how to split a PyTorch training step across a device mesh.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+#: Keys the ``plan --json`` object always has (DESIGN.md, "Public contracts").
+JSON_KEYS = (
+    "model", "mesh", "device", "solver", "nodes", "groups", "states", "edges",
+    "trace_s", "build_s", "solve_s", "total_s", "objective_us", "lower_bound_us", "status",
+    "compute_us", "comm_us", "param_placements",
+)
+
+#: Relative tolerance when checking that the found plan is no worse than a recipe.
+RECIPE_TOLERANCE = 1e-6
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _setup_logging(verbose: int) -> None:
+    from rich.logging import RichHandler
+
+    level = logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_apmodel_cli", False):
+            root.removeHandler(h)
+    handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=verbose >= 1)
+    handler._apmodel_cli = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _console() -> Console:
+    """Console for results on stdout; wide tables when stdout is not a terminal (pipes, files)."""
+    console = _console()
+    if not console.is_terminal:
+        console.width = 140
+    return console
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {msg}", highlight=False)
+    raise typer.Exit(code)
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"4x8"`` (or ``"4,8"``, ``"8"``) -> ``(4, 8)``; 1 to 4 positive axis sizes."""
+    parts = text.lower().replace(",", "x").replace("×", "x").split("x")
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--mesh {text!r}: expected axis sizes joined by 'x', e.g. 8, 4x8 or 2x2x2x4") from None
+    if not 1 <= len(sizes) <= 4 or any(s < 1 for s in sizes):
+        raise ValueError(f"--mesh {text!r}: expected 1 to 4 positive axis sizes, e.g. 4x8")
+    return sizes
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """Send everything written to stdout (Python and C level, e.g. solver banners) to stderr."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no real fd 1
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+        return
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+class _Progress:
+    """Stage messages: a rich status line on a terminal, INFO logs otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.console = Console(stderr=True)
+        self.live = enabled and self.console.is_terminal
+        self._status = None
+
+    def __enter__(self) -> "_Progress":
+        if self.live:
+            self._status = self.console.status("starting")
+            self._status.__enter__()
+        return self
+
+    def stage(self, text: str) -> None:
+        logger.info("%s", text)
+        if self._status is not None:
+            self._status.update(f"[bold]{text}")
+
+    def done(self, text: str) -> None:
+        if self.live:
+            self.console.print(f"[green]✓[/] {text}", highlight=False)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+
+def load_workload(model: str, *, batch: int, seq: int, layers: int | None):
+    """``(nn.Module on meta, sample_inputs, loss_fn or None)`` for a preset or a factory."""
+    import torch
+
+    if ":" in model:
+        import costmodels
+
+        factory = costmodels.load_object(model)
+        if not callable(factory):
+            raise ValueError(f"--model {model!r} is not callable")
+        accepted = inspect.signature(factory).parameters
+        kwargs = {k: v for k, v in (("batch", batch), ("seq", seq), ("layers", layers))
+                  if k in accepted and v is not None}
+        with torch.device("meta"):
+            out = factory(**kwargs)
+        if not isinstance(out, tuple) or len(out) not in (2, 3) or not isinstance(out[0], torch.nn.Module):
+            raise ValueError(f"--model {model!r} must return (model, sample_inputs) or (model, sample_inputs, loss_fn), "
+                             f"got {type(out).__name__}")
+        mod, inputs = out[0], tuple(out[1]) if isinstance(out[1], (tuple, list)) else (out[1],)
+        return mod, inputs, out[2] if len(out) == 3 else None
+    from apmodel import models
+
+    if model not in models.PRESETS:
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(sorted(models.PRESETS))}) "
+                         "nor 'package.module:factory'")
+    overrides = {"n_layers": layers} if layers is not None else {}
+    cfg = models.config(model, **overrides)
+    with torch.device("meta"):
+        mod = models.build(cfg)
+    return mod, models.sample_inputs(cfg, batch=batch, seq=seq), None
+
+
+def make_cost(cfg, mesh_shape: tuple[int, ...]):
+    """The cost context of a merged :class:`~apmodel.config.Config` (topology overrides included)."""
+    import costmodels
+    from apmodel.api import cost_context
+
+    comm = cfg.comm_model
+    overrides = cfg.topology_overrides()
+    if overrides:
+        topo = costmodels.Topology(mesh_shape, costmodels.device(cfg.device), cfg.gpus_per_node, **overrides)
+        comm = costmodels.load_object(comm)(topo) if isinstance(comm, str) else costmodels.NCCLCollectives(topo)
+    return cost_context(mesh_shape, device=cfg.device, gpus_per_node=cfg.gpus_per_node, dtype=cfg.dtype,
+                        compute_model=cfg.compute_model, comm_model=comm, calibration=cfg.calibration)
+
+
+def _itemsize(dtype: str) -> int:
+    from apmodel.api import DTYPES
+
+    return DTYPES[dtype].itemsize
+
+
+def _fmt_us(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "—"
+    return f"{x:,.1f}"
+
+
+def _fmt_bytes(b: float | None) -> str:
+    if b is None:
+        return "—"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:,.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+# ------------------------------------------------------------------------- plan: reading
+def param_uses(pmodel, node_strategy, fqn: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(consumer node, placement strings) for each forward op that reads parameter ``fqn``."""
+    from apmodel import placements as pl
+    from apmodel.strategies import input_slots
+
+    pnode = pmodel.node_by_name[pmodel.fqn_to_node[fqn]]
+    out = []
+    for user in pnode.users:
+        if user.name not in node_strategy or pmodel.captured.is_backward.get(user.name, False):
+            continue
+        for j, (prod, _k) in enumerate(input_slots(user)):
+            p = node_strategy[user.name].inputs[j] if j < len(node_strategy[user.name].inputs) else None
+            if prod is pnode and p is not None:
+                out.append((user.name, tuple(pl.to_str(x) for x in p)))
+    return out
+
+
+def emerged(plan) -> dict[str, str]:
+    """What each mesh axis does, read off the plan (needs ``plan.model``).
+
+    * parameters sharded in storage but read replicated by their forward ops -> FSDP (gathered);
+    * matmul weights read sharded -> tensor parallel;
+    * norm outputs sharded on dim 1 (sequence of ``[b, s, d]``) -> sequence parallel;
+    * norm outputs sharded on dim 0 -> data parallel (batch);
+    * all-to-all traffic on the axis -> all-to-all resharding.
+    """
+    from apmodel import placements as pl
+
+    pm = plan.model
+    ns = plan.node_strategy
+    roles: dict[str, str] = {}
+    weights = [f for f, node in pm.fqn_to_node.items() if getattr(pm.node_by_name[node].meta.get("val"), "dim", lambda: 0)() >= 2]
+    norm_outputs = []
+    for fqn, node in pm.fqn_to_node.items():
+        if fqn.endswith("norm.weight"):
+            for user in pm.node_by_name[node].users:
+                if user.name in ns and not pm.captured.is_backward.get(user.name, False) and ns[user.name].outputs:
+                    val = user.meta.get("val")
+                    if getattr(val, "dim", lambda: 0)() == 3 and ns[user.name].outputs[0] is not None:
+                        norm_outputs.append(tuple(pl.to_str(x) for x in ns[user.name].outputs[0]))
+    for axis, size in enumerate(plan.mesh_shape):
+        gathered = tp = replicated = 0
+        for fqn in weights:
+            stored = pl.to_str(plan.param_placements[fqn][axis])
+            uses = [u[1][axis] for u in param_uses(pm, ns, fqn)]
+            if any(u.startswith("S") for u in uses):
+                tp += 1
+            elif stored.startswith("S") and uses:
+                gathered += 1
+            elif stored == "R":
+                replicated += 1
+        sp = sum(1 for o in norm_outputs if o[axis] == "S(1)")
+        dp = sum(1 for o in norm_outputs if o[axis] == "S(0)")
+        a2a = plan.comm_by_collective.get(f"all_to_all@axis{axis}", 0.0)
+        parts = []
+        if dp:
+            parts.append(f"data parallel (batch-sharded norm outputs {dp}/{len(norm_outputs)})")
+        if gathered:
+            parts.append(f"FSDP (weights sharded in storage, all-gathered for use: {gathered}/{len(weights)})")
+        if tp:
+            parts.append(f"tensor parallel (matmul/embedding weights used sharded: {tp}/{len(weights)})")
+        if replicated:
+            parts.append(f"weights replicated ({replicated}/{len(weights)})")
+        if sp:
+            parts.append(f"sequence parallel (norm outputs sharded on seq dim: {sp}/{len(norm_outputs)})")
+        if a2a > 0:
+            parts.append(f"all-to-all resharding ({a2a:,.0f} µs)")
+        roles[f"axis{axis}"] = "; ".join(parts) or "idle (everything replicated on this axis)"
+    return roles
+
+
+# ------------------------------------------------------------------------------------ plan
+def _merged_config(config: Optional[Path], **flags: Any):
+    from apmodel.config import Config, ConfigError, load_config, merge
+
+    try:
+        cfg = load_config(config) if config is not None else Config()
+    except ConfigError as e:
+        _fail(str(e))
+    defaults = dict(model=None, mesh=None, seq=2048, batch=8, solver="trws", device="h100", dtype="bf16",
+                    gpus_per_node=8, param_policy="full_shard", replicate_axes=[])
+    cfg = merge(cfg, **flags)
+    for k, v in defaults.items():
+        if getattr(cfg, k) is None:
+            setattr(cfg, k, v)
+    return cfg
+
+
+def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Progress) -> dict[str, Any]:
+    """The whole pipeline for ``apmodel plan``; returns everything the printers need."""
+    import solvers
+    from apmodel import recipes as R
+    from apmodel.api import DTYPES, solve_model
+    from apmodel.capture import capture
+    from apmodel.strategies import enumerate_strategies
+
+    if cfg.model is None:
+        raise ValueError("no model: give --model (a preset or package.module:factory) or [workload] model in --config")
+    if cfg.mesh is None:
+        raise ValueError("no mesh: give --mesh (e.g. 4x8) or [workload] mesh in --config")
+    mesh = parse_mesh(cfg.mesh)
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype!r} is not one of {sorted(DTYPES)}")
+    if cfg.solver not in solvers.available():
+        raise ValueError(f"--solver {cfg.solver!r} is not an available backend: {solvers.available()}")
+    if any(a >= len(mesh) for a in cfg.replicate_axes):
+        raise ValueError(f"replicate_axes {cfg.replicate_axes} name an axis outside mesh {mesh}")
+    timings: dict[str, float] = {}
+    progress.stage(f"tracing {cfg.model} (seq {cfg.seq}, batch {cfg.batch})")
+    model, inputs, loss_fn = load_workload(cfg.model, batch=cfg.batch, seq=cfg.seq, layers=cfg.layers)
+    captured = capture(model, inputs, loss_fn)
+    timings["trace_s"] = captured.trace_s
+    progress.done(f"traced {len(captured.gm.graph.nodes)} nodes in {captured.trace_s:.1f} s")
+
+    progress.stage(f"enumerating strategies on mesh {mesh}")
+    t0 = time.perf_counter()
+    strategies = enumerate_strategies(captured.gm, mesh)
+    timings["strategies_s"] = time.perf_counter() - t0
+    progress.done(f"strategies in {timings['strategies_s']:.1f} s")
+
+    progress.stage("building the placement model")
+    t0 = time.perf_counter()
+    cost = make_cost(cfg, mesh)
+    options = dict(param_policy=cfg.param_policy, replicate_axes=tuple(cfg.replicate_axes),
+                   param_memory_fraction=cfg.param_memory_fraction)
+    pmodel = R.placement_model(captured, strategies, cost, constraints=cfg.constraints, **options)
+    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"]
+    sizes = pmodel.summary()
+    progress.done(f"model: {sizes['groups']} groups, {sizes['states']} states, {sizes['edges']} edges "
+                  f"in {timings['build_s']:.1f} s")
+
+    workload = {
+        "model": cfg.model, "seq": cfg.seq, "batch": cfg.batch, "layers": cfg.layers, "mesh": list(mesh),
+        "device": cfg.device, "dtype": cfg.dtype, "gpus_per_node": cfg.gpus_per_node,
+        "param_policy": cfg.param_policy, "replicate_axes": list(cfg.replicate_axes),
+        "param_memory_fraction": cfg.param_memory_fraction,
+        "config": None if cfg.source == "<defaults>" else str(Path(cfg.source).resolve()),
+    }
+    progress.stage(f"solving with {cfg.solver}")
+    plan = solve_model(pmodel, solver=cfg.solver, time_limit=cfg.time_limit, solver_options=cfg.solver_options,
+                       timings=timings, workload=workload)
+    progress.done(f"solved ({plan.solver.get('status')}) in {plan.timings['solve_s']:.1f} s: "
+                  f"{plan.objective_us:,.1f} µs")
+    if out is not None:
+        plan.save(out)
+    result: dict[str, Any] = {"cfg": cfg, "mesh": mesh, "plan": plan, "captured": captured, "recipes": None,
+                              "found_free": None, "warnings": [], "param_bytes": R.param_bytes_per_device(plan, captured, _itemsize(cfg.dtype))}
+    if not compare_recipes:
+        return result
+
+    itemsize = _itemsize(cfg.dtype)
+    found_free = None
+    if cfg.param_policy != "free" or cfg.replicate_axes or cfg.param_memory_fraction is not None:
+        progress.stage(f"solving with {cfg.solver} under the free parameter-storage policy")
+        pm_free = R.placement_model(captured, strategies, cost, constraints=cfg.constraints, param_policy="free")
+        found_free = solve_model(pm_free, solver=cfg.solver, time_limit=cfg.time_limit,
+                                 solver_options=cfg.solver_options, workload={"policy": "free"})
+    else:
+        found_free = plan
+    result["found_free"] = found_free
+    result["found_free_bytes"] = R.param_bytes_per_device(found_free, captured, itemsize)
+    results = []
+    for recipe in R.RECIPES:
+        progress.stage(f"pricing recipe {recipe.name}")
+        results.append(R.run(recipe, captured, strategies, cost, solver=cfg.solver, time_limit=cfg.time_limit,
+                             solver_options=cfg.solver_options, itemsize=itemsize))
+    result["recipes"] = results
+    # The honest check: every recipe lies in the free-policy space; full_shard recipes also in the default one.
+    default_space = cfg.param_policy == "full_shard" and not cfg.replicate_axes and cfg.param_memory_fraction is None
+    for r in results:
+        if r.objective_us is None:
+            continue
+        refs = [("free-policy plan", found_free.objective_us)]
+        if default_space and R.within_default_space(R.get(r.name)):
+            refs.append(("found plan", plan.objective_us))
+        for label, ref in refs:
+            if r.objective_us < ref * (1 - RECIPE_TOLERANCE) - 1e-9:
+                msg = (f"recipe {r.name} ({r.objective_us:,.1f} µs) is cheaper than the {label} ({ref:,.1f} µs): "
+                       f"the search missed a plan its space contains (solver {cfg.solver} is approximate"
+                       f"{'; user constraints restrict the search' if cfg.constraints else ''}) — please report")
+                result["warnings"].append(msg)
+                logger.warning("%s", msg)
+    return result
+
+
+def plan_json(result: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` object (DESIGN.md keys first, then extras)."""
+    from apmodel import placements as pl
+
+    plan, cfg = result["plan"], result["cfg"]
+    lb = plan.solver.get("lower_bound_us")
+    data: dict[str, Any] = {
+        "model": cfg.model,
+        "mesh": list(result["mesh"]),
+        "device": cfg.device,
+        "solver": cfg.solver,
+        **{k: plan.sizes[k] for k in ("nodes", "groups", "states", "edges")},
+        "trace_s": plan.timings.get("trace_s"),
+        "build_s": plan.timings.get("build_s"),
+        "solve_s": plan.timings.get("solve_s"),
+        "total_s": plan.timings.get("total_s"),
+        "objective_us": plan.objective_us,
+        "lower_bound_us": None if lb is None or not math.isfinite(lb) else float(lb),
+        "status": plan.solver.get("status"),
+        "compute_us": plan.compute_us,
+        "comm_us": plan.comm_us,
+        "param_placements": {k: pl.tuple_to_str(v) for k, v in plan.param_placements.items()},
+        "seq": cfg.seq,
+        "batch": cfg.batch,
+        "dtype": cfg.dtype,
+        "layers": cfg.layers,
+        "comm_by_collective": plan.comm_by_collective,
+        "param_bytes_per_device": result["param_bytes"],
+        "emerged": emerged(plan),
+    }
+    if result["recipes"] is not None:
+        data["recipes"] = {r.name: r.objective_us for r in result["recipes"]}
+        data["recipes_detail"] = {
+            r.name: {"status": r.status, "reason": r.reason, "param_policy": r.param_policy,
+                     "objective_us": r.objective_us, "compute_us": r.compute_us, "comm_us": r.comm_us,
+                     "param_bytes_per_device": r.param_bytes}
+            for r in result["recipes"]
+        }
+        data["free_policy_objective_us"] = result["found_free"].objective_us
+        data["warnings"] = result["warnings"]
+    return data
+
+
+def print_plan(result: dict[str, Any], console: Console) -> None:
+    """Readable summary: solver stats, objective breakdown, one layer's parameters, emerged roles."""
+    from apmodel import placements as pl
+
+    plan, cfg = result["plan"], result["cfg"]
+    mesh = result["mesh"]
+    console.print(f"[bold]apmodel plan[/]: {cfg.model} (seq {cfg.seq}, batch {cfg.batch}"
+                  f"{f', {cfg.layers} layers' if cfg.layers else ''}) on mesh {'x'.join(map(str, mesh))} "
+                  f"of {cfg.device}, priced in {cfg.dtype}", highlight=False)
+
+    t = Table(title="Problem and solver", show_header=False, title_justify="left")
+    t.add_column("what"); t.add_column("value", justify="right")
+    s = plan.sizes
+    t.add_row("nodes / groups / states / edges", f"{s['nodes']:,} / {s['groups']:,} / {s['states']:,} / {s['edges']:,}")
+    tm = plan.timings
+    t.add_row("trace / build / solve / total (s)",
+              f"{tm.get('trace_s', 0):.2f} / {tm.get('build_s', 0):.2f} / {tm.get('solve_s', 0):.2f} / {tm.get('total_s', 0):.2f}")
+    lb = plan.solver.get("lower_bound_us")
+    t.add_row("backend / status", f"{plan.solver.get('backend')} / {plan.solver.get('status')}")
+    t.add_row("objective (µs)", _fmt_us(plan.objective_us))
+    if lb is not None and math.isfinite(lb):
+        gap = (plan.objective_us - lb) / max(abs(plan.objective_us), 1e-12)
+        t.add_row("lower bound (µs) / gap", f"{_fmt_us(lb)} / {100 * gap:.2f}%")
+    t.add_row("parameter bytes per device", _fmt_bytes(result["param_bytes"]))
+    console.print(t)
+
+    t = Table(title="Objective breakdown (µs per training step)", title_justify="left")
+    t.add_column("term"); t.add_column("µs", justify="right"); t.add_column("share", justify="right")
+    total = max(plan.objective_us, 1e-12)
+    t.add_row("compute", _fmt_us(plan.compute_us), f"{100 * plan.compute_us / total:.1f}%")
+    t.add_row("communication", _fmt_us(plan.comm_us), f"{100 * plan.comm_us / total:.1f}%")
+    for key, us in sorted(plan.comm_by_collective.items(), key=lambda kv: -kv[1]):
+        kind, axis = key.split("@")
+        t.add_row(f"  {kind} on {axis.replace('axis', 'axis ')} ({mesh[int(axis[4:])]} ranks)", _fmt_us(us), f"{100 * us / total:.1f}%")
+    t.add_row("total", _fmt_us(plan.objective_us), "100.0%", style="bold")
+    console.print(t)
+
+    pm = plan.model
+    layer0 = sorted(f for f in plan.param_placements if ".0." in f or not any(ch.isdigit() for ch in f))
+    t = Table(title="Parameter placements (layer 0 and the non-layer parameters)", title_justify="left")
+    for col in ("parameter", "shape", "stored", "used as", "bytes/device"):
+        t.add_column(col, justify="right" if col == "bytes/device" else "left")
+    itemsize = _itemsize(cfg.dtype)
+    for fqn in layer0:
+        val = pm.node_by_name[pm.fqn_to_node[fqn]].meta["val"]
+        stored = plan.param_placements[fqn]
+        uses = sorted({"".join(u[1]) for u in param_uses(pm, plan.node_strategy, fqn)})
+        local = pl.local_shape(tuple(val.shape), stored, mesh)
+        t.add_row(fqn, "x".join(map(str, val.shape)), pl.tuple_to_str(stored), ", ".join(uses) or "—",
+                  _fmt_bytes(math.prod(local) * itemsize))
+    console.print(t)
+
+    t = Table(title="What emerged, per mesh axis", title_justify="left")
+    t.add_column("axis"); t.add_column("size", justify="right"); t.add_column("role")
+    for axis, desc in emerged(plan).items():
+        t.add_row(axis.replace("axis", ""), str(mesh[int(axis[4:])]), desc)
+    console.print(t)
+
+    if result["recipes"] is not None:
+        _print_recipes(result, console)
+
+
+def _print_recipes(result: dict[str, Any], console: Console) -> None:
+    from apmodel import recipes as R
+
+    plan = result["plan"]
+    base = plan.objective_us
+    t = Table(title="Found plan versus hand-written recipes (same cost model, same solver)", title_justify="left")
+    for col in ("plan", "param storage", "objective µs", "compute µs", "comm µs", "params/device", "vs found"):
+        t.add_column(col, justify="left" if col in ("plan", "param storage") else "right")
+
+    def pct(x: float) -> str:
+        return f"{100 * (x - base) / base:+.1f}%"
+
+    t.add_row("[bold]apmodel (found)[/]", result["cfg"].param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
+              _fmt_us(plan.comm_us), _fmt_bytes(result["param_bytes"]), "0.0%")
+    ff = result["found_free"]
+    if ff is not plan:
+        t.add_row("apmodel (free storage)", "free", _fmt_us(ff.objective_us), _fmt_us(ff.compute_us),
+                  _fmt_us(ff.comm_us), _fmt_bytes(result["found_free_bytes"]), pct(ff.objective_us))
+    notes = []
+    for r in result["recipes"]:
+        policy = r.param_policy + ("" if R.within_default_space(R.get(r.name)) else " *")
+        if r.objective_us is None:
+            t.add_row(r.title, policy, f"[yellow]{r.status}[/]", "", "", "", "")
+            notes.append(f"{r.name}: {r.status} — {r.reason.splitlines()[0][:300]}")
+            continue
+        t.add_row(r.title, policy, _fmt_us(r.objective_us), _fmt_us(r.compute_us), _fmt_us(r.comm_us),
+                  _fmt_bytes(r.param_bytes), pct(r.objective_us))
+    console.print(t)
+    console.print("* outside the default search space (parameters not fully sharded: more bytes per device); "
+                  "compared with the free-storage plan, which contains every recipe.", style="dim", highlight=False)
+    for n in notes:
+        console.print(f"  {n}", style="dim", highlight=False)
+    for w in result["warnings"]:
+        console.print(f"[bold red]WARNING:[/] {w}", highlight=False)
+
+
+@app.command()
+def plan(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Preset (llama3-8b, llama3-debug, gpt2, moe-debug, ...) or package.module:factory returning (model, sample_inputs[, loss_fn])."),
+    mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape, axis sizes joined by 'x': 8, 4x8, 4x2x4, 2x2x2x4."),
+    device: Optional[str] = typer.Option(None, "--device", help="Target device of the cost model (see `apmodel devices`). [default: h100]"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="GPUs per node (which mesh axes cross nodes). [default: 8]"),
+    seq: Optional[int] = typer.Option(None, "--seq", min=1, help="Sequence length. [default: 2048]"),
+    batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Global batch size. [default: 8]"),
+    solver: Optional[str] = typer.Option(None, "--solver", help="Solver backend: trws, highs, cvxpy, pgmpy, brute or a registered one. [default: trws]"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Pricing dtype: bf16, fp16, fp32, fp8. [default: bf16]"),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Override the preset's number of layers (quick runs)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file (flags override it)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan (JSON) here."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of tables."),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0.001, help="Solver time limit per solve, seconds."),
+    param_policy: Optional[str] = typer.Option(None, "--param-policy", help="Parameter storage: full_shard (default) or free."),
+    compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr; -vv: DEBUG."),
+) -> None:
+    """Plan a model on a mesh and print the plan (or --json)."""
+    _setup_logging(verbose)
+    cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
+                         batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
+                         param_policy=param_policy)
+    if cfg.param_policy not in ("full_shard", "free"):
+        _fail(f"--param-policy {cfg.param_policy!r}: expected full_shard or free")
+    if cfg.mesh is not None:
+        try:
+            parse_mesh(cfg.mesh)
+        except ValueError as e:
+            _fail(str(e))
+    try:
+        with _stdout_to_stderr(json_out), _Progress(True) as progress:
+            result = run_plan(cfg, compare_recipes=compare_recipes, out=out, progress=progress)
+    except typer.Exit:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        if verbose >= 2:
+            raise
+        _fail(str(e).strip("'\""))
+    if json_out:
+        typer.echo(json.dumps(plan_json(result), default=float))
+    else:
+        print_plan(result, _console())
+        if out is not None:
+            _console().print(f"plan saved to {out}", highlight=False)
+
+
+# --------------------------------------------------------------------------------- explain
+def _strategy_str(s) -> str:
+    from apmodel import placements as pl
+
+    def one(ps) -> str:
+        return ", ".join("—" if p is None else pl.tuple_to_str(p) for p in ps)
+
+    return f"{one(s.outputs)} ← {one(s.inputs)}" if s.inputs else one(s.outputs)
+
+
+def attach(saved, *, progress: _Progress | None = None):
+    """Rebuild the model of a saved plan from its workload and attach it (``saved.model``)."""
+    from apmodel import recipes as R
+    from apmodel.capture import capture
+    from apmodel.config import Config, load_config, merge
+    from apmodel.strategies import enumerate_strategies
+
+    wl = saved.workload
+    if not wl.get("model"):
+        raise ValueError("the plan file records no workload model; re-plan it with `apmodel plan ... --out` to explain it")
+    cfg = load_config(wl["config"]) if wl.get("config") and Path(wl["config"]).is_file() else Config()
+    cfg = merge(cfg, model=wl["model"], device=wl.get("device", "h100"), dtype=wl.get("dtype", "bf16"),
+                gpus_per_node=wl.get("gpus_per_node", 8))
+    if progress:
+        progress.stage(f"re-tracing {wl['model']}")
+    model, inputs, loss_fn = load_workload(wl["model"], batch=wl.get("batch", 8), seq=wl.get("seq", 2048),
+                                           layers=wl.get("layers"))
+    captured = capture(model, inputs, loss_fn)
+    mesh = tuple(saved.mesh_shape)
+    saved.check_compatible(captured, mesh)
+    if progress:
+        progress.stage("enumerating strategies and building the model")
+    strategies = enumerate_strategies(captured.gm, mesh)
+    pm = R.placement_model(captured, strategies, make_cost(cfg, mesh), constraints=cfg.constraints,
+                           param_policy=wl.get("param_policy", "full_shard"),
+                           replicate_axes=tuple(wl.get("replicate_axes") or ()),
+                           param_memory_fraction=wl.get("param_memory_fraction"))
+    saved.model = pm
+    return saved
+
+
+@app.command()
+def explain(
+    plan_file: Path = typer.Argument(..., exists=True, dir_okay=False, help="A plan saved by `apmodel plan --out`."),
+    target: str = typer.Argument(..., help="A graph node name (e.g. mm_3) or a parameter FQN."),
+    top: int = typer.Option(20, "--top", min=1, help="Show this many cheapest candidates (and the chosen one)."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr."),
+) -> None:
+    """Why the plan chose what it chose at one node: every candidate priced with its neighbours fixed."""
+    _setup_logging(verbose)
+    from apmodel.plans import Plan
+
+    try:
+        saved = Plan.load(plan_file)
+        with _Progress(True) as progress:
+            attach(saved, progress=progress)
+        pm = saved.model
+        node = pm.fqn_to_node.get(target, target)
+        rows = saved.explain(target)
+    except (ValueError, KeyError) as e:
+        _fail(str(e).strip("'\""))
+    by_str = {str(s): s for s in pm.strategies[node]}
+    console = _console()
+    n = pm.node_by_name[node]
+    console.print(f"[bold]{target}[/] (node {node}, {n.target}), {len(rows)} candidates; "
+                  f"planned: {_strategy_str(saved.node_strategy[node])}", highlight=False)
+    t = Table(title="Candidates, neighbours held at the plan (µs)", title_justify="left")
+    for col in ("", "outputs ← inputs", "compute", "comm", "total", "allowed"):
+        t.add_column(col, justify="right" if col in ("compute", "comm", "total") else "left")
+    shown = [r for i, r in enumerate(rows) if i < top or r["chosen"]]
+    for r in shown:
+        t.add_row("★" if r["chosen"] else "", _strategy_str(by_str[r["strategy"]]), _fmt_us(r["compute_us"]),
+                  _fmt_us(r["comm_us"]), _fmt_us(r["total_us"]), "yes" if r["allowed"] else "no",
+                  style="bold" if r["chosen"] else None)
+    console.print(t)
+    reasons = pm.restriction_reasons(node)
+    if reasons:
+        console.print("restricted by: " + "; ".join(reasons), style="dim", highlight=False)
+
+
+# ------------------------------------------------------------------------------------ diff
+@app.command()
+def diff(
+    a: Path = typer.Argument(..., exists=True, dir_okay=False, help="First plan file."),
+    b: Path = typer.Argument(..., exists=True, dir_okay=False, help="Second plan file."),
+    limit: int = typer.Option(40, "--limit", min=0, help="Show at most this many differing nodes."),
+) -> None:
+    """Compare two plans: objectives, parameter placements, node strategies."""
+    from apmodel.plans import Plan, diff as plan_diff
+
+    try:
+        pa, pb = Plan.load(a), Plan.load(b)
+    except ValueError as e:
+        _fail(str(e))
+    console = _console()
+    t = Table(title="Plans", title_justify="left")
+    for col in ("", "mesh", "objective µs", "compute µs", "comm µs", "solver"):
+        t.add_column(col)
+    for label, p in (("a", pa), ("b", pb)):
+        t.add_row(f"{label}: {a if label == 'a' else b}", "x".join(map(str, p.mesh_shape)), _fmt_us(p.objective_us),
+                  _fmt_us(p.compute_us), _fmt_us(p.comm_us), f"{p.solver.get('backend', '?')} {p.solver.get('status', '')}")
+    console.print(t)
+    if pa.objective_us > 0:
+        console.print(f"b - a: {pb.objective_us - pa.objective_us:+,.1f} µs "
+                      f"({100 * (pb.objective_us - pa.objective_us) / pa.objective_us:+.2f}%)", highlight=False)
+    if pa.fingerprint != pb.fingerprint:
+        console.print("[yellow]note:[/] the plans were made for different graphs (fingerprints differ)", highlight=False)
+    rows = plan_diff(pa, pb)
+    params = [r for r in rows if r["kind"] == "param"]
+    nodes = [r for r in rows if r["kind"] == "node"]
+    if not rows:
+        console.print("identical placements")
+        return
+    if params:
+        t = Table(title=f"Parameters placed differently ({len(params)})", title_justify="left")
+        for col in ("parameter", "a", "b"):
+            t.add_column(col)
+        for r in params:
+            t.add_row(r["name"], str(r["a"]), str(r["b"]))
+        console.print(t)
+    t = Table(title=f"Nodes with a different strategy ({len(nodes)}, showing {min(limit, len(nodes))})", title_justify="left")
+    for col in ("node", "a", "b"):
+        t.add_column(col)
+    sa, sb = pa.node_strategy, pb.node_strategy
+    for r in nodes[:limit]:
+        t.add_row(r["name"], _strategy_str(sa[r["name"]]) if r["name"] in sa else "—",
+                  _strategy_str(sb[r["name"]]) if r["name"] in sb else "—")
+    console.print(t)
+
+
+# ------------------------------------------------------------------------------- calibrate
+@app.command()
+def calibrate(
+    logs: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="nccl-tests output files (one collective each)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Write the calibration (JSON) here."),
+    axis: int = typer.Option(0, "--axis", min=0, help="Mesh axis the logs were measured on."),
+    kind: str = typer.Option("auto", "--kind", help="Collective: auto (from the log), all_gather, reduce_scatter, all_reduce, all_to_all, broadcast."),
+    mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape the axis belongs to. [default: the log's rank count as a 1D mesh]"),
+    device: str = typer.Option("h100", "--device", help="Device of the model being calibrated."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, help="GPUs per node."),
+    use: str = typer.Option("out_of_place", "--use", help="Measured time to fit: out_of_place, in_place or min."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr."),
+) -> None:
+    """Fit per-collective correction curves of the NCCL model to nccl-tests logs."""
+    _setup_logging(verbose)
+    import costmodels
+
+    try:
+        parsed = [costmodels.parse_nccl_tests(p, kind=None if kind == "auto" else kind) for p in logs]
+        for p, log in zip(logs, parsed):
+            if log.kind is None:
+                raise ValueError(f"{p}: cannot tell the collective from the log; pass --kind")
+        if mesh is not None:
+            shape = parse_mesh(mesh)
+        else:
+            ranks = {log.ranks for log in parsed if log.ranks}
+            if len(ranks) > 1:
+                raise ValueError(f"logs have different rank counts {sorted(ranks)}; pass --mesh")
+            shape = (ranks.pop() if ranks else 8,)
+        if axis >= len(shape):
+            raise ValueError(f"--axis {axis} is not an axis of mesh {shape}")
+        base = costmodels.NCCLCollectives(costmodels.Topology(shape, costmodels.device(device), gpus_per_node))
+        cal = costmodels.Calibration.fit(base, [(log, axis) for log in parsed], use=use)
+    except (ValueError, KeyError) as e:
+        _fail(str(e).strip("'\""))
+    cal.meta.update({"device": device, "gpus_per_node": gpus_per_node, "mesh_shape": list(shape),
+                     "sources": [str(p) for p in logs]})
+    cal.save(out)
+    console = _console()
+    t = Table(title=f"Calibration of the NCCL model ({device}, mesh {'x'.join(map(str, shape))})", title_justify="left")
+    for col in ("collective", "axis", "sizes", "factor at min", "factor at max", "range"):
+        t.add_column(col, justify="left" if col == "collective" else "right")
+    for (k, ax), c in sorted(cal.curves.items()):
+        t.add_row(k, str(ax), f"{_fmt_bytes(2 ** c.log2_sizes[0])} – {_fmt_bytes(2 ** c.log2_sizes[-1])}",
+                  f"{c.factors[0]:.3f}", f"{c.factors[-1]:.3f}", f"{min(c.factors):.3f} – {max(c.factors):.3f}")
+    console.print(t)
+    console.print(f"calibration saved to {out} (use it with [cost] calibration = \"{out}\")", highlight=False)
+
+
+# --------------------------------------------------------------------------------- devices
+@app.command()
+def devices() -> None:
+    """The device registry: peak throughput, memory, fabric, network."""
+    from costmodels.hardware import ALIASES, BUILTIN_DEVICES
+
+    aliases: dict[str, list[str]] = {}
+    for alias, name in ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+    t = Table(title="Devices (per GPU; GB/s per direction)", title_justify="left")
+    for col in ("name", "aliases", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM TB/s", "HBM GiB", "fabric", "fabric GB/s", "NVLS", "NIC GB/s"):
+        t.add_column(col, justify="left" if col in ("name", "aliases", "fabric") else "right")
+    for name, d in BUILTIN_DEVICES.items():
+        fp8 = d.peak_tflops.get("fp8")
+        t.add_row(name, ", ".join(sorted(aliases.get(name, []))), f"{d.peak_flops('bf16') / 1e12:,.0f}",
+                  "—" if fp8 is None else f"{fp8:,.0f}", f"{d.hbm_TBps:.2f}", f"{d.hbm_GiB:.0f}",
+                  d.fabric.kind, f"{d.fabric.GBps:.0f}", "yes" if d.fabric.nvls else "no", f"{d.nic_GBps:.1f}")
+    _console().print(t)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The ``apmodel`` configuration file (TOML): solver, device, topology, cost models, constraints.
+
+Every section and key is optional; command-line flags override the file. An unknown key, or a
+value of the wrong type, raises ``ConfigError`` naming the file and the key (``solver.time_limit``)::
+
+    [workload]            # what to plan (the command line may give these instead)
+    model = "llama3-8b"   # a preset of apmodel.models, or "package.module:factory"
+    mesh = "4x8"
+    seq = 2048
+    batch = 8
+    layers = 32           # override of the preset's n_layers
+
+    [solver]
+    backend = "trws"      # a name of solvers.available()
+    time_limit = 60.0     # seconds
+    options = { max_iters = 300 }   # passed to the backend
+
+    [device]
+    name = "h100"         # costmodels.device() name
+    dtype = "bf16"        # pricing dtype: bf16 | fp16 | fp32 | fp8
+
+    [topology]
+    gpus_per_node = 8
+    intra_GBps = 450.0    # per GPU, one direction (overrides the device's fabric)
+    inter_GBps = 50.0     # per GPU NIC, one direction
+    intra_latency_us = 0.0
+    inter_latency_us = 0.0
+    nvls = true
+
+    [cost]
+    calibration = "calibration.json"           # from `apmodel calibrate`; relative to this file
+    compute_model = "mypkg.costs:MyCompute"     # constructed with the DeviceSpec
+    comm_model = "mypkg.costs:MyCollectives"    # constructed with the Topology
+
+    [planner]
+    param_policy = "full_shard"   # or "free"
+    replicate_axes = []           # mesh axes on which parameters stay replicated (HSDP)
+    param_memory_fraction = 0.25  # optional per-device parameter budget (instead of full_shard)
+
+    [[constraints]]
+    fix = "layers.*.attention.wo.weight"
+    placement = "S(0)S(1)"
+    [[constraints]]
+    forbid = "output.weight"
+    placement = "RR"
+    on = "output"                 # or "input:J"
+    [[constraints]]
+    linear = "few_replicated_norms"
+    terms = [["layers.*.ffn_norm.weight", "RR", 1.0]]
+    sense = "<="
+    rhs = 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from apmodel import constraints as C
+
+
+class ConfigError(ValueError):
+    """A configuration file is malformed; the message names the file and the key."""
+
+
+@dataclass
+class Config:
+    """Everything the configuration file can set (``None`` = not set, use the default)."""
+
+    # [workload]
+    model: str | None = None
+    mesh: str | None = None
+    seq: int | None = None
+    batch: int | None = None
+    layers: int | None = None
+    # [solver]
+    solver: str | None = None
+    time_limit: float | None = None
+    solver_options: dict[str, Any] = field(default_factory=dict)
+    # [device]
+    device: str | None = None
+    dtype: str | None = None
+    # [topology]
+    gpus_per_node: int | None = None
+    intra_GBps: float | None = None
+    inter_GBps: float | None = None
+    intra_latency_us: float | None = None
+    inter_latency_us: float | None = None
+    nvls: bool | None = None
+    # [cost]
+    calibration: str | None = None
+    compute_model: str | None = None
+    comm_model: str | None = None
+    # [planner]
+    param_policy: str | None = None
+    replicate_axes: list[int] | None = None
+    param_memory_fraction: float | None = None
+    # [[constraints]]
+    constraints: list[Any] = field(default_factory=list)
+    source: str = "<defaults>"
+
+    def topology_overrides(self) -> dict[str, Any]:
+        """Keyword arguments for ``costmodels.Topology`` beyond mesh, device and gpus_per_node."""
+        keys = ("intra_GBps", "inter_GBps", "intra_latency_us", "inter_latency_us", "nvls")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+# section -> key -> (Config field, expected type(s), description for errors)
+_SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
+    "workload": {
+        "model": ("model", (str,), "a string"),
+        "mesh": ("mesh", (str,), 'a string like "4x8"'),
+        "seq": ("seq", (int,), "an integer"),
+        "batch": ("batch", (int,), "an integer"),
+        "layers": ("layers", (int,), "an integer"),
+    },
+    "solver": {
+        "backend": ("solver", (str,), "a string"),
+        "time_limit": ("time_limit", (int, float), "a number of seconds"),
+        "options": ("solver_options", (dict,), "a table"),
+    },
+    "device": {
+        "name": ("device", (str,), "a string"),
+        "dtype": ("dtype", (str,), "a string"),
+    },
+    "topology": {
+        "gpus_per_node": ("gpus_per_node", (int,), "an integer"),
+        "intra_GBps": ("intra_GBps", (int, float), "a number (GB/s)"),
+        "inter_GBps": ("inter_GBps", (int, float), "a number (GB/s)"),
+        "intra_latency_us": ("intra_latency_us", (int, float), "a number (µs)"),
+        "inter_latency_us": ("inter_latency_us", (int, float), "a number (µs)"),
+        "nvls": ("nvls", (bool,), "true or false"),
+    },
+    "cost": {
+        "calibration": ("calibration", (str,), "a path"),
+        "compute_model": ("compute_model", (str,), 'a dotted name "package.module:Name"'),
+        "comm_model": ("comm_model", (str,), 'a dotted name "package.module:Name"'),
+    },
+    "planner": {
+        "param_policy": ("param_policy", (str,), '"full_shard" or "free"'),
+        "replicate_axes": ("replicate_axes", (list,), "a list of mesh axes"),
+        "param_memory_fraction": ("param_memory_fraction", (int, float), "a number in (0, 1]"),
+    },
+}
+
+_CONSTRAINT_KEYS = {
+    "fix": {"fix", "placement", "on", "name"},
+    "forbid": {"forbid", "placement", "on", "name"},
+    "linear": {"linear", "terms", "sense", "rhs"},
+}
+
+
+def _check_type(src: str, key: str, value: Any, types: tuple[type, ...], what: str) -> Any:
+    # bool is an int in Python; do not accept true for a number (or 1 for a bool)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        raise ConfigError(f"{src}: key {key!r} must be {what}, got {value!r}")
+    return value
+
+
+def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Linear:
+    where = f"constraints[{i}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{src}: {where} must be a table, got {entry!r}")
+    kinds = [k for k in _CONSTRAINT_KEYS if k in entry]
+    if len(kinds) != 1:
+        raise ConfigError(f"{src}: {where} needs exactly one of the keys 'fix', 'forbid', 'linear', got {sorted(entry)}")
+    kind = kinds[0]
+    unknown = sorted(set(entry) - _CONSTRAINT_KEYS[kind])
+    if unknown:
+        raise ConfigError(f"{src}: unknown key {where}.{unknown[0]!r} (a {kind!r} constraint takes {sorted(_CONSTRAINT_KEYS[kind])})")
+    if kind in ("fix", "forbid"):
+        pattern = _check_type(src, f"{where}.{kind}", entry[kind], (str,), "a glob over parameter FQNs or node names")
+        if "placement" not in entry:
+            raise ConfigError(f"{src}: {where}.placement is missing (e.g. placement = \"S(0)R\")")
+        placement = _check_type(src, f"{where}.placement", entry["placement"], (str,), 'a placement string like "S(0)R"')
+        on = _check_type(src, f"{where}.on", entry.get("on", "output"), (str,), '"output" or "input:J"')
+        if on != "output" and not (on.startswith("input") and (on == "input" or on[6:].isdigit())):
+            raise ConfigError(f"{src}: key {where}.on must be \"output\" or \"input:J\", got {on!r}")
+        name = _check_type(src, f"{where}.name", entry.get("name", f"config {where}: {kind} {pattern} {placement}"), (str,), "a string")
+        ctor = C.fix if kind == "fix" else C.forbid
+        return ctor(pattern, placement, on=on, name=name)
+    name = _check_type(src, f"{where}.linear", entry["linear"], (str,), "a name for the constraint")
+    for key in ("terms", "sense", "rhs"):
+        if key not in entry:
+            raise ConfigError(f"{src}: {where}.{key} is missing")
+    terms = _check_type(src, f"{where}.terms", entry["terms"], (list,), "a list of [pattern, placement, coefficient]")
+    parsed = []
+    for j, t in enumerate(terms):
+        if not (isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and isinstance(t[1], str)
+                and isinstance(t[2], (int, float)) and not isinstance(t[2], bool)):
+            raise ConfigError(f"{src}: key {where}.terms[{j}] must be [pattern, placement, coefficient], got {t!r}")
+        parsed.append((t[0], t[1], float(t[2])))
+    sense = entry["sense"]
+    if sense not in ("<=", ">=", "=="):
+        raise ConfigError(f"{src}: key {where}.sense must be \"<=\", \">=\" or \"==\", got {sense!r}")
+    rhs = _check_type(src, f"{where}.rhs", entry["rhs"], (int, float), "a number")
+    return C.linear(name, parsed, sense, float(rhs))
+
+
+def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path | None = None) -> Config:
+    """Validate a parsed TOML document; relative file paths are resolved against ``base_dir``."""
+    cfg = Config(source=source)
+    for section, body in data.items():
+        if section == "constraints":
+            if not isinstance(body, list):
+                raise ConfigError(f"{source}: key 'constraints' must be an array of tables ([[constraints]])")
+            cfg.constraints = [_parse_constraint(source, i, e) for i, e in enumerate(body)]
+            continue
+        schema = _SCHEMA.get(section)
+        if schema is None:
+            known = sorted([*_SCHEMA, "constraints"])
+            raise ConfigError(f"{source}: unknown key {section!r} (known sections: {', '.join(known)})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: key {section!r} must be a table ([{section}])")
+        for key, value in body.items():
+            if key not in schema:
+                raise ConfigError(f"{source}: unknown key '{section}.{key}' (known: {', '.join(sorted(schema))})")
+            attr, types, what = schema[key]
+            _check_type(source, f"{section}.{key}", value, types, what)
+            setattr(cfg, attr, value)
+    if cfg.replicate_axes is not None:
+        if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in cfg.replicate_axes):
+            raise ConfigError(f"{source}: key 'planner.replicate_axes' must list non-negative integers, got {cfg.replicate_axes!r}")
+    if cfg.param_policy is not None and cfg.param_policy not in ("full_shard", "free"):
+        raise ConfigError(f"{source}: key 'planner.param_policy' must be \"full_shard\" or \"free\", got {cfg.param_policy!r}")
+    if cfg.param_memory_fraction is not None and not 0 < cfg.param_memory_fraction <= 1:
+        raise ConfigError(f"{source}: key 'planner.param_memory_fraction' must be in (0, 1], got {cfg.param_memory_fraction!r}")
+    for key in ("seq", "batch", "layers", "gpus_per_node"):
+        v = getattr(cfg, key)
+        if v is not None and v < 1:
+            section = "topology" if key == "gpus_per_node" else "workload"
+            raise ConfigError(f"{source}: key '{section}.{key}' must be >= 1, got {v}")
+    if cfg.time_limit is not None and cfg.time_limit <= 0:
+        raise ConfigError(f"{source}: key 'solver.time_limit' must be > 0 seconds, got {cfg.time_limit}")
+    if cfg.calibration is not None and base_dir is not None and not Path(cfg.calibration).is_absolute():
+        cfg.calibration = str(base_dir / cfg.calibration)
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML configuration file (see the module docstring for its keys)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read configuration file ({e.strerror or e})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse_config(data, str(path), path.parent)
+
+
+def merge(cfg: Config, **flags: Any) -> Config:
+    """A copy of ``cfg`` with every flag that is not ``None`` taking precedence."""
+    return dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})

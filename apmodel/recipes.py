@@ -1,0 +1,291 @@
+"""Expert recipes (DDP, FSDP, HSDP, Megatron TP with/without sequence parallel, FSDP+TP) written as
+apmodel constraints, so they can be priced under the same cost model as a searched plan.
+
+A recipe is data: a parameter-storage policy (``full_shard`` or ``free``), replicated mesh axes,
+and a list of constraints that fix, per mesh axis,
+
+* where each parameter is **stored** (its placeholder's output placement),
+* how each parameter is **used** by the ops that read it (the input placement of its first
+  consumers: ``R`` on an axis means the weight is all-gathered / replicated there, ``S(d)`` means
+  the op works on the local shard: tensor parallelism), and
+* where the recipe defines them, **activations** (the outputs of the norms: replicated on the
+  tensor-parallel axis for Megatron, sharded on the sequence dimension with sequence parallel).
+
+Everything the recipe leaves open (how the batch flows through attention, where gradients are
+reduced) is chosen by the solver, so a recipe's price is the best plan *within* the recipe.
+
+The tensor-parallel recipes know LLaMA-style names: column-parallel ``wq wk wv w1 w3`` and
+``output`` (weights ``[out, in]`` sharded on dim 0), row-parallel ``wo w2`` (dim 1), a vocabulary-
+parallel embedding (dim 0) and replicated norms. The data axes are all axes but the last, the
+tensor-parallel axis is the last (innermost, fastest) one; inputs are batch-sharded on axis 0.
+
+Recipes whose storage policy is ``free`` (DDP, HSDP, Megatron with replicated data-parallel
+parameters) hold more parameter bytes per device than the planner's default ``full_shard``
+policy allows: they lie outside its search space and are compared against a plan searched under
+the ``free`` policy as well (see :func:`compare`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+import solvers
+from apmodel import placements as pl
+from apmodel.strategies import input_slots
+
+logger = logging.getLogger(__name__)
+
+#: LLaMA-style parameter names (apmodel.models.llama3, torchtitan, Meta's reference code).
+COLUMN_PARALLEL = ("*.wq.weight", "*.wk.weight", "*.wv.weight", "*.w1.weight", "*.w3.weight", "output.weight")
+ROW_PARALLEL = ("*.wo.weight", "*.w2.weight")
+VOCAB_PARALLEL = ("tok_embeddings.weight",)
+NORMS = ("*norm.weight",)
+
+AxisSpec = Mapping[int, str]  # mesh axis -> "R" | "P" | "S(d)" | "S" (any shard)
+
+
+class NotApplicable(ValueError):
+    """A recipe that does not apply to this mesh or model (the message says why)."""
+
+
+def _matches(strs: Sequence[str] | None, spec: AxisSpec) -> bool:
+    if strs is None:
+        return False
+    for axis, want in spec.items():
+        got = strs[axis]
+        if want == "S":
+            if not got.startswith("S"):
+                return False
+        elif got != want:
+            return False
+    return True
+
+
+def _strs(p) -> tuple[str, ...] | None:
+    return None if p is None else tuple(pl.to_str(x) for x in p)
+
+
+def _params(m, patterns: Sequence[str]) -> list[tuple[str, str]]:
+    """(node name, FQN) of the parameters matching any glob."""
+    return [(node, fqn) for node, fqn in m.captured.param_fqn.items() if any(fnmatch.fnmatchcase(fqn, p) for p in patterns)]
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """Per-axis storage and use placements for the parameters matching ``patterns``."""
+
+    patterns: tuple[str, ...]
+    storage: AxisSpec = field(default_factory=dict)
+    use: AxisSpec = field(default_factory=dict)
+    label: str = ""
+
+    def apply(self, m) -> None:
+        found = _params(m, self.patterns)
+        for node, fqn in found:
+            if self.storage:
+                m.restrict(node, lambda s: _matches(_strs(s.outputs[0]), self.storage),
+                           f"recipe {self.label}: {fqn} stored {_spec_str(self.storage)}")
+            if self.use:
+                pnode = m.node_by_name[node]
+                for user in pnode.users:
+                    if user.name not in m.strategies:
+                        continue
+                    slots = [j for j, (prod, _k) in enumerate(input_slots(user)) if prod is pnode]
+                    for j in slots:
+                        m.restrict(user.name, lambda s, j=j: j < len(s.inputs) and _matches(_strs(s.inputs[j]), self.use),
+                                   f"recipe {self.label}: {fqn} used as {_spec_str(self.use)} by {user.name}")
+
+
+@dataclass(frozen=True)
+class NormOutputRule:
+    """Forward outputs of the ops that apply a norm weight placed per axis (Megatron activations)."""
+
+    spec: AxisSpec
+    patterns: tuple[str, ...] = NORMS
+    label: str = ""
+
+    def apply(self, m) -> None:
+        for node, fqn in _params(m, self.patterns):
+            for user in m.node_by_name[node].users:
+                if user.name not in m.strategies or m.captured.is_backward.get(user.name, False):
+                    continue
+                m.restrict(user.name, lambda s: _matches(_strs(s.outputs[0]) if s.outputs else None, self.spec),
+                           f"recipe {self.label}: output of {fqn}'s norm ({user.name}) placed {_spec_str(self.spec)}")
+
+
+def _spec_str(spec: AxisSpec) -> str:
+    return ", ".join(f"{v} on axis {a}" for a, v in sorted(spec.items()))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A hand-written parallelisation recipe as apmodel constraints (see the module docstring)."""
+
+    name: str
+    title: str
+    param_policy: str
+    make: Callable[[tuple[int, ...]], list[Any]]
+    replicate_axes: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda mesh: ()
+    min_axes: int = 1
+
+    def constraints(self, mesh_shape: Sequence[int]) -> list[Any]:
+        mesh_shape = tuple(mesh_shape)
+        if len(mesh_shape) < self.min_axes:
+            raise NotApplicable(
+                f"needs a mesh with >= {self.min_axes} axes (the batch is sharded on axis 0, tensor parallelism on the last axis)")
+        return self.make(mesh_shape)
+
+
+def _all(mesh, tok):
+    return {a: tok for a in range(len(mesh))}
+
+
+def _ddp(mesh):
+    return [ParamRule(("*",), storage=_all(mesh, "R"), use=_all(mesh, "R"), label="ddp")]
+
+
+def _fsdp(mesh):
+    # storage: the full_shard policy (every parameter sharded as far as it can be); use: gathered
+    return [ParamRule(("*",), use=_all(mesh, "R"), label="fsdp")]
+
+
+def _hsdp(mesh):
+    return [ParamRule(("*",), use=_all(mesh, "R"), label="hsdp")]
+
+
+def _tp_rules(mesh, label: str, *, data_storage: str, sequence_parallel: bool) -> list[Any]:
+    """Megatron-style tensor parallelism on the last axis; data parallelism on the others.
+
+    ``data_storage``: "R" (DDP, classic Megatron) or "S" (FSDP on the data axes)."""
+    tp = len(mesh) - 1
+    data = range(tp)
+    dstore = {a: data_storage for a in data}
+    duse = {a: "R" for a in data}
+    rules: list[Any] = [
+        ParamRule(COLUMN_PARALLEL, storage={**dstore, tp: "S(0)"}, use={**duse, tp: "S(0)"}, label=label),
+        ParamRule(ROW_PARALLEL, storage={**dstore, tp: "S(1)"}, use={**duse, tp: "S(1)"}, label=label),
+        ParamRule(VOCAB_PARALLEL, storage={**dstore, tp: "S(0)"}, use={**duse, tp: "S(0)"}, label=label),
+    ]
+    if data_storage == "R":
+        rules.append(ParamRule(NORMS, storage=_all(mesh, "R"), use=_all(mesh, "R"), label=label))
+    else:
+        # FSDP shards the (tiny) norm weights on every axis; they are gathered before use.
+        rules.append(ParamRule(NORMS, use=_all(mesh, "R"), label=label))
+    rules.append(NormOutputRule({tp: "S(1)" if sequence_parallel else "R"}, label=label))
+    return rules
+
+
+RECIPES: tuple[Recipe, ...] = (
+    Recipe("ddp", "DDP (parameters replicated)", "free", _ddp),
+    Recipe("fsdp", "FSDP / ZeRO-3 (all axes)", "full_shard", _fsdp),
+    Recipe("hsdp", "HSDP (replicate axis 0, shard the rest)", "full_shard", _hsdp,
+           replicate_axes=lambda mesh: (0,), min_axes=2),
+    Recipe("megatron_tp", "Megatron TP (last axis) + DDP", "free",
+           lambda mesh: _tp_rules(mesh, "megatron_tp", data_storage="R", sequence_parallel=False), min_axes=2),
+    Recipe("megatron_tp_sp", "Megatron TP + sequence parallel + DDP", "free",
+           lambda mesh: _tp_rules(mesh, "megatron_tp_sp", data_storage="R", sequence_parallel=True), min_axes=2),
+    Recipe("fsdp_tp", "FSDP + TP + sequence parallel (torchtitan 2D)", "full_shard",
+           lambda mesh: _tp_rules(mesh, "fsdp_tp", data_storage="S", sequence_parallel=True), min_axes=2),
+)
+
+
+def get(name: str) -> Recipe:
+    for r in RECIPES:
+        if r.name == name:
+            return r
+    raise ValueError(f"unknown recipe {name!r}; known: {[r.name for r in RECIPES]}")
+
+
+def within_default_space(recipe: Recipe) -> bool:
+    """True when the planner's default search (full_shard, nothing replicated) contains the recipe."""
+    return recipe.param_policy == "full_shard" and not recipe.replicate_axes((2, 2))
+
+
+# ------------------------------------------------------------------------------------ pricing
+def param_bytes_per_device(plan, captured, itemsize: int) -> float:
+    """Bytes of parameters one device stores under ``plan`` (the largest shard of each)."""
+    total = 0.0
+    nodes = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    for node, fqn in captured.param_fqn.items():
+        val = nodes[node].meta["val"]
+        shape = pl.local_shape(tuple(val.shape), plan.param_placements[fqn], plan.mesh_shape)
+        total += float(np.prod(shape)) * itemsize
+    return total
+
+
+@dataclass
+class RecipeResult:
+    name: str
+    title: str
+    param_policy: str
+    objective_us: float | None = None
+    compute_us: float | None = None
+    comm_us: float | None = None
+    param_bytes: float | None = None
+    status: str = "ok"           # "ok" | "n/a" | "infeasible"
+    reason: str = ""
+    seconds: float = 0.0
+    plan: Any = None
+
+
+def placement_model(captured, strategies, cost, *, constraints: Sequence[Any] = (), **options: Any):
+    """A compiled :class:`~apmodel.model.PlacementModel` from a capture and its strategies (reused)."""
+    from apmodel.constraints import apply_all
+    from apmodel.model import PlacementModel
+
+    pm = PlacementModel(captured, strategies, cost, **options)
+    apply_all(pm, constraints)
+    pm.compile()
+    return pm
+
+
+def run(recipe: Recipe, captured, strategies, cost, *, solver: str = "trws", time_limit: float | None = None,
+        solver_options: Mapping[str, Any] | None = None, itemsize: int = 2) -> RecipeResult:
+    """Price ``recipe`` on a capture: build its constrained model, solve, decode."""
+    from apmodel.api import solve_model
+    from apmodel.model import ConstraintConflict
+
+    res = RecipeResult(recipe.name, recipe.title, recipe.param_policy)
+    mesh = tuple(cost.mesh_shape)
+    t0 = time.perf_counter()
+    try:
+        cons = recipe.constraints(mesh)
+    except NotApplicable as e:
+        res.status, res.reason = "n/a", str(e)
+        return res
+    try:
+        pm = placement_model(captured, strategies, cost, constraints=cons, param_policy=recipe.param_policy,
+                             replicate_axes=recipe.replicate_axes(mesh))
+        plan = solve_model(pm, solver=solver, time_limit=time_limit, solver_options=solver_options,
+                           workload={"recipe": recipe.name})
+    except (ConstraintConflict, solvers.Infeasible) as e:
+        res.status, res.reason = "infeasible", str(e)
+        res.seconds = time.perf_counter() - t0
+        return res
+    except KeyError as e:  # a glob that matches nothing in this model
+        res.status, res.reason = "n/a", str(e)
+        return res
+    if not np.isfinite(plan.objective_us):
+        res.status, res.reason = "infeasible", "the solver found no finite-cost plan within the recipe"
+        return res
+    res.objective_us, res.compute_us, res.comm_us = plan.objective_us, plan.compute_us, plan.comm_us
+    res.param_bytes = param_bytes_per_device(plan, captured, itemsize)
+    res.plan = plan
+    res.seconds = time.perf_counter() - t0
+    logger.info("recipe %s: %.1f µs (%.2f s)", recipe.name, plan.objective_us, res.seconds)
+    return res
+
+
+def compare(captured, strategies, cost, *, solver: str = "trws", time_limit: float | None = None,
+            solver_options: Mapping[str, Any] | None = None, itemsize: int = 2,
+            recipes: Sequence[Recipe] = RECIPES) -> list[RecipeResult]:
+    """Price every recipe on one capture (strategies and cost caches are shared)."""
+    return [run(r, captured, strategies, cost, solver=solver, time_limit=time_limit,
+                solver_options=solver_options, itemsize=itemsize) for r in recipes]
+
