@@ -72,7 +72,7 @@ def _setup_logging(verbose: int) -> None:
 
 def _console() -> Console:
     """Console for results on stdout; wide tables when stdout is not a terminal (pipes, files)."""
-    console = _console()
+    console = Console()
     if not console.is_terminal:
         console.width = 140
     return console
