@@ -447,15 +447,14 @@ def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max
         its += it
         best_bound = max(best_bound, lb - lam * rhs)
         lhs = float(w[offs + x].sum())
-        feasible = lhs <= rhs + tol_c
-        if ls is not None:
-            x = ls.improve(x, deadline) if feasible else ls.repair(x, deadline)
+        raw_feasible = lhs <= rhs + tol_c and tr.internal_energy(x) < tr.big
+        if ls is not None:  # polish (or repair) the Lagrangian solution; only feasible results are kept
+            x = ls.improve(x, deadline) if raw_feasible else ls.repair(x, deadline)
             lhs = float(w[offs + x].sum())
         e = p.energy(x)
-        feasible = lhs <= rhs + tol_c and np.isfinite(e)
-        if feasible and e < best_e:
+        if lhs <= rhs + tol_c and np.isfinite(e) and e < best_e:
             best_e, best_x = e, x.copy()
-        return feasible
+        return raw_feasible  # the bisection follows the relaxation's own solution
 
     if evaluate(0.0):
         info["lagrange_multiplier"] = 0.0
