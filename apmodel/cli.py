@@ -764,7 +764,7 @@ def calibrate(
         t.add_row(k, str(ax), f"{_fmt_bytes(2 ** c.log2_sizes[0])} – {_fmt_bytes(2 ** c.log2_sizes[-1])}",
                   f"{c.factors[0]:.3f}", f"{c.factors[-1]:.3f}", f"{min(c.factors):.3f} – {max(c.factors):.3f}")
     console.print(t)
-    console.print(f"calibration saved to {out} (use it with [cost] calibration = \"{out}\")", highlight=False)
+    console.print(f"calibration saved to {out} (use it with [cost] calibration = \"{out}\")", highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------------- devices

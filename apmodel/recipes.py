@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+import torch
 
 import solvers
 from apmodel import placements as pl
@@ -119,6 +120,37 @@ class NormOutputRule:
                            f"recipe {self.label}: output of {fqn}'s norm ({user.name}) placed {_spec_str(self.spec)}")
 
 
+@dataclass(frozen=True)
+class BatchShardRule:
+    """Data parallelism: every activation whose dim 0 is the batch (``[b, ...]``) or the flattened
+    batch x sequence (``[b*s, ...]``) is sharded on dim 0 on the data axes, forward and backward
+    (parameter gradients excluded). Without it a "DDP" plan could gather the activations and
+    compute redundantly instead of reducing gradients. Nodes with no such candidate are left free."""
+
+    axes: tuple[int, ...]
+    label: str = ""
+
+    def apply(self, m) -> None:
+        batch = _batch_size(m.captured)
+        if batch is None or not self.axes:
+            return
+        seq = _seq_len(m.captured)
+        leading = {batch} | ({batch * seq} if seq else set())
+        grads = set(m.captured.param_grad.values())
+        spec = {a: "S(0)" for a in self.axes}
+        for n in m.nodes:
+            if n.op == "placeholder" or n.name in grads:
+                continue
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dim() < 1 or int(val.shape[0]) not in leading:
+                continue
+            mask = np.array([bool(s.outputs) and _matches(_strs(s.outputs[0]), spec) for s in m.strategies[n.name]])
+            if not mask.any():
+                logger.debug("recipe %s: %s has no batch-sharded candidate; left free", self.label, n.name)
+                continue
+            m.restrict(n.name, mask, f"recipe {self.label}: activation {n.name} batch-sharded on axes {list(self.axes)}")
+
+
 def _spec_str(spec: AxisSpec) -> str:
     return ", ".join(f"{v} on axis {a}" for a, v in sorted(spec.items()))
 
@@ -133,6 +165,13 @@ class Recipe:
     make: Callable[[tuple[int, ...]], list[Any]]
     replicate_axes: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda mesh: ()
     min_axes: int = 1
+    #: True when the last axis is tensor parallel (the batch is split over the other axes only)
+    tensor_parallel: bool = False
+
+    def data_degree(self, mesh_shape: Sequence[int]) -> int:
+        """How many ways the batch is split (product of the data-parallel axes)."""
+        axes = mesh_shape[:-1] if self.tensor_parallel else mesh_shape
+        return int(np.prod(axes)) if len(axes) else 1
 
     def constraints(self, mesh_shape: Sequence[int]) -> list[Any]:
         mesh_shape = tuple(mesh_shape)
@@ -147,16 +186,17 @@ def _all(mesh, tok):
 
 
 def _ddp(mesh):
-    return [ParamRule(("*",), storage=_all(mesh, "R"), use=_all(mesh, "R"), label="ddp")]
+    return [ParamRule(("*",), storage=_all(mesh, "R"), use=_all(mesh, "R"), label="ddp"),
+            BatchShardRule(tuple(range(len(mesh))), label="ddp")]
 
 
 def _fsdp(mesh):
     # storage: the full_shard policy (every parameter sharded as far as it can be); use: gathered
-    return [ParamRule(("*",), use=_all(mesh, "R"), label="fsdp")]
+    return [ParamRule(("*",), use=_all(mesh, "R"), label="fsdp"), BatchShardRule(tuple(range(len(mesh))), label="fsdp")]
 
 
 def _hsdp(mesh):
-    return [ParamRule(("*",), use=_all(mesh, "R"), label="hsdp")]
+    return [ParamRule(("*",), use=_all(mesh, "R"), label="hsdp"), BatchShardRule(tuple(range(len(mesh))), label="hsdp")]
 
 
 def _tp_rules(mesh, label: str, *, data_storage: str, sequence_parallel: bool) -> list[Any]:
@@ -177,6 +217,7 @@ def _tp_rules(mesh, label: str, *, data_storage: str, sequence_parallel: bool) -
     else:
         # FSDP shards the (tiny) norm weights on every axis; they are gathered before use.
         rules.append(ParamRule(NORMS, use=_all(mesh, "R"), label=label))
+    rules.append(BatchShardRule(tuple(data), label=label))
     rules.append(NormOutputRule({tp: "S(1)" if sequence_parallel else "R"}, label=label))
     return rules
 
@@ -187,11 +228,14 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("hsdp", "HSDP (replicate axis 0, shard the rest)", "full_shard", _hsdp,
            replicate_axes=lambda mesh: (0,), min_axes=2),
     Recipe("megatron_tp", "Megatron TP (last axis) + DDP", "free",
-           lambda mesh: _tp_rules(mesh, "megatron_tp", data_storage="R", sequence_parallel=False), min_axes=2),
+           lambda mesh: _tp_rules(mesh, "megatron_tp", data_storage="R", sequence_parallel=False), min_axes=2,
+           tensor_parallel=True),
     Recipe("megatron_tp_sp", "Megatron TP + sequence parallel + DDP", "free",
-           lambda mesh: _tp_rules(mesh, "megatron_tp_sp", data_storage="R", sequence_parallel=True), min_axes=2),
+           lambda mesh: _tp_rules(mesh, "megatron_tp_sp", data_storage="R", sequence_parallel=True), min_axes=2,
+           tensor_parallel=True),
     Recipe("fsdp_tp", "FSDP + TP + sequence parallel (torchtitan 2D)", "full_shard",
-           lambda mesh: _tp_rules(mesh, "fsdp_tp", data_storage="S", sequence_parallel=True), min_axes=2),
+           lambda mesh: _tp_rules(mesh, "fsdp_tp", data_storage="S", sequence_parallel=True), min_axes=2,
+           tensor_parallel=True),
 )
 
 
@@ -234,6 +278,26 @@ class RecipeResult:
     plan: Any = None
 
 
+def _batch_size(captured) -> int | None:
+    """Dim 0 of the first model input (the global batch), if any."""
+    nodes = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    for name, idx in sorted(captured.input_index.items(), key=lambda kv: kv[1]):
+        val = nodes[name].meta.get("val")
+        if getattr(val, "dim", lambda: 0)() >= 1:
+            return int(val.shape[0])
+    return None
+
+
+def _seq_len(captured) -> int | None:
+    """Dim 1 of the first 2-d model input (tokens ``[b, s]``), if any."""
+    nodes = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    for name, idx in sorted(captured.input_index.items(), key=lambda kv: kv[1]):
+        val = nodes[name].meta.get("val")
+        if getattr(val, "dim", lambda: 0)() >= 2:
+            return int(val.shape[1])
+    return None
+
+
 def placement_model(captured, strategies, cost, *, constraints: Sequence[Any] = (), **options: Any):
     """A compiled :class:`~apmodel.model.PlacementModel` from a capture and its strategies (reused)."""
     from apmodel.constraints import apply_all
@@ -256,6 +320,10 @@ def run(recipe: Recipe, captured, strategies, cost, *, solver: str = "trws", tim
     t0 = time.perf_counter()
     try:
         cons = recipe.constraints(mesh)
+        batch = _batch_size(captured)
+        degree = recipe.data_degree(mesh)
+        if batch is not None and batch % degree:
+            raise NotApplicable(f"the global batch {batch} does not split over the {degree} data-parallel ranks")
     except NotApplicable as e:
         res.status, res.reason = "n/a", str(e)
         return res

@@ -1,0 +1,145 @@
+"""Expert recipes as constraints: each forced plan has the placements the recipe prescribes, its
+price follows from the collective model, and the searched plan is never worse than a recipe its
+space contains."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import costmodels
+from apmodel import placements as pl
+from apmodel import recipes as R
+from apmodel.api import cost_context, solve_model
+from apmodel.capture import capture
+from apmodel.models import build, sample_inputs
+from apmodel.strategies import enumerate_strategies
+
+SOLVER = "trws"
+
+
+@pytest.fixture(scope="module")
+def captured():
+    with torch.device("meta"):
+        model = build("llama3-debug", n_layers=1)
+    return capture(model, sample_inputs("llama3-debug", batch=8, seq=64))
+
+
+@pytest.fixture(scope="module")
+def setup_2x2(captured):
+    mesh = (2, 2)
+    return enumerate_strategies(captured.gm, mesh), cost_context(mesh)
+
+
+def _run(name, captured, setup):
+    strategies, cost = setup
+    return R.run(R.get(name), captured, strategies, cost, solver=SOLVER)
+
+
+@pytest.fixture(scope="module")
+def results_2x2(captured, setup_2x2):
+    """Every recipe solved once on the 2x2 mesh."""
+    return {r.name: _run(r.name, captured, setup_2x2) for r in R.RECIPES}
+
+
+def _s(plan, fqn):
+    return pl.tuple_to_str(plan.param_placements[fqn])
+
+
+def _uses(plan, fqn):
+    """Placement strings of the forward ops' input that reads ``fqn``."""
+    from apmodel.cli import param_uses
+
+    return {"".join(u[1]) for u in param_uses(plan.model, plan.node_strategy, fqn)}
+
+
+def test_ddp_replicates_every_parameter_and_uses_it_replicated(captured, results_2x2):
+    r = results_2x2["ddp"]
+    assert r.status == "ok"
+    for fqn in r.plan.param_placements:
+        assert _s(r.plan, fqn) == "RR"
+        assert _uses(r.plan, fqn) <= {"RR"}
+    # all bytes of every parameter on every device (bf16)
+    total = sum(math.prod(captured.gm.graph.find_nodes(op="placeholder", target=n)[0].meta["val"].shape)
+                for n in captured.param_fqn) * 2
+    assert r.param_bytes == pytest.approx(total)
+
+
+def test_fsdp_shards_storage_and_gathers_for_use(captured, results_2x2):
+    r = results_2x2["fsdp"]
+    assert r.status == "ok"
+    for fqn in r.plan.param_placements:
+        assert "R" not in _s(r.plan, fqn), fqn  # fully sharded on both axes
+        assert _uses(r.plan, fqn) <= {"RR"}, fqn
+
+
+@pytest.mark.parametrize("name,norm_out", [("megatron_tp", "R"), ("megatron_tp_sp", "S(1)")])
+def test_megatron_column_row_and_norm_outputs(captured, results_2x2, name, norm_out):
+    r = results_2x2[name]
+    assert r.status == "ok", r.reason
+    p = r.plan
+    for w in ("wq", "wk", "wv"):
+        assert _s(p, f"layers.0.attention.{w}.weight") == "RS(0)"
+        assert _uses(p, f"layers.0.attention.{w}.weight") == {"RS(0)"}
+    for w in ("w1", "w3"):
+        assert _s(p, f"layers.0.feed_forward.{w}.weight") == "RS(0)"
+    assert _s(p, "layers.0.attention.wo.weight") == "RS(1)"
+    assert _s(p, "layers.0.feed_forward.w2.weight") == "RS(1)"
+    assert _s(p, "layers.0.attention_norm.weight") == "RR"
+    # the forward op applying the norm weight produces the norm output
+    pm = p.model
+    node = pm.fqn_to_node["layers.0.ffn_norm.weight"]
+    outs = [pl.to_str(p.node_strategy[u.name].outputs[0][1]) for u in pm.node_by_name[node].users
+            if not captured.is_backward.get(u.name, False)]
+    assert outs and set(outs) == {norm_out}
+
+
+def test_fsdp_tp_shards_data_axis_and_keeps_tp_layout(captured, results_2x2):
+    r = results_2x2["fsdp_tp"]
+    assert r.status == "ok", r.reason
+    wq = _s(r.plan, "layers.0.attention.wq.weight")
+    assert wq.endswith("S(0)") and not wq.startswith("R")
+    assert _uses(r.plan, "layers.0.attention.wq.weight") == {"RS(0)"}
+
+
+def test_tp_recipes_do_not_apply_to_a_1d_mesh(captured):
+    mesh = (4,)
+    setup = (enumerate_strategies(captured.gm, mesh), cost_context(mesh))
+    for name in ("megatron_tp", "megatron_tp_sp", "fsdp_tp", "hsdp"):
+        r = _run(name, captured, setup)
+        assert r.status == "n/a" and "axes" in r.reason
+    # DDP on one axis: activations are batch-sharded, so weight gradients are partial sums. Pure
+    # DDP reduces each of them with one all-reduce (priced here by the collective model directly);
+    # the recipe's plan may only be cheaper (e.g. gathering a small activation gradient instead
+    # of reducing a large embedding gradient), and most of its traffic is gradient all-reduce.
+    r = _run("ddp", captured, setup)
+    comm = costmodels.NCCLCollectives(costmodels.Topology(mesh, costmodels.device("h100"), 8))
+    shapes = [captured.gm.graph.find_nodes(op="placeholder", target=n)[0].meta["val"].shape for n in captured.param_fqn]
+    pure_ddp = sum(comm.time_us("all_reduce", math.prod(s) * 2, 0) for s in shapes)
+    loss = 4 * comm.time_us("all_reduce", 4, 0)
+    got = r.plan.comm_by_collective
+    assert set(got) <= {"all_reduce@axis0", "all_gather@axis0"}
+    assert r.plan.comm_us <= pure_ddp + loss
+    assert got["all_reduce@axis0"] >= 0.5 * pure_ddp
+
+
+def test_found_plan_is_never_worse_than_a_recipe_in_its_space(captured, setup_2x2, results_2x2):
+    strategies, cost = setup_2x2
+    found = solve_model(R.placement_model(captured, strategies, cost), solver=SOLVER)
+    free = solve_model(R.placement_model(captured, strategies, cost, param_policy="free"), solver=SOLVER)
+    for recipe in R.RECIPES:
+        r = results_2x2[recipe.name]
+        assert r.status == "ok", (recipe.name, r.reason)
+        assert free.objective_us <= r.objective_us * (1 + 1e-6), recipe.name
+        if R.within_default_space(recipe):
+            assert found.objective_us <= r.objective_us * (1 + 1e-6), recipe.name
+
+
+def test_infeasible_recipe_is_reported(captured, setup_2x2):
+    # a recipe demanding an impossible storage (a partial parameter) is infeasible, not an error
+    bad = R.Recipe("bad", "impossible", "free", lambda mesh: [R.ParamRule(("*",), storage={0: "P"}, label="bad")])
+    strategies, cost = setup_2x2
+    r = R.run(bad, captured, strategies, cost, solver=SOLVER)
+    assert r.status == "infeasible" and "bad" in r.reason
