@@ -1,0 +1,221 @@
+"""Planner scalability and replanning benchmark (LLaMA-3 8B by default).
+
+    python benchmarks/planner.py                                   # full: 32 layers, 4 meshes
+    python benchmarks/planner.py --layers 2 --meshes 8,4x8 --backends trws,highs --time-limit 60
+    python benchmarks/planner.py --json planner.json --no-replan
+
+Table 1 (scalability): the model is traced once; for each mesh the placement model is built once
+(strategies + clustering + pricing) and solved by each backend (``solvers.solve`` on
+``pmodel.compile()``) under a time limit. Columns: groups, states, edges, build seconds, solve
+seconds, objective (µs per training step), lower bound, status, gap to the best objective found
+on that mesh by any backend.
+
+Table 2 (replanning): a plan made at the base sequence length is replayed
+(``apmodel.replay_constraints``) at longer sequences and priced, against a fresh plan at each
+length; the gain is ``(replayed - fresh) / replayed``. All lengths are traced with the same
+``max_seq_len`` so that only the sequence length differs between the graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import solvers  # noqa: E402
+from apmodel import models  # noqa: E402
+from apmodel.api import build_model, replay_constraints, solve_model  # noqa: E402
+from apmodel.capture import capture  # noqa: E402
+from apmodel.cli import parse_mesh  # noqa: E402
+from apmodel.model import ConstraintConflict  # noqa: E402
+
+logger = logging.getLogger("benchmarks.planner")
+
+DEFAULT_MESHES = "8,4x8,4x2x4,2x2x2x4"
+DEFAULT_REPLAN_SEQS = "4096,8192,16384,32768"
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Solver banners (HiGHS prints on fd 1) go to stderr, so that tables stay readable."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def trace(model: str, layers: int | None, seq: int, batch: int, max_seq_len: int):
+    overrides: dict[str, Any] = {"max_seq_len": max(max_seq_len, models.config(model).max_seq_len)}
+    if layers is not None:
+        overrides["n_layers"] = layers
+    cfg = models.config(model, **overrides)
+    with torch.device("meta"):
+        module = models.build(cfg)
+    return capture(module, models.sample_inputs(cfg, batch=batch, seq=seq))
+
+
+def scalability(args, console: Console) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    max_seq = max([args.seq, *args.replan_seqs]) if args.replan else args.seq
+    t0 = time.perf_counter()
+    captured = trace(args.model, args.layers, args.seq, args.batch, max_seq)
+    trace_s = time.perf_counter() - t0
+    console.print(f"traced {args.model} ({args.layers or 'all'} layers, seq {args.seq}, batch {args.batch}): "
+                  f"{len(captured.gm.graph.nodes):,} nodes in {trace_s:.1f} s", highlight=False)
+    for mesh in args.meshes:
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        pmodel = build_model(captured, mesh, timings=timings, device=args.device, gpus_per_node=args.gpus_per_node)
+        problem = pmodel.compile()
+        build_s = time.perf_counter() - t0
+        sizes = pmodel.summary()
+        mesh_rows = []
+        for backend in args.backends:
+            row: dict[str, Any] = {"mesh": list(mesh), "backend": backend, **sizes, "trace_s": trace_s,
+                                   "build_s": build_s}
+            try:
+                with _quiet_stdout():
+                    sol = solvers.solve(problem, backend=backend, time_limit=args.time_limit)
+            except Exception as e:  # a backend that fails or cannot finish is reported, not fatal
+                row.update(status=f"error: {type(e).__name__}: {str(e)[:120]}", solve_s=None, objective_us=None,
+                           lower_bound_us=None)
+                logger.warning("mesh %s backend %s: %s", mesh, backend, e)
+            else:
+                row.update(status=sol.status, solve_s=sol.seconds,
+                           objective_us=sol.energy if math.isfinite(sol.energy) else None,
+                           lower_bound_us=sol.lower_bound if sol.lower_bound is not None and math.isfinite(sol.lower_bound) else None)
+            mesh_rows.append(row)
+            console.print(f"  mesh {'x'.join(map(str, mesh))} {backend}: {row['status']} "
+                          f"{row['objective_us'] if row['objective_us'] is None else round(row['objective_us'], 1)} µs "
+                          f"in {row['solve_s'] if row['solve_s'] is None else round(row['solve_s'], 1)} s", highlight=False)
+        found = [r["objective_us"] for r in mesh_rows if r["objective_us"] is not None]
+        best = min(found) if found else None
+        for r in mesh_rows:
+            r["gap_to_best"] = None if best is None or r["objective_us"] is None else (r["objective_us"] - best) / best
+        rows.extend(mesh_rows)
+    return rows
+
+
+def replanning(args, console: Console) -> list[dict[str, Any]]:
+    mesh = args.replan_mesh
+    max_seq = max([args.seq, *args.replan_seqs])
+    base = trace(args.model, args.layers, args.seq, args.batch, max_seq)
+    with _quiet_stdout():
+        plan = solve_model(build_model(base, mesh, device=args.device, gpus_per_node=args.gpus_per_node),
+                           solver=args.replan_backend, time_limit=args.time_limit)
+    rows = [{"seq": args.seq, "replayed_us": plan.objective_us, "fresh_us": plan.objective_us, "gain": 0.0}]
+    console.print(f"replanning on mesh {'x'.join(map(str, mesh))}: base plan at seq {args.seq}: "
+                  f"{plan.objective_us:,.1f} µs", highlight=False)
+    for seq in args.replan_seqs:
+        captured = trace(args.model, args.layers, seq, args.batch, max_seq)
+        row: dict[str, Any] = {"seq": seq}
+        try:
+            with _quiet_stdout():
+                replayed = solve_model(build_model(captured, mesh, constraints=[replay_constraints(plan)],
+                                                   device=args.device, gpus_per_node=args.gpus_per_node),
+                                       solver=args.replan_backend)
+            row["replayed_us"] = replayed.objective_us
+        except (ConstraintConflict, solvers.Infeasible, ValueError) as e:
+            row["replayed_us"] = None
+            row["replay_error"] = str(e)[:200]
+        with _quiet_stdout():
+            fresh = solve_model(build_model(captured, mesh, device=args.device, gpus_per_node=args.gpus_per_node),
+                                solver=args.replan_backend, time_limit=args.time_limit)
+        row["fresh_us"] = fresh.objective_us
+        rep = row["replayed_us"]
+        row["gain"] = None if rep is None else (rep - fresh.objective_us) / rep
+        rows.append(row)
+        console.print(f"  seq {seq}: replayed {rep if rep is None else round(rep, 1)} µs, fresh {fresh.objective_us:,.1f} µs",
+                      highlight=False)
+    return rows
+
+
+def _f(x: float | None, fmt: str = ",.1f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def print_tables(result: dict[str, Any], console: Console) -> None:
+    a = result["args"]
+    t = Table(title=f"Planner scalability: {a['model']} ({a['layers'] or 'all'} layers), seq {a['seq']}, batch {a['batch']}, "
+                    f"{a['device']}, time limit {a['time_limit']} s", title_justify="left")
+    for col in ("mesh", "backend", "groups", "states", "edges", "build s", "solve s", "objective µs", "bound µs", "status", "gap to best"):
+        t.add_column(col, justify="left" if col in ("mesh", "backend", "status") else "right")
+    for r in result["scalability"]:
+        t.add_row("x".join(map(str, r["mesh"])), r["backend"], f"{r['groups']:,}", f"{r['states']:,}", f"{r['edges']:,}",
+                  _f(r["build_s"]), _f(r["solve_s"]), _f(r["objective_us"]), _f(r["lower_bound_us"]), r["status"],
+                  "—" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.2f}%")
+    console.print(t)
+    if result.get("replanning"):
+        t = Table(title=f"Replanning: the seq-{a['seq']} plan replayed at longer sequences vs a fresh plan "
+                        f"(mesh {a['replan_mesh']}, {a['replan_backend']})", title_justify="left")
+        for col in ("seq", "replayed µs", "fresh µs", "gain"):
+            t.add_column(col, justify="right")
+        for r in result["replanning"]:
+            t.add_row(str(r["seq"]), _f(r["replayed_us"]), _f(r["fresh_us"]),
+                      "—" if r["gain"] is None else f"{100 * r['gain']:.1f}%")
+        console.print(t)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=None, help="override n_layers (default: the preset's, 32 for 8B)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", default="h100")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--meshes", default=DEFAULT_MESHES, help=f"comma-separated meshes (default {DEFAULT_MESHES})")
+    p.add_argument("--backends", default="trws,highs", help="comma-separated backends (e.g. trws,highs,cvxpy,pgmpy)")
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds per solve")
+    p.add_argument("--replan-seqs", default=DEFAULT_REPLAN_SEQS)
+    p.add_argument("--replan-mesh", default="4x8")
+    p.add_argument("--replan-backend", default="trws")
+    p.add_argument("--no-replan", dest="replan", action="store_false")
+    p.add_argument("--no-scalability", dest="scalability", action="store_false")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    args.meshes = [parse_mesh(m) for m in args.meshes.split(",") if m]
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = [b for b in args.backends if b not in solvers.available()]
+    if unknown:
+        p.error(f"backends {unknown} are not available: {solvers.available()}")
+    args.replan_seqs = [int(s) for s in args.replan_seqs.split(",") if s]
+    args.replan_mesh = parse_mesh(args.replan_mesh)
+    console = Console(width=160) if not Console().is_terminal else Console()
+    result: dict[str, Any] = {
+        "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "json"},
+        "torch": torch.__version__,
+    }
+    result["args"]["meshes"] = [list(m) for m in args.meshes]
+    result["args"]["replan_mesh"] = "x".join(map(str, args.replan_mesh))
+    result["scalability"] = scalability(args, console) if args.scalability else []
+    result["replanning"] = replanning(args, console) if args.replan else []
+    print_tables(result, console)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+        console.print(f"results written to {args.json}", highlight=False)
+    return result
+
+
+if __name__ == "__main__":
+    main()
