@@ -161,6 +161,38 @@ class _Step:
 
 _DEVICE = ("device",)
 
+# Views whose local input may have lost the traced memory layout after a redistribution.
+_VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
+def _plain_partials(x: DTensor) -> DTensor:
+    """Turn DTensor's masked partials (embedding over a vocabulary-sharded table: each rank holds
+    rows looked up with out-of-range ids that must be zeroed before the sum) into plain partial
+    sums by applying the mask now, locally. The masked placement carries one-shot state (the mask is
+    released after its first reduction), so a value redistributed twice (two consumers, or forward
+    and backward) would otherwise fail."""
+    if not any(hasattr(p, "mask_buffer") for p in x.placements):
+        return x
+    local = x.to_local().clone()
+    placements = []
+    for p in x.placements:
+        if hasattr(p, "mask_buffer"):
+            if p.mask_buffer.data is None:
+                raise RuntimeError("masked partial value without its mask (already reduced?)")
+            p.mask_buffer.apply_mask(local)
+            placements.append(Partial(p.reduce_op))
+        else:
+            placements.append(p)
+    return DTensor.from_local(local, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _contiguous(x: Any) -> Any:
+    """`x` with a contiguous local tensor (DTensor's own ``contiguous`` looks at the global strides,
+    which may claim contiguity the local shard lacks)."""
+    if isinstance(x, DTensor) and not x.to_local().is_contiguous():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
 
 def _flatten(obj: Any) -> tuple[list, Any]:
     """Leaves of nested tuples/lists/dicts (FX's immutable ones included) and a spec to rebuild them
@@ -432,7 +464,16 @@ class LoweredProgram:
                         out = self._run_local(s, kernel, flat)
                     else:
                         args, kwargs = _unflatten(flat, s.spec)
-                        out = s.target(*args, **kwargs)
+                        try:
+                            out = s.target(*args, **kwargs)
+                        except RuntimeError as e:
+                            if s.target not in _VIEW_OPS or "view size is not compatible" not in str(e):
+                                raise
+                            # The traced graph relied on a producer's memory layout (e.g. attention
+                            # output laid out [b, s, h, d]) that a redistribution does not keep:
+                            # functional graph, so a copy is as good as a view here (local, no comm).
+                            args, kwargs = _unflatten([_contiguous(x) for x in flat], s.spec)
+                            out = s.target(*args, **kwargs)
                 except Exception as e:
                     raise RuntimeError(
                         f"DTensor failed to run node {n.name!r} ({s.target}) with input placements "
@@ -475,6 +516,8 @@ class LoweredProgram:
                     raise RuntimeError(f"node {s.node.name!r} ({s.target}): a factory cannot be planned as partial ({_fmt(pl)})")
                 outs[i] = distribute_tensor(o, self.mesh, pl, src_data_rank=None)
                 continue
+            o = _plain_partials(o)
+            outs[i] = o
             if pl is None:
                 continue
             if _tokens(o.placements) != _tokens(pl):
