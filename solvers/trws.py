@@ -150,6 +150,68 @@ def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
     return np.where(fin, np.abs(np.where(fin, c, 0.0)), 0.0).max(axis=(1, 2))
 
 
+UNIFIED_MAX_CLASSES = 32  # edges with at most this many row / column classes share one padded block array
+
+
+class _RaggedClassMin:
+    """Class-wise minimum of ragged per-edge vectors (all edges of one direction, flat)."""
+
+    def __init__(self, labels: np.ndarray, ptr: np.ndarray, m: int) -> None:
+        counts = np.diff(ptr)
+        key = np.repeat(np.arange(len(counts)), counts) * m + labels
+        self.perm = np.argsort(key, kind="stable")
+        ks = key[self.perm]
+        new = np.ones(len(ks), dtype=bool)
+        new[1:] = ks[1:] != ks[:-1]
+        self.starts = np.flatnonzero(new)
+        self.dest = ks[self.starts]
+        self.seg_ptr = np.searchsorted(self.starts, ptr)
+        self.ptr = ptr
+        self.m = m
+
+    def __call__(self, vals: np.ndarray, e0: int, e1: int) -> np.ndarray:
+        f0, f1 = self.ptr[e0], self.ptr[e1]
+        s0, s1 = self.seg_ptr[e0], self.seg_ptr[e1]
+        out = np.full((e1 - e0) * self.m, np.inf)
+        out[self.dest[s0:s1] - e0 * self.m] = np.minimum.reduceat(vals[self.perm[f0:f1] - f0], self.starts[s0:s1] - f0)
+        return out.reshape(e1 - e0, self.m)
+
+
+def _ragged_take(flat: np.ndarray, ptr: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Reorder a ragged array (segments ``flat[ptr[i]:ptr[i+1]]``) by ``order``."""
+    counts = np.diff(ptr)[order]
+    new_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    idx = np.repeat(ptr[:-1][order] - new_ptr[:-1], counts) + np.arange(new_ptr[-1])
+    return flat[idx], new_ptr
+
+
+class _Unified:
+    """All class-compressed edges of one direction in flat ragged arrays, sorted by source level.
+
+    One numpy call per step handles every edge of a level, whatever the state counts; costs live in
+    one padded block array ``blk`` (E, m_src, m_dst) of class-pair costs.
+    """
+
+    def __init__(self, p: PairwiseProblem, src, dst, lsrc, ptr_s, ldst, ptr_d, blk, order, lev, n_levels, gamma):
+        self.src, self.dst = src[order], dst[order]
+        self.lsrc, self.sptr = _ragged_take(lsrc, ptr_s, order)
+        self.ldst, self.dptr = _ragged_take(ldst, ptr_d, order)
+        ns, nd = np.diff(self.sptr), np.diff(self.dptr)
+        self.ns = ns
+        self.sidx = np.repeat(p.offsets[self.src] - self.sptr[:-1], ns) + np.arange(self.sptr[-1])
+        self.didx = np.repeat(p.offsets[self.dst] - self.dptr[:-1], nd) + np.arange(self.dptr[-1])
+        self.gamma_rep = np.repeat(gamma[self.src], ns)
+        self.blk = np.ascontiguousarray(blk[order])
+        self.ms, self.md = blk.shape[1], blk.shape[2]
+        self.erep_d = np.repeat(np.arange(len(self.src)), nd)
+        self.dst_flat = self.erep_d * self.md + self.ldst
+        self.src_min = _RaggedClassMin(self.lsrc, self.sptr, self.ms)
+        self.dst_min = _RaggedClassMin(self.ldst, self.dptr, self.md)
+        self.msg = np.zeros(self.dptr[-1])
+        self.rev = None  # positions of the reverse messages (into src) in the other direction's msg
+        self.level_ptr = np.searchsorted(lev[self.src], np.arange(n_levels + 1), side="left")
+
+
 class TRWS:
     """Message-passing state for one problem (reusable across unary changes, e.g. Lagrangian)."""
 
@@ -207,10 +269,17 @@ class TRWS:
         # phase 2: directed arrays sorted by source level
         self.fwd: list[_Directed] = []
         self.bwd: list[_Directed] = []
-        for part in parts:
-            self._add_part(*part)
         self.n_lev_f = int(self.lev_f.max(initial=-1)) + 1
         self.n_lev_b = int(self.lev_b.max(initial=-1)) + 1
+        uparts = []
+        for raw, u, v, lu, lv, block in parts:
+            if block is not None and max(block.shape[1:]) <= UNIFIED_MAX_CLASSES:
+                uparts.append((u, v, lu, lv, block))
+            else:
+                self._add_part(raw, u, v, lu, lv, None)
+        self.ufwd = self.ubwd = None
+        if uparts:
+            self._build_unified(uparts)
         self.vars_f = self._vars_by_level(self.lev_f, self.n_lev_f)
         self.vars_b = self._vars_by_level(self.lev_b, self.n_lev_b)
         for dset, lev, nl in ((self.fwd, self.lev_f, self.n_lev_f), (self.bwd, self.lev_b, self.n_lev_b)):
@@ -218,6 +287,36 @@ class TRWS:
                 d.level_ptr = np.searchsorted(lev[d.src], np.arange(nl + 1), side="left")
         self.msum_lo = np.zeros(self.N)  # messages into v from earlier neighbours
         self.msum_hi = np.zeros(self.N)  # from later neighbours
+
+    def _build_unified(self, uparts) -> None:
+        p = self.p
+        U = np.concatenate([t[0] for t in uparts])
+        Vv = np.concatenate([t[1] for t in uparts])
+        LU = np.concatenate([t[2].ravel() for t in uparts])
+        LV = np.concatenate([t[3].ravel() for t in uparts])
+        MU = max(t[4].shape[1] for t in uparts)
+        MV = max(t[4].shape[2] for t in uparts)
+        blk = np.full((len(U), MU, MV), np.inf)
+        e0 = 0
+        for t in uparts:
+            b = t[4]
+            b = np.where(np.isnan(b), np.inf, np.where(np.isfinite(b), b, self.big))
+            blk[e0 : e0 + len(b), : b.shape[1], : b.shape[2]] = b
+            e0 += len(b)
+        ptr_u = np.concatenate([[0], np.cumsum(p.n_states[U])]).astype(np.int64)
+        ptr_v = np.concatenate([[0], np.cumsum(p.n_states[Vv])]).astype(np.int64)
+        of = np.argsort(self.lev_f[U], kind="stable")
+        ob = np.argsort(self.lev_b[Vv], kind="stable")
+        f = _Unified(p, U, Vv, LU, ptr_u, LV, ptr_v, blk, of, self.lev_f, self.n_lev_f, self.gamma)
+        b = _Unified(p, Vv, U, LV, ptr_v, LU, ptr_u, blk.transpose(0, 2, 1), ob, self.lev_b, self.n_lev_b,
+                     self.gamma)
+        inv_f = np.empty_like(of)
+        inv_f[of] = np.arange(len(of))
+        inv_b = np.empty_like(ob)
+        inv_b[ob] = np.arange(len(ob))
+        f.rev = np.repeat(b.dptr[:-1][inv_b[of]] - f.sptr[:-1], f.ns) + np.arange(f.sptr[-1])
+        b.rev = np.repeat(f.dptr[:-1][inv_f[ob]] - b.sptr[:-1], b.ns) + np.arange(b.sptr[-1])
+        self.ufwd, self.ubwd = f, b
 
     def _add_part(self, raw, u, v, lu, lv, block) -> None:
         """Edges u (earlier) -> v (later) with raw costs (k, n_u, n_v) (+inf allowed, maybe a view)."""
@@ -271,11 +370,27 @@ class TRWS:
         msum_dst = self.msum_lo if forward else self.msum_hi
         unary, lo, hi = self.unary, self.msum_lo, self.msum_hi
         cond = np.zeros(self.N) if x is not None else None
+        uf, uo = (self.ufwd, self.ubwd) if forward else (self.ubwd, self.ufwd)
         for L, (vs, pad, valid) in enumerate(levels):
             if x is not None:
                 dec = unary[pad] + hi[pad] + cond[pad]
                 dec[~valid] = np.inf
                 x[vs] = dec.argmin(axis=1)
+            if uf is not None and uf.level_ptr[L] < uf.level_ptr[L + 1]:
+                e0, e1 = uf.level_ptr[L], uf.level_ptr[L + 1]
+                f0, f1, d0, d1 = uf.sptr[e0], uf.sptr[e1], uf.dptr[e0], uf.dptr[e1]
+                si = uf.sidx[f0:f1]
+                h = uf.gamma_rep[f0:f1] * (unary[si] + lo[si] + hi[si]) - uo.msg[uf.rev[f0:f1]]
+                newc = (uf.src_min(h, e0, e1)[:, :, None] + uf.blk[e0:e1]).min(axis=1)
+                newc -= newc.min(axis=1, keepdims=True)
+                new = newc.ravel()[uf.dst_flat[d0:d1] - e0 * uf.md]
+                delta = new - uf.msg[d0:d1]
+                uf.msg[d0:d1] = new
+                np.add.at(msum_dst, uf.didx[d0:d1], delta)
+                if cond is not None:
+                    cls_src = uf.lsrc[uf.sptr[e0:e1] + x[uf.src[e0:e1]]]  # class of each source's state
+                    er = uf.erep_d[d0:d1]
+                    np.add.at(cond, uf.didx[d0:d1], uf.blk[er, cls_src[er - e0], uf.ldst[d0:d1]])
             for d in dirs:
                 s0, s1 = d.level_ptr[L], d.level_ptr[L + 1]
                 if s0 == s1:
@@ -313,6 +428,12 @@ class TRWS:
         offs = self.p.offsets[:-1]
         rest = 1.0 - self.n_out * self.gamma
         total = float((rest * np.minimum.reduceat(theta, offs)).sum()) if self.p.n_vars else 0.0
+        if self.ufwd is not None:
+            uf = self.ufwd
+            k = len(uf.src)
+            g = uf.gamma_rep * theta[uf.sidx] - self.ubwd.msg[uf.rev]
+            te = uf.blk + uf.src_min(g, 0, k)[:, :, None] + uf.dst_min(-uf.msg, 0, k)[:, None, :]
+            total += float(te.min(axis=(1, 2)).sum())
         for df, db in zip(self.fwd, self.bwd):
             g = self.gamma[df.src][:, None] * theta[df.src_idx] - db.msg[df.rev]
             if df.comp is None:

@@ -14,8 +14,12 @@ TOL = 1e-6
 
 # ---------------------------------------------------------------- random problem generators
 def random_problem(seed: int, max_vars: int = 8, max_states: int = 4, p_edge: float = 0.4,
-                   p_inf: float = 0.1, graph: str = "random") -> solvers.PairwiseProblem:
-    """Small random problem: ``graph`` is "random", "chain" or "tree"."""
+                   p_inf: float = 0.1, graph: str = "random", layouts: int = 0) -> solvers.PairwiseProblem:
+    """Small random problem: ``graph`` is "random", "chain" or "tree".
+
+    With ``layouts > 0`` edge costs are placement-like: state s has layout s % layouts and the
+    cost depends only on the two layouts (repeated rows / columns, so TRW-S compresses them).
+    """
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, max_vars + 1))
     ns = rng.integers(1, max_states + 1, size=n)
@@ -32,8 +36,13 @@ def random_problem(seed: int, max_vars: int = 8, max_states: int = 4, p_edge: fl
         pairs = [(i, j) for i in range(n) for j in range(i + 1, n) if rng.random() < p_edge]
     edges = []
     for i, j in pairs:
-        m = rng.normal(scale=1.5, size=(ns[i], ns[j])).round(3)
-        m[rng.random(m.shape) < p_inf] = np.inf
+        if layouts:
+            t = rng.uniform(0.0, 2.0, size=(layouts, layouts)).round(3)
+            t[rng.random(t.shape) < p_inf] = np.inf
+            m = t[np.arange(ns[i])[:, None] % layouts, np.arange(ns[j])[None, :] % layouts]
+        else:
+            m = rng.normal(scale=1.5, size=(ns[i], ns[j])).round(3)
+            m[rng.random(m.shape) < p_inf] = np.inf
         if rng.random() < 0.5:
             edges.append((j, i, m.T))  # reversed orientation on purpose
         else:
@@ -66,7 +75,7 @@ def brute_or_none(problem: solvers.PairwiseProblem):
 EXACT = ["highs", "cvxpy"]
 APPROX = ["trws", "pgmpy"]
 # instances per backend: the slow adapters (cvxpy: ~0.1 s, pgmpy: ~0.5 s per call) get fewer
-N_CASES = {"brute": 0, "highs": 150, "cvxpy": 12, "trws": 300, "pgmpy": 8}
+N_CASES = {"brute": 0, "highs": 150, "cvxpy": 12, "trws": 300, "pgmpy": 6}
 
 
 def _solve_or_none(problem, backend, **kw):
@@ -76,10 +85,12 @@ def _solve_or_none(problem, backend, **kw):
         return err
 
 
+@pytest.mark.parametrize("layouts", [0, 2])
 @pytest.mark.parametrize("backend", EXACT + APPROX)
-def test_random_problems_against_brute_force(backend):
-    for seed in range(N_CASES[backend]):
-        p = random_problem(seed)
+def test_random_problems_against_brute_force(backend, layouts):
+    n = N_CASES[backend] if not layouts else max(4, N_CASES[backend] // 3)
+    for seed in range(n):
+        p = random_problem(seed, max_states=6 if layouts else 4, layouts=layouts)
         ref = brute_or_none(p)
         got = _solve_or_none(p, backend)
         if ref is None:
@@ -100,10 +111,11 @@ def test_random_problems_against_brute_force(backend):
             assert got.gap is not None and got.gap >= 0
 
 
+@pytest.mark.parametrize("layouts", [0, 2])
 @pytest.mark.parametrize("graph", ["chain", "tree"])
-def test_trws_exact_on_chains_and_trees(graph):
-    for seed in range(150):
-        p = random_problem(seed, graph=graph, max_vars=10)
+def test_trws_exact_on_chains_and_trees(graph, layouts):
+    for seed in range(100):
+        p = random_problem(seed, graph=graph, max_vars=9, max_states=6 if layouts else 4, layouts=layouts)
         ref = brute_or_none(p)
         if ref is None:
             continue
