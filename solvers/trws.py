@@ -151,6 +151,7 @@ def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
 
 
 UNIFIED_MAX_CLASSES = 32  # edges with at most this many row / column classes share one padded block array
+UNIFIED_SMALL = 4  # without compressible edges, edges of at most this many classes are still unified
 
 
 class _RaggedClassMin:
@@ -262,7 +263,7 @@ class TRWS:
                     scale += float(_finite_absmax_per_edge(block).sum())
                 else:
                     scale += float(_finite_absmax_per_edge(raw).sum())
-                parts.append((raw, u, v, lu, lv, block))
+                parts.append((raw, u, v, lu, cu, lv, cv, block))
         self.scale = scale + 1.0
         self.big = BIG_FACTOR * self.scale
         self.unary = np.where(fin_u, p.unary_flat, self.big)
@@ -271,9 +272,14 @@ class TRWS:
         self.bwd: list[_Directed] = []
         self.n_lev_f = int(self.lev_f.max(initial=-1)) + 1
         self.n_lev_b = int(self.lev_b.max(initial=-1)) + 1
+        # edges whose class counts fit the padding the compressible ones need anyway join them
+        sizes = [max(t[7].shape[1:]) for t in parts if t[7] is not None and max(t[7].shape[1:]) <= UNIFIED_MAX_CLASSES]
+        cap = max(sizes) if sizes else UNIFIED_SMALL
         uparts = []
-        for raw, u, v, lu, lv, block in parts:
-            if block is not None and max(block.shape[1:]) <= UNIFIED_MAX_CLASSES:
+        for raw, u, v, lu, cu, lv, cv, block in parts:
+            if max(int(cu.max()), int(cv.max())) <= cap:
+                if block is None:
+                    block = _class_block(raw, lu, cu, lv, cv)
                 uparts.append((u, v, lu, lv, block))
             else:
                 self._add_part(raw, u, v, lu, lv, None)
