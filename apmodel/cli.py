@@ -231,6 +231,38 @@ def param_uses(pmodel, node_strategy, fqn: str) -> list[tuple[str, tuple[str, ..
     return out
 
 
+#: Ops that only relabel a weight on its way to the op that computes with it.
+_VIEW_OPS = {"t", "transpose", "view", "_unsafe_view", "reshape", "permute", "expand", "alias", "_to_copy",
+             "detach", "clone", "contiguous"}
+
+
+def param_compute_uses(pmodel, node_strategy, fqn: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Like :func:`param_uses`, but through view-like ops (``t``, ``view``...): the placements the
+    computing forward ops (mm, embedding, mul...) expect for the weight (a redistribution after a
+    transpose counts)."""
+    from apmodel import placements as pl
+    from apmodel.strategies import input_slots
+
+    out = []
+    frontier = [pmodel.node_by_name[pmodel.fqn_to_node[fqn]]]
+    seen = set()
+    while frontier:
+        prod = frontier.pop()
+        for user in prod.users:
+            if user.name in seen or user.name not in node_strategy or pmodel.captured.is_backward.get(user.name, False):
+                continue
+            seen.add(user.name)
+            op = getattr(user.target, "__name__", str(user.target)).split(".")[0]
+            if op in _VIEW_OPS:
+                frontier.append(user)
+                continue
+            for j, (src, _k) in enumerate(input_slots(user)):
+                p = node_strategy[user.name].inputs[j] if j < len(node_strategy[user.name].inputs) else None
+                if src is prod and p is not None:
+                    out.append((user.name, tuple(pl.to_str(x) for x in p)))
+    return out
+
+
 def emerged(plan) -> dict[str, str]:
     """What each mesh axis does, read off the plan (needs ``plan.model``).
 
@@ -258,7 +290,7 @@ def emerged(plan) -> dict[str, str]:
         gathered = tp = replicated = 0
         for fqn in weights:
             stored = pl.to_str(plan.param_placements[fqn][axis])
-            uses = [u[1][axis] for u in param_uses(pm, ns, fqn)]
+            uses = [u[1][axis] for u in param_compute_uses(pm, ns, fqn)]
             if any(u.startswith("S") for u in uses):
                 tp += 1
             elif stored.startswith("S") and uses:

@@ -143,3 +143,19 @@ def test_infeasible_recipe_is_reported(captured, setup_2x2):
     strategies, cost = setup_2x2
     r = R.run(bad, captured, strategies, cost, solver=SOLVER)
     assert r.status == "infeasible" and "bad" in r.reason
+
+
+def test_emerged_roles_read_back_the_recipes(results_2x2):
+    """The CLI's reading of a plan names the parallelism each recipe prescribes."""
+    from apmodel.cli import emerged
+
+    fsdp = emerged(results_2x2["fsdp"].plan)
+    assert all("FSDP" in fsdp[a] and "tensor parallel" not in fsdp[a] for a in ("axis0", "axis1"))
+    assert all("data parallel" in fsdp[a] for a in ("axis0", "axis1"))
+    sp = emerged(results_2x2["megatron_tp_sp"].plan)
+    assert "tensor parallel" in sp["axis1"] and "sequence parallel" in sp["axis1"]
+    assert "data parallel" in sp["axis0"] and "tensor parallel" not in sp["axis0"]
+    tp = emerged(results_2x2["megatron_tp"].plan)
+    assert "tensor parallel" in tp["axis1"] and "sequence parallel" not in tp["axis1"]
+    ddp = emerged(results_2x2["ddp"].plan)
+    assert all("weights replicated" in ddp[a] and "FSDP" not in ddp[a] for a in ("axis0", "axis1"))
