@@ -604,7 +604,7 @@ def plan(
         except ValueError as e:
             _fail(str(e))
     try:
-        with _stdout_to_stderr(json_out), _Progress(True) as progress:
+        with _stdout_to_stderr(True), _Progress(True) as progress:
             result = run_plan(cfg, compare_recipes=compare_recipes, out=out, progress=progress)
     except typer.Exit:
         raise
