@@ -76,15 +76,17 @@ def scalability(args, console: Console) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     max_seq = max([args.seq, *args.replan_seqs]) if args.replan else args.seq
     t0 = time.perf_counter()
-    captured = trace(args.model, args.layers, args.seq, args.batch, max_seq)
+    with _quiet_stdout():
+        captured = trace(args.model, args.layers, args.seq, args.batch, max_seq)
     trace_s = time.perf_counter() - t0
     console.print(f"traced {args.model} ({args.layers or 'all'} layers, seq {args.seq}, batch {args.batch}): "
                   f"{len(captured.gm.graph.nodes):,} nodes in {trace_s:.1f} s", highlight=False)
     for mesh in args.meshes:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        pmodel = build_model(captured, mesh, timings=timings, device=args.device, gpus_per_node=args.gpus_per_node)
-        problem = pmodel.compile()
+        with _quiet_stdout():
+            pmodel = build_model(captured, mesh, timings=timings, device=args.device, gpus_per_node=args.gpus_per_node)
+            problem = pmodel.compile()
         build_s = time.perf_counter() - t0
         sizes = pmodel.summary()
         mesh_rows = []
@@ -117,15 +119,16 @@ def scalability(args, console: Console) -> list[dict[str, Any]]:
 def replanning(args, console: Console) -> list[dict[str, Any]]:
     mesh = args.replan_mesh
     max_seq = max([args.seq, *args.replan_seqs])
-    base = trace(args.model, args.layers, args.seq, args.batch, max_seq)
     with _quiet_stdout():
+        base = trace(args.model, args.layers, args.seq, args.batch, max_seq)
         plan = solve_model(build_model(base, mesh, device=args.device, gpus_per_node=args.gpus_per_node),
                            solver=args.replan_backend, time_limit=args.time_limit)
     rows = [{"seq": args.seq, "replayed_us": plan.objective_us, "fresh_us": plan.objective_us, "gain": 0.0}]
     console.print(f"replanning on mesh {'x'.join(map(str, mesh))}: base plan at seq {args.seq}: "
                   f"{plan.objective_us:,.1f} µs", highlight=False)
     for seq in args.replan_seqs:
-        captured = trace(args.model, args.layers, seq, args.batch, max_seq)
+        with _quiet_stdout():
+            captured = trace(args.model, args.layers, seq, args.batch, max_seq)
         row: dict[str, Any] = {"seq": seq}
         try:
             with _quiet_stdout():
