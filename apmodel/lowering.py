@@ -26,6 +26,17 @@ Design
   communication to fix (``R`` -> ``S(d)``) is fixed locally, any other mismatch raises. Uneven shards,
   a mesh of the wrong shape, a graph whose fingerprint differs from the plan's, and sample inputs of the
   wrong shape or dtype at call time raise ``ValueError`` naming the offending node / input.
+* **Where DTensor eager needs help** (each found by lowering random feasible plans):
+  DTensor's masked partial (embedding over a vocabulary-sharded table) holds a one-shot mask, so it
+  is applied at once and the value kept as a plain partial sum; a view whose local input lost the
+  traced memory layout in a redistribution (attention output laid out ``[b, s, h, d]``) runs on a
+  contiguous local copy; ops without a kernel on the device (the flash-attention op on CPU) run a
+  reference kernel on the local shards (:func:`_local_kernels`).
+
+Communication is exactly the plan's: every collective comes from one of the recorded
+redistributions, which equal :func:`planned_redistributions` (the tests check this against the
+collectives seen at dispatch, by kind and mesh axis). On gloo DTensor performs all-to-all as
+all-gather + local chunk (gloo has no all-to-all).
 """
 
 from __future__ import annotations
@@ -151,7 +162,7 @@ class _Step:
     node: fx.Node
     target: Callable
     spec: Any  # structure of (args, kwargs), see _flatten
-    leaves: list  # constants, or ("node", fx.Node) / ("device",) markers
+    leaves: list  # constants, _Ref(node) or _DEVICE markers
     slots: list[_Slot]
     outputs: tuple  # planned output placements (one per tensor output, None for non-tensors)
     is_getitem: bool
@@ -159,7 +170,14 @@ class _Step:
     last_use: list[fx.Node] = field(default_factory=list)  # values to free after this step
 
 
-_DEVICE = ("device",)
+_DEVICE = object()  # marks a device argument (traced as meta), replaced by the runtime device
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Marks an argument that is the value of another graph node."""
+
+    node: fx.Node
 
 # Views whose local input may have lost the traced memory layout after a redistribution.
 _VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
@@ -317,9 +335,6 @@ class LoweredProgram:
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         out_args = [a for a in _flatten(out_node.args[0])[0] if isinstance(a, fx.Node)]
         self.fwd_outputs = [a for a in out_args if roles.get(a.name) == "output"]
-        if len(self.fwd_outputs) != len(self.tangents):
-            # tangents follow forward outputs in order; use the explicit map when given
-            pass
         self.output_tangent = {
             o: next(t for t in self.tangents if t.name == captured.output_tangent[o.name])
             for o in self.fwd_outputs
@@ -327,8 +342,7 @@ class LoweredProgram:
         }
         by_name = {n.name: n for n in gm.graph.nodes}
         self.param_grad = {p: by_name[captured.param_grad[p.name]] for p in self.params if p.name in captured.param_grad}
-        self.input_grad = {i: by_name[g] for i, g in captured.input_grad.items()} if captured.input_grad else {}
-        self.input_grad = {by_name[k]: v for k, v in self.input_grad.items()}
+        self.input_grad = {by_name[i]: by_name[g] for i, g in captured.input_grad.items()}
         self.n_inputs = len(self.inputs)
 
         # storage placements of params (must be R/S) and buffers, checked against the node strategy
@@ -362,7 +376,7 @@ class LoweredProgram:
             leaves: list = []
             for a in flat:
                 if isinstance(a, fx.Node):
-                    leaves.append(("node", a))
+                    leaves.append(_Ref(a))
                 elif isinstance(a, torch.device):
                     leaves.append(_DEVICE)
                 else:
@@ -442,8 +456,8 @@ class LoweredProgram:
             n = s.node
             flat = []
             for leaf in s.leaves:
-                if isinstance(leaf, tuple) and len(leaf) == 2 and leaf[0] == "node":
-                    flat.append(env[leaf[1]])
+                if type(leaf) is _Ref:
+                    flat.append(env[leaf.node])
                 elif leaf is _DEVICE:
                     flat.append(device)
                 else:
