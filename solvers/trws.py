@@ -8,8 +8,15 @@ Vectorisation.  Monotonic chains come from the variable order (index order unles
 given): edge ``(u, v)`` points from the earlier to the later variable.  Variable ``v`` can be
 processed in the forward sweep once all its earlier neighbours are, so variables are grouped
 into *levels* (longest path from a source); processing a level at once is exactly sequential
-TRW-S in the given order (no two variables of a level are adjacent).  Within a level the edges
-are handled per ``(n_u, n_v)`` shape group as contiguous slices of stacked cost arrays.
+TRW-S in the given order (no two variables of a level are adjacent).
+
+Compression.  States whose rows (columns) of an edge matrix are identical form a class (for
+placement costs: states with the same layout).  A message is then a min over classes: take the
+class-wise minimum of the incoming vector, add the small class-pair block, expand to states.
+All edges whose class counts fit a common padding live in one set of flat ragged arrays sorted
+by source level (:class:`_Unified`), so each level costs a fixed handful of numpy calls whatever
+the mix of state counts; the remaining (incompressible, large) edges are handled per
+``(n_u, n_v)`` shape group as contiguous slices of stacked cost arrays.
 
 Forbidden states and pairs use a large finite cost internally (``inf - inf`` would give NaN);
 the returned assignment is checked to have finite true energy.
@@ -72,64 +79,15 @@ class _Directed:
 
     src: np.ndarray
     dst: np.ndarray
-    costs: np.ndarray | None  # (k, n_src, n_dst), finite (None when compressed)
+    costs: np.ndarray | None  # (k, n_src, n_dst), finite
     src_idx: np.ndarray  # (k, n_src) flat indicator indices
     dst_idx: np.ndarray  # (k, n_dst)
     msg: np.ndarray  # (k, n_dst) message into dst
     rev: np.ndarray  # position of the same edge in the other direction's arrays
     level_ptr: np.ndarray | None  # edges with source level L are [level_ptr[L], level_ptr[L+1])
     pair: int = -1  # index of the same edges' arrays in the other direction's list
-    comp: _Compressed | None = None  # class-compressed costs when rows/columns repeat
     raw: np.ndarray | None = None  # forward only: original-order costs (+inf allowed), for decoding
     eid: np.ndarray | None = None  # position of each sorted edge in ``raw``
-
-
-@dataclass
-class _ClassMin:
-    """Per edge, the minimum of a vector over each class of identical rows (or columns)."""
-
-    perm: np.ndarray  # (k*n,) flat positions, each edge's entries sorted by class
-    starts: np.ndarray  # (n_segments,) segment starts in the sorted flat order
-    dest: np.ndarray  # (n_segments,) flat position in the padded (k, m) output
-    seg_ptr: np.ndarray  # (k+1,) first segment of each edge
-    n: int
-    m: int
-
-    @classmethod
-    def build(cls, labels: np.ndarray, m: int) -> _ClassMin:
-        k, n = labels.shape
-        order = np.argsort(labels, axis=1, kind="stable")
-        ls = np.take_along_axis(labels, order, axis=1)
-        new = np.ones((k, n), dtype=bool)
-        new[:, 1:] = ls[:, 1:] != ls[:, :-1]
-        starts = np.flatnonzero(new.ravel())
-        dest = (np.arange(k)[:, None] * m + ls)[new]
-        seg_ptr = np.concatenate([[0], np.cumsum(new.sum(axis=1))])
-        perm = (np.arange(k)[:, None] * n + order).ravel()
-        return cls(perm, starts, dest, seg_ptr, n, m)
-
-    def __call__(self, vals: np.ndarray, s0: int, s1: int) -> np.ndarray:
-        n, m = self.n, self.m
-        v = vals.ravel()[self.perm[s0 * n : s1 * n] - s0 * n]
-        a, b = self.seg_ptr[s0], self.seg_ptr[s1]
-        out = np.full((s1 - s0) * m, np.inf)
-        out[self.dest[a:b] - s0 * m] = np.minimum.reduceat(v, self.starts[a:b] - s0 * n)
-        return out.reshape(s1 - s0, m)
-
-
-@dataclass
-class _Compressed:
-    costs: np.ndarray  # (k, m_src, m_dst), +inf padding
-    src: _ClassMin
-    dst: _ClassMin
-    dst_flat: np.ndarray  # (k, n_dst): flat position of each dst state's class in a (k, m_dst) array
-
-    @classmethod
-    def build(cls, block: np.ndarray, lu: np.ndarray, lv: np.ndarray) -> _Compressed:
-        """``block`` (k, m_src, m_dst): finite costs per class pair, +inf padding; labels per edge."""
-        k, mu, mv = block.shape
-        return cls(np.ascontiguousarray(block), _ClassMin.build(lu, mu), _ClassMin.build(lv, mv),
-                   np.arange(k)[:, None] * mv + lv)
 
 
 def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
@@ -282,7 +240,7 @@ class TRWS:
                     block = _class_block(raw, lu, cu, lv, cv)
                 uparts.append((u, v, lu, lv, block))
             else:
-                self._add_part(raw, u, v, lu, lv, None)
+                self._add_part(raw, u, v)
         self.ufwd = self.ubwd = None
         if uparts:
             self._build_unified(uparts)
@@ -324,8 +282,8 @@ class TRWS:
         b.rev = np.repeat(f.dptr[:-1][inv_f[ob]] - b.sptr[:-1], b.ns) + np.arange(b.sptr[-1])
         self.ufwd, self.ubwd = f, b
 
-    def _add_part(self, raw, u, v, lu, lv, block) -> None:
-        """Edges u (earlier) -> v (later) with raw costs (k, n_u, n_v) (+inf allowed, maybe a view)."""
+    def _add_part(self, raw, u, v) -> None:
+        """Uncompressed edges u (earlier) -> v (later), raw costs (k, n_u, n_v) (+inf allowed, maybe a view)."""
         p = self.p
         of = np.argsort(self.lev_f[u], kind="stable")
         ob = np.argsort(self.lev_b[v], kind="stable")
@@ -342,14 +300,9 @@ class TRWS:
                        len(self.bwd), raw=raw, eid=of)
         db = _Directed(v[ob], u[ob], None, idx(v[ob], b), idx(u[ob], a), np.zeros((len(u), a)), inv_f[ob], None,
                        len(self.fwd), raw=None, eid=ob)
-        if block is None:
-            fin = np.where(np.isfinite(raw), raw, self.big)
-            df.costs = np.ascontiguousarray(fin[of])
-            db.costs = np.ascontiguousarray(fin[ob].transpose(0, 2, 1))
-        else:
-            blk = np.where(np.isnan(block), np.inf, np.where(np.isfinite(block), block, self.big))
-            df.comp = _Compressed.build(blk[of], lu[of], lv[of])
-            db.comp = _Compressed.build(blk[ob].transpose(0, 2, 1), lv[ob], lu[ob])
+        fin = np.where(np.isfinite(raw), raw, self.big)
+        df.costs = np.ascontiguousarray(fin[of])
+        db.costs = np.ascontiguousarray(fin[ob].transpose(0, 2, 1))
         self.fwd.append(df)
         self.bwd.append(db)
 
@@ -405,15 +358,8 @@ class TRWS:
                 hat = unary[si] + lo[si] + hi[si]
                 od = other[d.pair]
                 h = self.gamma[d.src[s0:s1]][:, None] * hat - od.msg[d.rev[s0:s1]]
-                if d.comp is None:
-                    c = d.costs[s0:s1]
-                    new = (h[:, :, None] + c).min(axis=1)
-                    new -= new.min(axis=1, keepdims=True)
-                else:
-                    cp = d.comp
-                    newc = (cp.src(h, s0, s1)[:, :, None] + cp.costs[s0:s1]).min(axis=1)
-                    newc -= newc.min(axis=1, keepdims=True)
-                    new = newc.ravel()[cp.dst_flat[s0:s1] - s0 * cp.dst.m]
+                new = (h[:, :, None] + d.costs[s0:s1]).min(axis=1)
+                new -= new.min(axis=1, keepdims=True)
                 delta = new - d.msg[s0:s1]
                 d.msg[s0:s1] = new
                 np.add.at(msum_dst, d.dst_idx[s0:s1].ravel(), delta.ravel())
@@ -442,11 +388,7 @@ class TRWS:
             total += float(te.min(axis=(1, 2)).sum())
         for df, db in zip(self.fwd, self.bwd):
             g = self.gamma[df.src][:, None] * theta[df.src_idx] - db.msg[df.rev]
-            if df.comp is None:
-                te = df.costs - df.msg[:, None, :] + g[:, :, None]
-            else:
-                k = len(df.src)
-                te = df.comp.costs + df.comp.src(g, 0, k)[:, :, None] + df.comp.dst(-df.msg, 0, k)[:, None, :]
+            te = df.costs - df.msg[:, None, :] + g[:, :, None]
             total += float(te.min(axis=(1, 2)).sum())
         return total
 
