@@ -317,3 +317,19 @@ def test_pgmpy_greedy_completion_fills_missing_variables():
     x = np.array([0, -1, -1])
     _complete_greedily(p, x, np.array([1, 2]))
     assert x.tolist() == [0, 1, 0]
+
+
+def test_brute_refuses_large_problems():
+    p = solvers.PairwiseProblem([np.zeros(10)] * 7)
+    with pytest.raises(ValueError, match="refuses"):
+        solvers.solve(p, "brute")
+
+
+def test_default_registry_register():
+    solvers.register("zeros-test", lambda problem, time_limit=None: np.zeros(problem.n_vars, int))
+    try:
+        assert "zeros-test" in solvers.available()
+        assert solvers.solve(solvers.PairwiseProblem([[1.0, 0.0]]), "zeros-test").energy == 1.0
+    finally:
+        solvers.default_registry().unregister("zeros-test")
+    assert "zeros-test" not in solvers.available()
