@@ -64,6 +64,7 @@ __all__ = [
     "lower",
     "parallelize",
     "planned_redistributions",
+    "issued_redistributions",
     "collective_kinds",
     "load_full_state_dict",
 ]
@@ -727,6 +728,15 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
             out.append(Redistribution(f"grad:input{captured.input_index[i]}", g, 0, "backward", _tokens(src), _tokens(dst),
                                       tuple(val.shape), val.dtype))
     return out
+
+
+def issued_redistributions(module: nn.Module) -> list[Redistribution]:
+    """The redistributions the parallel `module` issued in its last step (forward, and backward if
+    it ran), in order; compare with :func:`planned_redistributions`."""
+    prog = getattr(module, "_apmodel_program", None)
+    if prog is None:
+        raise TypeError(f"{type(module).__name__} was not made by apmodel.parallelize / lower")
+    return list(prog.redistributions)
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

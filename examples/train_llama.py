@@ -29,7 +29,7 @@ except ImportError:  # run from a source checkout without installing: use the re
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import apmodel
 from apmodel import placements
-from apmodel.lowering import load_full_state_dict
+from apmodel.lowering import issued_redistributions, load_full_state_dict
 from apmodel.models import build, config, sample_inputs
 from apmodel.plans import Plan
 
@@ -109,7 +109,7 @@ def main() -> None:
         ref_opt.step()
         value = loss.full_tensor().item()
         if step == 0:
-            kinds = Counter(f"{''.join(r.src)}->{''.join(r.dst)}" for r in model._apmodel_program.redistributions)
+            kinds = Counter(f"{''.join(r.src)}->{''.join(r.dst)}" for r in issued_redistributions(model))
             log.info("step 0 issued %d redistributions: %s", sum(kinds.values()),
                      ", ".join(f"{k} x{n}" for k, n in kinds.most_common()))
         log.info("step %d  loss %.6f  single-device %.6f  |diff| %.2e  (%.2f s)",

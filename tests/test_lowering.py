@@ -28,6 +28,7 @@ from apmodel.capture import capture
 from apmodel.lowering import (
     Redistribution,
     collective_kinds,
+    issued_redistributions,
     load_full_state_dict,
     lower,
     planned_redistributions,
@@ -246,7 +247,7 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         with rec:
             loss = model(tokens, targets)
             loss.backward()
-        issued = list(model._apmodel_program.redistributions)
+        issued = issued_redistributions(model)
         ref_loss = ref(tokens, targets)
         ref_loss.backward()
         r["loss"] = loss.full_tensor().item()
