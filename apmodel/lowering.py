@@ -6,7 +6,9 @@ was solved on (:class:`apmodel.capture.CapturedGraph`) and runs it over DTensors
 
 Design
 ------
-* **Parameters and buffers** become ``DTensor`` s with the plan's storage placement. The module is
+* **Parameters** become ``DTensor`` s with the plan's storage placement; buffers stay plain
+  tensors with their global value (so the user's init fills them as usual) and are wrapped at their
+  planned placement (replicated, by the planner's policy) at each step, without communication. The module is
   changed in place (as FSDP2's ``fully_shard`` does): its class becomes a dynamically created subclass
   of the user's class, so ``isinstance`` checks, the module hierarchy and the ``state_dict`` keys are
   unchanged (values are DTensors, so distributed checkpointing works). A model on the meta device stays
@@ -600,15 +602,11 @@ class _JointStep(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _set_tensor(model: nn.Module, fqn: str, value: torch.Tensor, is_param: bool) -> None:
+def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
     owner_name, _, leaf = fqn.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
-    if is_param:
-        old = getattr(owner, leaf)
-        owner.register_parameter(leaf, nn.Parameter(value, requires_grad=old.requires_grad))
-    else:
-        persistent = leaf not in owner._non_persistent_buffers_set
-        owner.register_buffer(leaf, value, persistent=persistent)
+    old = getattr(owner, leaf)
+    owner.register_parameter(leaf, nn.Parameter(value, requires_grad=old.requires_grad))
 
 
 def _parallel_forward(self: nn.Module, *inputs: Any) -> Any:
@@ -633,13 +631,24 @@ def _parallel_forward(self: nn.Module, *inputs: Any) -> Any:
         dinputs.append(x)
     values: list = []
     device = None
-    for n in prog.params + prog.buffers:
-        fqn = (prog.captured.param_fqn if n in prog.params else prog.captured.buffer_fqn)[n.name]
-        v = self.get_parameter(fqn) if n in prog.params else self.get_buffer(fqn)
+    for n in prog.params:
+        fqn = prog.captured.param_fqn[n.name]
+        v = self.get_parameter(fqn)
         if not isinstance(v, DTensor) or _tokens(v.placements) != _tokens(prog.storage[n]):
-            raise ValueError(f"{fqn!r} must be a DTensor placed {_fmt(prog.storage[n])}, got {type(v).__name__}")
+            raise ValueError(f"parameter {fqn!r} must be a DTensor placed {_fmt(prog.storage[n])}, got {type(v).__name__}")
         if device is None:
             device = v.to_local().device
+        values.append(v)
+    for n in prog.buffers:  # plain tensors holding the global value (see lower): wrap, no communication
+        fqn = prog.captured.buffer_fqn[n.name]
+        v = self.get_buffer(fqn)
+        pl = prog.storage[n]
+        if isinstance(v, DTensor):
+            v = prog._redistribute(v, pl, n.name, fqn, 0, "input")
+        elif all(isinstance(p, Replicate) for p in pl):
+            v = DTensor.from_local(v, prog.mesh, pl, run_check=False)
+        else:
+            v = distribute_tensor(v, prog.mesh, pl, src_data_rank=None)
         values.append(v)
     if device is None:
         device = dinputs[0].to_local().device if dinputs else torch.device(prog.mesh.device_type)
@@ -651,8 +660,9 @@ def _parallel_forward(self: nn.Module, *inputs: Any) -> Any:
 def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Module:
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
 
-    Changes `model` in place and returns it: parameters/buffers become DTensors with the plan's
-    storage placements (on the device they were on; meta stays meta), and its class becomes a subclass
+    Changes `model` in place and returns it: parameters become DTensors with the plan's storage
+    placements (on the device they were on; meta stays meta; buffers stay plain tensors holding the
+    global value), and its class becomes a subclass
     of the user's class whose ``forward(*inputs)`` runs the planned joint graph and returns the traced
     output (the loss when the graph was captured with a loss function) as a DTensor.
 
@@ -669,15 +679,14 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Mo
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
     prog = LoweredProgram(mesh, plan, captured)
-    # params / buffers -> DTensors (local chunk of the tensor each rank holds: no communication)
-    for nodes, fqns, is_param in ((prog.params, captured.param_fqn, True), (prog.buffers, captured.buffer_fqn, False)):
-        for n in nodes:
-            fqn = fqns[n.name]
-            cur = model.get_parameter(fqn) if is_param else model.get_buffer(fqn)
-            pl = prog.storage[n]
-            with torch.no_grad():
-                dt = distribute_tensor(cur.detach(), mesh, pl, src_data_rank=None)
-            _set_tensor(model, fqn, dt, is_param)
+    # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
+    # tables, ...) stay plain tensors with the global value, so the user's init code can fill them
+    # as usual; each step wraps them at their planned placement (the planner keeps them replicated).
+    for n in prog.params:
+        fqn = captured.param_fqn[n.name]
+        with torch.no_grad():
+            dt = distribute_tensor(model.get_parameter(fqn).detach(), mesh, prog.storage[n], src_data_rank=None)
+        _set_parameter(model, fqn, dt)
     cls = type(model)
     new_cls = type(f"Parallel{cls.__name__}", (cls,), {"forward": _parallel_forward, "__module__": cls.__module__})
     model.__class__ = new_cls

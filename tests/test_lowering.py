@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -316,6 +317,23 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         "plan": par._apmodel_program.plan.to_json()["node_strategy"],
         "seconds": time.perf_counter() - t0,
     }
+
+    # the FSDP2-style flow: meta model -> parallelize(plan=) -> to_empty -> the model's own init
+    t0 = time.perf_counter()
+    par = apmodel.parallelize(tiny("meta"), meshes["1d"], (tokens, targets), plan=Plan.load(Path(plan_dir) / "1d-solver.json"))
+    par.to_empty(device="cpu")
+    torch.manual_seed(0)
+    par.init_weights()
+    ref = tiny("cpu")
+    ref.init_weights()
+    loss = par(tokens, targets)
+    loss.backward()
+    results["init_weights"] = {
+        "loss": loss.full_tensor().item(),
+        "buffers_equal": all(torch.equal(par.get_buffer(k), b) for k, b in ref.named_buffers()),
+        "std_ratio": (par.output.weight.full_tensor().std() / ref.output.weight.std()).item(),
+        "seconds": time.perf_counter() - t0,
+    }
     return results
 
 
@@ -331,7 +349,7 @@ def dist_results(plans) -> dict[str, Any]:
     per_rank = run_distributed(_worker, WORLD, str(plan_dir), SCENARIOS, timeout_s=300)
     # every rank must see the same numbers (they print the same global values)
     for r in per_rank[1:]:
-        for name in SCENARIOS + ["parallelize"]:
+        for name in SCENARIOS + ["parallelize", "init_weights"]:
             assert r[name]["loss"] == per_rank[0][name]["loss"], name
     assert all(r["parallelize"]["plan"] == per_rank[0]["parallelize"]["plan"] for r in per_rank)
     for name, r in per_rank[0].items():
@@ -374,6 +392,15 @@ def test_parallelize_end_to_end(dist_results):
     assert abs(r["loss"] - r["ref_loss"]) <= LOSS_TOL
     bad = {k: e for k, e in r["grad_rel_err"].items() if not e <= GRAD_RTOL}
     assert not bad, bad
+
+
+@pytest.mark.slow
+def test_meta_model_initialised_after_lowering(dist_results):
+    """to_empty + the model's own init_weights on the DTensor module (values differ from a
+    single-device init: DTensor draws random numbers per shard), then a step runs."""
+    r = dist_results["init_weights"]
+    assert math.isfinite(r["loss"]) and r["buffers_equal"]
+    assert 0.8 < r["std_ratio"] < 1.2
 
 
 @pytest.mark.slow
