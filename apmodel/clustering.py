@@ -32,10 +32,10 @@ import torch.fx as fx
 
 logger = logging.getLogger(__name__)
 
-#: Refinement rounds. Three rounds separate the projections of one transformer layer from each
+#: Refinement rounds. Five rounds separate the projections of one transformer layer from each
 #: other (they differ in their users within two hops) while keeping the boundary effect (nodes of
 #: the first and last layer that do not merge) to a few nodes per end.
-DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS = 5
 
 
 def _describe_value(value: Any) -> Hashable:
@@ -85,7 +85,7 @@ def _digest(obj: Hashable) -> str:
 def refined_hashes(
     nodes: Sequence[fx.Node],
     signatures: Mapping[str, Hashable],
-    rounds: int = DEFAULT_ROUNDS,
+    rounds: int | None = None,
 ) -> dict[str, str]:
     """Weisfeiler-Lehman refinement of ``signatures`` over the graph's producer/user edges."""
     names = {n.name for n in nodes}
@@ -154,7 +154,7 @@ def cluster(
     signatures: Mapping[str, Hashable],
     state_key: Mapping[str, Hashable],
     *,
-    rounds: int = DEFAULT_ROUNDS,
+    rounds: int | None = None,
     merge_copies: bool = True,
     flow_coupling: bool = True,
 ) -> Grouping:
@@ -166,6 +166,7 @@ def cluster(
     """
     order = {n.name: i for i, n in enumerate(nodes)}
     uf = UnionFind([n.name for n in nodes])
+    rounds = DEFAULT_ROUNDS if rounds is None else rounds
     hashes = refined_hashes(nodes, signatures, rounds) if merge_copies else {n.name: n.name for n in nodes}
 
     if merge_copies:
