@@ -1,12 +1,20 @@
 """Benchmark the solver backends on placement-like pairwise problems.
 
-    python benchmarks/solvers.py [--json out.json] [--repeats 3] [--sizes small,large]
+    python benchmarks/solvers.py [--json out.json] [--repeats 3] [--sizes small,large,planner]
+    python benchmarks/solvers.py --npz saved/*.npz      # planner problems saved as .npz (see load_npz)
 
 Instances imitate the planner's problems: every state of a variable has a *layout* (one of a few
 ways a tensor can be split); an edge costs 0 when the two layouts agree and an edge-scaled
 transfer cost otherwise (some transfers are forbidden, +inf, like partial-sum targets); unary
 costs are compute-like (a per-variable base time divided by a per-state speed-up); the graph is a
 random sparse layered DAG (each variable takes inputs from the previous few layers).
+
+The "planner" size imitates the structure of the planner's real problems instead: chains of
+*follower* variables (views / transposes: degree 2, free on a permutation of the producer's
+states, a transfer cost otherwise) between compute variables, fixed single-state boundary
+variables and forbidden states, which the exact reductions of ``solvers.reduce`` remove.  Real
+instances can be read with ``--npz`` (keys ``u0..u{n-1}`` unary vectors, ``e0..e{m-1}`` edge
+matrices, ``edge_uv`` (m, 2) endpoints, ``n_vars``).
 
 Prints a table (median seconds over repeats, energy, bound, gap to the HiGHS optimum).
 """
@@ -26,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solvers  # noqa: E402
 
-SIZES = {  # name: (variables, states, edges)
+SIZES = {  # name: (variables, states, edges); "planner" is built by planner_like (edges = compute nodes)
     "small": (500, 20, 1_000),
     "large": (5_000, 30, 10_000),
+    "planner": (331, 36, 120),
 }
 N_LAYOUTS = 8  # distinct layouts (placement tuples of one tensor)
 LAYER_WIDTH = 10  # variables per DAG layer
@@ -68,18 +77,83 @@ def placement_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0) -> s
     return solvers.PairwiseProblem(list(unary), edges)
 
 
-def run(sizes: list[str], repeats: int, backends: list[str], highs_time_limit: float) -> list[dict]:
+FOLLOWERS = (0, 3)  # views / transposes between two compute nodes (inclusive range)
+P_FIXED = 0.04  # fraction of single-state (fixed) boundary variables
+
+
+def planner_like(n_vars: int, n_states: int, n_compute: int, seed: int = 0) -> solvers.PairwiseProblem:
+    """Planner-structured instance (see the module docstring); about ``n_vars`` variables."""
+    rng = np.random.default_rng(seed)
+    transfer = rng.uniform(0.5, 2.0, size=(N_LAYOUTS, N_LAYOUTS))
+    np.fill_diagonal(transfer, 0.0)
+    speedup = np.array([1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0, 8.0])[:N_LAYOUTS]
+    unary, layouts, edges = [], [], []
+
+    def add(k: int, base: float) -> int:
+        lay = rng.integers(0, N_LAYOUTS, size=k)
+        lay[0] = 0
+        u = base / speedup[lay] * rng.uniform(0.8, 1.25, size=k)
+        u[rng.random(k) < 0.05] = np.inf
+        u[0] = base  # replicated is always allowed
+        unary.append(u)
+        layouts.append(lay)
+        return len(unary) - 1
+
+    compute = []
+    per_chain = max(1, (n_vars - n_compute) // max(1, n_compute))
+    for c in range(n_compute):
+        k = 1 if rng.random() < P_FIXED else int(rng.integers(max(2, n_states // 4), n_states + 1))
+        v = add(k, float(rng.lognormal(3.0, 1.0)))
+        srcs = [int(s) for s in rng.choice(compute[-4:], size=min(len(compute[-4:]), 2), replace=False)] if compute else []
+        for s in srcs:
+            prev = s
+            for _ in range(int(rng.integers(FOLLOWERS[0], min(FOLLOWERS[1], per_chain) + 1))):
+                f = add(len(unary[prev]), 0.0)  # follower: same states as its producer, no compute
+                layouts[f] = layouts[prev].copy()
+                unary[f] = np.zeros(len(unary[prev]))
+                size = float(rng.lognormal(2.0, 1.0))
+                m = size * transfer[layouts[prev][:, None], layouts[f][None, :]]
+                m[np.arange(len(unary[f])), np.arange(len(unary[f]))] = 0.0
+                edges.append((prev, f, m))
+                prev = f
+            size = float(rng.lognormal(2.0, 1.0))
+            edges.append((prev, v, size * transfer[layouts[prev][:, None], layouts[v][None, :]]))
+        compute.append(v)
+    return solvers.PairwiseProblem(unary, edges)
+
+
+def load_npz(path: Path) -> solvers.PairwiseProblem:
+    """A problem saved as .npz (keys in the module docstring)."""
+    z = np.load(path)
+    for key in ("n_vars", "edge_uv"):
+        if key not in z:
+            raise ValueError(f"{path}: missing field {key!r}")
+    n = int(z["n_vars"])
+    uv = np.asarray(z["edge_uv"], dtype=np.int64).reshape(-1, 2)
+    return solvers.PairwiseProblem([z[f"u{i}"] for i in range(n)],
+                                   [(int(uv[k, 0]), int(uv[k, 1]), z[f"e{k}"]) for k in range(len(uv))])
+
+
+def run(sizes: list[str], repeats: int, backends: list[str], highs_time_limit: float,
+        npz: list[Path] = (), reduce: bool = True) -> list[dict]:
     rows = []
-    for name in sizes:
-        n, s, e = SIZES[name]
+    cases = [(name, None) for name in sizes] + [(path.stem, path) for path in npz]
+    for name, path in cases:
         t0 = time.perf_counter()
-        prob = placement_like(n, s, e, seed=1)
+        if path is not None:
+            prob = load_npz(path)
+        elif name == "planner":
+            prob = planner_like(*SIZES[name], seed=1)
+        else:
+            prob = placement_like(*SIZES[name], seed=1)
+        n, s = prob.n_vars, int(prob.n_states.max())
         build_s = time.perf_counter() - t0
         ref = None
         for backend in backends:
             times, sol = [], None
             reps = repeats if backend != "highs" or name == "small" else 1
             opts = {"time_limit": highs_time_limit} if backend in ("highs", "cvxpy") else {}
+            opts["reduce"] = reduce
             for _ in range(reps):
                 sol = solvers.solve(prob, backend, **opts)
                 times.append(sol.seconds)
@@ -98,11 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--sizes", default="small,large,planner", help="synthetic sizes ('' for none)")
+    ap.add_argument("--npz", type=Path, nargs="*", default=[], help="saved planner problems (.npz) to add")
     ap.add_argument("--backends", default="highs,trws")
+    ap.add_argument("--no-reduce", action="store_true", help="skip the exact reductions (solvers.reduce)")
     ap.add_argument("--highs-time-limit", type=float, default=300.0)
     args = ap.parse_args(argv)
-    rows = run(args.sizes.split(","), args.repeats, args.backends.split(","), args.highs_time_limit)
+    sizes = [x for x in args.sizes.split(",") if x]
+    unknown = [x for x in sizes if x not in SIZES]
+    if unknown:
+        ap.error(f"unknown size(s) {unknown}; choose from {sorted(SIZES)}")
+    rows = run(sizes, args.repeats, args.backends.split(","), args.highs_time_limit, args.npz, not args.no_reduce)
     from rich.console import Console
     from rich.table import Table
 

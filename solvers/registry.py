@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .presolve import presolve
+from .reduce import Reduction, reduce_problem
 from .problem import PairwiseProblem
 from .solution import STATUSES, BackendResult, Solution, SolverError
 
@@ -103,11 +104,30 @@ def _relative_gap(energy: float, bound: float | None) -> float | None:
     return max(0.0, (energy - bound) / max(abs(energy), 1e-12))
 
 
+# options that refer to the original problem's variables / indicators: mapped, or reduction skipped
+_UNMAPPABLE_OPTIONS = ("extra_constraints",)
+
+
+def _map_options(red: Reduction, options: dict[str, Any]) -> dict[str, Any]:
+    """Translate options that name original variables (``order``, ``warm_start``) to the reduced problem."""
+    out = dict(options)
+    if out.get("order") is not None:
+        rank = np.empty(red.original.n_vars, dtype=np.int64)
+        rank[np.asarray(out["order"], dtype=np.int64)] = np.arange(red.original.n_vars)
+        out["order"] = np.argsort(rank[red.kept], kind="stable")
+    if out.get("warm_start") is not None:
+        out["warm_start"] = red.restrict(red.original.check_assignment(out["warm_start"]))
+    return out
+
+
 def solve(problem: PairwiseProblem, backend: str = "trws", time_limit: float | None = None, *,
-          registry: SolverRegistry | None = None, run_presolve: bool = True, **options: Any) -> Solution:
+          registry: SolverRegistry | None = None, run_presolve: bool = True, reduce: bool = True,
+          **options: Any) -> Solution:
     """Solve ``problem`` with the named backend.
 
-    ``time_limit`` is in seconds (None: no limit).  ``options`` go to the backend.  Raises
+    ``time_limit`` is in seconds (None: no limit).  ``options`` go to the backend.  ``reduce``: run
+    the exact reductions of :mod:`solvers.reduce` (after the presolve) and give the backend the
+    reduced problem; the returned solution always refers to ``problem``.  Raises
     :class:`~solvers.Infeasible` when no assignment is feasible, :class:`~solvers.SolverError`
     when the backend returns an unusable assignment.
     """
@@ -120,12 +140,30 @@ def solve(problem: PairwiseProblem, backend: str = "trws", time_limit: float | N
     if problem.n_vars == 0:
         return Solution(np.zeros(0, dtype=np.int64), 0.0, 0.0, "optimal", time.perf_counter() - t0, backend, 0.0)
     work = presolve(problem).problem if run_presolve else problem
-    raw = fn(work, time_limit=time_limit, **options)
-    seconds = time.perf_counter() - t0
+    red = None
+    if reduce and not any(options.get(k) is not None for k in _UNMAPPABLE_OPTIONS):
+        red = reduce_problem(work)
+        options = _map_options(red, options)
+        work = red.problem
+    if work.n_vars == 0:  # the reductions solved it
+        raw = BackendResult(np.zeros(0, dtype=np.int64), 0.0, "optimal", {})
+    else:
+        if time_limit is not None:
+            time_limit = max(1e-3, time_limit - (time.perf_counter() - t0))
+        raw = fn(work, time_limit=time_limit, **options)
     if isinstance(raw, Solution):
         raw = BackendResult(raw.assignment, raw.lower_bound, raw.status, dict(raw.info))
     elif not isinstance(raw, BackendResult):
         raw = BackendResult(np.asarray(raw))
+    if red is not None:
+        try:
+            xr = work.check_assignment(raw.assignment)
+        except ValueError as err:
+            raise SolverError(f"backend {backend!r} returned an invalid assignment: {err}") from err
+        bound = None if raw.lower_bound is None else float(raw.lower_bound) + red.offset
+        info = dict(raw.info, reduce=dict(red.stats))
+        raw = BackendResult(red.expand(xr), bound, raw.status, info)
+    seconds = time.perf_counter() - t0
     try:
         x = problem.check_assignment(raw.assignment)
     except ValueError as err:

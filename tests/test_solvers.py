@@ -66,7 +66,7 @@ def with_budget(problem: solvers.PairwiseProblem, seed: int, tight: float = 0.5)
 def brute_or_none(problem: solvers.PairwiseProblem):
     """Brute-force solution, or None when infeasible."""
     try:
-        return solvers.solve(problem, "brute")
+        return solvers.solve(problem, "brute", reduce=False)  # no reductions: the independent truth
     except solvers.Infeasible:
         return None
 
@@ -92,7 +92,7 @@ def test_random_problems_against_brute_force(backend, layouts):
     for seed in range(n):
         p = random_problem(seed, max_states=6 if layouts else 4, layouts=layouts)
         ref = brute_or_none(p)
-        got = _solve_or_none(p, backend)
+        got = _solve_or_none(p, backend, reduce=seed % 2 == 0)  # half through the reductions, half raw
         if ref is None:
             assert isinstance(got, solvers.Infeasible), (seed, got)
             continue
@@ -119,7 +119,7 @@ def test_trws_exact_on_chains_and_trees(graph, layouts):
         ref = brute_or_none(p)
         if ref is None:
             continue
-        got = solvers.solve(p, "trws", local_search=False)
+        got = solvers.solve(p, "trws", local_search=False, reduce=False)  # the reductions would solve these
         assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
         assert got.lower_bound == pytest.approx(ref.energy, abs=1e-5), seed
 
@@ -152,7 +152,7 @@ def test_fixed_state_constraint(backend):
     p = solvers.PairwiseProblem(p0.unary, p0.edges, [solvers.LinearConstraint("fix", [(v, s, 1.0)], "==", 1.0)])
     got = solvers.solve(p, backend)
     assert got.assignment[v] == s
-    ref = solvers.solve(p, "brute")
+    ref = solvers.solve(p, "brute", reduce=False)
     assert got.energy >= ref.energy - TOL
 
 
@@ -230,16 +230,16 @@ def test_registry_and_user_backend():
     reg.register("greedy", Greedy)
     reg.register("first", lambda problem, time_limit=None: solvers.BackendResult(np.zeros(problem.n_vars, int)))
     p = solvers.PairwiseProblem([[2.0, 1.0], [0.0, 3.0]], [(0, 1, np.zeros((2, 2)))])
-    sol = solvers.solve(p, "greedy", registry=reg)
+    sol = solvers.solve(p, "greedy", registry=reg, reduce=False)
     assert sol.assignment.tolist() == [1, 0] and sol.energy == 1.0 and sol.backend == "greedy"
-    assert solvers.solve(p, "first", registry=reg).energy == 2.0
+    assert solvers.solve(p, "first", registry=reg, reduce=False).energy == 2.0
     assert "greedy" in reg.available() and "greedy" not in solvers.available()
     with pytest.raises(ValueError, match="unknown solver backend"):
         solvers.solve(p, "nope")
     bad = solvers.SolverRegistry()
     bad.register("bad", lambda problem, time_limit=None: np.array([0, 5]))
     with pytest.raises(solvers.SolverError):
-        solvers.solve(p, "bad", registry=bad)
+        solvers.solve(p, "bad", registry=bad, reduce=False)
 
 
 def test_unsupported_constraints_are_rejected():
@@ -258,7 +258,7 @@ def test_unsupported_constraints_are_rejected():
 
 def test_highs_warm_start_and_cvxpy_extra_constraints():
     p = random_problem(21, p_inf=0.0)
-    ref = solvers.solve(p, "brute")
+    ref = solvers.solve(p, "brute", reduce=False)
     assert solvers.solve(p, "highs", warm_start=ref.assignment).energy == pytest.approx(ref.energy)
     off = int(p.offsets[0])
     other = (int(ref.assignment[0]) + 1) % int(p.n_states[0])
@@ -322,14 +322,135 @@ def test_pgmpy_greedy_completion_fills_missing_variables():
 def test_brute_refuses_large_problems():
     p = solvers.PairwiseProblem([np.zeros(10)] * 7)
     with pytest.raises(ValueError, match="refuses"):
-        solvers.solve(p, "brute")
+        solvers.solve(p, "brute", reduce=False)
 
 
 def test_default_registry_register():
     solvers.register("zeros-test", lambda problem, time_limit=None: np.zeros(problem.n_vars, int))
     try:
         assert "zeros-test" in solvers.available()
-        assert solvers.solve(solvers.PairwiseProblem([[1.0, 0.0]]), "zeros-test").energy == 1.0
+        assert solvers.solve(solvers.PairwiseProblem([[1.0, 0.0]]), "zeros-test", reduce=False).energy == 1.0
     finally:
         solvers.default_registry().unregister("zeros-test")
     assert "zeros-test" not in solvers.available()
+
+
+# ---------------------------------------------------------------- exact reductions (solvers/reduce.py)
+def reducible_problem(seed: int, max_vars: int = 8) -> solvers.PairwiseProblem:
+    """Planner-like small problem: a random tree plus a few extra edges, single-state variables,
+    duplicated states (identical unary and edge rows), follower edges (0 on a permutation, else > 0)
+    and forbidden states / pairs, so that every reduction of :mod:`solvers.reduce` fires."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, max_vars + 1))
+    ns = rng.integers(1, 5, size=n)
+    ns[rng.random(n) < 0.2] = 1
+    unary = [rng.normal(size=k).round(2) for k in ns]
+    for u in unary:
+        u[rng.random(len(u)) < 0.1] = np.inf
+    pairs = {(int(rng.integers(0, i)), i) for i in range(1, n)}
+    pairs |= {(i, j) for i in range(n) for j in range(i + 1, n) if rng.random() < 0.15}
+    edges = []
+    for i, j in sorted(pairs):
+        if rng.random() < 0.3:  # follower: free on a permutation-like pattern
+            m = rng.uniform(0.5, 2.0, size=(ns[i], ns[j])).round(2)
+            m[np.arange(ns[i]), np.arange(ns[i]) % ns[j]] = 0.0
+        else:
+            m = rng.normal(scale=1.5, size=(ns[i], ns[j])).round(2)
+            m[rng.random(m.shape) < 0.1] = np.inf
+        edges.append((i, j, m))
+    # duplicate the last state of some variables (same unary, same rows on every edge)
+    for v in np.flatnonzero(rng.random(n) < 0.3):
+        unary[v] = np.append(unary[v], unary[v][-1])
+        edges = [(i, j, np.vstack([m, m[-1:]]) if i == v else (np.hstack([m, m[:, -1:]]) if j == v else m))
+                 for i, j, m in edges]
+    return solvers.PairwiseProblem(unary, edges)
+
+
+def test_reductions_are_exact():
+    from solvers.presolve import presolve
+    from solvers.reduce import reduce_problem
+
+    eliminated = 0
+    for seed in range(300):
+        p = reducible_problem(seed)
+        ref = brute_or_none(p)
+        try:
+            red = reduce_problem(presolve(p).problem)
+        except solvers.Infeasible:
+            assert ref is None, seed
+            continue
+        eliminated += p.n_vars - red.problem.n_vars
+        q = red.problem
+        if q.n_vars == 0:
+            if ref is not None:
+                assert p.energy(red.expand([])) == pytest.approx(ref.energy, abs=TOL), seed
+                assert red.offset == pytest.approx(ref.energy, abs=TOL), seed
+            continue
+        sub = brute_or_none(q)
+        if ref is None:
+            assert sub is None, seed
+            continue
+        assert sub.energy + red.offset == pytest.approx(ref.energy, abs=TOL), seed
+        x = red.expand(sub.assignment)
+        assert p.energy(x) == pytest.approx(ref.energy, abs=TOL), seed
+        assert red.restrict(x).tolist() == sub.assignment.tolist()
+        # any reduced assignment maps back with the same energy (up to the offset)
+        rng = np.random.default_rng(seed)
+        for _ in range(5):
+            xr = rng.integers(0, q.n_states)
+            eq = q.energy(xr)
+            if np.isfinite(eq):
+                assert p.energy(red.expand(xr)) == pytest.approx(eq + red.offset, abs=TOL), seed
+    assert eliminated > 300  # the generator does exercise the eliminations
+
+
+@pytest.mark.parametrize("backend", ["highs", "trws"])
+def test_solve_with_and_without_reductions_agree(backend):
+    for seed in range(60):
+        p = reducible_problem(seed, max_vars=9)
+        ref = brute_or_none(p)
+        got = _solve_or_none(p, backend)
+        if ref is None:
+            assert isinstance(got, solvers.Infeasible) and got.proven, seed
+            continue
+        assert got.energy == pytest.approx(p.energy(got.assignment))
+        assert got.lower_bound is None or got.lower_bound <= ref.energy + TOL, seed
+        if backend == "highs":
+            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+
+
+def test_reductions_keep_constrained_variables():
+    from solvers.presolve import presolve
+    from solvers.reduce import reduce_problem
+
+    for seed in range(40):
+        p = with_budget(reducible_problem(seed), seed)
+        ref = brute_or_none(p)
+        try:
+            red = reduce_problem(presolve(p).problem)
+        except solvers.Infeasible:
+            assert ref is None, seed
+            continue
+        in_rows = {v for c in presolve(p).problem.constraints for v, _, _ in c.terms}
+        assert in_rows <= set(red.kept.tolist()), seed
+        got = _solve_or_none(p, "highs")
+        if ref is None:
+            assert isinstance(got, solvers.Infeasible), seed
+        else:
+            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+            assert p.violated_constraints(got.assignment) == []
+
+
+def test_series_reduction_detects_infeasible_cycle_and_maps_options():
+    from solvers.reduce import reduce_problem
+
+    ne = np.array([[np.inf, 0.0], [0.0, np.inf]])  # "must differ": an odd cycle is infeasible
+    tri = solvers.PairwiseProblem([[0, 0]] * 3, [(0, 1, ne), (1, 2, ne), (0, 2, ne)])
+    with pytest.raises(solvers.Infeasible):
+        reduce_problem(tri)
+    # a 4-cycle with a hub: options naming original variables are mapped to the reduced problem
+    p = random_problem(3, max_vars=8, p_inf=0.0, p_edge=0.9)
+    ref = brute_or_none(p)
+    order = np.arange(p.n_vars)[::-1]
+    assert solvers.solve(p, "trws", order=order).energy >= ref.energy - TOL
+    assert solvers.solve(p, "highs", warm_start=ref.assignment).energy == pytest.approx(ref.energy, abs=TOL)

@@ -1,0 +1,255 @@
+"""Exact problem reductions shared by every backend (run by :func:`solvers.solve` after the presolve).
+
+Every reduction keeps the optimum value (up to a constant ``offset``) and records how to map a
+solution of the reduced problem back to the original one:
+
+1. forbidden states (``+inf`` unary) are dropped from the variable and from its edge matrices;
+2. dominated states are dropped: state ``t`` of ``v`` goes when another state ``s`` has a unary
+   cost and every incident edge row no larger (``s`` is then at least as good in any assignment);
+   identical states are the special case of mutual dominance (the lower index is kept);
+3. a variable with one state is eliminated: its edge rows are folded into the neighbours' unaries;
+4. a variable of degree 0 is fixed at its cheapest state, one of degree 1 (a leaf) is folded into
+   its neighbour (``u_w[j] += min_i u_l[i] + M[i, j]``, the argmin is remembered);
+5. a variable of degree 2 is eliminated by series reduction: its two edges ``(a, v)`` and
+   ``(v, b)`` become one edge ``(a, b)`` with the min-plus product ``min_j M_av[i, j] + u_v[j] +
+   M_vb[j, k]`` (the argmin table is remembered), summed with an existing ``(a, b)`` edge
+   (parallel edges are summed).  Only when the product costs at most ``MAX_SERIES_WORK`` entries.
+
+Variables that appear in a side constraint are never eliminated and never lose a finite state
+(their rows are kept, re-indexed); their neighbours may still be eliminated.
+
+:class:`Reduction` maps assignments both ways (:meth:`Reduction.expand`, :meth:`Reduction.restrict`)
+and bounds: a lower bound ``b`` on the reduced problem gives ``b + offset`` on the original.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .problem import LinearConstraint, PairwiseProblem
+from .solution import Infeasible
+
+log = logging.getLogger(__name__)
+
+MAX_SERIES_WORK = 4_000_000  # n_a * n_v * n_b entries of the min-plus product of one series reduction
+MAX_DOMINANCE_WORK = 2_000_000  # n_v^2 * (row width) comparisons for the dominance test of one variable
+
+
+@dataclass
+class _Record:
+    """How to recover an eliminated variable's original state.
+
+    ``kind`` "fixed": ``value`` is the original state.  "leaf": ``table[pos_a[x_a]]`` is the local
+    state, mapped to the original by ``states``.  "series": ``table[pos_a[x_a], pos_b[x_b]]``.
+    """
+
+    kind: str
+    var: int
+    value: int = -1
+    states: np.ndarray | None = None
+    a: int = -1
+    b: int = -1
+    pos_a: np.ndarray | None = None
+    pos_b: np.ndarray | None = None
+    table: np.ndarray | None = None
+
+
+@dataclass
+class Reduction:
+    """A reduced problem plus what maps its solutions back to the original problem."""
+
+    original: PairwiseProblem
+    problem: PairwiseProblem  # the reduced problem (may have 0 variables)
+    offset: float  # original optimum = reduced optimum + offset
+    kept: np.ndarray  # original index of each reduced variable
+    states: list[np.ndarray]  # per reduced variable: original state of each local state
+    records: list[_Record] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    def expand(self, x_reduced) -> np.ndarray:
+        """An original assignment from one of the reduced problem (same energy up to ``offset``)."""
+        x = np.full(self.original.n_vars, -1, dtype=np.int64)
+        xr = np.asarray(x_reduced, dtype=np.int64).reshape(-1)
+        for i, v in enumerate(self.kept.tolist()):
+            x[v] = self.states[i][xr[i]]
+        for r in reversed(self.records):
+            if r.kind == "fixed":
+                x[r.var] = r.value
+            elif r.kind == "leaf":
+                x[r.var] = r.states[r.table[r.pos_a[x[r.a]]]]
+            else:
+                x[r.var] = r.states[r.table[r.pos_a[x[r.a]], r.pos_b[x[r.b]]]]
+        return x
+
+    def restrict(self, x_original) -> np.ndarray | None:
+        """The reduced assignment of an original one, or None when it uses a removed state."""
+        x = np.asarray(x_original, dtype=np.int64)
+        out = np.empty(len(self.kept), dtype=np.int64)
+        for i, v in enumerate(self.kept.tolist()):
+            hit = np.flatnonzero(self.states[i] == x[v])
+            if len(hit) == 0:
+                return None
+            out[i] = hit[0]
+        return out
+
+
+def _positions(states: np.ndarray, n_orig: int) -> np.ndarray:
+    pos = np.full(n_orig, -1, dtype=np.int64)
+    pos[states] = np.arange(len(states))
+    return pos
+
+
+def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: bool = True) -> Reduction:
+    """Apply the reductions of the module docstring until none applies; raise Infeasible when one proves it."""
+    p = problem
+    n = p.n_vars
+    n_orig = p.n_states.tolist()
+    unary = [np.array(u, dtype=np.float64) for u in p.unary]
+    states = [np.arange(k, dtype=np.int64) for k in n_orig]
+    adj: list[dict[int, np.ndarray]] = [dict() for _ in range(n)]  # adj[v][w]: rows = states of v
+    for g in p.groups:
+        for k in range(len(g)):
+            u, v = int(g.u[k]), int(g.v[k])
+            m = np.array(g.costs[k], dtype=np.float64)
+            adj[u][v] = m
+            adj[v][u] = m.T
+    frozen = np.zeros(n, dtype=bool)
+    for c in p.constraints:
+        for v, _, _ in c.terms:
+            frozen[v] = True
+    alive = np.ones(n, dtype=bool)
+    records: list[_Record] = []
+    offset = 0.0
+    counts = {"fixed": 0, "leaf": 0, "series": 0, "states_removed": 0}
+
+    def restrict_states(v: int, keep: np.ndarray) -> None:
+        if keep.all():
+            return
+        if not keep.any():
+            raise Infeasible(f"no feasible state for variable {p.var_name(v)} (found while eliminating its "
+                             "neighbours: every state is forbidden)", variables=(p.var_name(v),))
+        counts["states_removed"] += int((~keep).sum())
+        unary[v] = unary[v][keep]
+        states[v] = states[v][keep]
+        for w, m in adj[v].items():
+            m2 = m[keep]
+            adj[v][w] = m2
+            adj[w][v] = m2.T
+
+    def prune(v: int) -> None:
+        """Drop forbidden states of v, then (unless frozen) dominated ones."""
+        keep = np.isfinite(unary[v])
+        for m in adj[v].values():
+            keep &= np.isfinite(m).any(axis=1)
+        restrict_states(v, keep)
+        k = len(unary[v])
+        if not dominance or frozen[v] or k < 2:
+            return
+        width = 1 + sum(m.shape[1] for m in adj[v].values())
+        if k * k * width > MAX_DOMINANCE_WORK:
+            return
+        sig = np.concatenate([unary[v][:, None]] + list(adj[v].values()), axis=1)  # (k, width)
+        le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[s, t]: s is no worse than t anywhere
+        lt = (sig[:, None, :] < sig[None, :, :]).any(axis=2)
+        idx = np.arange(k)
+        beats = le & (lt | (idx[:, None] < idx[None, :]))  # strict partial order (ties: lower index wins)
+        np.fill_diagonal(beats, False)
+        restrict_states(v, ~beats.any(axis=0))
+
+    def drop_var(v: int) -> list[int]:
+        nbrs = list(adj[v])
+        for w in nbrs:
+            del adj[w][v]
+        adj[v].clear()
+        alive[v] = False
+        return nbrs
+
+    def eliminate(v: int) -> list[int] | None:
+        """Eliminate v if a rule applies; return the neighbours to revisit, or None."""
+        nonlocal offset
+        k = len(unary[v])
+        deg = len(adj[v])
+        if k == 1:
+            for w, m in adj[v].items():
+                unary[w] = unary[w] + m[0]
+            offset += float(unary[v][0])
+            records.append(_Record("fixed", v, value=int(states[v][0])))
+            counts["fixed"] += 1
+            return drop_var(v)
+        if deg == 0:
+            s = int(np.argmin(unary[v]))
+            offset += float(unary[v][s])
+            records.append(_Record("fixed", v, value=int(states[v][s])))
+            counts["fixed"] += 1
+            alive[v] = False
+            return []
+        if deg == 1:
+            (w, m), = adj[v].items()
+            tot = unary[v][:, None] + m  # (k, n_w)
+            arg = tot.argmin(axis=0)
+            unary[w] = unary[w] + tot[arg, np.arange(tot.shape[1])]
+            records.append(_Record("leaf", v, states=states[v], a=w, pos_a=_positions(states[w], n_orig[w]),
+                                   table=arg))
+            counts["leaf"] += 1
+            return drop_var(v)
+        if deg == 2 and series:
+            (a, ma), (b, mb) = adj[v].items()
+            if ma.shape[1] * k * mb.shape[1] > MAX_SERIES_WORK:
+                return None
+            tot = ma.T[:, :, None] + unary[v][None, :, None] + mb[None, :, :]  # (n_a, k, n_b)
+            arg = tot.argmin(axis=1)
+            prod = np.take_along_axis(tot, arg[:, None, :], axis=1)[:, 0, :]
+            records.append(_Record("series", v, states=states[v], a=a, b=b,
+                                   pos_a=_positions(states[a], n_orig[a]), pos_b=_positions(states[b], n_orig[b]),
+                                   table=arg))
+            counts["series"] += 1
+            drop_var(v)
+            if b in adj[a]:
+                prod = adj[a][b] + prod  # parallel edges are summed
+            adj[a][b] = prod
+            adj[b][a] = prod.T
+            return [a, b]
+        return None
+
+    queue = list(range(n))
+    queued = np.ones(n, dtype=bool)
+    while queue:
+        v = queue.pop()
+        queued[v] = False
+        if not alive[v]:
+            continue
+        k0 = len(unary[v])
+        prune(v)
+        revisit = None if frozen[v] else eliminate(v)
+        if revisit is None:  # v stays; if it lost states its neighbours' rows shrank (dominance may apply)
+            revisit = list(adj[v]) if len(unary[v]) < k0 else []
+        for w in revisit:
+            if alive[w] and not queued[w]:
+                queued[w] = True
+                queue.append(w)
+
+    kept = np.flatnonzero(alive)
+    new_index = np.full(n, -1, dtype=np.int64)
+    new_index[kept] = np.arange(len(kept))
+    edges = []
+    for v in kept.tolist():
+        for w, m in adj[v].items():
+            if v < w:
+                edges.append((int(new_index[v]), int(new_index[w]), m))
+    cons = []
+    for c in p.constraints:
+        terms = []
+        for v, s, coef in c.terms:
+            j = np.flatnonzero(states[v] == s)
+            if len(j):  # a removed state of a frozen variable is forbidden: its indicator is 0
+                terms.append((int(new_index[v]), int(j[0]), coef))
+        cons.append(LinearConstraint(c.name, terms, c.sense, c.rhs))
+    names = [p.names[v] for v in kept.tolist()] if p.names else None
+    reduced = PairwiseProblem([unary[v] for v in kept.tolist()], edges, cons, names=names)
+    stats = dict(counts, vars=len(kept), edges=reduced.n_edges, indicators=reduced.n_indicators)
+    log.debug("reduce: %d -> %d variables, %d -> %d edges, %d -> %d states (%s)", n, len(kept), p.n_edges,
+              reduced.n_edges, p.n_indicators, reduced.n_indicators, counts)
+    return Reduction(p, reduced, offset, kept, [states[v] for v in kept.tolist()], records, stats)
