@@ -547,6 +547,20 @@ class LoweredProgram:
         return outs[0] if single else tuple(outs) if isinstance(out, tuple) else outs
 
 
+class _FromGlobal(torch.autograd.Function):
+    """A plain input (the global value, the same on every rank) -> its DTensor at the planned
+    placement (local chunk, no communication). Its gradient comes back as the full global tensor:
+    gathering it is the one collective outside the plan (only for inputs that require grad)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, pl: Placements) -> DTensor:  # type: ignore[override]
+        return distribute_tensor(x.detach(), mesh, pl, src_data_rank=None)
+
+    @staticmethod
+    def backward(ctx, g: DTensor):  # type: ignore[override]
+        return g.full_tensor(), None, None
+
+
 class _JointStep(torch.autograd.Function):
     """forward: the joint graph's forward nodes; backward: its backward nodes (both over DTensors)."""
 
@@ -626,8 +640,10 @@ def _parallel_forward(self: nn.Module, *inputs: Any) -> Any:
         pl = prog.storage[node]
         if isinstance(x, DTensor):
             x = prog._redistribute(x, pl, node.name, f"input{i}", 0, "input")
+        elif x.requires_grad:
+            x = _FromGlobal.apply(x, prog.mesh, pl)
         else:  # the global tensor, identical on every rank: keep the local chunk, no communication
-            x = distribute_tensor(x.detach(), prog.mesh, pl, src_data_rank=None).requires_grad_(x.requires_grad)
+            x = distribute_tensor(x, prog.mesh, pl, src_data_rank=None)
         dinputs.append(x)
     values: list = []
     device = None

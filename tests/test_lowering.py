@@ -57,6 +57,18 @@ _COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "f
 _ROW = ("attention.wo", "feed_forward.w2")
 
 
+class MLP(torch.nn.Module):
+    """A model that returns a tensor (no loss function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
 def tiny(device: str = "meta") -> torch.nn.Module:
     with torch.device(device):
         return build("llama3-debug", **CFG)
@@ -318,6 +330,25 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         "seconds": time.perf_counter() - t0,
     }
 
+    # a model without loss_fn (the output is what is differentiated) and an input that needs grad
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    ref_mlp = MLP()
+    x = torch.randn(8, 16, requires_grad=True)
+    par_mlp = apmodel.parallelize(copy.deepcopy(ref_mlp), meshes["1d"], (x,))
+    out = par_mlp(x)
+    (out.full_tensor() ** 2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    (ref_mlp(x_ref) ** 2).sum().backward()
+    results["no_loss"] = {
+        "loss": out.full_tensor().sum().item(),
+        "out_err": (out.full_tensor() - ref_mlp(x_ref)).abs().max().item(),
+        "grad_err": max((p.grad.full_tensor() - q.grad).abs().max().item()
+                        for p, q in zip(par_mlp.parameters(), ref_mlp.parameters())),
+        "input_grad_err": (x.grad - x_ref.grad).abs().max().item(),
+        "seconds": time.perf_counter() - t0,
+    }
+
     # the FSDP2-style flow: meta model -> parallelize(plan=) -> to_empty -> the model's own init
     t0 = time.perf_counter()
     par = apmodel.parallelize(tiny("meta"), meshes["1d"], (tokens, targets), plan=Plan.load(Path(plan_dir) / "1d-solver.json"))
@@ -349,7 +380,7 @@ def dist_results(plans) -> dict[str, Any]:
     per_rank = run_distributed(_worker, WORLD, str(plan_dir), SCENARIOS, timeout_s=300)
     # every rank must see the same numbers (they print the same global values)
     for r in per_rank[1:]:
-        for name in SCENARIOS + ["parallelize", "init_weights"]:
+        for name in SCENARIOS + ["parallelize", "init_weights", "no_loss"]:
             assert r[name]["loss"] == per_rank[0][name]["loss"], name
     assert all(r["parallelize"]["plan"] == per_rank[0]["parallelize"]["plan"] for r in per_rank)
     for name, r in per_rank[0].items():
@@ -401,6 +432,12 @@ def test_meta_model_initialised_after_lowering(dist_results):
     r = dist_results["init_weights"]
     assert math.isfinite(r["loss"]) and r["buffers_equal"]
     assert 0.8 < r["std_ratio"] < 1.2
+
+
+@pytest.mark.slow
+def test_model_without_loss_fn_and_input_gradient(dist_results):
+    r = dist_results["no_loss"]
+    assert r["out_err"] <= 1e-5 and r["grad_err"] <= 1e-4 and r["input_grad_err"] <= 1e-5, r
 
 
 @pytest.mark.slow
