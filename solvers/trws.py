@@ -15,8 +15,10 @@ placement costs: states with the same layout).  A message is then a min over cla
 class-wise minimum of the incoming vector, add the small class-pair block, expand to states.
 All edges whose class counts fit a common padding live in one set of flat ragged arrays sorted
 by source level (:class:`_Unified`), so each level costs a fixed handful of numpy calls whatever
-the mix of state counts; the remaining (incompressible, large) edges are handled per
-``(n_u, n_v)`` shape group as contiguous slices of stacked cost arrays.
+the mix of state counts; when the padded blocks of *all* edges stay small (``UNIFIED_ALL_ENTRIES``,
+e.g. the planner's reduced problems) every edge joins them, otherwise the remaining
+(incompressible, large) edges are handled per ``(n_u, n_v)`` shape group as contiguous slices of
+stacked cost arrays.
 
 Forbidden states and pairs use a large finite cost internally (``inf - inf`` would give NaN);
 the returned assignment is checked to have finite true energy.
@@ -46,6 +48,7 @@ BIG_FACTOR = 1e6  # forbidden cost = BIG_FACTOR * (sum of the largest finite |co
 DEFAULT_MAX_ITER = 200  # forward+backward sweeps
 DEFAULT_TOL = 1e-5  # relative: stop at this gap, or when the bound improved less over PATIENCE sweeps
 PATIENCE = 5
+BOUND_EVERY = 2  # after the first PATIENCE sweeps, compute the bound every this many sweeps (or on a new best energy)
 STALL_GAP = 1e-3  # relative: also stop when the gap is below this and the energy has not improved for
 ENERGY_PATIENCE = 10  # this many sweeps
 LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
@@ -109,6 +112,7 @@ def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
 
 
 UNIFIED_MAX_CLASSES = 32  # edges with at most this many row / column classes share one padded block array
+UNIFIED_ALL_ENTRIES = 2_000_000  # padded class blocks up to this many entries in total: every edge is unified
 UNIFIED_SMALL = 4  # without compressible edges, edges of at most this many classes are still unified
 
 
@@ -233,6 +237,10 @@ class TRWS:
         # edges whose class counts fit the padding the compressible ones need anyway join them
         sizes = [max(t[7].shape[1:]) for t in parts if t[7] is not None and max(t[7].shape[1:]) <= UNIFIED_MAX_CLASSES]
         cap = max(sizes) if sizes else UNIFIED_SMALL
+        # small problems: everything in one block (one padded array costs less than a numpy call per shape group)
+        padded = sum(len(t[1]) for t in parts) * max((max(int(t[4].max()), int(t[6].max())) for t in parts), default=0) ** 2
+        if padded <= UNIFIED_ALL_ENTRIES:
+            cap = max(cap, max((max(int(t[4].max()), int(t[6].max())) for t in parts), default=0))
         uparts = []
         for raw, u, v, lu, cu, lv, cv, block in parts:
             if max(int(cu.max()), int(cv.max())) <= cap:
@@ -417,14 +425,15 @@ class TRWS:
             e = self.internal_energy(x)
             if e < best_e:
                 best_e, best_x, last_improved = e, x.copy(), it
-            lb = self.lower_bound()
+            fresh = it <= PATIENCE or it % BOUND_EVERY == 0 or it == last_improved
+            if fresh:  # the bound is valid for any messages; it is cheapest right after the forward sweep
+                best_lb = max(best_lb, self.lower_bound())
+                hist.append(best_lb)
             self.sweep(False)
-            best_lb = max(best_lb, lb)
-            hist.append(best_lb)
             gap = (best_e - best_lb) / max(1.0, abs(best_e))
             if gap <= tol or (gap <= stall_gap and it - last_improved >= ENERGY_PATIENCE):
                 break
-            if len(hist) > PATIENCE and hist[-1] - hist[-1 - PATIENCE] <= tol * max(1.0, abs(hist[-1])):
+            if fresh and len(hist) > PATIENCE and hist[-1] - hist[-1 - PATIENCE] <= tol * max(1.0, abs(hist[-1])):
                 break
             if deadline is not None and time.perf_counter() > deadline:
                 break
@@ -474,7 +483,7 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
         x, e, lb, it = tr.run(max_iter, tol, deadline, ls, stall_gap=stall_gap)
         info["iterations"] = it
         info["trws_energy"] = e
-        if ls is not None and x is not None:
+        if ls is not None and x is not None and e - lb > tol * max(1.0, abs(e)):  # not already proven optimal
             x = ls.improve(x, deadline)
         bound = lb
     else:
