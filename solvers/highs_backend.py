@@ -76,6 +76,7 @@ def _lp_first(problem: PairwiseProblem, model, highspy, time_limit, threads):
     return x, None, time.perf_counter() - t0
 
 
+LP_TIME_SHARE = 0.5  # at most this share of a time limit goes to the LP relaxation stage
 LP_CERTIFY_GAP = 1e-9  # relative gap between a rounded LP solution's energy and the LP optimum that certifies it
 
 
@@ -99,7 +100,8 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
     a = model.matrix
     stats = {"build_s": build_s, "cols": model.n_cols, "rows": int(a.shape[0]), "nnz": int(a.nnz)}
     if lp_first:
-        x_lp, lp_bound, lp_s = _lp_first(problem, model, highspy, time_limit, threads)
+        lp_limit = None if time_limit is None else LP_TIME_SHARE * time_limit
+        x_lp, lp_bound, lp_s = _lp_first(problem, model, highspy, lp_limit, threads)
         stats["lp_s"] = lp_s
         if lp_bound is not None:
             stats.update(model_status="Optimal (LP relaxation integral)", mip_nodes=0)

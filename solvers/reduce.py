@@ -35,6 +35,7 @@ from .solution import Infeasible
 log = logging.getLogger(__name__)
 
 MAX_SERIES_WORK = 4_000_000  # n_a * n_v * n_b entries of the min-plus product of one series reduction
+MAX_ROUNDS = 4  # alternations of the dominance pass and the elimination fixpoint
 MAX_DOMINANCE_WORK = 2_000_000  # n_v^2 * (row width) comparisons for the dominance test of one variable
 
 
@@ -132,6 +133,8 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             raise Infeasible(f"no feasible state for variable {p.var_name(v)} (found while eliminating its "
                              "neighbours: every state is forbidden)", variables=(p.var_name(v),))
         counts["states_removed"] += int((~keep).sum())
+        for w in adj[v]:
+            dirty[w] = True  # w's rows lost entries: a state of w may now dominate another
         unary[v] = unary[v][keep]
         states[v] = states[v][keep]
         for w, m in adj[v].items():
@@ -139,23 +142,25 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             adj[v][w] = m2
             adj[w][v] = m2.T
 
-    def prune(v: int) -> None:
-        """Drop forbidden states of v, then (unless frozen) dominated ones."""
+    def prune(v: int, dominated: bool) -> None:
+        """Drop forbidden states of v, then (when ``dominated``, unless frozen) dominated ones."""
         keep = np.isfinite(unary[v])
         for m in adj[v].values():
             keep &= np.isfinite(m).any(axis=1)
         restrict_states(v, keep)
         k = len(unary[v])
-        if not dominance or frozen[v] or k < 2:
+        if not (dominance and dominated) or frozen[v] or k < 2:
             return
         width = 1 + sum(m.shape[1] for m in adj[v].values())
         if k * k * width > MAX_DOMINANCE_WORK:
             return
         sig = np.concatenate([unary[v][:, None]] + list(adj[v].values()), axis=1)  # (k, width)
+        sig = sig[:, (sig != sig[:1]).any(axis=0)]  # columns equal for every state do not matter
         le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[s, t]: s is no worse than t anywhere
-        lt = (sig[:, None, :] < sig[None, :, :]).any(axis=2)
         idx = np.arange(k)
-        beats = le & (lt | (idx[:, None] < idx[None, :]))  # strict partial order (ties: lower index wins)
+        # s beats t: no worse anywhere and better somewhere (not le[t, s]), or identical with a lower
+        # index: a strict partial order, so a kept state dominates every removed one
+        beats = le & (~le.T | (idx[:, None] < idx[None, :]))
         np.fill_diagonal(beats, False)
         restrict_states(v, ~beats.any(axis=0))
 
@@ -175,6 +180,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         if k == 1:
             for w, m in adj[v].items():
                 unary[w] = unary[w] + m[0]
+                dirty[w] = True
             offset += float(unary[v][0])
             records.append(_Record("fixed", v, value=int(states[v][0])))
             counts["fixed"] += 1
@@ -191,6 +197,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             tot = unary[v][:, None] + m  # (k, n_w)
             arg = tot.argmin(axis=0)
             unary[w] = unary[w] + tot[arg, np.arange(tot.shape[1])]
+            dirty[w] = True
             records.append(_Record("leaf", v, states=states[v], a=w, pos_a=_positions(states[w], n_orig[w]),
                                    table=arg))
             counts["leaf"] += 1
@@ -210,26 +217,36 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             if b in adj[a]:
                 prod = adj[a][b] + prod  # parallel edges are summed
             adj[a][b] = prod
+            dirty[a] = dirty[b] = True
             adj[b][a] = prod.T
             return [a, b]
         return None
 
-    queue = list(range(n))
-    queued = np.ones(n, dtype=bool)
-    while queue:
-        v = queue.pop()
-        queued[v] = False
-        if not alive[v]:
-            continue
-        k0 = len(unary[v])
-        prune(v)
-        revisit = None if frozen[v] else eliminate(v)
-        if revisit is None:  # v stays; if it lost states its neighbours' rows shrank (dominance may apply)
-            revisit = list(adj[v]) if len(unary[v]) < k0 else []
-        for w in revisit:
-            if alive[w] and not queued[w]:
-                queued[w] = True
-                queue.append(w)
+    dirty = np.ones(n, dtype=bool)  # variables whose dominance test may find something new
+    for _round in range(MAX_ROUNDS):
+        # (a) dominance, once per changed variable (the costly test); (b) eliminations to a fixpoint,
+        # pruning only forbidden states on the way
+        before = dict(counts)
+        for v in np.flatnonzero(alive & dirty).tolist():
+            dirty[v] = False
+            if alive[v]:
+                prune(v, True)
+        queue = np.flatnonzero(alive).tolist()[::-1]
+        queued = np.zeros(n, dtype=bool)
+        queued[queue] = True
+        while queue:
+            v = queue.pop()
+            queued[v] = False
+            if not alive[v]:
+                continue
+            prune(v, False)
+            revisit = None if frozen[v] else eliminate(v)
+            for w in revisit or ():
+                if alive[w] and not queued[w]:
+                    queued[w] = True
+                    queue.append(w)
+        if counts == before or not (alive & dirty).any():
+            break
 
     kept = np.flatnonzero(alive)
     new_index = np.full(n, -1, dtype=np.int64)
