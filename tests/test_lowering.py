@@ -41,7 +41,7 @@ from apmodel.strategies import input_slots
 from _dist_utils import run_distributed
 
 CFG = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=16)
-BATCH, SEQ = 4, 16
+BATCH, SEQ = 4, 12  # 48 tokens: no weight dimension equals batch x seq (recipes tell activations by it)
 WORLD = 4
 MESHES = {"1d": (4,), "2d": (2, 2)}
 RECIPES = ("solver", "fsdp", "tp", "random")
@@ -91,44 +91,44 @@ def reference_weights() -> dict[str, torch.Tensor]:
 # forced plans (constraints on the placement model)
 
 
-def _storage(fqn: str, recipe: str, mesh_shape: tuple[int, ...]) -> str:
-    """Parameter storage placement string for a forced recipe."""
-    D = len(mesh_shape)
-    if recipe == "fsdp":
-        return "S(0)" * D
-    # tensor parallel on the last axis, data parallel (replicated parameters) on the others
-    tp = "R"
+def _tp_storage(fqn: str) -> str:
+    """Megatron-style placement of a parameter on a 1D tensor-parallel mesh."""
     if fqn == "tok_embeddings.weight":
-        tp = "S(1)"
-    elif any(fqn.endswith(f"{c}.weight") for c in _COLUMN):
-        tp = "S(0)"
-    elif any(fqn.endswith(f"{r}.weight") for r in _ROW):
-        tp = "S(1)"
-    return "R" * (D - 1) + tp
+        return "S(1)"
+    if any(fqn.endswith(f"{c}.weight") for c in _COLUMN):
+        return "S(0)"
+    if any(fqn.endswith(f"{r}.weight") for r in _ROW):
+        return "S(1)"
+    return "R"
 
 
-def forced(recipe: str, mesh_shape: tuple[int, ...]):
-    """A callable constraint: every parameter stored as the recipe says, and every direct consumer
-    of a parameter reading it as FSDP does (replicated: all-gathered) or as tensor parallelism
-    does (at its storage placement: weights never move). FSDP also leaves each gradient partial
-    until the end (reduce-scattered into the parameter's shard), as FSDP does."""
+def tensor_parallel_1d(m) -> None:
+    """Constraint: Megatron-style tensor parallelism on a 1D mesh (apmodel.recipes' Megatron
+    recipes need a data-parallel axis too): every parameter stored as Megatron does, and read by
+    its consumers at its storage placement (weights never move)."""
+    for node, fqn in m.captured.param_fqn.items():
+        want = _tp_storage(fqn)
+        m.fix(fqn, want, name=f"tp: {fqn} stored {want}")
+        pnode = m.node_by_name[node]
+        for user in pnode.users:
+            if user.op != "call_function":
+                continue
+            for j, (prod, _) in enumerate(input_slots(user)):
+                if prod is pnode:
+                    m.fix(user.name, want, on=f"input:{j}", name=f"tp: {user.name} reads {fqn} as {want}")
 
-    def apply(m) -> None:
-        for node, fqn in m.captured.param_fqn.items():
-            want = _storage(fqn, recipe, mesh_shape)
-            m.fix(fqn, want, name=f"{recipe}: {fqn} stored {want}")
-            if recipe == "fsdp":
-                m.fix(m.captured.param_grad[node], "P" * len(mesh_shape), name=f"fsdp: gradient of {fqn} partial")
-            read = "R" * len(mesh_shape) if recipe == "fsdp" else want
-            pnode = m.node_by_name[node]
-            for user in pnode.users:
-                if user.op != "call_function":
-                    continue
-                for j, (prod, _) in enumerate(input_slots(user)):
-                    if prod is pnode:
-                        m.fix(user.name, read, on=f"input:{j}", name=f"{recipe}: {user.name} reads {fqn} as {read}")
 
-    return apply
+def forced_plan(captured, recipe: str, mesh_shape: tuple[int, ...]) -> Plan:
+    """FSDP (apmodel.recipes "fsdp") or tensor parallel (apmodel.recipes "megatron_tp": TP on the
+    last axis + data parallel on the others; on a 1D mesh :func:`tensor_parallel_1d`)."""
+    from apmodel import recipes
+
+    if recipe == "tp" and len(mesh_shape) == 1:
+        return apmodel.plan(captured, mesh_shape, device="h100", constraints=[tensor_parallel_1d],
+                            param_policy="free", input_placements=["R", "R"])
+    r = recipes.get({"fsdp": "fsdp", "tp": "megatron_tp"}[recipe])
+    return apmodel.plan(captured, mesh_shape, device="h100", constraints=r.constraints(mesh_shape),
+                        param_policy=r.param_policy, replicate_axes=r.replicate_axes(mesh_shape))
 
 
 def random_plan(captured, mesh_shape: tuple[int, ...], seed: int) -> Plan:
@@ -155,18 +155,13 @@ def make_plans(out_dir: Path) -> dict[str, Plan]:
     captured = capture(tiny(), (tokens.to("meta"), targets.to("meta")))
     plans = {}
     for mname, mesh_shape in MESHES.items():
-        D = len(mesh_shape)
         for recipe in RECIPES:
-            kw: dict[str, Any] = {}
-            if recipe == "fsdp":
-                kw = dict(constraints=[forced("fsdp", mesh_shape)], input_placements=["S(0)" * D] * 2)
-            elif recipe == "tp":
-                kw = dict(constraints=[forced("tp", mesh_shape)], param_policy="free",
-                          input_placements=["S(0)" + "R" * (D - 1) if D > 1 else "R"] * 2)
-            if recipe == "random":
+            if recipe == "solver":
+                p = apmodel.plan(captured, mesh_shape, device="h100")
+            elif recipe == "random":
                 p = random_plan(captured, mesh_shape, seed=len(plans))
             else:
-                p = apmodel.plan(captured, mesh_shape, device="h100", **kw)
+                p = forced_plan(captured, recipe, mesh_shape)
             name = f"{mname}-{recipe}"
             p.save(out_dir / f"{name}.json")
             plans[name] = p
@@ -453,7 +448,7 @@ def test_forced_plans_are_what_they_say(plans):
     for mname, mesh_shape in MESHES.items():
         D = len(mesh_shape)
         fsdp, tp = ps[f"{mname}-fsdp"], ps[f"{mname}-tp"]
-        assert all(pl.tuple_to_str(p) == "S(0)" * D for p in fsdp.param_placements.values())
+        assert all(pl.to_str(x).startswith("S") for p in fsdp.param_placements.values() for x in p)
         assert pl.tuple_to_str(tp.param_placements["layers.0.attention.wo.weight"]) == "R" * (D - 1) + "S(1)"
         assert any(k.startswith("all_gather") for k in fsdp.comm_by_collective)
         assert any(k.startswith("reduce_scatter") for k in fsdp.comm_by_collective)
