@@ -4,6 +4,10 @@
 message passing + local search, approximate with a lower bound), ``highs`` (exact MILP),
 ``cvxpy`` (exact MILP through cvxpy), ``pgmpy`` (MPLP, approximate), ``brute`` (exhaustive, tiny
 problems only), plus user backends added with :func:`register`.
+
+Before any backend runs, :func:`solve` applies a presolve (:mod:`solvers.presolve`) and exact
+reductions (:mod:`solvers.reduce`: forbidden / dominated states, fixed, leaf and degree-2
+variables); the returned :class:`Solution` always refers to the original problem.
 """
 
 from .problem import EdgeGroup, LinearConstraint, PairwiseProblem

@@ -454,3 +454,25 @@ def test_series_reduction_detects_infeasible_cycle_and_maps_options():
     order = np.arange(p.n_vars)[::-1]
     assert solvers.solve(p, "trws", order=order).energy >= ref.energy - TOL
     assert solvers.solve(p, "highs", warm_start=ref.assignment).energy == pytest.approx(ref.energy, abs=TOL)
+
+
+def test_benchmark_npz_loader_and_planner_instances(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "solvers.py"
+    spec = importlib.util.spec_from_file_location("_bench_solvers", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    p = reducible_problem(4)
+    fields = {f"u{i}": u for i, u in enumerate(p.unary)}
+    fields.update({f"e{k}": m for k, (_, _, m) in enumerate(p.edges)})
+    np.savez(tmp_path / "p.npz", n_vars=p.n_vars, edge_uv=np.array([(u, v) for u, v, _ in p.edges]).reshape(-1, 2),
+             **fields)
+    q = bench.load_npz(tmp_path / "p.npz")
+    x = np.zeros(p.n_vars, dtype=np.int64)
+    assert q.n_vars == p.n_vars and q.energy(x) == p.energy(x)
+    big = bench.planner_like(60, 8, 20, seed=0)
+    sol = solvers.solve(big, "highs")
+    assert sol.info["reduce"]["series"] > 0 and sol.status == "optimal"
+    assert solvers.solve(big, "highs", reduce=False).energy == pytest.approx(sol.energy, abs=TOL)
