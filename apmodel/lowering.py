@@ -56,6 +56,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from apmodel import placements
+
 logger = logging.getLogger(__name__)
 
 Placements = tuple[Placement, ...]
@@ -67,26 +69,19 @@ __all__ = [
     "parallelize",
     "planned_redistributions",
     "issued_redistributions",
-    "collective_kinds",
     "load_full_state_dict",
 ]
 
 
 # ----------------------------------------------------------------------------------------------
-# placement helpers (comparison only; string conversion lives in apmodel.placements)
+# placement helpers
 # ----------------------------------------------------------------------------------------------
 
 
 def _token(p: Placement) -> str:
-    """One placement as the shared vocabulary token ("R", "S(d)", "P"). Partial subclasses
-    (DTensor's MaskPartial for embedding, norm partials) are all "P"."""
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Partial):
-        return "P"
-    raise TypeError(f"unsupported placement {p!r}")
+    """One placement as its token in the shared vocabulary ("R", "S(d)", "P"; DTensor's masked and
+    norm partials are partial sums: "P")."""
+    return placements.to_str(p)
 
 
 def _tokens(pl: Sequence[Placement]) -> tuple[str, ...]:
@@ -103,27 +98,6 @@ def _comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
         _token(s) == _token(d) or (isinstance(s, Replicate) and isinstance(d, Shard))
         for s, d in zip(src, dst)
     )
-
-
-def collective_kinds(src: Sequence[str], dst: Sequence[str]) -> list[tuple[str, int]]:
-    """Collectives, as (kind, mesh axis), that one redistribution between two placement-string tuples
-    issues, one per mesh axis whose token changes: S->R all_gather, P->R all_reduce, P->S
-    reduce_scatter, S(a)->S(b) all_to_all; R->S (local chunk) and equal tokens issue nothing."""
-    steps: list[tuple[str, int]] = []
-    for axis, (s, d) in enumerate(zip(src, dst)):
-        if s == d or (s == "R" and d.startswith("S")):
-            continue
-        if s.startswith("S") and d == "R":
-            steps.append(("all_gather", axis))
-        elif s == "P" and d == "R":
-            steps.append(("all_reduce", axis))
-        elif s == "P" and d.startswith("S"):
-            steps.append(("reduce_scatter", axis))
-        elif s.startswith("S") and d.startswith("S"):
-            steps.append(("all_to_all", axis))
-        else:
-            raise ValueError(f"no collective turns {s!r} into {d!r} on mesh axis {axis}")
-    return steps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,16 +169,16 @@ def _plain_partials(x: DTensor) -> DTensor:
     if not any(hasattr(p, "mask_buffer") for p in x.placements):
         return x
     local = x.to_local().clone()
-    placements = []
+    new: list[Placement] = []
     for p in x.placements:
         if hasattr(p, "mask_buffer"):
             if p.mask_buffer.data is None:
                 raise RuntimeError("masked partial value without its mask (already reduced?)")
             p.mask_buffer.apply_mask(local)
-            placements.append(Partial(p.reduce_op))
+            new.append(Partial(p.reduce_op))
         else:
-            placements.append(p)
-    return DTensor.from_local(local, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+            new.append(p)
+    return DTensor.from_local(local, x.device_mesh, new, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _contiguous(x: Any) -> Any:

@@ -28,7 +28,6 @@ from apmodel import placements as pl
 from apmodel.capture import capture
 from apmodel.lowering import (
     Redistribution,
-    collective_kinds,
     issued_redistributions,
     load_full_state_dict,
     lower,
@@ -277,7 +276,6 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         r["dispatched"] = dict(Counter((k, axis_of.get(g, g)) for k, g in rec.calls))
         r["predicted"] = dict(_gloo_view(_predicted_steps(planned, mesh_shape)))
         r["plan_kinds"] = sorted({k for k, _ in _predicted_steps(planned, mesh_shape)})
-        r["own_kinds"] = dict(Counter(k for x in planned for k in collective_kinds(x.src, x.dst)))
 
         r["seconds"] = time.perf_counter() - t0
         if name not in TRAINED:
