@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import costmodels
+from costmodels.redistribution import redistribution_matrix
 from apmodel import placements as pl
 from apmodel.strategies import Strategy
 
@@ -117,16 +118,16 @@ class CostContext:
     ) -> np.ndarray:
         """Matrix ``M[a, b]`` = price (µs) of ``srcs[a] -> dsts[b]``; ``None`` entries cost 0.
 
-        Priced once per distinct (src, dst) pair, then spread with integer indexing.
+        The distinct sources and destinations are priced as one block by
+        ``costmodels.redistribution.redistribution_matrix`` (same values as
+        :meth:`redistribution_us`, cached on ``comm``), then spread with integer indexing.
         """
         usrc = sorted({s for s in srcs if s is not None})
         udst = sorted({d for d in dsts if d is not None})
         si = {s: i for i, s in enumerate(usrc)}
         di = {d: i for i, d in enumerate(udst)}
         small = np.zeros((len(usrc) + 1, len(udst) + 1))  # last row/column: "no tensor" = free
-        for a, s in enumerate(usrc):
-            for b, d in enumerate(udst):
-                small[a, b] = self.redistribution_us(shape, dtype, s, d)
+        small[:-1, :-1] = redistribution_matrix(self.comm, tuple(shape), self.itemsize(dtype), usrc, udst)
         rows = np.array([si[s] if s is not None else len(usrc) for s in srcs], dtype=np.int64)
         cols = np.array([di[d] if d is not None else len(udst) for d in dsts], dtype=np.int64)
         return small[np.ix_(rows, cols)]

@@ -125,6 +125,7 @@ class NCCLCollectives:
         # per-instance caches (no module-level state)
         self._choices = functools.lru_cache(maxsize=None)(self._candidates)
         self.redistribution_cache = None  # filled by costmodels.redistribution on first use
+        self.redistribution_matrix_cache = None  # likewise (costmodels.redistribution_matrix)
 
     # --- public ----------------------------------------------------------------------
     def time_us(self, kind: str, nbytes: float, axis: int) -> float:

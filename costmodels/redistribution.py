@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 _SHARD = re.compile(r"^S\((\d+)\)$")
 
@@ -53,6 +55,20 @@ def _group_shape(global_shape: tuple[int, ...], cur: list[tuple[str, int]],
     return shape
 
 
+def _step_nbytes(kind: str, L: list[int], d: int, n: int, itemsize: int) -> int:
+    """Bytes (nccl-tests size) of one ``kind`` collective over ``n`` ranks of a group
+    holding ``L`` (see :func:`_group_shape`); ``d`` is the gathered / scattered dim
+    (all-gather, reduce-scatter), the source shard dim (all-to-all), unused for all-reduce."""
+    if kind == "all_reduce":
+        return math.prod(L) * itemsize
+    if kind == "all_to_all":
+        local = list(L)
+        local[d] = -(-L[d] // n)
+        return math.prod(local) * itemsize
+    # all-gather / reduce-scatter: dim d padded to a multiple of n
+    return n * -(-L[d] // n) * math.prod(L[:d] + L[d + 1:]) * itemsize
+
+
 def _steps(comm: Any, global_shape: tuple[int, ...], itemsize: int,
            src: tuple[str, ...], dst: tuple[str, ...]) -> tuple[tuple[str, int, int, float], ...]:
     mesh = tuple(comm.mesh_shape)
@@ -80,18 +96,14 @@ def _steps(comm: Any, global_shape: tuple[int, ...], itemsize: int,
             kind = None  # R -> S: local slice
         elif old[0] == "S" and new[0] == _R:
             kind, d = "all_gather", old[1]
-            nbytes = n * -(-L[d] // n) * math.prod(L[:d] + L[d + 1:]) * itemsize
         elif old[0] == _P and new[0] == _R:
-            kind, nbytes = "all_reduce", math.prod(L) * itemsize
+            kind, d = "all_reduce", -1
         elif old[0] == _P and new[0] == "S":
             kind, d = "reduce_scatter", new[1]
-            nbytes = n * -(-L[d] // n) * math.prod(L[:d] + L[d + 1:]) * itemsize
         else:  # S(i) -> S(j)
-            kind, i = "all_to_all", old[1]
-            local = list(L)
-            local[i] = -(-L[i] // n)
-            nbytes = math.prod(local) * itemsize
+            kind, d = "all_to_all", old[1]
         if kind is not None and n > 1:
+            nbytes = _step_nbytes(kind, L, d, n, itemsize)
             steps.append((kind, axis, int(nbytes), float(comm.time_us(kind, nbytes, axis))))
         cur[axis] = new
         return True
@@ -148,3 +160,232 @@ def redistribution_us(comm: Any, global_shape: tuple[int, ...], itemsize_bytes: 
     if src_t == dst_t:
         return 0.0
     return float(sum(s[3] for s in _cached_steps(comm)(*_key(global_shape, itemsize_bytes, src_t, dst_t))))
+
+
+# ------------------------------------------------------------------------------------------
+# Whole-edge pricing: every (src, dst) pair of one tensor at once.
+#
+# The step sequence of a pair depends on the two placement tuples and the mesh only; the
+# shape enters through each step's buffer size. So for one list of sources and one list of
+# destinations (a "block", shared by many graph edges) we run the two passes of ``_steps``
+# once, vectorised over all pairs with numpy, and record every step as a shape-free token
+# ``(kind, axis, dim, placement codes of the other axes)``. Pricing an edge is then: price
+# each distinct token for this shape (a handful of ``comm.time_us`` calls, memoised by
+# ``(kind, axis, nbytes)``), and add the step prices of every pair in step order, so the
+# sums are the same floating-point operations as ``redistribution_us``'s.
+
+#: per-axis placement codes of the vectorised path: R, P, then S(d) as ``_CODE_S0 + d``
+_CODE_R, _CODE_P, _CODE_S0 = 0, 1, 2
+#: step kinds of the vectorised path (0: no collective in this slot)
+_KIND_NAMES = (None, "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "forbidden")
+_AG, _RS, _AR, _A2A, _FORBIDDEN = 1, 2, 3, 4, 5
+#: bound on the pair count (sum over cached blocks) kept per comm object; past it the block
+#: cache starts afresh (a 4-axis mesh block can hold ~1.7 M pairs)
+_MAX_CACHED_PAIRS = 1 << 25
+#: bound on the memoised collective prices per comm object
+_MAX_CACHED_TIMES = 1 << 20
+
+
+class _MatrixCache:
+    """What :func:`redistribution_matrix` keeps on a comm object: parsed placement tuples,
+    step tables per (sources, destinations) block and collective prices (µs)."""
+
+    def __init__(self) -> None:
+        self.codes: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
+        self.blocks: dict[tuple, "_Block"] = {}
+        self.block_pairs = 0
+        self.times: dict[tuple[str, int, int], float] = {}
+
+
+class _Block:
+    """Steps of every pair of one (sources, destinations) block, shape-free.
+
+    ``tokens[t]`` is ``(kind, axis, dim, codes)`` (``None`` for "no step"); ``seq_tokens``
+    (sequences x slots) lists each distinct step sequence's tokens in step order and
+    ``seq_of_pair`` (n_src x n_dst) the sequence of each pair."""
+
+    def __init__(self, tokens: list, seq_tokens: Any, seq_of_pair: Any) -> None:
+        self.tokens = tokens
+        self.seq_tokens = seq_tokens
+        self.seq_of_pair = seq_of_pair
+
+
+def _matrix_cache(comm: Any) -> _MatrixCache:
+    cache = getattr(comm, "redistribution_matrix_cache", None)
+    if cache is None:
+        cache = _MatrixCache()
+        try:
+            comm.redistribution_matrix_cache = cache
+        except (AttributeError, TypeError):  # frozen / slotted user object: no reuse
+            pass
+    return cache
+
+
+def _placement_codes(cache: _MatrixCache, placements: tuple[str, ...], D: int,
+                     what: str) -> tuple[tuple[int, ...], int]:
+    """Per-axis codes of one placement tuple and the largest sharded dim (-1 if none)."""
+    hit = cache.codes.get(placements)
+    if hit is None:
+        if len(placements) != D:
+            raise ValueError(f"{what} {placements!r} needs one entry per mesh axis "
+                             f"of a {D}-axis mesh")
+        codes, top = [], -1
+        for p in placements:
+            kind, d = _parse(p, 1 << 30, f"{what} {placements!r}")
+            codes.append(_CODE_R if kind == _R else _CODE_P if kind == _P else _CODE_S0 + d)
+            top = max(top, d)
+        hit = cache.codes[placements] = (tuple(codes), top)
+    return hit
+
+
+def _trace_block(mesh: tuple[int, ...], src_codes: Any, dst_codes: Any) -> tuple[list, Any]:
+    """The two passes of ``_steps`` for all pairs at once.
+
+    ``src_codes`` (n_src x D) and ``dst_codes`` (n_dst x D) are placement codes. Returns the
+    distinct step tokens and, per pair (row-major over src, dst) and slot (2D slots in the
+    order ``_steps`` visits axes), the index of its token (``None``: no step, index 0)."""
+    D = len(mesh)
+    n_src, n_dst = len(src_codes), len(dst_codes)
+    cur = np.repeat(src_codes, n_dst, axis=0)
+    tgt = np.tile(dst_codes, (n_src, 1))
+    alive = np.ones(len(cur), dtype=bool)  # not yet stopped by a forbidden step
+    radix = int(max(cur.max(initial=0), tgt.max(initial=0))) + 1
+    slots = []
+
+    def apply(axis: int, new: Any, active: Any) -> None:
+        """One call of ``_steps.apply`` on the ``active`` pairs; records the slot's keys."""
+        old = cur[:, axis]
+        forbidden = active & (new == _CODE_P)
+        comm_step = active & ~forbidden & (old != _CODE_R) & (mesh[axis] > 1)
+        old_s, new_s = old >= _CODE_S0, new >= _CODE_S0
+        kind = np.zeros(len(cur), dtype=np.int64)
+        kind[comm_step & old_s & (new == _CODE_R)] = _AG
+        kind[comm_step & (old == _CODE_P) & (new == _CODE_R)] = _AR
+        kind[comm_step & (old == _CODE_P) & new_s] = _RS
+        kind[comm_step & old_s & new_s] = _A2A
+        # 1 + the dim the step gathers / scatters (all-to-all: the source's), 0 for all-reduce
+        dim = np.where(kind == _RS, new, old).astype(np.int64) - (_CODE_S0 - 1)
+        dim[kind == _AR] = 0
+        # key = ((kind, dim), codes of the other axes (they fix the group's shape), axis)
+        key = kind * (radix + 1) + dim
+        for m in range(D):
+            key = key * radix + (cur[:, m] if m != axis else 0)
+        key = key * D + axis
+        key[kind == 0] = 0
+        key[forbidden] = _FORBIDDEN * (radix + 1) * radix ** D * D + axis
+        slots.append(key)
+        cur[:, axis] = np.where(active, new, old)
+        alive[forbidden] = False
+
+    sharded = np.prod(np.where(cur >= _CODE_S0, np.asarray(mesh), 1), axis=1) > 1
+    for axis in reversed(range(D)):  # pass 1 (sharded sources only)
+        target = tgt[:, axis].copy()
+        mismatch = np.zeros(len(cur), dtype=bool)
+        for i in range(axis):
+            mismatch |= (cur[:, i] == target) != (tgt[:, i] == target)
+        target[(target >= _CODE_S0) & mismatch] = _CODE_R
+        apply(axis, target, alive & sharded & (cur[:, axis] != target))
+    for axis in range(D):  # pass 2
+        apply(axis, tgt[:, axis].copy(), alive & (cur[:, axis] != tgt[:, axis]))
+
+    keys = np.stack(slots, axis=1)
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    tokens: list = []
+    for k in uniq.tolist():
+        if k == 0:
+            tokens.append(None)
+            continue
+        axis, k = k % D, k // D
+        codes = []
+        for _ in range(D):
+            codes.append(k % radix)
+            k //= radix
+        kind, dim = divmod(k, radix + 1)
+        tokens.append((_KIND_NAMES[kind], axis, dim - 1, tuple(reversed(codes))))
+    if tokens[0] is not None:  # every slot has a step: still keep index 0 for "none"
+        tokens.insert(0, None)
+        inverse = inverse + 1
+    return tokens, inverse.reshape(keys.shape)
+
+
+def _block(cache: _MatrixCache, mesh: tuple[int, ...], srcs: tuple, dsts: tuple,
+           src_codes: list, dst_codes: list) -> _Block:
+    """The (cached) step table of one (sources, destinations) block."""
+    block = cache.blocks.get((srcs, dsts))
+    if block is not None:
+        return block
+    tokens, ids = _trace_block(mesh, np.array(src_codes, dtype=np.int64).reshape(len(srcs), len(mesh)),
+                               np.array(dst_codes, dtype=np.int64).reshape(len(dsts), len(mesh)))
+    ids = ids[:, ids.any(axis=0)]  # drop slots where no pair has a step
+    # distinct step sequences: pack each row into one integer when it fits, else sort rows
+    base = len(tokens)
+    if ids.shape[1] == 0:
+        seq_tokens, seq_of_pair = np.zeros((1, 0), dtype=np.int64), np.zeros(len(ids), dtype=np.int64)
+    elif base ** ids.shape[1] < 2 ** 62:
+        packed = np.zeros(len(ids), dtype=np.int64)
+        for k in range(ids.shape[1]):
+            packed = packed * base + ids[:, k]
+        first, seq_of_pair = np.unique(packed, return_index=True, return_inverse=True)[1:]
+        seq_tokens = ids[first]
+    else:
+        seq_tokens, seq_of_pair = np.unique(ids, axis=0, return_inverse=True)
+    block = _Block(tokens, seq_tokens, seq_of_pair.reshape(len(srcs), len(dsts)))
+    if cache.block_pairs + len(ids) > _MAX_CACHED_PAIRS:
+        cache.blocks.clear()
+        cache.block_pairs = 0
+    cache.blocks[(srcs, dsts)] = block
+    cache.block_pairs += len(ids)
+    return block
+
+
+def _token_us(comm: Any, cache: _MatrixCache, mesh: tuple[int, ...], shape: tuple[int, ...],
+              itemsize: int, token: tuple | None) -> float:
+    """Price (µs) of one step token for a tensor of ``shape``: 0 for "no step", inf for a
+    forbidden one, else the memoised ``comm.time_us`` of its collective."""
+    if token is None:
+        return 0.0
+    kind, axis, dim, codes = token
+    if kind == "forbidden":
+        return math.inf
+    cur = [(_R, -1) if c == _CODE_R else (_P, -1) if c == _CODE_P else ("S", c - _CODE_S0)
+           for c in codes]
+    nbytes = _step_nbytes(kind, _group_shape(shape, cur, mesh, axis), dim, mesh[axis], itemsize)
+    key = (kind, axis, nbytes)
+    us = cache.times.get(key)
+    if us is None:
+        if len(cache.times) >= _MAX_CACHED_TIMES:
+            cache.times.clear()
+        us = cache.times[key] = float(comm.time_us(kind, nbytes, axis))
+    return us
+
+
+def redistribution_matrix(comm: Any, global_shape: tuple[int, ...], itemsize_bytes: int,
+                          srcs: Sequence[tuple[str, ...]], dsts: Sequence[tuple[str, ...]]) -> np.ndarray:
+    """``M[a, b]`` = :func:`redistribution_us` ``(comm, global_shape, itemsize_bytes, srcs[a],
+    dsts[b])`` in µs, for all pairs at once (same floating-point sums, so the same values).
+
+    The shape-free step tables are cached on ``comm`` per ``(srcs, dsts)`` block, and the
+    collective prices per ``(kind, axis, nbytes)``; an edge then costs a few ``time_us``
+    calls and one gather."""
+    mesh = tuple(comm.mesh_shape)
+    D = len(mesh)
+    shape = tuple(int(x) for x in global_shape)
+    itemsize = int(itemsize_bytes)
+    srcs, dsts = tuple(tuple(s) for s in srcs), tuple(tuple(d) for d in dsts)
+    cache = _matrix_cache(comm)
+    src_codes, dst_codes = [], []
+    for plist, codes, what in ((srcs, src_codes, "source placement"), (dsts, dst_codes, "target placement")):
+        for p in plist:
+            c, top = _placement_codes(cache, p, D, what)
+            if top >= len(shape):
+                raise ValueError(f"{what} {p!r}: placement 'S({top})' shards dim {top} "
+                                 f"of a {len(shape)}-d tensor")
+            codes.extend(c)
+    if not srcs or not dsts:
+        return np.zeros((len(srcs), len(dsts)))
+    block = _block(cache, mesh, srcs, dsts, src_codes, dst_codes)
+    token_us = np.array([_token_us(comm, cache, mesh, shape, itemsize, t) for t in block.tokens])
+    seq_us = np.zeros(len(block.seq_tokens))
+    for k in range(block.seq_tokens.shape[1]):  # step order, as redistribution_us sums
+        seq_us = seq_us + token_us[block.seq_tokens[:, k]]
+    return seq_us[block.seq_of_pair]

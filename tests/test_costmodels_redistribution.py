@@ -148,3 +148,99 @@ def test_bad_placements(comm):
         cm.redistribution_us(comm, SHAPE, 2, ("R", "R"), ("S(2)", "R"))
     with pytest.raises(ValueError, match="bad placement 'Shard"):
         cm.redistribution_us(comm, SHAPE, 2, ("R", "R"), ("Shard(0)", "R"))
+
+
+# ------------------------------------------------------------------ whole-edge matrices
+def _random_block(rng, mesh_shape, ndim, n):
+    tokens = ["R", "P"] + [f"S({d})" for d in range(ndim)]
+    every = list(itertools.product(tokens, repeat=len(mesh_shape)))
+    return rng.sample(every, min(n, len(every)))
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (3,), (2, 4), (1, 8), (4, 2, 4), (3, 1, 2),
+                                        (2, 2, 2, 4), (2, 1, 3, 2)])
+def test_matrix_equals_scalar_prices_bit_for_bit(mesh_shape):
+    """The vectorised block pricing against the scalar step-by-step reference, on random
+    placement pairs, shapes with uneven / size-1 dims and item sizes."""
+    import random
+
+    import numpy as np
+
+    from costmodels.redistribution import redistribution_matrix
+
+    rng = random.Random(hash(mesh_shape) & 0xFFFF)
+    comm = cm.NCCLCollectives(cm.Topology(mesh_shape, cm.device("h100"), gpus_per_node=8))
+    n_inf = n_pos = 0
+    for _ in range(6):
+        ndim = rng.randint(1, 4)
+        shape = tuple(rng.choice([1, 3, 7, 8, 12, 64, 100, 2048, 4096]) for _ in range(ndim))
+        itemsize = rng.choice([1, 2, 4])
+        srcs = _random_block(rng, mesh_shape, ndim, 40)
+        dsts = _random_block(rng, mesh_shape, ndim, 40)
+        got = redistribution_matrix(comm, shape, itemsize, srcs, dsts)
+        want = np.array([[cm.redistribution_us(comm, shape, itemsize, s, d) for d in dsts] for s in srcs])
+        assert got.shape == (len(srcs), len(dsts))
+        bad = np.argwhere(got != want)
+        assert len(bad) == 0, [(srcs[a], dsts[b], got[a, b], want[a, b]) for a, b in bad[:3]]
+        n_inf += int(np.isinf(want).sum())
+        n_pos += int(((want > 0) & np.isfinite(want)).sum())
+    assert n_inf > 0 and n_pos > 0  # both forbidden and priced pairs were exercised
+
+
+def test_matrix_exhaustive_on_a_small_mesh_and_cache_reuse():
+    import numpy as np
+
+    from costmodels.redistribution import redistribution_matrix
+
+    comm = cm.NCCLCollectives(cm.Topology((2, 2, 2), "h100"))
+    every = list(itertools.product(PLACEMENTS, repeat=3))
+    for shape in [(64, 32), (5, 3)]:
+        want = np.array([[cm.redistribution_us(comm, shape, 2, s, d) for d in every] for s in every])
+        assert np.array_equal(redistribution_matrix(comm, shape, 2, every, every), want)
+    # the shape-free step table of the block is kept on the comm object and reused
+    cache = comm.redistribution_matrix_cache
+    assert len(cache.blocks) == 1 and cm.NCCLCollectives(comm.topo).redistribution_matrix_cache is None
+
+
+def test_matrix_with_any_comm_model_and_bad_input():
+    import numpy as np
+
+    from costmodels.redistribution import redistribution_matrix
+
+    class Slotted:  # refuses the cache attribute: priced without reuse
+        __slots__ = ()
+        mesh_shape = (2, 4)
+
+        def time_us(self, kind, nbytes, axis):
+            return 1.0 + nbytes / 1e6
+
+    srcs, dsts = [("P", "R"), ("S(0)", "S(1)")], [("R", "R"), ("R", "P"), ("S(1)", "S(0)")]
+    want = np.array([[cm.redistribution_us(Slotted(), SHAPE, 2, s, d) for d in dsts] for s in srcs])
+    assert np.array_equal(redistribution_matrix(Slotted(), SHAPE, 2, srcs, dsts), want)
+    assert redistribution_matrix(Slotted(), SHAPE, 2, [], dsts).shape == (0, 3)
+    comm = cm.NCCLCollectives(cm.Topology((2, 4), "h100"))
+    with pytest.raises(ValueError, match="one entry per mesh axis"):
+        redistribution_matrix(comm, SHAPE, 2, [("R",)], [("R", "R")])
+    with pytest.raises(ValueError, match="shards dim 2 of a 2-d tensor"):
+        redistribution_matrix(comm, SHAPE, 2, [("R", "R")], [("S(2)", "R")])
+    with pytest.raises(ValueError, match="bad placement 'Shard"):
+        redistribution_matrix(comm, SHAPE, 2, [("Shard(0)", "R")], [("R", "R")])
+
+
+def test_cost_context_matrix_spreads_block_prices():
+    """apmodel's edge matrix: duplicates and ``None`` (no tensor: free) entries."""
+    import numpy as np
+    import torch
+
+    from apmodel.costs import CostContext
+
+    mesh = (2, 4)
+    comm = cm.NCCLCollectives(cm.Topology(mesh, "h100"))
+    ctx = CostContext(mesh, compute=None, comm=comm)
+    srcs = [("S(0)", "R"), None, ("P", "S(1)"), ("S(0)", "R")]
+    dsts = [("R", "R"), ("R", "P"), None, ("S(1)", "S(0)"), ("R", "R")]
+    got = ctx.redistribution_matrix((16, 4096), torch.float32, srcs, dsts)
+    want = np.array([[0.0 if s is None or d is None else
+                      cm.redistribution_us(comm, (16, 4096), 2, s, d) for d in dsts] for s in srcs])
+    assert np.array_equal(got, want)  # priced in bf16 (2 bytes), the context's dtype
+    assert got[0, 0] > 0 and np.isinf(got[0, 1]) and got[1].sum() == 0
