@@ -178,7 +178,8 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
         t.add_row("x".join(map(str, r["mesh"])), r["backend"], f"{r['groups']:,}", f"{r['states']:,}", f"{r['edges']:,}",
                   _f(r["build_s"]), _f(r["solve_s"]), _f(r["objective_us"]), _f(r["lower_bound_us"]), r["status"],
                   "—" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.2f}%")
-    console.print(t)
+    if result["scalability"]:
+        console.print(t)
     if result.get("replanning"):
         t = Table(title=f"Replanning: the seq-{a['seq']} plan replayed at longer sequences vs a fresh plan "
                         f"(mesh {a['replan_mesh']}, {a['replan_backend']})", title_justify="left")
