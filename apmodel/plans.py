@@ -233,7 +233,7 @@ class Plan:
         neighbours held at their planned strategies), total_us, chosen. Sorted by total.
         """
         if self.model is None:
-            raise ValueError("explain needs the plan's model; plan with apmodel.plan(...) or re-attach it (see apmodel.api.attach)")
+            raise ValueError("explain needs the plan's model; plan with apmodel.plan(...) or re-attach one with apmodel.cli.attach(plan)")
         return explain(self.model, self.node_strategy, target)
 
     def emerged(self) -> dict[str, str]:
