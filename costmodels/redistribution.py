@@ -169,7 +169,7 @@ def redistribution_us(comm: Any, global_shape: tuple[int, ...], itemsize_bytes: 
 # shape enters through each step's buffer size. So for one list of sources and one list of
 # destinations (a "block", shared by many graph edges) we run the two passes of ``_steps``
 # once, vectorised over all pairs with numpy, and record every step as a shape-free token
-# ``(kind, axis, dim, placement codes of the other axes)``. Pricing an edge is then: price
+# ``(kind, axis, dim, shard divisions by the other axes)``. Pricing an edge is then: price
 # each distinct token for this shape (a handful of ``comm.time_us`` calls, memoised by
 # ``(kind, axis, nbytes)``), and add the step prices of every pair in step order, so the
 # sums are the same floating-point operations as ``redistribution_us``'s.
@@ -179,28 +179,36 @@ _CODE_R, _CODE_P, _CODE_S0 = 0, 1, 2
 #: step kinds of the vectorised path (0: no collective in this slot)
 _KIND_NAMES = (None, "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "forbidden")
 _AG, _RS, _AR, _A2A, _FORBIDDEN = 1, 2, 3, 4, 5
-#: bound on the pair count (sum over cached blocks) kept per comm object; past it the block
-#: cache starts afresh (a 4-axis mesh block can hold ~1.7 M pairs)
+#: bound on the pair count (sum over cached blocks; likewise over cached matrices) kept per
+#: comm object; past it that cache starts afresh (a 4-axis mesh block can hold ~1.7 M pairs)
 _MAX_CACHED_PAIRS = 1 << 25
+#: distinct step sequences are found with a table (no sort) when their packed keys stay
+#: below this many times the pair count
+_DENSE_UNIQUE_FACTOR = 8
 #: bound on the memoised collective prices per comm object
 _MAX_CACHED_TIMES = 1 << 20
 
 
 class _MatrixCache:
     """What :func:`redistribution_matrix` keeps on a comm object: parsed placement tuples,
-    step tables per (sources, destinations) block and collective prices (µs)."""
+    step tables per (sources, destinations) block, collective prices (µs) and finished
+    matrices per (shape, itemsize, sources, destinations)."""
 
     def __init__(self) -> None:
         self.codes: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
+        self.decoded: dict[tuple[int, int], tuple | None] = {}
         self.blocks: dict[tuple, "_Block"] = {}
         self.block_pairs = 0
         self.times: dict[tuple[str, int, int], float] = {}
+        self.matrices: dict[tuple, np.ndarray] = {}
+        self.matrix_pairs = 0
 
 
 class _Block:
     """Steps of every pair of one (sources, destinations) block, shape-free.
 
-    ``tokens[t]`` is ``(kind, axis, dim, codes)`` (``None`` for "no step"); ``seq_tokens``
+    ``tokens[t]`` is ``(kind, axis, dim, divisions)`` (``None`` for "no step"), where
+    ``divisions`` lists ``(tensor dim, axis size)`` for the other axes' shards in mesh order; ``seq_tokens``
     (sequences x slots) lists each distinct step sequence's tokens in step order and
     ``seq_of_pair`` (n_src x n_dst) the sequence of each pair."""
 
@@ -238,12 +246,42 @@ def _placement_codes(cache: _MatrixCache, placements: tuple[str, ...], D: int,
     return hit
 
 
-def _trace_block(mesh: tuple[int, ...], src_codes: Any, dst_codes: Any) -> tuple[list, Any]:
+def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` for non-negative integer keys of a small
+    range (a table lookup instead of a sort)."""
+    present = np.zeros(int(keys.max(initial=0)) + 1, dtype=bool)
+    present[keys] = True
+    uniq = np.flatnonzero(present)
+    rank = np.cumsum(present) - 1
+    return uniq, rank[keys]
+
+
+def _decode_token(key: int, mesh: tuple[int, ...], radix: int) -> tuple | None:
+    """The step token ``(kind, axis, dim, divisions)`` behind a key of :func:`_trace_block`
+    (``None`` for key 0, "no step")."""
+    if key == 0:
+        return None
+    D = len(mesh)
+    axis, key = key % D, key // D
+    codes = []
+    for _ in range(D):
+        codes.append(key % radix)
+        key //= radix
+    codes.reverse()
+    kind, dim = divmod(key, radix + 1)
+    # the group's shape divisions, in mesh order as _group_shape does them
+    divisions = tuple((c - _CODE_S0, mesh[m]) for m, c in enumerate(codes) if m != axis and c >= _CODE_S0)
+    return (_KIND_NAMES[kind], axis, dim - 1, divisions)
+
+
+def _trace_block(mesh: tuple[int, ...], src_codes: Any, dst_codes: Any,
+                 decoded: dict) -> tuple[list, Any]:
     """The two passes of ``_steps`` for all pairs at once.
 
     ``src_codes`` (n_src x D) and ``dst_codes`` (n_dst x D) are placement codes. Returns the
     distinct step tokens and, per pair (row-major over src, dst) and slot (2D slots in the
-    order ``_steps`` visits axes), the index of its token (``None``: no step, index 0)."""
+    order ``_steps`` visits axes), the index of its token (``None``: no step, index 0).
+    ``decoded`` memoises :func:`_decode_token` by ``(radix, key)``."""
     D = len(mesh)
     n_src, n_dst = len(src_codes), len(dst_codes)
     cur = np.repeat(src_codes, n_dst, axis=0)
@@ -289,19 +327,13 @@ def _trace_block(mesh: tuple[int, ...], src_codes: Any, dst_codes: Any) -> tuple
         apply(axis, tgt[:, axis].copy(), alive & (cur[:, axis] != tgt[:, axis]))
 
     keys = np.stack(slots, axis=1)
-    uniq, inverse = np.unique(keys, return_inverse=True)
-    tokens: list = []
+    uniq, inverse = _dense_unique(keys.ravel())
+    tokens = []
     for k in uniq.tolist():
-        if k == 0:
-            tokens.append(None)
-            continue
-        axis, k = k % D, k // D
-        codes = []
-        for _ in range(D):
-            codes.append(k % radix)
-            k //= radix
-        kind, dim = divmod(k, radix + 1)
-        tokens.append((_KIND_NAMES[kind], axis, dim - 1, tuple(reversed(codes))))
+        token = decoded.get((radix, k), False)
+        if token is False:
+            token = decoded[(radix, k)] = _decode_token(k, mesh, radix)
+        tokens.append(token)
     if tokens[0] is not None:  # every slot has a step: still keep index 0 for "none"
         tokens.insert(0, None)
         inverse = inverse + 1
@@ -315,20 +347,20 @@ def _block(cache: _MatrixCache, mesh: tuple[int, ...], srcs: tuple, dsts: tuple,
     if block is not None:
         return block
     tokens, ids = _trace_block(mesh, np.array(src_codes, dtype=np.int64).reshape(len(srcs), len(mesh)),
-                               np.array(dst_codes, dtype=np.int64).reshape(len(dsts), len(mesh)))
+                               np.array(dst_codes, dtype=np.int64).reshape(len(dsts), len(mesh)),
+                               cache.decoded)
     ids = ids[:, ids.any(axis=0)]  # drop slots where no pair has a step
-    # distinct step sequences: pack each row into one integer when it fits, else sort rows
-    base = len(tokens)
-    if ids.shape[1] == 0:
-        seq_tokens, seq_of_pair = np.zeros((1, 0), dtype=np.int64), np.zeros(len(ids), dtype=np.int64)
-    elif base ** ids.shape[1] < 2 ** 62:
-        packed = np.zeros(len(ids), dtype=np.int64)
-        for k in range(ids.shape[1]):
-            packed = packed * base + ids[:, k]
-        first, seq_of_pair = np.unique(packed, return_index=True, return_inverse=True)[1:]
-        seq_tokens = ids[first]
-    else:
-        seq_tokens, seq_of_pair = np.unique(ids, axis=0, return_inverse=True)
+    # distinct step sequences: number the rows slot by slot (sequence so far, next token)
+    seq_of_pair = np.zeros(len(ids), dtype=np.int64)
+    for k in range(ids.shape[1]):
+        combined = seq_of_pair * len(tokens) + ids[:, k]
+        if int(combined.max()) <= _DENSE_UNIQUE_FACTOR * len(combined):
+            seq_of_pair = _dense_unique(combined)[1]
+        else:
+            seq_of_pair = np.unique(combined, return_inverse=True)[1].reshape(-1)
+    example = np.zeros(int(seq_of_pair.max(initial=0)) + 1, dtype=np.int64)
+    example[seq_of_pair] = np.arange(len(ids))  # any pair of each sequence
+    seq_tokens = ids[example]
     block = _Block(tokens, seq_tokens, seq_of_pair.reshape(len(srcs), len(dsts)))
     if cache.block_pairs + len(ids) > _MAX_CACHED_PAIRS:
         cache.blocks.clear()
@@ -344,12 +376,13 @@ def _token_us(comm: Any, cache: _MatrixCache, mesh: tuple[int, ...], shape: tupl
     forbidden one, else the memoised ``comm.time_us`` of its collective."""
     if token is None:
         return 0.0
-    kind, axis, dim, codes = token
+    kind, axis, dim, divisions = token
     if kind == "forbidden":
         return math.inf
-    cur = [(_R, -1) if c == _CODE_R else (_P, -1) if c == _CODE_P else ("S", c - _CODE_S0)
-           for c in codes]
-    nbytes = _step_nbytes(kind, _group_shape(shape, cur, mesh, axis), dim, mesh[axis], itemsize)
+    group_shape = list(shape)  # as _group_shape: ceil-divided by the other axes' shards
+    for d, n in divisions:
+        group_shape[d] = -(-group_shape[d] // n)
+    nbytes = _step_nbytes(kind, group_shape, dim, mesh[axis], itemsize)
     key = (kind, axis, nbytes)
     us = cache.times.get(key)
     if us is None:
@@ -383,9 +416,18 @@ def redistribution_matrix(comm: Any, global_shape: tuple[int, ...], itemsize_byt
             codes.extend(c)
     if not srcs or not dsts:
         return np.zeros((len(srcs), len(dsts)))
-    block = _block(cache, mesh, srcs, dsts, src_codes, dst_codes)
-    token_us = np.array([_token_us(comm, cache, mesh, shape, itemsize, t) for t in block.tokens])
-    seq_us = np.zeros(len(block.seq_tokens))
-    for k in range(block.seq_tokens.shape[1]):  # step order, as redistribution_us sums
-        seq_us = seq_us + token_us[block.seq_tokens[:, k]]
-    return seq_us[block.seq_of_pair]
+    key = (shape, itemsize, srcs, dsts)
+    matrix = cache.matrices.get(key)
+    if matrix is None:
+        block = _block(cache, mesh, srcs, dsts, src_codes, dst_codes)
+        token_us = np.array([_token_us(comm, cache, mesh, shape, itemsize, t) for t in block.tokens])
+        seq_us = np.zeros(len(block.seq_tokens))
+        for k in range(block.seq_tokens.shape[1]):  # step order, as redistribution_us sums
+            seq_us = seq_us + token_us[block.seq_tokens[:, k]]
+        matrix = seq_us[block.seq_of_pair]
+        if cache.matrix_pairs + matrix.size > _MAX_CACHED_PAIRS:
+            cache.matrices.clear()
+            cache.matrix_pairs = 0
+        cache.matrices[key] = matrix
+        cache.matrix_pairs += matrix.size
+    return matrix.copy()
