@@ -11,6 +11,8 @@ Surface:
 - :func:`has_sharding_rule` / :func:`rule_kind` – does DTensor know this op, and through which registry.
 - :class:`TensorArg` – one tensor argument: its metadata and the candidate placements of its producer.
 - :func:`op_strategies` – the candidate (output placements, input placements) pairs for one op call.
+- :class:`SingleDimRule` – a single-dim rule's per-axis entries, expanded over chosen per-axis
+  combinations only (split-dimension seeding), with torch's own per-combination checks.
 - :func:`without_redistribute_costs` – context in which torch's own redistribution pricing
   (unused by apmodel, 85% of enumeration time) is skipped.
 
@@ -49,8 +51,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops import utils as _ops_utils
-from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _expand_single_dim_strategy_to_mesh,
+    _PreparedSingleDimStrategy,
+)
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
     "without_redistribute_costs",
@@ -61,6 +66,7 @@ __all__ = [
     "TensorArg",
     "op_strategies",
     "PlacementsT",
+    "SingleDimRule",
 ]
 
 logger = logging.getLogger(__name__)
@@ -277,27 +283,129 @@ def op_strategies(
         return _op_strategies(p, kind, op, args, kwargs, out_meta, mesh)
 
 
+def _single_dim_schema(p, op, args, kwargs, mesh) -> OpSchema:
+    """The schema a single-dim rule is asked with.
+
+    The single-dim rule enumerates every placement regardless of the inputs' current ones; torch
+    fills its sharding placeholders with the Shard kinds seen on the inputs, so the seed schema
+    gives one input a plain Shard. Seeds are single-spec OpStrategies.
+    """
+    seed_arg = _first_shardable(list(args) + list(kwargs.values()))
+    nd = mesh.ndim
+
+    def seed(a: TensorArg) -> OpStrategy:
+        pl: PlacementsT = (Shard(0),) + (Replicate(),) * (nd - 1) if a is seed_arg else (Replicate(),) * nd
+        return OpStrategy([OpSpec(DTensorSpec(mesh, pl, a.meta()))])
+
+    return OpSchema(op, tuple(_map_args(a, seed) for a in args),
+                    {k: _map_args(v, seed) for k, v in kwargs.items()},
+                    schema_info=p.op_to_schema_info_for_single_dim_strategy.get(op))
+
+
 def _op_strategies(p, kind, op, args, kwargs, out_meta, mesh):
     if kind == "single_dim":
-        # The single-dim rule enumerates every placement regardless of the inputs' current ones;
-        # torch fills its sharding placeholders with the Shard kinds seen on the inputs, so the
-        # seed schema gives one input a plain Shard. Seeds are single-spec OpStrategies.
-        seed_arg = _first_shardable(list(args) + list(kwargs.values()))
-        nd = mesh.ndim
-
-        def seed(a: TensorArg) -> OpStrategy:
-            pl: PlacementsT = (Shard(0),) + (Replicate(),) * (nd - 1) if a is seed_arg else (Replicate(),) * nd
-            return OpStrategy([OpSpec(DTensorSpec(mesh, pl, a.meta()))])
-
-        schema = OpSchema(op, tuple(_map_args(a, seed) for a in args),
-                          {k: _map_args(v, seed) for k, v in kwargs.items()},
-                          schema_info=p.op_to_schema_info_for_single_dim_strategy.get(op))
+        schema = _single_dim_schema(p, op, args, kwargs, mesh)
         info = p.op_single_dim_strategy_funcs[op]
         fn = _expand_single_dim_strategy_to_mesh(mesh, schema, info, out_meta)
         strat = fn(op, schema.args_meta, schema.kwargs_meta)
     else:
         return _full_mesh_strategies(p, op, args, kwargs, mesh)
     return _to_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
+
+
+# ----------------------------------------------------------------------------------------------
+# single-dim rules, expanded over chosen per-axis combinations only
+
+_FOREACH_PREFIXES = ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
+
+
+class SingleDimRule:
+    """One call's single-mesh-axis rule, to expand over chosen combinations of per-axis entries.
+
+    torch's ``_expand_single_dim_strategy_to_mesh`` takes the cartesian product of the rule's
+    per-axis entries over all mesh axes ((1+n)^D combinations on a D-axis mesh). Split-dimension
+    seeding wants only the combinations near a seed, so :meth:`expand` builds the strategies of
+    given combinations with torch's own per-combination checks (as in torch 2.13's
+    ``expand_to_full_mesh_op_strategy``): mixed partial kinds are skipped, every input must be
+    shardable (``is_tensor_shardable``, or ``allow_uneven_sharding`` with the seed placement), a
+    missing single output raises. Ops whose expansion has further checks (in-place, out=
+    variants, multi-mesh arguments, foreach lists) are marked ``exact = False``: :meth:`expand`
+    then returns torch's full expansion (a superset; the caller filters).
+
+    ``entries[i]`` is one per-axis rule: a placement (or None) per output, then per tensor input.
+    ``expand(all combinations)`` equals :func:`op_strategies` (checked in the tests).
+    """
+
+    def __init__(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict, out_val: object, mesh: DeviceMesh) -> None:
+        p = _propagator()
+        if rule_kind(op) != "single_dim":
+            raise KeyError(f"{op}: no single-dim DTensor rule")
+        self.op, self.mesh = op, mesh
+        self.out_meta = output_tensor_meta(out_val)
+        self.info = p.op_single_dim_strategy_funcs[op]
+        with without_redistribute_costs():
+            self.schema = _single_dim_schema(p, op, args, kwargs, mesh)
+            prepared = _PreparedSingleDimStrategy(self.info, self.schema, self.out_meta)
+        self.num_outputs: int = prepared.num_outputs
+        self.entries: tuple[tuple[Placement | None, ...], ...] = tuple(tuple(e) for e in prepared.expanded_strategies)
+        self.allow_unbacked = prepared.allow_unbacked_sharding
+        self.allow_uneven = prepared.allow_uneven_sharding
+        self.inputs = list(self.schema.args_strategy) + list(self.schema.kwargs_strategy)
+        base = op.name().split("::")[1].split(".")[0]
+        foreach = op.name().startswith(_FOREACH_PREFIXES) and any(isinstance(a, TupleStrategy) for a in self.schema.args_schema)
+        self.exact: bool = not (
+            base.endswith("_") or self.schema.is_out_variant_op() or foreach
+            or prepared.remapped_different_mesh_args is not None
+            or (prepared.element_mesh is not None and prepared.element_mesh != mesh)
+        )
+
+    def expand(self, combos: Sequence[Sequence[int]]) -> list[tuple[tuple[PlacementsT | None, ...], tuple[PlacementsT, ...]]]:
+        """(outputs, inputs) placements of each valid combination (one entry index per mesh axis)."""
+        if not self.exact:
+            return self._expand_full(combos)
+        nout, mesh, entries = self.num_outputs, self.mesh, self.entries
+        width = len(entries[0]) if entries else 0
+        result = []
+        for combo in combos:
+            rows = [entries[i] for i in combo]
+            specs: list[PlacementsT | None] = []
+            for pos in range(width):
+                specs.append(None if rows[0][pos] is None else tuple(r[pos] for r in rows))
+            mixed = False
+            for pl in specs:
+                if pl is None:
+                    continue
+                kinds = {(type(x), x.reduce_op) for x in pl if isinstance(x, Partial)}
+                if len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"}):
+                    mixed = True
+                    break
+            if mixed:
+                continue
+            ins = [pl for pl in specs[nout:] if pl is not None]
+            if len(ins) != len(self.inputs):
+                raise AssertionError(f"{self.op}: {len(ins)} input placements for {len(self.inputs)} tensor inputs")
+            if nout == 1 and specs[0] is None:
+                raise RuntimeError(f"{self.op}: output spec is None")
+            ok = True
+            for inp, pl in zip(self.inputs, ins):
+                seed_pl = tuple(inp.strategies[0].output_spec.placements)
+                if not (_ops_utils.is_tensor_shardable(inp.shape, DTensorSpec(mesh, pl, inp.tensor_meta),
+                                            allow_unbacked_sharding=self.allow_unbacked)
+                        or (self.allow_uneven and seed_pl == pl)):
+                    ok = False
+                    break
+            if not ok:
+                continue
+            outs: tuple[PlacementsT | None, ...] = tuple(specs[:nout])
+            result.append((outs, tuple(ins)))
+        return result
+
+    def _expand_full(self, combos):
+        """torch's full expansion (a superset of the combinations'; the caller filters)."""
+        fn = _expand_single_dim_strategy_to_mesh(self.mesh, self.schema, self.info, self.out_meta)
+        with without_redistribute_costs():
+            strat = fn(self.op, self.schema.args_meta, self.schema.kwargs_meta)
+        return _to_pairs(self.op, strat, len(self.inputs))
 
 
 def _full_mesh_strategies(p, op, args, kwargs, mesh):

@@ -19,7 +19,8 @@ import solvers
 from apmodel.capture import CapturedGraph, capture
 from apmodel.constraints import ConstraintLike, apply_all
 from apmodel.costs import CostContext
-from apmodel.model import PlacementModel
+from apmodel import seeding as seeding_mod
+from apmodel.model import ConstraintConflict, PlacementModel
 from apmodel.plans import Plan
 from apmodel.strategies import enumerate_strategies
 
@@ -93,6 +94,9 @@ def build_model(
     param_memory_fraction: float | None = None,
     merge_copies: bool = True,
     flow_coupling: bool = True,
+    seeding: bool | None = None,
+    seed_radius: int = seeding_mod.DEFAULT_RADIUS,
+    seed_widen_inputs: bool = False,
     timings: dict[str, float] | None = None,
     **cost_options: Any,
 ) -> PlacementModel:
@@ -100,6 +104,14 @@ def build_model(
 
     ``cost_options`` (device, gpus_per_node, dtype, compute_model, comm_model, calibration) go to
     :func:`cost_context` when ``cost`` is not given.
+
+    ``seeding`` (split-dimension seeding, :mod:`apmodel.seeding`): solve one 1-D problem per mesh
+    axis and keep only candidates within Hamming distance ``seed_radius`` of that seed; ``None``
+    turns it on for meshes of 3 or more axes. The result is a restriction of the full model (its
+    optimum is never lower); when the given constraints conflict with the restricted candidates
+    the model is rebuilt without seeding. ``timings`` gets ``seeding_s`` (part of ``build_s``).
+    ``seed_widen_inputs`` also offers full-mesh rules (view, t, ...) the input placements within
+    the ball, which no producer may output: a larger space than the unseeded one (experimental).
     """
     mesh_shape = tuple(int(s) for s in mesh_shape)
     timings = timings if timings is not None else {}
@@ -108,26 +120,55 @@ def build_model(
     else:
         captured = capture(model, tuple(sample_inputs), loss_fn)
     timings["trace_s"] = captured.trace_s
-    t0 = time.perf_counter()
-    strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape)
-    timings["strategies_s"] = time.perf_counter() - t0
     cost = cost or cost_context(mesh_shape, **cost_options)
+    use_seeding = len(mesh_shape) >= 3 if seeding is None else bool(seeding)
+    balls = None
+    timings["seeding_s"] = 0.0
+    if use_seeding:
+        t0 = time.perf_counter()
+        seeds = seeding_mod.seed(
+            captured, mesh_shape, cost=cost, input_placements=input_placements, output_placements=output_placements,
+            param_policy=param_policy, replicate_axes=replicate_axes, merge_copies=merge_copies,
+            flow_coupling=flow_coupling,
+        )
+        balls = seeding_mod.balls(
+            seeds, captured, mesh_shape, seed_radius, input_placements=input_placements,
+            output_placements=output_placements, widen_inputs=seed_widen_inputs,
+        )
+        timings["seeding_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    pmodel = PlacementModel(
-        captured,
-        strategies,
-        cost,
-        input_placements=input_placements,
-        output_placements=output_placements,
-        param_policy=param_policy,
-        replicate_axes=replicate_axes,
-        param_memory_fraction=param_memory_fraction,
-        merge_copies=merge_copies,
-        flow_coupling=flow_coupling,
-    )
-    apply_all(pmodel, constraints)
+    strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape, balls=balls)
+    timings["strategies_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        pmodel = PlacementModel(
+            captured,
+            strategies,
+            cost,
+            input_placements=input_placements,
+            output_placements=output_placements,
+            param_policy=param_policy,
+            replicate_axes=replicate_axes,
+            param_memory_fraction=param_memory_fraction,
+            merge_copies=merge_copies,
+            flow_coupling=flow_coupling,
+        )
+        apply_all(pmodel, constraints)
+    except ConstraintConflict as e:
+        if balls is None:
+            raise
+        logger.warning("seeded candidates conflict with the constraints (%s); rebuilding without seeding", e)
+        spent = timings["seeding_s"] + timings["strategies_s"]
+        pmodel = build_model(
+            captured, mesh_shape, cost=cost, mesh=mesh, constraints=constraints, input_placements=input_placements,
+            output_placements=output_placements, param_policy=param_policy, replicate_axes=replicate_axes,
+            param_memory_fraction=param_memory_fraction, merge_copies=merge_copies, flow_coupling=flow_coupling,
+            seeding=False, timings=timings,
+        )
+        timings["build_s"] += spent  # the discarded seeded attempt counts too
+        return pmodel
     pmodel.compile()
-    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"]
+    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"] + timings["seeding_s"]
     return pmodel
 
 

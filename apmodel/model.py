@@ -90,6 +90,15 @@ def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
+    """Default boundary placement: batch (dim 0) sharded on mesh axis 0 when it divides evenly,
+    replicated elsewhere (placement strings, one per mesh axis)."""
+    D = len(mesh_shape)
+    if val is not None and val.dim() >= 1 and val.shape[0] % mesh_shape[0] == 0 and val.shape[0] >= mesh_shape[0]:
+        return tuple(["S(0)"] + ["R"] * (D - 1))
+    return tuple(["R"] * D)
+
+
 class PlacementModel:
     """Declarative placement problem over one captured joint graph.
 
@@ -192,11 +201,7 @@ class PlacementModel:
         return required
 
     def _default_batch_placement(self, val: torch.Tensor | None) -> tuple:
-        """Batch (dim 0) sharded on mesh axis 0 when it divides evenly, replicated elsewhere."""
-        D = len(self.mesh_shape)
-        if val is not None and val.dim() >= 1 and val.shape[0] % self.mesh_shape[0] == 0 and val.shape[0] >= self.mesh_shape[0]:
-            return tuple(["S(0)"] + ["R"] * (D - 1))
-        return tuple(["R"] * D)
+        return default_batch_placement(val, self.mesh_shape)
 
     def _placement_strs(self, given: Any, what: str) -> tuple[str, ...]:
         try:

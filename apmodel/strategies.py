@@ -13,7 +13,10 @@ Rules, node by node:
 - ``getitem`` of a multi-output node: one strategy per distinct placement of that output;
 - ops without a rule (or whose rule fails): one all-Replicate strategy, and a warning naming the op
   (once per op per :class:`StrategyCache`);
-- the ``output`` node is not a decision and gets no entry.
+- the ``output`` node is not a decision and gets no entry;
+- under split-dimension seeding (:mod:`apmodel.seeding`) a node may carry a :class:`Ball`:
+  placeholders and single-dim rules keep only the strategies inside it (single-dim rules expand
+  only the per-axis combinations inside it, never the whole product over the mesh axes).
 
 Filters (after the rule): a sharded tensor dim must be at least as large as its number of shards,
 and, unless ``allow_uneven``, divisible by it (uneven shards complicate lowering); strategies with
@@ -50,6 +53,8 @@ from apmodel.placements import local_shape, tuple_to_str
 __all__ = [
     "Placements",
     "Strategy",
+    "Ball",
+    "project",
     "StrategyCache",
     "Exclusion",
     "EXCLUDED",
@@ -80,6 +85,44 @@ class Strategy:
             return "-" if p is None else tuple_to_str(p)
 
         return f"{', '.join(s(o) for o in self.outputs)} <- ({', '.join(s(i) for i in self.inputs)})"
+
+
+def project(s: Strategy, axis: int) -> Strategy:
+    """The 1-D strategy that ``s`` applies on mesh axis ``axis`` (every placement cut to that entry)."""
+
+    def cut(pl: Placements | None) -> Placements | None:
+        return None if pl is None else (pl[axis],)
+
+    return Strategy(tuple(cut(p) for p in s.outputs), tuple(cut(p) for p in s.inputs))
+
+
+@dataclass(frozen=True)
+class Ball:
+    """A Hamming ball of strategies around a seed (split-dimension seeding, paper §4.3).
+
+    ``center[a]`` is the 1-D strategy chosen for mesh axis ``a`` (outputs/inputs are 1-tuples,
+    as :func:`node_strategies` gives on a one-axis mesh). A strategy lies in the ball when its
+    projections (:func:`project`) differ from the center on at most ``radius`` axes. ``keep``
+    lists placeholder output placements kept regardless (boundary placements, parameter policy).
+    The all-Replicate strategy is always kept, so every restricted problem stays feasible.
+    """
+
+    center: tuple[Strategy, ...]
+    radius: int
+    keep: frozenset = frozenset()
+    widen_inputs: bool = False  # full-mesh rules also get input placements from the ball (see node_strategies)
+
+    def distance(self, s: Strategy) -> int:
+        return sum(1 for a, c in enumerate(self.center) if project(s, a) != c)
+
+    def contains(self, s: Strategy) -> bool:
+        if _all_replicate(s) or self.distance(s) <= self.radius:
+            return True
+        return bool(s.outputs) and s.outputs[0] in self.keep
+
+
+def _all_replicate(s: Strategy) -> bool:
+    return all(pl is None or all(isinstance(p, Replicate) for p in pl) for pl in s.outputs + s.inputs)
 
 
 @dataclass(frozen=True)
@@ -266,6 +309,7 @@ def node_strategies(
     partial_inputs: bool = True,
     partial_reduce_ops: Sequence[str] = ("sum",),
     cache: StrategyCache | None = None,
+    ball: Ball | None = None,
 ) -> list[Strategy]:
     """Candidate strategies of one node.
 
@@ -275,8 +319,10 @@ def node_strategies(
     mesh is made). ``partial_inputs=False`` drops strategies that consume a Partial input (e.g. the
     single-dim mm rule's P x R -> P), which shrinks the search space. ``partial_reduce_ops`` are the
     Partial reductions kept (DTensor's mean gives Partial("avg"), amax Partial("max")); the default
-    keeps only sums, the "P" of the costmodels vocabulary. Returns a non-empty list; the output node
-    returns [].
+    keeps only sums, the "P" of the costmodels vocabulary. ``ball`` (split-dimension seeding)
+    keeps only the strategies inside it; single-dim rules then expand only the per-axis
+    combinations inside the ball instead of the whole product over the mesh axes. Returns a
+    non-empty list; the output node returns [].
     """
     if node.op == "output":
         return []
@@ -290,10 +336,12 @@ def node_strategies(
     if node.op == "placeholder":
         if not _is_tensor(val):
             return [Strategy((None,), ())]
-        key = ("placeholder", tuple(val.shape), ms, allow_uneven)
+        key = ("placeholder", tuple(val.shape), ms, allow_uneven, ball)
         hit = cache.memo.get(key)
         if hit is None:
             hit = tuple(Strategy((pl,), ()) for pl in placeholder_placements(tuple(val.shape), ms, allow_uneven))
+            if ball is not None:
+                hit = tuple(s for s in hit if ball.contains(s))
             if not hit:  # unreachable: all-Replicate always passes
                 raise AssertionError(f"placeholder {node.name}: no placement")
             cache.memo[key] = hit
@@ -315,6 +363,14 @@ def node_strategies(
         return [Strategy((pl,), (pl,)) for pl in cand[0]]
 
     op = node.target
+    if (ball is not None and ball.widen_inputs and ball.radius < nd and isinstance(op, torch._ops.OpOverload)
+            and tp.rule_kind(op) == "op_strategy"):
+        # A full-mesh rule offers only strategies that follow its inputs' candidates, and under
+        # seeding the producers' candidates are restricted. Widening gives each input also the
+        # placements within the ball around this node's seeded input placement (targets a
+        # redistribution can reach). Those need not be outputs of any producer strategy, so the
+        # widened problem is no longer a restriction of the unseeded one (it can be cheaper).
+        cand = [_with_ball_inputs(c, ball, j, _slot_shape(p, i), ms, allow_uneven) for j, (c, (p, i)) in enumerate(zip(cand, slots))]
     # Arguments with every tensor replaced by a TensorArg (shape + candidate placements).
     it = iter(cand)
 
@@ -334,8 +390,13 @@ def node_strategies(
     # Only full-mesh rules look at the producers' candidate placements; single-dim rules (and the
     # replicate fallback) do not, so their key leaves them out and more nodes share one entry.
     with_cands = isinstance(op, torch._ops.OpOverload) and tp.rule_kind(op) == "op_strategy"
+    # Single-dim rules expand only the combinations in the ball. Full-mesh rules follow their
+    # producers' (already restricted) candidates and are not cut further: a view or transpose
+    # must be able to pass on whatever its producer may output.
+    restrict_to_ball = (ball is not None and ball.radius < nd and isinstance(op, torch._ops.OpOverload)
+                        and tp.rule_kind(op) == "single_dim")
     key = (op, _freeze(args, with_cands), _freeze(kwargs, with_cands), out_shapes, ms, allow_uneven,
-           partial_inputs, tuple(partial_reduce_ops))
+           partial_inputs, tuple(partial_reduce_ops), ball if restrict_to_ball else None)
     hit = cache.memo.get(key)
     if hit is not None:
         cache.hits += 1
@@ -352,7 +413,11 @@ def node_strategies(
         reason = "no DTensor sharding rule"
     else:
         try:
-            raw = tp.op_strategies(op, args, kwargs, val, mesh)
+            if restrict_to_ball:
+                rule = tp.SingleDimRule(op, args, kwargs, val, mesh)
+                raw = rule.expand(_ball_combos(rule, ball, out_shapes))
+            else:
+                raw = tp.op_strategies(op, args, kwargs, val, mesh)
         except Exception as e:  # a rule that rejects these arguments: fall back to replicate
             reason = f"DTensor rule failed ({type(e).__name__}: {e})"
             raw = []
@@ -366,6 +431,8 @@ def node_strategies(
             if s in seen:
                 continue
             seen.add(s)
+            if restrict_to_ball and not ball.contains(s):
+                continue
             if _keep(op, s, out_shapes, in_shapes, ms, allow_uneven, partial_inputs, partial_reduce_ops):
                 result.append(s)
         if reason is None and not result:
@@ -380,6 +447,60 @@ def node_strategies(
         cache.fallback_keys.add(key)
     cache.memo[key] = tuple(result)
     return result
+
+
+def _slot_shape(producer: fx.Node, index: int) -> tuple[int, ...]:
+    v = _val(producer)
+    return tuple(v.shape) if index == 0 or not isinstance(v, (tuple, list)) else tuple(v[index].shape)
+
+
+def _with_ball_inputs(
+    cands: tuple[Placements, ...], ball: Ball, slot: int, shape: tuple[int, ...], ms: tuple[int, ...], allow_uneven: bool
+) -> tuple[Placements, ...]:
+    """``cands`` plus the R/S(d)/P placements of input ``slot`` within ``ball`` of its seeded placement."""
+    center = []
+    for c in ball.center:
+        if slot >= len(c.inputs) or c.inputs[slot] is None:
+            return cands
+        center.append(c.inputs[slot][0])
+    nd = len(center)
+    options: list[Placement] = [Replicate(), Partial()] + [Shard(d) for d in range(len(shape))]
+    extra: dict[Placements, None] = dict.fromkeys(cands)
+    for k in range(min(ball.radius, nd) + 1):
+        for axes in itertools.combinations(range(nd), k):
+            per_axis = [[o for o in options if o != center[a]] if a in axes else [center[a]] for a in range(nd)]
+            for p in itertools.product(*per_axis):
+                if p not in extra and _shardable(shape, p, ms, allow_uneven):
+                    extra[p] = None
+    return tuple(extra)
+
+
+def _ball_combos(rule: tp.SingleDimRule, ball: Ball, out_shapes: Sequence[object]) -> list[tuple[int, ...]]:
+    """Per-axis entry combinations of a single-dim rule within ``ball`` (plus all-Replicate).
+
+    An entry "is the seed" on axis ``a`` when the 1-D strategy it makes (as :func:`node_strategies`
+    would give it on a one-axis mesh) equals ``ball.center[a]``; a combination lies in the ball when
+    at most ``radius`` axes use a non-seed entry. Sorted, i.e. in torch's product order.
+    """
+    nd = len(ball.center)
+    nout = rule.num_outputs
+    proj = []
+    for e in rule.entries:
+        outs = tuple(None if e[i] is None else (e[i],) for i in range(nout))
+        ins = tuple((x,) for x in e[nout:] if x is not None)
+        proj.append(_unmask(Strategy(_align_outputs(outs, out_shapes, 1), ins)))
+    n = len(rule.entries)
+    seed = [[i for i in range(n) if proj[i] == ball.center[a]] for a in range(nd)]
+    other = [[i for i in range(n) if proj[i] != ball.center[a]] for a in range(nd)]
+    combos: set[tuple[int, ...]] = set()
+    for k in range(min(ball.radius, nd) + 1):
+        for axes in itertools.combinations(range(nd), k):
+            combos.update(itertools.product(*(other[a] if a in axes else seed[a] for a in range(nd))))
+    for i, e in enumerate(rule.entries):
+        if all(x is None or isinstance(x, Replicate) for x in e):
+            combos.add((i,) * nd)
+            break
+    return sorted(combos)
 
 
 def _is_masked_partial(p: Placement) -> bool:
@@ -447,11 +568,13 @@ def enumerate_strategies(
     partial_reduce_ops: Sequence[str] = ("sum",),
     cache: StrategyCache | None = None,
     progress: bool = True,
+    balls: dict[str, Ball] | None = None,
 ) -> dict[str, list[Strategy]]:
     """Candidate strategies for every node of ``gm`` except the output node, in graph order.
 
     Nodes whose op, arguments, shapes and producers' candidate placements coincide (repeated
-    layers) share one enumeration through ``cache``. Options as in :func:`node_strategies`.
+    layers) share one enumeration through ``cache``. Options as in :func:`node_strategies`;
+    ``balls`` restricts nodes to a Hamming ball around their seed (:mod:`apmodel.seeding`).
     Logs the time taken and the unsupported ops at INFO.
     """
     if not isinstance(mesh, DeviceMesh):
@@ -465,6 +588,7 @@ def enumerate_strategies(
             out[n.name] = node_strategies(
                 n, mesh, out, allow_uneven=allow_uneven, partial_inputs=partial_inputs,
                 partial_reduce_ops=partial_reduce_ops, cache=cache,
+                ball=balls.get(n.name) if balls is not None else None,
             )
             advance()
     dt = time.perf_counter() - t0
