@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import costmodels
-from costmodels.redistribution import redistribution_matrix
+
 from apmodel import placements as pl
 from apmodel.strategies import Strategy
 
@@ -127,7 +127,7 @@ class CostContext:
         si = {s: i for i, s in enumerate(usrc)}
         di = {d: i for i, d in enumerate(udst)}
         small = np.zeros((len(usrc) + 1, len(udst) + 1))  # last row/column: "no tensor" = free
-        small[:-1, :-1] = redistribution_matrix(self.comm, tuple(shape), self.itemsize(dtype), usrc, udst)
+        small[:-1, :-1] = costmodels.redistribution_matrix(self.comm, tuple(shape), self.itemsize(dtype), usrc, udst)
         rows = np.array([si[s] if s is not None else len(usrc) for s in srcs], dtype=np.int64)
         cols = np.array([di[d] if d is not None else len(udst) for d in dsts], dtype=np.int64)
         return small[np.ix_(rows, cols)]

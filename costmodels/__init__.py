@@ -8,7 +8,7 @@ from .compute import RooflineCompute
 from .hardware import (BUILTIN_DEVICES, DeviceRegistry, DeviceSpec, FabricSpec, device,
                        load_devices)
 from .protocols import CommModel, ComputeModel, load_object
-from .redistribution import redistribution_steps, redistribution_us
+from .redistribution import redistribution_matrix, redistribution_steps, redistribution_us
 from .topology import AxisLink, Topology
 
 __all__ = [
@@ -16,5 +16,5 @@ __all__ = [
     "ComputeModel", "CorrectionCurve", "DeviceRegistry", "DeviceSpec", "FabricSpec", "KINDS",
     "NCCLCollectives", "NcclTestsLog", "RooflineCompute", "Topology", "bus_bandwidth_factor",
     "device", "format_nccl_tests", "load_devices", "load_object", "parse_nccl_tests",
-    "redistribution_steps", "redistribution_us",
+    "redistribution_matrix", "redistribution_steps", "redistribution_us",
 ]
