@@ -19,7 +19,6 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import costmodels
-
 from apmodel import placements as pl
 from apmodel.strategies import Strategy
 
