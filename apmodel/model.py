@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,7 +35,6 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
 
 import solvers
 from apmodel import placements as pl

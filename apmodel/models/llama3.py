@@ -174,20 +174,24 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # a ModuleDict keyed "0", "1", ... gives the torchtitan FQNs layers.N.*
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(i, cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def make_block(self, layer_id: int, cfg: LlamaConfig) -> nn.Module:
+        """The block of layer ``layer_id`` (subclasses swap the feed-forward, e.g. MoE)."""
+        return TransformerBlock(layer_id, cfg)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (scalar) when ``targets``
         (int64 ``[batch, seq]``) is given."""
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
-            raise ValueError(f"Transformer: sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
+            raise ValueError(f"{type(self).__name__}: sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
@@ -199,7 +203,7 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Fill parameters and RoPE tables (after ``to_empty(device=...)`` from meta)."""
         cos, sin = rope_tables(
-            self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, device=self.rope_cos.device
+            self.config.dim // self.config.n_heads, self.config.max_seq_len, self.config.rope_theta, device=self.rope_cos.device
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apmodel.models.loss import cross_entropy_loss
 from apmodel.models.attention import ATTENTION_BACKENDS
-from apmodel.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, rope_tables
+from apmodel.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, Transformer
 
 
 @dataclass
@@ -145,43 +144,9 @@ class MoEBlock(nn.Module):
         (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.init_std)
 
 
-class MoETransformer(nn.Module):
-    """``tokens [batch, seq] (int64) -> logits [batch, seq, vocab]`` (or the loss, given targets)."""
+class MoETransformer(Transformer):
+    """``tokens [batch, seq] (int64) -> logits [batch, seq, vocab]`` (or the loss, given targets):
+    the LLaMA-3 decoder with MoE blocks (see :class:`MoEBlock`)."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        head_dim = cfg.dim // cfg.n_heads
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(i, cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (scalar) when ``targets``
-        (int64 ``[batch, seq]``) is given."""
-        seq = tokens.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"MoETransformer: sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        logits = self.output(self.norm(h))
-        return logits if targets is None else cross_entropy_loss(logits, targets)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        cfg = self.config
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights()
-        self.norm.init_weights()
-        std = cfg.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+    def make_block(self, layer_id: int, cfg: MoEConfig) -> nn.Module:
+        return MoEBlock(layer_id, cfg)
