@@ -17,7 +17,7 @@ from apmodel import placements as pl
 from apmodel.api import build_model, solve_model
 from apmodel.capture import capture
 from apmodel.models import build, sample_inputs
-from apmodel.plans import Plan, PlanMismatch, price
+from apmodel.plans import Plan, PlanMismatch
 
 
 class MLP(nn.Module):
