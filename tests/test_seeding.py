@@ -165,3 +165,20 @@ def test_single_dim_rule_expansion_matches_torch(ms):
         combos = list(itertools.product(range(len(rule.entries)), repeat=nd))
         # repr: torch's _MaskPartial (embedding) compares by identity of its mask buffer
         assert repr(rule.expand(combos)) == repr(tp.op_strategies(op, args, kwargs, out, mesh)), op
+
+
+def test_constraints_outside_the_balls_fall_back_to_the_full_enumeration(captured, cost, full):
+    full_pm, _ = full
+    seeds = seeding.seed(captured, MESH, cost=cost)
+    balls = seeding.balls(seeds, captured, MESH, radius=1)
+    mm = next(n.name for n in captured.gm.graph.nodes if n.target == aten.mm.default)
+    far = next(s for s in full_pm.strategies[mm] if balls[mm].distance(s) >= 2)
+
+    def force(m):
+        m.fix_strategy(mm, far, "test: far strategy")
+
+    timings: dict[str, float] = {}
+    pm = build_model(captured, MESH, cost=cost, seeding=True, seed_radius=1, constraints=[force], timings=timings)
+    assert set(pm.strategies[mm]) == set(full_pm.strategies[mm])  # rebuilt without seeding
+    assert pm.allowed_mask(mm).sum() == 1
+    assert timings["build_s"] > timings["strategies_s"]
