@@ -78,6 +78,25 @@ def cost_context(
     return CostContext(mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=_pricing_dtype(dtype))
 
 
+def placement_model(
+    captured: CapturedGraph,
+    strategies: Mapping[str, list],
+    cost: CostContext,
+    *,
+    constraints: Sequence[ConstraintLike] = (),
+    **options: Any,
+) -> PlacementModel:
+    """A compiled :class:`PlacementModel` from a capture and its candidate strategies.
+
+    The strategies can be shared by several models (e.g. the free plan and each recipe priced by
+    ``apmodel plan --compare-recipes``). ``options`` go to :class:`PlacementModel`.
+    """
+    pmodel = PlacementModel(captured, strategies, cost, **options)
+    apply_all(pmodel, constraints)
+    pmodel.compile()
+    return pmodel
+
+
 def build_model(
     model: nn.Module | CapturedGraph,
     mesh_shape: Sequence[int],
@@ -141,10 +160,11 @@ def build_model(
     timings["strategies_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
-        pmodel = PlacementModel(
+        pmodel = placement_model(
             captured,
             strategies,
             cost,
+            constraints=constraints,
             input_placements=input_placements,
             output_placements=output_placements,
             param_policy=param_policy,
@@ -153,7 +173,6 @@ def build_model(
             merge_copies=merge_copies,
             flow_coupling=flow_coupling,
         )
-        apply_all(pmodel, constraints)
     except ConstraintConflict as e:
         if balls is None:
             raise
@@ -167,7 +186,6 @@ def build_model(
         )
         timings["build_s"] += spent  # the discarded seeded attempt counts too
         return pmodel
-    pmodel.compile()
     timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"] + timings["seeding_s"]
     return pmodel
 

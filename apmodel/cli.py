@@ -338,7 +338,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     """The whole pipeline for ``apmodel plan``; returns everything the printers need."""
     import solvers
     from apmodel import recipes as R
-    from apmodel.api import DTYPES, solve_model
+    from apmodel.api import DTYPES, placement_model, solve_model
     from apmodel.capture import capture
     from apmodel.strategies import enumerate_strategies
 
@@ -371,7 +371,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     cost = make_cost(cfg, mesh)
     options = dict(param_policy=cfg.param_policy, replicate_axes=tuple(cfg.replicate_axes),
                    param_memory_fraction=cfg.param_memory_fraction)
-    pmodel = R.placement_model(captured, strategies, cost, constraints=cfg.constraints, **options)
+    pmodel = placement_model(captured, strategies, cost, constraints=cfg.constraints, **options)
     timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"]
     sizes = pmodel.summary()
     progress.done(f"model: {sizes['groups']} groups, {sizes['states']} states, {sizes['edges']} edges "
@@ -400,7 +400,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     found_free = None
     if cfg.param_policy != "free" or cfg.replicate_axes or cfg.param_memory_fraction is not None:
         progress.stage(f"solving with {cfg.solver} under the free parameter-storage policy")
-        pm_free = R.placement_model(captured, strategies, cost, constraints=cfg.constraints, param_policy="free")
+        pm_free = placement_model(captured, strategies, cost, constraints=cfg.constraints, param_policy="free")
         found_free = solve_model(pm_free, solver=cfg.solver, time_limit=cfg.time_limit,
                                  solver_options=cfg.solver_options, workload={"policy": "free"})
     else:
@@ -632,7 +632,7 @@ def _strategy_str(s) -> str:
 
 def attach(saved, *, progress: _Progress | None = None):
     """Rebuild the model of a saved plan from its workload and attach it (``saved.model``)."""
-    from apmodel import recipes as R
+    from apmodel.api import placement_model
     from apmodel.capture import capture
     from apmodel.config import Config, load_config, merge
     from apmodel.strategies import enumerate_strategies
@@ -653,7 +653,7 @@ def attach(saved, *, progress: _Progress | None = None):
     if progress:
         progress.stage("enumerating strategies and building the model")
     strategies = enumerate_strategies(captured.gm, mesh)
-    pm = R.placement_model(captured, strategies, make_cost(cfg, mesh), constraints=cfg.constraints,
+    pm = placement_model(captured, strategies, make_cost(cfg, mesh), constraints=cfg.constraints,
                            param_policy=wl.get("param_policy", "full_shard"),
                            replicate_axes=tuple(wl.get("replicate_axes") or ()),
                            param_memory_fraction=wl.get("param_memory_fraction"))

@@ -298,21 +298,10 @@ def _seq_len(captured) -> int | None:
     return None
 
 
-def placement_model(captured, strategies, cost, *, constraints: Sequence[Any] = (), **options: Any):
-    """A compiled :class:`~apmodel.model.PlacementModel` from a capture and its strategies (reused)."""
-    from apmodel.constraints import apply_all
-    from apmodel.model import PlacementModel
-
-    pm = PlacementModel(captured, strategies, cost, **options)
-    apply_all(pm, constraints)
-    pm.compile()
-    return pm
-
-
 def run(recipe: Recipe, captured, strategies, cost, *, solver: str = "trws", time_limit: float | None = None,
         solver_options: Mapping[str, Any] | None = None, itemsize: int = 2) -> RecipeResult:
     """Price ``recipe`` on a capture: build its constrained model, solve, decode."""
-    from apmodel.api import solve_model
+    from apmodel.api import placement_model, solve_model
     from apmodel.model import ConstraintConflict
 
     res = RecipeResult(recipe.name, recipe.title, recipe.param_policy)

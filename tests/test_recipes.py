@@ -12,7 +12,7 @@ import torch
 import costmodels
 from apmodel import placements as pl
 from apmodel import recipes as R
-from apmodel.api import cost_context, solve_model
+from apmodel.api import cost_context, placement_model, solve_model
 from apmodel.capture import capture
 from apmodel.models import build, sample_inputs
 from apmodel.strategies import enumerate_strategies
@@ -127,8 +127,8 @@ def test_tp_recipes_do_not_apply_to_a_1d_mesh(captured):
 
 def test_found_plan_is_never_worse_than_a_recipe_in_its_space(captured, setup_2x2, results_2x2):
     strategies, cost = setup_2x2
-    found = solve_model(R.placement_model(captured, strategies, cost), solver=SOLVER)
-    free = solve_model(R.placement_model(captured, strategies, cost, param_policy="free"), solver=SOLVER)
+    found = solve_model(placement_model(captured, strategies, cost), solver=SOLVER)
+    free = solve_model(placement_model(captured, strategies, cost, param_policy="free"), solver=SOLVER)
     for recipe in R.RECIPES:
         r = results_2x2[recipe.name]
         assert r.status == "ok", (recipe.name, r.reason)
