@@ -214,32 +214,17 @@ def _fmt_bytes(b: float | None) -> str:
 
 
 # ------------------------------------------------------------------------- plan: reading
-def param_uses(pmodel, node_strategy, fqn: str) -> list[tuple[str, tuple[str, ...]]]:
-    """(consumer node, placement strings) for each forward op that reads parameter ``fqn``."""
-    from apmodel import placements as pl
-    from apmodel.strategies import input_slots
-
-    pnode = pmodel.node_by_name[pmodel.fqn_to_node[fqn]]
-    out = []
-    for user in pnode.users:
-        if user.name not in node_strategy or pmodel.captured.is_backward.get(user.name, False):
-            continue
-        for j, (prod, _k) in enumerate(input_slots(user)):
-            p = node_strategy[user.name].inputs[j] if j < len(node_strategy[user.name].inputs) else None
-            if prod is pnode and p is not None:
-                out.append((user.name, tuple(pl.to_str(x) for x in p)))
-    return out
-
-
 #: Ops that only relabel a weight on its way to the op that computes with it.
 _VIEW_OPS = {"t", "transpose", "view", "_unsafe_view", "reshape", "permute", "expand", "alias", "_to_copy",
              "detach", "clone", "contiguous"}
 
 
-def param_compute_uses(pmodel, node_strategy, fqn: str) -> list[tuple[str, tuple[str, ...]]]:
-    """Like :func:`param_uses`, but through view-like ops (``t``, ``view``...): the placements the
-    computing forward ops (mm, embedding, mul...) expect for the weight (a redistribution after a
-    transpose counts)."""
+def param_uses(pmodel, node_strategy, fqn: str, *, through_views: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """(consumer node, placement strings) for each forward op that reads parameter ``fqn``.
+
+    With ``through_views``, follow view-like ops (``t``, ``view``...) to the computing forward ops
+    (mm, embedding, mul...) and report the placements they expect for the weight (a redistribution
+    after a transpose counts)."""
     from apmodel import placements as pl
     from apmodel.strategies import input_slots
 
@@ -253,7 +238,7 @@ def param_compute_uses(pmodel, node_strategy, fqn: str) -> list[tuple[str, tuple
                 continue
             seen.add(user.name)
             op = getattr(user.target, "__name__", str(user.target)).split(".")[0]
-            if op in _VIEW_OPS:
+            if through_views and op in _VIEW_OPS:
                 frontier.append(user)
                 continue
             for j, (src, _k) in enumerate(input_slots(user)):
@@ -290,7 +275,7 @@ def emerged(plan) -> dict[str, str]:
         gathered = tp = replicated = 0
         for fqn in weights:
             stored = pl.to_str(plan.param_placements[fqn][axis])
-            uses = [u[1][axis] for u in param_compute_uses(pm, ns, fqn)]
+            uses = [u[1][axis] for u in param_uses(pm, ns, fqn, through_views=True)]
             if any(u.startswith("S") for u in uses):
                 tp += 1
             elif stored.startswith("S") and uses:

@@ -131,10 +131,10 @@ class BatchShardRule:
     label: str = ""
 
     def apply(self, m) -> None:
-        batch = _batch_size(m.captured)
+        batch = _input_dim(m.captured, 0)
         if batch is None or not self.axes:
             return
-        seq = _seq_len(m.captured)
+        seq = _input_dim(m.captured, 1)
         leading = {batch} | ({batch * seq} if seq else set())
         grads = set(m.captured.param_grad.values())
         spec = {a: "S(0)" for a in self.axes}
@@ -278,23 +278,14 @@ class RecipeResult:
     plan: Any = None
 
 
-def _batch_size(captured) -> int | None:
-    """Dim 0 of the first model input (the global batch), if any."""
+def _input_dim(captured, dim: int) -> int | None:
+    """Size of ``dim`` of the first model input that has it (dim 0: the global batch; dim 1 of
+    tokens ``[b, s]``: the sequence length), if any."""
     nodes = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
-    for name, idx in sorted(captured.input_index.items(), key=lambda kv: kv[1]):
+    for name, _idx in sorted(captured.input_index.items(), key=lambda kv: kv[1]):
         val = nodes[name].meta.get("val")
-        if getattr(val, "dim", lambda: 0)() >= 1:
-            return int(val.shape[0])
-    return None
-
-
-def _seq_len(captured) -> int | None:
-    """Dim 1 of the first 2-d model input (tokens ``[b, s]``), if any."""
-    nodes = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
-    for name, idx in sorted(captured.input_index.items(), key=lambda kv: kv[1]):
-        val = nodes[name].meta.get("val")
-        if getattr(val, "dim", lambda: 0)() >= 2:
-            return int(val.shape[1])
+        if getattr(val, "dim", lambda: 0)() > dim:
+            return int(val.shape[dim])
     return None
 
 
@@ -309,7 +300,7 @@ def run(recipe: Recipe, captured, strategies, cost, *, solver: str = "trws", tim
     t0 = time.perf_counter()
     try:
         cons = recipe.constraints(mesh)
-        batch = _batch_size(captured)
+        batch = _input_dim(captured, 0)
         degree = recipe.data_degree(mesh)
         if batch is not None and batch % degree:
             raise NotApplicable(f"the global batch {batch} does not split over the {degree} data-parallel ranks")
