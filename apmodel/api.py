@@ -97,6 +97,51 @@ def placement_model(
     return pmodel
 
 
+def candidate_strategies(
+    captured: CapturedGraph,
+    mesh_shape: Sequence[int],
+    cost: CostContext,
+    *,
+    mesh: Any = None,
+    seeding: bool | None = None,
+    seed_radius: int = seeding_mod.DEFAULT_RADIUS,
+    seed_widen_inputs: bool = False,
+    input_placements: Sequence[Any] | None = None,
+    output_placements: Sequence[Any] | None = None,
+    param_policy: str = "full_shard",
+    replicate_axes: Sequence[int] = (),
+    merge_copies: bool = True,
+    flow_coupling: bool = True,
+    timings: dict[str, float] | None = None,
+) -> tuple[dict[str, list], bool]:
+    """Candidate strategies of every node, seeded (see :func:`build_model`) on meshes of 3+ axes.
+
+    Returns the strategies and whether seeding restricted them; ``timings`` gets ``seeding_s``
+    and ``strategies_s``.
+    """
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    timings = timings if timings is not None else {}
+    use_seeding = len(mesh_shape) >= 3 if seeding is None else bool(seeding)
+    balls = None
+    timings["seeding_s"] = 0.0
+    if use_seeding:
+        t0 = time.perf_counter()
+        seeds = seeding_mod.seed(
+            captured, mesh_shape, cost=cost, input_placements=input_placements, output_placements=output_placements,
+            param_policy=param_policy, replicate_axes=replicate_axes, merge_copies=merge_copies,
+            flow_coupling=flow_coupling,
+        )
+        balls = seeding_mod.balls(
+            seeds, captured, mesh_shape, seed_radius, input_placements=input_placements,
+            output_placements=output_placements, widen_inputs=seed_widen_inputs,
+        )
+        timings["seeding_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape, balls=balls)
+    timings["strategies_s"] = time.perf_counter() - t0
+    return strategies, balls is not None
+
+
 def build_model(
     model: nn.Module | CapturedGraph,
     mesh_shape: Sequence[int],
@@ -140,24 +185,12 @@ def build_model(
         captured = capture(model, tuple(sample_inputs), loss_fn)
     timings["trace_s"] = captured.trace_s
     cost = cost or cost_context(mesh_shape, **cost_options)
-    use_seeding = len(mesh_shape) >= 3 if seeding is None else bool(seeding)
-    balls = None
-    timings["seeding_s"] = 0.0
-    if use_seeding:
-        t0 = time.perf_counter()
-        seeds = seeding_mod.seed(
-            captured, mesh_shape, cost=cost, input_placements=input_placements, output_placements=output_placements,
-            param_policy=param_policy, replicate_axes=replicate_axes, merge_copies=merge_copies,
-            flow_coupling=flow_coupling,
-        )
-        balls = seeding_mod.balls(
-            seeds, captured, mesh_shape, seed_radius, input_placements=input_placements,
-            output_placements=output_placements, widen_inputs=seed_widen_inputs,
-        )
-        timings["seeding_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape, balls=balls)
-    timings["strategies_s"] = time.perf_counter() - t0
+    strategies, seeded = candidate_strategies(
+        captured, mesh_shape, cost, mesh=mesh, seeding=seeding, seed_radius=seed_radius,
+        seed_widen_inputs=seed_widen_inputs, input_placements=input_placements, output_placements=output_placements,
+        param_policy=param_policy, replicate_axes=replicate_axes, merge_copies=merge_copies,
+        flow_coupling=flow_coupling, timings=timings,
+    )
     t0 = time.perf_counter()
     try:
         pmodel = placement_model(
@@ -174,7 +207,7 @@ def build_model(
             flow_coupling=flow_coupling,
         )
     except ConstraintConflict as e:
-        if balls is None:
+        if not seeded:
             raise
         logger.warning("seeded candidates conflict with the constraints (%s); rebuilding without seeding", e)
         spent = timings["seeding_s"] + timings["strategies_s"]

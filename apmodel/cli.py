@@ -323,9 +323,8 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     """The whole pipeline for ``apmodel plan``; returns everything the printers need."""
     import solvers
     from apmodel import recipes as R
-    from apmodel.api import DTYPES, placement_model, solve_model
+    from apmodel.api import DTYPES, candidate_strategies, placement_model, solve_model
     from apmodel.capture import capture
-    from apmodel.strategies import enumerate_strategies
 
     if cfg.model is None:
         raise ValueError("no model: give --model (a preset or package.module:factory) or [workload] model in --config")
@@ -345,19 +344,19 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     timings["trace_s"] = captured.trace_s
     progress.done(f"traced {len(captured.gm.graph.nodes)} nodes in {captured.trace_s:.1f} s")
 
-    progress.stage(f"enumerating strategies on mesh {mesh}")
-    t0 = time.perf_counter()
-    strategies = enumerate_strategies(captured.gm, mesh)
-    timings["strategies_s"] = time.perf_counter() - t0
-    progress.done(f"strategies in {timings['strategies_s']:.1f} s")
+    cost = make_cost(cfg, mesh)
+    progress.stage(f"enumerating strategies on mesh {mesh}" + (" (seeded per axis)" if len(mesh) >= 3 else ""))
+    strategies, _seeded = candidate_strategies(
+        captured, mesh, cost, param_policy=cfg.param_policy, replicate_axes=tuple(cfg.replicate_axes), timings=timings,
+    )
+    progress.done(f"strategies in {timings['seeding_s'] + timings['strategies_s']:.1f} s")
 
     progress.stage("building the placement model")
     t0 = time.perf_counter()
-    cost = make_cost(cfg, mesh)
     options = dict(param_policy=cfg.param_policy, replicate_axes=tuple(cfg.replicate_axes),
                    param_memory_fraction=cfg.param_memory_fraction)
     pmodel = placement_model(captured, strategies, cost, constraints=cfg.constraints, **options)
-    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"]
+    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"] + timings["seeding_s"]
     sizes = pmodel.summary()
     progress.done(f"model: {sizes['groups']} groups, {sizes['states']} states, {sizes['edges']} edges "
                   f"in {timings['build_s']:.1f} s")
