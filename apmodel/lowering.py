@@ -709,23 +709,16 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
                 out.append(Redistribution(n.name, prod.name, idx, "backward" if is_bwd.get(n.name) else "forward",
                                           _tokens(src), _tokens(dst), tuple(val.shape), val.dtype))
     by_name = {n.name: n for n in gm.graph.nodes}
-    for o, t in captured.output_tangent.items():  # forward output -> required (tangent) placement
-        src, dst = plan.node_strategy[o].outputs[0], plan.node_strategy[t].outputs[0]
+    # Boundary moves: a forward output to its required (tangent) placement, each gradient to its
+    # parameter's storage placement or its input's placement.
+    boundary = [(f"output:{o}", o, t, "forward") for o, t in captured.output_tangent.items()]
+    boundary += [(f"grad:{captured.param_fqn[p]}", g, p, "backward") for p, g in captured.param_grad.items()]
+    boundary += [(f"grad:input{captured.input_index[i]}", g, i, "backward") for i, g in captured.input_grad.items()]
+    for label, producer, target, phase in boundary:
+        src, dst = plan.node_strategy[producer].outputs[0], plan.node_strategy[target].outputs[0]
         if _tokens(src) != _tokens(dst):
-            val = by_name[o].meta["val"]
-            out.append(Redistribution(f"output:{o}", o, 0, "forward", _tokens(src), _tokens(dst), tuple(val.shape), val.dtype))
-    for p, g in captured.param_grad.items():
-        src, dst = plan.node_strategy[g].outputs[0], plan.node_strategy[p].outputs[0]
-        if _tokens(src) != _tokens(dst):
-            val = by_name[g].meta["val"]
-            out.append(Redistribution(f"grad:{captured.param_fqn[p]}", g, 0, "backward", _tokens(src), _tokens(dst),
-                                      tuple(val.shape), val.dtype))
-    for i, g in captured.input_grad.items():
-        src, dst = plan.node_strategy[g].outputs[0], plan.node_strategy[i].outputs[0]
-        if _tokens(src) != _tokens(dst):
-            val = by_name[g].meta["val"]
-            out.append(Redistribution(f"grad:input{captured.input_index[i]}", g, 0, "backward", _tokens(src), _tokens(dst),
-                                      tuple(val.shape), val.dtype))
+            val = by_name[producer].meta["val"]
+            out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape), val.dtype))
     return out
 
 
