@@ -45,7 +45,6 @@ from apmodel.strategies import Strategy, input_slots
 
 logger = logging.getLogger(__name__)
 
-Placements = tuple  # tuple[torch Placement, ...], one per mesh axis
 
 
 class ConstraintConflict(ValueError):
@@ -236,7 +235,8 @@ class PlacementModel:
         r = self._restrictions.get(node)
         return list(r.reasons) if r is not None else []
 
-    def _out_strs(self, s: Strategy, k: int = 0) -> tuple[str, ...] | None:
+    def output_strs(self, s: Strategy, k: int = 0) -> tuple[str, ...] | None:
+        """Placement strings of output ``k`` of strategy ``s`` (None for a non-tensor output)."""
         p = s.outputs[k] if k < len(s.outputs) else None
         return None if p is None else tuple(pl.to_str(x) for x in p)
 
@@ -247,20 +247,20 @@ class PlacementModel:
             if given is None:
                 given = self._default_batch_placement(val)
             want = self._placement_strs(given, f"input {idx} ({name})")
-            self.restrict(name, lambda s, w=want: self._out_strs(s) == w, f"boundary: input {idx} placed {''.join(want)}")
+            self.restrict(name, lambda s, w=want: self.output_strs(s) == w, f"boundary: input {idx} placed {''.join(want)}")
 
     def _apply_tangent_boundary(self) -> None:
         for out, tangent in self.captured.output_tangent.items():
             want = self.boundary_outputs.get(out)
             if want is not None and tangent in self.strategies:
-                self.restrict(tangent, lambda s, w=want: self._out_strs(s) == w, f"boundary: tangent of {out} placed like it")
+                self.restrict(tangent, lambda s, w=want: self.output_strs(s) == w, f"boundary: tangent of {out} placed like it")
 
     def _apply_buffer_policy(self) -> None:
         # Buffers (e.g. RoPE tables) are small and not trained: keep them replicated so the lowered
         # module can hold them as plain replicated tensors.
         D = len(self.mesh_shape)
         for name, fqn in self.captured.buffer_fqn.items():
-            self.restrict(name, lambda s: self._out_strs(s) == ("R",) * D, f"policy: buffer {fqn} replicated")
+            self.restrict(name, lambda s: self.output_strs(s) == ("R",) * D, f"policy: buffer {fqn} replicated")
 
     def _param_shard_factor(self, s: Strategy) -> int:
         f = 1
@@ -315,7 +315,7 @@ class PlacementModel:
     def _matcher(self, placement: Any, node: str, where: str) -> Callable[[Strategy], bool]:
         want = self._placement_strs(placement, f"constraint on {node}")
         if where == "output":
-            return lambda s: self._out_strs(s) == want
+            return lambda s: self.output_strs(s) == want
         if where.startswith("input"):
             j = int(where.split(":")[1]) if ":" in where else 0
 
@@ -378,9 +378,9 @@ class PlacementModel:
         """Redistribution cost (µs) for every (producer strategy, consumer strategy) pair of ``e``."""
         prod = self.node_by_name[e.producer]
         val = _tensor_value(prod.meta.get("val"), e.out_index)
-        src = [self._out_strs(s, e.out_index) for s in self.strategies[e.producer]]
+        src = [self.output_strs(s, e.out_index) for s in self.strategies[e.producer]]
         if e.slot < 0:
-            dst = [self._out_strs(s, 0) for s in self.strategies[e.consumer]]
+            dst = [self.output_strs(s, 0) for s in self.strategies[e.consumer]]
         else:
             dst = [
                 None if s.inputs[e.slot] is None else tuple(pl.to_str(x) for x in s.inputs[e.slot])
@@ -391,7 +391,7 @@ class PlacementModel:
     def boundary_vector(self, name: str) -> np.ndarray:
         """Cost (µs) of bringing forward output ``name`` to its required placement."""
         val = _tensor_value(self.node_by_name[name].meta.get("val"), 0)
-        src = [self._out_strs(s, 0) for s in self.strategies[name]]
+        src = [self.output_strs(s, 0) for s in self.strategies[name]]
         return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, [self.boundary_outputs[name]])[:, 0]
 
     # ------------------------------------------------------------------ compile

@@ -286,7 +286,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     for e in pmodel.edges:
         prod = pmodel.node_by_name[e.producer]
         val = prod.meta["val"][e.out_index] if isinstance(prod.meta["val"], (list, tuple)) else prod.meta["val"]
-        src = pmodel._out_strs(node_strategy[e.producer], e.out_index)
+        src = pmodel.output_strs(node_strategy[e.producer], e.out_index)
         cons = node_strategy[e.consumer]
         dst_p = cons.outputs[0] if e.slot < 0 else cons.inputs[e.slot]
         if src is None or dst_p is None:
@@ -295,7 +295,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
         add_steps(tuple(val.shape), val.dtype, src, dst, layer_of(pmodel.node_by_name[e.consumer].meta))
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
-        add_steps(tuple(val.shape), val.dtype, pmodel._out_strs(node_strategy[name], 0), want, "outputs")
+        add_steps(tuple(val.shape), val.dtype, pmodel.output_strs(node_strategy[name], 0), want, "outputs")
     return {
         "objective_us": compute_total + comm_total,
         "compute_us": compute_total,
