@@ -37,16 +37,16 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            raise ValueError(f"{type(self).__name__}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"LlamaConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+                f"{type(self).__name__}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
         if (self.dim // self.n_heads) % 2:
-            raise ValueError("LlamaConfig: head_dim must be even for RoPE")
+            raise ValueError(f"{type(self).__name__}: head_dim must be even for RoPE")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"LlamaConfig: attention_backend={self.attention_backend!r} not in {ATTENTION_BACKENDS}"
+                f"{type(self).__name__}: attention_backend={self.attention_backend!r} not in {ATTENTION_BACKENDS}"
             )
 
     @property

@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apmodel.models.attention import ATTENTION_BACKENDS
 from apmodel.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, Transformer
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(LlamaConfig):
     """Sizes of a DeepSeek-MoE-style model. Defaults are DeepSeekMoE 16B (DeepSeek-AI, 2024:
-    2 shared + 64 routed experts, top-6, first layer dense), with GQA attention instead of MHA."""
+    2 shared + 64 routed experts, top-6, first layer dense), with GQA attention instead of MHA.
+    The attention and dense fields are the LLaMA ones (the attention block is shared)."""
 
     dim: int = 2048
     n_layers: int = 28
@@ -36,38 +36,21 @@ class MoEConfig:
     n_kv_heads: int = 16
     vocab_size: int = 102400
     ffn_hidden_dim: int = 10944  # dense FFN of the first n_dense_layers layers
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
     moe_hidden_dim: int = 1408  # hidden size of each (shared or routed) expert
     n_routed_experts: int = 64
     n_shared_experts: int = 2
     top_k: int = 6
     n_dense_layers: int = 1
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_seq_len: int = 4096
-    attention_backend: str = "flash"
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # head sizes and attention backend
         if not 1 <= self.top_k <= self.n_routed_experts:
             raise ValueError(
                 f"MoEConfig: top_k={self.top_k} must be in [1, n_routed_experts={self.n_routed_experts}]"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"MoEConfig: attention_backend={self.attention_backend!r} not in {ATTENTION_BACKENDS}")
-        self.attention_config()  # validates head sizes
-
-    def attention_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            dim=self.dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            vocab_size=self.vocab_size,
-            ffn_hidden_dim=self.ffn_hidden_dim,
-            norm_eps=self.norm_eps,
-            rope_theta=self.rope_theta,
-            max_seq_len=self.max_seq_len,
-            attention_backend=self.attention_backend,
-        )
 
 
 class GroupedExperts(nn.Module):
@@ -122,7 +105,7 @@ class MoE(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, layer_id: int, cfg: MoEConfig) -> None:
         super().__init__()
-        self.attention = Attention(cfg.attention_config())
+        self.attention = Attention(cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe_enabled = layer_id >= cfg.n_dense_layers
