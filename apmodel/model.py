@@ -201,14 +201,7 @@ class PlacementModel:
         return default_batch_placement(val, self.mesh_shape)
 
     def _placement_strs(self, given: Any, what: str) -> tuple[str, ...]:
-        try:
-            parsed = pl.parse(given, len(self.mesh_shape)) if isinstance(given, str) else tuple(given)
-            strs = tuple(p if isinstance(p, str) else pl.to_str(p) for p in parsed)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: bad placement {given!r}: {e}") from None
-        if len(strs) != len(self.mesh_shape):
-            raise ValueError(f"{what}: placement {given!r} has {len(strs)} entries, mesh {self.mesh_shape} has {len(self.mesh_shape)} axes")
-        return strs
+        return pl.to_strs(given, len(self.mesh_shape), what)
 
     # ------------------------------------------------------------------ restrictions
     def restrict(self, node: str, allowed: Callable[[Strategy], bool] | np.ndarray, reason: str) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "from_str",
     "tuple_to_str",
     "parse",
+    "to_strs",
     "local_shape",
     "is_even",
     "shard_degrees",
@@ -98,6 +99,22 @@ def parse(s: str, ndim: int | None = None) -> tuple[Placement, ...]:
     if ndim is not None and len(out) != ndim:
         raise ValueError(f"placement string {s!r} has {len(out)} tokens, the mesh has {ndim} axes")
     return tuple(out)
+
+
+def to_strs(given: str | Sequence[Placement | str], ndim: int, what: str) -> tuple[str, ...]:
+    """A user-given placement (``"S(0)R"``, torch placements or strings) as one string per mesh axis.
+
+    ``what`` names the thing being placed in the ValueError raised for a malformed placement or a
+    wrong number of mesh axes (``ndim``).
+    """
+    try:
+        parsed = parse(given, ndim) if isinstance(given, str) else tuple(given)
+        strs = tuple(p if isinstance(p, str) else to_str(p) for p in parsed)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: bad placement {given!r}: {e}") from None
+    if len(strs) != ndim:
+        raise ValueError(f"{what}: placement {given!r} has {len(strs)} entries, the mesh has {ndim} axes")
+    return strs
 
 
 def _as_placements(placements: Sequence[Placement] | str) -> tuple[Placement, ...]:

@@ -86,17 +86,6 @@ class AxisComm:
         return f"AxisComm({self.full!r}, axis={self.axis})"
 
 
-def _strs(given: Any, D: int, what: str) -> tuple[str, ...]:
-    try:
-        parsed = pl.parse(given, D) if isinstance(given, str) else tuple(given)
-        strs = tuple(p if isinstance(p, str) else pl.to_str(p) for p in parsed)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{what}: bad placement {given!r}: {e}") from None
-    if len(strs) != D:
-        raise ValueError(f"{what}: placement {given!r} has {len(strs)} entries, the mesh has {D} axes")
-    return strs
-
-
 def _val(captured: CapturedGraph, name: str) -> torch.Tensor | None:
     node = next(n for n in captured.gm.graph.nodes if n.name == name)
     v = node.meta.get("val")
@@ -118,12 +107,12 @@ def boundary_placements(
     inputs: list[tuple[str, ...] | None] = [None] * n_in
     for name, idx in captured.input_index.items():
         given = input_placements[idx] if input_placements is not None and idx < len(input_placements) else None
-        inputs[idx] = default_batch_placement(_val(captured, name), mesh_shape) if given is None else _strs(given, D, f"input {idx} ({name})")
+        inputs[idx] = default_batch_placement(_val(captured, name), mesh_shape) if given is None else pl.to_strs(given, D, f"input {idx} ({name})")
     outs = [name for name, role in captured.roles.items() if role == "output"]
     outputs = []
     for i, name in enumerate(outs):
         given = output_placements[i] if output_placements is not None and i < len(output_placements) else None
-        outputs.append(default_batch_placement(_val(captured, name), mesh_shape) if given is None else _strs(given, D, f"output {i} ({name})"))
+        outputs.append(default_batch_placement(_val(captured, name), mesh_shape) if given is None else pl.to_strs(given, D, f"output {i} ({name})"))
     return inputs, outputs
 
 
