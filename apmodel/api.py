@@ -43,6 +43,15 @@ def _pricing_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def _cost_model(given: Any, default: Callable[[Any], Any], built_from: Any) -> Any:
+    """``given`` itself, or a dotted name / the default class constructed from ``built_from``."""
+    if given is None:
+        return default(built_from)
+    if isinstance(given, str):
+        return costmodels.load_object(given)(built_from)
+    return given
+
+
 def cost_context(
     mesh_shape: Sequence[int],
     *,
@@ -61,18 +70,8 @@ def cost_context(
     mesh_shape = tuple(int(s) for s in mesh_shape)
     spec = costmodels.device(device) if isinstance(device, str) else device
     topo = costmodels.Topology(mesh_shape=mesh_shape, device=spec, gpus_per_node=gpus_per_node)
-    if compute_model is None:
-        compute = costmodels.RooflineCompute(spec)
-    elif isinstance(compute_model, str):
-        compute = costmodels.load_object(compute_model)(spec)
-    else:
-        compute = compute_model
-    if comm_model is None:
-        comm = costmodels.NCCLCollectives(topo)
-    elif isinstance(comm_model, str):
-        comm = costmodels.load_object(comm_model)(topo)
-    else:
-        comm = comm_model
+    compute = _cost_model(compute_model, costmodels.RooflineCompute, spec)
+    comm = _cost_model(comm_model, costmodels.NCCLCollectives, topo)
     if calibration is not None:
         comm = costmodels.CalibratedCollectives(comm, costmodels.Calibration.load(calibration))
     return CostContext(mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=_pricing_dtype(dtype))
