@@ -427,11 +427,12 @@ def test_reductions_keep_constrained_variables():
         p = with_budget(reducible_problem(seed), seed)
         ref = brute_or_none(p)
         try:
-            red = reduce_problem(presolve(p).problem)
+            pre = presolve(p).problem
+            red = reduce_problem(pre)
         except solvers.Infeasible:
             assert ref is None, seed
             continue
-        in_rows = {v for c in presolve(p).problem.constraints for v, _, _ in c.terms}
+        in_rows = {v for c in pre.constraints for v, _, _ in c.terms}
         assert in_rows <= set(red.kept.tolist()), seed
         got = _solve_or_none(p, "highs")
         if ref is None:
