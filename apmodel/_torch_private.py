@@ -7,12 +7,14 @@ breaks one place.
 
 Surface:
 
-- :func:`fake_mesh` – a ``"cpu"`` :class:`DeviceMesh` for planning, over the fake process group.
+- :func:`fake_mesh` – a ``"cpu"`` :class:`DeviceMesh` for planning, without any process group.
 - :func:`has_sharding_rule` / :func:`rule_kind` – does DTensor know this op, and through which registry.
 - :class:`TensorArg` – one tensor argument: its metadata and the candidate placements of its producer.
 - :func:`op_strategies` – the candidate (output placements, input placements) pairs for one op call.
 - :class:`SingleDimRule` – a single-dim rule's per-axis entries, expanded over chosen per-axis
   combinations only (split-dimension seeding), with torch's own per-combination checks.
+- :func:`composite_autograd_on_meta` – context in which tracing on the meta device differentiates
+  every CompositeImplicitAutograd op (``F.cross_entropy``, dropout, ``var``) as eager PyTorch does.
 - :func:`without_redistribute_costs` – context in which torch's own redistribution pricing
   (unused by apmodel, 85% of enumeration time) is skipped.
 
@@ -45,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -58,6 +59,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
+    "composite_autograd_on_meta",
     "without_redistribute_costs",
     "fake_mesh",
     "has_sharding_rule",
@@ -73,49 +75,24 @@ logger = logging.getLogger(__name__)
 
 PlacementsT = tuple[Placement, ...]
 
-# Name under which torch.testing registers the fake backend.
-_FAKE_BACKEND = "fake"
 
 
 # ----------------------------------------------------------------------------------------------
 # meshes
 
 
-def _default_pg_backend() -> str | None:
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return str(dist.get_backend())
-
-
 def fake_mesh(mesh_shape: Sequence[int]) -> DeviceMesh:
     """A ``"cpu"`` DeviceMesh of shape ``mesh_shape`` (1 to 4 axes) for planning; this process is rank 0.
 
-    Strategy enumeration never communicates; it only needs the mesh's shape and identity.
-
-    - No default process group: initialise the fake one (``FakeStore``, backend ``"fake"``,
-      rank 0, world size ``prod(mesh_shape)``) and build the mesh over it.
-    - A fake default group of the same world size: reuse it (idempotent).
-    - Any other default group (a real gloo/nccl group in lowering tests, or a fake group of another
-      size): leave it untouched and build the mesh without process groups
-      (``DeviceMesh(..., _init_backend=False, _rank=0)``). Such a mesh supports planning (shape,
-      coordinates, sharding propagation) but no collectives. We never destroy a group a caller
-      created, because DeviceMeshes and DTensors built on it would break.
+    Strategy enumeration never communicates; it only needs the mesh's shape and identity, so the
+    mesh is built without process groups (``_init_backend=False``). Planning therefore neither
+    creates nor reads the default process group: a training script can plan, then initialise its
+    real group and mesh, as if planning had not happened.
     """
     shape = tuple(int(s) for s in mesh_shape)
     if not 1 <= len(shape) <= 4 or any(s < 1 for s in shape):
         raise ValueError(f"mesh_shape {tuple(mesh_shape)}: expected 1 to 4 positive axis sizes")
-    world = math.prod(shape)
-    ranks = torch.arange(world, dtype=torch.int).reshape(shape)
-    backend = _default_pg_backend()
-    if backend is None:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group(_FAKE_BACKEND, store=FakeStore(), rank=0, world_size=world)
-        backend = _FAKE_BACKEND
-    if backend == _FAKE_BACKEND and dist.get_world_size() == world:
-        return DeviceMesh("cpu", ranks)
-    logger.debug("fake_mesh%s: default process group is %r (world %d); building a mesh without process groups",
-                 shape, backend, dist.get_world_size())
+    ranks = torch.arange(math.prod(shape), dtype=torch.int).reshape(shape)
     return DeviceMesh("cpu", ranks, _init_backend=False, _rank=0)
 
 
@@ -248,6 +225,53 @@ def without_redistribute_costs() -> Iterator[None]:
     finally:
         for mod in patched:
             mod.generate_redistribute_costs = original
+
+
+def _meta_kernels_shadowing_composites() -> list[tuple[torch._ops.OpOverload, Any]]:
+    """Ops whose Python meta kernel hides their CompositeImplicitAutograd kernel from autograd.
+
+    ``torch._meta_registrations`` installs every decomposition (PrimTorch refs included) as a
+    Python ``Meta`` kernel (``OpOverload.py_kernels``), also for ops that are
+    CompositeImplicitAutograd (``aten.nll_loss``, ``dropout``, ``var``, ``where``, ...). Under the
+    Python dispatcher, which AOTAutograd enables while tracing, that kernel counts as a backend
+    kernel for Meta, so ``AutogradMeta`` no longer decomposes the op: it reaches the meta kernel
+    with no autograd formula and the traced graph gets no backward (``F.cross_entropy`` on the
+    meta device). Eager meta tensors (no Python dispatcher) decompose as usual.
+    """
+    from torch._C import DispatchKey
+    from torch._decomp import global_decomposition_table
+
+    found: dict[torch._ops.OpOverload, Any] = {}
+    for table in global_decomposition_table.values():
+        for op in table:
+            if (
+                isinstance(op, torch._ops.OpOverload)
+                and op not in found
+                and DispatchKey.Meta in op.py_kernels
+                and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+            ):
+                found[op] = op.py_kernels[DispatchKey.Meta]
+    return list(found.items())
+
+
+@contextlib.contextmanager
+def composite_autograd_on_meta() -> Iterator[int]:
+    """Trace on the meta device with the autograd of eager PyTorch: while inside, ops listed by
+    :func:`_meta_kernels_shadowing_composites` lose their Python meta kernel, so autograd
+    decomposes them (``nll_loss`` -> ``nll_loss_forward``, which has a meta kernel and a
+    backward). Restored on exit; yields the number of ops changed. Not thread-safe."""
+    from torch._C import DispatchKey
+
+    shadowing = _meta_kernels_shadowing_composites()
+    for op, _ in shadowing:
+        del op.py_kernels[DispatchKey.Meta]
+        op._dispatch_cache.clear()
+    try:
+        yield len(shadowing)
+    finally:
+        for op, kernel in shadowing:
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
 
 
 def op_strategies(

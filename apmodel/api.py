@@ -147,6 +147,9 @@ def build_model(
     sample_inputs: Sequence[Any] = (),
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    targets: Sequence[Any] | None = None,
+    allow_unused_parameters: bool = False,
     cost: CostContext | None = None,
     mesh: Any = None,
     constraints: Sequence[ConstraintLike] = (),
@@ -165,8 +168,9 @@ def build_model(
 ) -> PlacementModel:
     """Capture (unless given a :class:`CapturedGraph`), enumerate strategies and build the model.
 
-    ``cost_options`` (device, gpus_per_node, dtype, compute_model, comm_model, calibration) go to
-    :func:`cost_context` when ``cost`` is not given.
+    ``loss_fn``, ``kwargs``, ``targets``, ``allow_unused_parameters``: how the step is traced (see
+    :func:`apmodel.capture.capture`). ``cost_options`` (device, gpus_per_node, dtype,
+    compute_model, comm_model, calibration) go to :func:`cost_context` when ``cost`` is not given.
 
     ``seeding`` (split-dimension seeding, :mod:`apmodel.seeding`): solve one 1-D problem per mesh
     axis and keep only candidates within Hamming distance ``seed_radius`` of that seed; ``None``
@@ -181,7 +185,10 @@ def build_model(
     if isinstance(model, CapturedGraph):
         captured = model
     else:
-        captured = capture(model, tuple(sample_inputs), loss_fn)
+        captured = capture(
+            model, tuple(sample_inputs), loss_fn, kwargs=kwargs, targets=targets,
+            allow_unused_parameters=allow_unused_parameters,
+        )
     timings["trace_s"] = captured.trace_s
     cost = cost or cost_context(mesh_shape, **cost_options)
     strategies, seeded = candidate_strategies(
@@ -286,8 +293,10 @@ def plan(
 ) -> Plan:
     """Plan ``model`` on a mesh of ``mesh_shape``: the cheapest per-operator placements.
 
-    ``model`` is an ``nn.Module`` (ideally on the meta device) called as ``model(*sample_inputs)``;
-    ``loss_fn(output, *sample_inputs)`` turns its output into the scalar loss. ``device`` names the
+    ``model`` is an ``nn.Module`` (ideally on the meta device) called as
+    ``model(*sample_inputs, **kwargs)``; ``loss_fn(output, *targets)`` turns its output into the
+    scalar loss (``loss_fn(output, *sample_inputs)`` when no ``targets`` are given: models that
+    take their labels). ``device`` names the
     target accelerator of the cost model (``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"cpu"``);
     ``solver`` a backend of :func:`solvers.available`. ``replay`` prices a saved plan on this
     workload instead of searching. Further options: see :func:`build_model`.

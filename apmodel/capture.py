@@ -24,7 +24,7 @@ import hashlib
 import logging
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ _WRAPPED = "model"
 # Placeholder roles (from the input descriptor) and output roles (from the output descriptor).
 ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT, ROLE_TANGENT = "param", "buffer", "input", "tangent"
 ROLE_OUTPUT, ROLE_GRAD_PARAM, ROLE_GRAD_INPUT = "output", "grad_param", "grad_input"
+ROLE_BUFFER_UPDATE = "buffer_update"
 
 
 @dataclass
@@ -54,12 +55,19 @@ class CapturedGraph:
     ``args[0]`` (None where an input has no gradient)."""
     roles: dict[str, str]
     """placeholders: "param" | "buffer" | "input" | "tangent"; returned nodes: "output" (forward
-    output, e.g. the loss) | "grad_param" | "grad_input"; other AOT descriptors (rare: input
-    mutations) appear as their descriptor class name in lower case."""
+    output, e.g. the loss) | "grad_param" | "grad_input" | "buffer_update"."""
     param_fqn: dict[str, str]
     buffer_fqn: dict[str, str]
     input_index: dict[str, int]
     """input placeholder -> position in ``sample_inputs``"""
+    signature: InputSignature
+    """how the flat graph inputs map to the user's call (args, kwargs, targets)"""
+    tied_params: dict[str, list[str]]
+    """param placeholder -> the other FQNs of the same ``nn.Parameter`` (tied weights, e.g. an
+    embedding shared with the output layer): one graph input, one gradient (the sum over uses)"""
+    buffer_update: dict[str, str]
+    """buffer placeholder -> node holding its new value after the step (BatchNorm running
+    statistics, any in-place buffer update in forward); written back by lowering"""
     param_grad: dict[str, str]
     """param placeholder -> node returned as its gradient (params without a gradient are absent)"""
     input_grad: dict[str, str]
@@ -82,16 +90,77 @@ class CapturedGraph:
         return [n for n, r in self.roles.items() if r == role]
 
 
-class _WithLoss(nn.Module):
-    """``loss_fn(model(*inputs), *inputs)`` as a module, so AOTAutograd sees the model's parameters."""
+@dataclass(frozen=True)
+class InputSignature:
+    """How the traced step is called: which flat graph input is which argument of the user's call.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+    The step is ``model(*args, **kwargs)``, then, with a loss function, ``loss_fn(output,
+    *targets)`` (or ``loss_fn(output, *args)`` when no targets are given: models that take their
+    labels). Graph inputs are, in order: the positional ``args``, the tensor keyword arguments (in
+    the order given), the ``targets``. Non-tensor keyword arguments are constants of the graph.
+    """
+
+    n_args: int
+    kwarg_names: tuple[str, ...] = ()
+    constant_kwargs: tuple[tuple[str, Any], ...] = ()
+    n_targets: int | None = None
+    """None: no separate targets (the loss gets the model's positional arguments)"""
+
+    @property
+    def n_inputs(self) -> int:
+        return self.n_args + len(self.kwarg_names) + (self.n_targets or 0)
+
+    def name(self, index: int) -> str:
+        """A readable name of flat input ``index``: ``args[0]``, ``kwargs['mask']``, ``targets[0]``."""
+        if index < self.n_args:
+            return f"args[{index}]"
+        index -= self.n_args
+        if index < len(self.kwarg_names):
+            return f"kwargs[{self.kwarg_names[index]!r}]"
+        return f"targets[{index - len(self.kwarg_names)}]"
+
+    def flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> list[Any]:
+        """The flat input list of one call ``(*args, **kwargs)``, where ``args`` holds the model's
+        positional arguments followed by the targets; raises ``ValueError`` naming what differs
+        from the traced call."""
+        n_pos = self.n_args + (self.n_targets or 0)
+        if len(args) != n_pos:
+            what = f"{self.n_args} model argument(s)" + (f" + {self.n_targets} target(s)" if self.n_targets else "")
+            raise ValueError(f"{where}: takes {what} positionally, as traced; got {len(args)}")
+        names = set(self.kwarg_names) | {k for k, _ in self.constant_kwargs}
+        unknown = sorted(set(kwargs) - names)
+        missing = sorted(names - set(kwargs))
+        if unknown or missing:
+            raise ValueError(
+                f"{where}: keyword arguments differ from the traced call "
+                f"(unexpected {unknown}, missing {missing})"
+            )
+        for k, v in self.constant_kwargs:
+            if not (kwargs[k] is v or (type(kwargs[k]) is type(v) and kwargs[k] == v)):
+                raise ValueError(f"{where}: keyword argument {k!r} is {kwargs[k]!r}; it was traced as the constant {v!r}")
+        return list(args[: self.n_args]) + [kwargs[k] for k in self.kwarg_names] + list(args[self.n_args:])
+
+
+class _TracedStep(nn.Module):
+    """The step of :class:`InputSignature` as a module taking flat tensors, so that AOTAutograd
+    sees the model's parameters (under the prefix ``model.``) and one placeholder per tensor."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, signature: InputSignature) -> None:
         super().__init__()
         self.add_module(_WRAPPED, model)
         self.loss_fn = loss_fn
+        self.signature = signature
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(getattr(self, _WRAPPED)(*inputs), *inputs)
+    def forward(self, *flat: torch.Tensor) -> torch.Tensor:
+        sig = self.signature
+        args = flat[: sig.n_args]
+        kwargs = dict(zip(sig.kwarg_names, flat[sig.n_args:]))
+        kwargs.update(sig.constant_kwargs)
+        out = getattr(self, _WRAPPED)(*args, **kwargs)
+        if self.loss_fn is None:
+            return out
+        targets = flat[sig.n_args + len(sig.kwarg_names):] if sig.n_targets is not None else args
+        return self.loss_fn(out, *targets)
 
 
 def has_dtensor_rule(op: Any) -> bool:
@@ -102,36 +171,57 @@ def has_dtensor_rule(op: Any) -> bool:
     return has_sharding_rule(op)
 
 
-def _validate(model: Any, sample_inputs: Any, loss_fn: Any) -> tuple[torch.Tensor, ...]:
+def _as_tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
+    if isinstance(values, torch.Tensor):
+        values = (values,)
+    if not isinstance(values, (tuple, list)):
+        raise ValueError(f"capture: {what} must be a tuple of tensors, got {type(values).__name__}")
+    for i, x in enumerate(values):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"capture: {what}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+    return tuple(values)
+
+
+def _validate(
+    model: Any, sample_inputs: Any, loss_fn: Any, kwargs: Any, targets: Any
+) -> tuple[InputSignature, tuple[torch.Tensor, ...]]:
+    """Check the call and return its signature and flat tensor inputs."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"capture: model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(sample_inputs, torch.Tensor):
-        sample_inputs = (sample_inputs,)
-    if not isinstance(sample_inputs, (tuple, list)):
-        raise ValueError(
-            f"capture: sample_inputs must be a tuple of tensors, got {type(sample_inputs).__name__}"
-        )
-    for i, x in enumerate(sample_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"capture: sample_inputs[{i}] must be a torch.Tensor, got {type(x).__name__}")
+    args = _as_tensor_tuple(sample_inputs, "sample_inputs")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"capture: loss_fn must be callable or None, got {type(loss_fn).__name__}")
-    seen: dict[int, str] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            logger.warning(
-                "capture: parameter %s is tied to %s; AOTAutograd lifts it as two graph inputs "
-                "with separate gradients", fqn, seen[id(p)],
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"capture: kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
+    tensor_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    constants = tuple((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))
+    for k, v in constants:
+        if not isinstance(v, (bool, int, float, str, type(None))):
+            raise ValueError(
+                f"capture: keyword argument {k!r} is a {type(v).__name__}; keyword arguments must be "
+                "tensors or constants (bool, int, float, str, None)"
             )
-        seen.setdefault(id(p), fqn)
-    devices = {p.device.type for p in model.parameters()} | {x.device.type for x in sample_inputs}
+    if targets is not None:
+        if loss_fn is None:
+            raise ValueError("capture: targets are passed to loss_fn; give loss_fn too")
+        targets = _as_tensor_tuple(targets, "targets")
+    signature = InputSignature(
+        n_args=len(args),
+        kwarg_names=tuple(tensor_kwargs),
+        constant_kwargs=constants,
+        n_targets=None if targets is None else len(targets),
+    )
+    flat = args + tuple(tensor_kwargs.values()) + (targets or ())
+    devices = {p.device.type for p in model.parameters()} | {x.device.type for x in flat}
     if devices - {"meta"}:
         logger.warning(
             "capture: tensors on %s; trace on the meta device (build the model under "
             "torch.device('meta')) to avoid allocating memory and CPU-only attention kernels",
             sorted(devices),
         )
-    return tuple(sample_inputs)
+    return signature, flat
 
 
 def _progress(message: str) -> contextlib.AbstractContextManager:
@@ -149,7 +239,10 @@ def _trace(
 ) -> tuple[fx.GraphModule, Any]:
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+    from apmodel._torch_private import composite_autograd_on_meta
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(composite_autograd_on_meta())
         joint = aot_export_joint_with_descriptors(
             stack, module, inputs, disable_functionalization=not functionalize
         )
@@ -263,20 +356,17 @@ def _fingerprint(gm: fx.GraphModule, param_fqn: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def _label(gm: fx.GraphModule, wrapped: bool) -> dict[str, Any]:
+def _label(gm: fx.GraphModule) -> dict[str, Any]:
     """Turn AOT descriptors into role / FQN / pairing dictionaries keyed by node name."""
     from torch._functorch._aot_autograd.descriptors import (
         BufferAOTInput,
         GradAOTOutput,
+        InputMutationAOTOutput,
         ParamAOTInput,
         PlainAOTInput,
         PlainAOTOutput,
         TangentAOTInput,
     )
-
-    def fqn(target: str) -> str:
-        prefix = _WRAPPED + "."
-        return target[len(prefix):] if wrapped and target.startswith(prefix) else target
 
     roles: dict[str, str] = {}
     param_fqn: dict[str, str] = {}
@@ -288,10 +378,10 @@ def _label(gm: fx.GraphModule, wrapped: bool) -> dict[str, Any]:
         desc = n.meta.get("desc")
         if isinstance(desc, ParamAOTInput):
             roles[n.name] = ROLE_PARAM
-            param_fqn[n.name] = fqn(desc.target)
+            param_fqn[n.name] = _user_fqn(desc.target)
         elif isinstance(desc, BufferAOTInput):
             roles[n.name] = ROLE_BUFFER
-            buffer_fqn[n.name] = fqn(desc.target)
+            buffer_fqn[n.name] = _user_fqn(desc.target)
         elif isinstance(desc, PlainAOTInput):
             roles[n.name] = ROLE_INPUT
             input_index[n.name] = desc.idx
@@ -308,6 +398,7 @@ def _label(gm: fx.GraphModule, wrapped: bool) -> dict[str, Any]:
     param_grad: dict[str, str] = {}
     input_grad: dict[str, str] = {}
     output_tangent: dict[str, str] = {}
+    buffer_update: dict[str, str] = {}
     out_node = gm.graph.output_node()
     for value, desc in zip(out_node.args[0], out_node.meta["desc"]):
         if not isinstance(value, fx.Node):
@@ -326,6 +417,14 @@ def _label(gm: fx.GraphModule, wrapped: bool) -> dict[str, Any]:
                 input_grad[of] = value.name
             else:
                 role = "grad_" + type(desc.grad_of).__name__.lower()
+        elif isinstance(desc, InputMutationAOTOutput) and isinstance(desc.mutated_input, BufferAOTInput):
+            role = ROLE_BUFFER_UPDATE
+            buffer_update[by_input_desc[desc.mutated_input]] = value.name
+        elif isinstance(desc, InputMutationAOTOutput):
+            raise ValueError(
+                f"capture: the step writes in place into {desc.mutated_input.expr()} (node {value.name}); "
+                "only buffers may be updated in place (a parameter or an input cannot)"
+            )
         else:
             role = type(desc).__name__.lower()
         if value.name in roles:
@@ -341,7 +440,80 @@ def _label(gm: fx.GraphModule, wrapped: bool) -> dict[str, Any]:
         param_grad=param_grad,
         input_grad=input_grad,
         output_tangent=output_tangent,
+        buffer_update=buffer_update,
     )
+
+
+def _user_fqn(target: str) -> str:
+    """A parameter or buffer FQN of the traced step -> its FQN in the user's model."""
+    prefix = _WRAPPED + "."
+    return target[len(prefix):] if target.startswith(prefix) else target
+
+
+def _merge_tied_parameters(gm: fx.GraphModule, step: nn.Module) -> dict[str, list[str]]:
+    """Make every tied ``nn.Parameter`` one graph input with one gradient.
+
+    AOTAutograd lifts each FQN of a shared parameter as its own placeholder, with its own
+    gradient; planned apart they would get two placements and train two tensors. The second and
+    later placeholders are replaced by the first, and the first's gradient becomes the sum of all
+    of them (what autograd computes for a shared tensor). Returns first placeholder -> the other
+    FQNs.
+    """
+    from torch._functorch._aot_autograd.descriptors import GradAOTOutput, ParamAOTInput
+
+    fqns_of: dict[int, list[str]] = {}
+    for fqn, p in step.named_parameters(remove_duplicate=False):
+        fqns_of.setdefault(id(p), []).append(fqn)
+    owner = {fqn: fqns[0] for fqns in fqns_of.values() for fqn in fqns}
+    first: dict[str, fx.Node] = {}
+    merged: dict[fx.Node, list[fx.Node]] = {}
+    for n in list(gm.graph.find_nodes(op="placeholder")):
+        desc = n.meta.get("desc")
+        if not isinstance(desc, ParamAOTInput) or desc.target not in owner:
+            continue
+        key = owner[desc.target]
+        if key not in first:
+            first[key] = n
+            continue
+        merged.setdefault(first[key], []).append(n)
+    if not merged:
+        return {}
+    out_node = gm.graph.output_node()
+    values = list(out_node.args[0])
+    grad_slot = {
+        d.grad_of.target: i for i, d in enumerate(out_node.meta["desc"])
+        if isinstance(d, GradAOTOutput) and isinstance(d.grad_of, ParamAOTInput)
+    }
+    tied: dict[str, list[str]] = {}
+    for keep, dups in merged.items():
+        keep_slot = grad_slot.get(keep.meta["desc"].target)
+        grads = [values[keep_slot]] if keep_slot is not None else []
+        for dup in dups:
+            dup.replace_all_uses_with(keep)
+            slot = grad_slot.get(dup.meta["desc"].target)
+            if slot is not None:
+                grads.append(values[slot])
+                values[slot] = None
+            gm.graph.erase_node(dup)
+        grads = [g for g in grads if isinstance(g, fx.Node)]
+        if len(grads) > 1 and keep_slot is not None:
+            total = grads[0]
+            with gm.graph.inserting_before(out_node):
+                for g in grads[1:]:
+                    total = gm.graph.call_function(torch.ops.aten.add.Tensor, (total, g))
+                    total.meta["val"] = grads[0].meta["val"]
+                    total.meta["partitioner_tag"] = "is_backward"
+            values[keep_slot] = total
+        elif grads and keep_slot is not None:
+            values[keep_slot] = grads[0]
+        tied[keep.name] = [_user_fqn(d.meta["desc"].target) for d in dups]
+        logger.info(
+            "capture: parameter %s is tied to %s: one graph input, gradients summed",
+            _user_fqn(keep.meta["desc"].target), ", ".join(tied[keep.name]),
+        )
+    out_node.args = (type(out_node.args[0])(values),) + tuple(out_node.args[1:])
+    gm.recompile()
+    return tied
 
 
 def _backward_flags(gm: fx.GraphModule, roles: dict[str, str]) -> dict[str, bool]:
@@ -372,23 +544,31 @@ def _unsupported_ops(gm: fx.GraphModule) -> list[str]:
 
 def capture(
     model: nn.Module,
-    sample_inputs: tuple[torch.Tensor, ...],
+    sample_inputs: Sequence[torch.Tensor] | torch.Tensor,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     *,
+    kwargs: Mapping[str, Any] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
     functionalize: bool | None = None,
+    allow_unused_parameters: bool = False,
 ) -> CapturedGraph:
     """Trace one training step of ``model`` into a labelled joint forward-backward ATen graph.
 
-    The traced function is ``loss_fn(model(*sample_inputs), *sample_inputs)`` (a scalar), or
-    ``model(*sample_inputs)`` (a single tensor) when ``loss_fn`` is None. Build the model and the
-    inputs on the meta device. Raises ``ValueError`` naming the argument on bad input.
+    The traced step is ``out = model(*sample_inputs, **kwargs)``, then ``loss_fn(out, *targets)``
+    (a scalar), or ``loss_fn(out, *sample_inputs)`` when ``targets`` is None (models that take
+    their labels), or ``out`` itself (a single tensor) when ``loss_fn`` is None. Build the model
+    and the inputs on the meta device. Raises ``ValueError`` naming the argument on bad input.
+
+    A parameter with ``requires_grad`` that gets no gradient is an error (a loss that does not
+    reach it trains nothing) unless ``allow_unused_parameters``; frozen parameters
+    (``requires_grad=False``) are planned as constants of the step.
 
     ``functionalize``: None (default) traces without AOTAutograd's functionalization (faster) and
-    falls back to it when the graph mutates anything but fresh intermediates; True / False force
-    one mode (False fails on such mutations).
+    falls back to it when the graph mutates anything but fresh intermediates (BatchNorm's running
+    statistics); True / False force one mode (False fails on such mutations).
     """
-    inputs = _validate(model, sample_inputs, loss_fn)
-    module = model if loss_fn is None else _WithLoss(model, loss_fn)
+    signature, inputs = _validate(model, sample_inputs, loss_fn, kwargs, targets)
+    module = _TracedStep(model, loss_fn, signature)
     name = type(model).__name__
     start = time.perf_counter()
     with _progress(f"tracing {name} (joint forward + backward)"):
@@ -414,11 +594,26 @@ def capture(
         raise ValueError(f"capture: loss_fn must return a scalar, got a tensor of shape {tuple(out_val.shape)}")
 
     removed = _simplify(gm)
-    labels = _label(gm, wrapped=loss_fn is not None)
+    tied = _merge_tied_parameters(gm, module)
+    labels = _label(gm)
     is_backward = _backward_flags(gm, labels["roles"])
-    no_grad = sorted(labels["param_fqn"][p] for p in labels["param_fqn"] if p not in labels["param_grad"])
+    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    no_grad = sorted(
+        fqn for node, fqn in labels["param_fqn"].items()
+        if node not in labels["param_grad"] and fqn in trainable
+    )
     if no_grad:
-        logger.warning("capture: %d parameter(s) get no gradient: %s", len(no_grad), ", ".join(no_grad[:10]))
+        message = (
+            f"capture: {len(no_grad)} trainable parameter(s) get no gradient from the traced "
+            f"{'loss' if loss_fn is not None else 'output'}: {', '.join(no_grad[:10])}"
+            f"{' ...' if len(no_grad) > 10 else ''}"
+        )
+        if not allow_unused_parameters:
+            raise ValueError(
+                message + "; freeze them (requires_grad_(False)) or pass allow_unused_parameters=True "
+                "if they are meant to stay unchanged"
+            )
+        logger.warning(message)
     fingerprint = _fingerprint(gm, labels["param_fqn"])
     unsupported = _unsupported_ops(gm)
     if unsupported:
@@ -444,5 +639,7 @@ def capture(
         unsupported_ops=unsupported,
         trace_s=trace_s,
         stats=stats,
+        signature=signature,
+        tied_params=tied,
         **labels,
     )

@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from apmodel import placements
+from apmodel._torch_private import has_sharding_rule
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ def _tokens(pl: Sequence[Placement]) -> tuple[str, ...]:
 
 def _fmt(pl: Sequence[Placement] | None) -> str:
     return "None" if pl is None else "".join(_tokens(pl))
+
+
+def _all_replicated(pl: Sequence[Placement]) -> bool:
+    return all(isinstance(p, Replicate) for p in pl)
 
 
 def _comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
@@ -144,6 +149,7 @@ class _Step:
     outputs: tuple  # planned output placements (one per tensor output, None for non-tensors)
     is_getitem: bool
     is_factory: bool
+    without_rule: bool = False  # no DTensor rule: planned replicated, run on the local (= global) tensors
     last_use: list[fx.Node] = field(default_factory=list)  # values to free after this step
 
 
@@ -320,7 +326,8 @@ class LoweredProgram:
         by_name = {n.name: n for n in gm.graph.nodes}
         self.param_grad = {p: by_name[captured.param_grad[p.name]] for p in self.params if p.name in captured.param_grad}
         self.input_grad = {by_name[i]: by_name[g] for i, g in captured.input_grad.items()}
-        self.n_inputs = len(self.inputs)
+        self.buffer_update = {by_name[b]: by_name[u] for b, u in captured.buffer_update.items()}
+        self.signature = captured.signature
 
         # storage placements of params (must be R/S) and buffers, checked against the node strategy
         self.storage: dict[fx.Node, Placements] = {}
@@ -376,7 +383,10 @@ class LoweredProgram:
                     pv = _tensor_vals(s.producer)[s.index]
                     if isinstance(pv, torch.Tensor):
                         _check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
-            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl)
+            without_rule = isinstance(n.target, torch._ops.OpOverload) and not has_sharding_rule(n.target)
+            if without_rule and not all(_all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
+                raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
+            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule)
             (self.bwd_steps if is_bwd.get(n.name, False) else self.fwd_steps).append(step)
         for n in self.storage:
             v = n.meta.get("val")
@@ -392,7 +402,7 @@ class LoweredProgram:
                 if a in fwd_set and a not in seen:
                     seen.add(a)
                     self.saved.append(a)
-        for o in self.fwd_outputs:
+        for o in list(self.fwd_outputs) + list(self.buffer_update.values()):
             seen.add(o)
         for p, g in list(self.param_grad.items()) + list(self.input_grad.items()):
             if g in fwd_set:  # gradient computed without the tangent (rare); keep it
@@ -401,6 +411,8 @@ class LoweredProgram:
         self._plan_frees(self.fwd_steps, keep=seen)
         self._plan_frees(self.bwd_steps, keep=set(self.param_grad.values()) | set(self.input_grad.values()))
         self.redistributions: list[Redistribution] = []
+        self.new_buffer_values: dict[str, torch.Tensor] = {}
+        """buffer FQN -> its value after the last forward (global, replicated), to write back"""
         self._kernels: dict[torch.device, dict] = {}
 
     @staticmethod
@@ -449,7 +461,7 @@ class LoweredProgram:
                 for slot in s.slots:
                     if slot.dst is not None:
                         flat[slot.leaf] = self._redistribute(flat[slot.leaf], slot.dst, n.name, slot.producer.name, slot.index, phase)
-                kernel = kernels.get(s.target)
+                kernel = kernels.get(s.target, s.target if s.without_rule else None)
                 try:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)
@@ -545,6 +557,10 @@ class _JointStep(torch.autograd.Function):
         for n, v in zip(ph, values):
             env[n] = v
         prog._run(prog.fwd_steps, env, "forward", device)
+        for b, u in prog.buffer_update.items():  # BatchNorm running statistics and the like
+            fqn = prog.captured.buffer_fqn[b.name]
+            v = prog._redistribute(env[u], prog.storage[b], f"buffer:{fqn}", u.name, 0, "forward")
+            prog.new_buffer_values[fqn] = v.to_local()
         ctx.prog = prog
         ctx.device = device
         ctx.saved_env = {n: env[n] for n in prog.saved} if keep else {}
@@ -597,23 +613,23 @@ def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
     owner.register_parameter(leaf, nn.Parameter(value, requires_grad=old.requires_grad))
 
 
-def _parallel_forward(self: nn.Module, *inputs: Any) -> Any:
+def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     prog: LoweredProgram = self._apmodel_program
-    if len(inputs) != prog.n_inputs:
-        raise ValueError(f"{type(self).__name__}.forward takes {prog.n_inputs} inputs (as the sample inputs), got {len(inputs)}")
+    sig = prog.signature
+    inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
     dinputs = []
     for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
         want = node.meta["val"]
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+            raise TypeError(f"input {sig.name(i)} must be a tensor, got {type(x).__name__}")
         if tuple(x.shape) != tuple(want.shape) or x.dtype != want.dtype:
             raise ValueError(
-                f"input {i} has shape {tuple(x.shape)} and dtype {x.dtype}; the plan was made for "
+                f"input {sig.name(i)} has shape {tuple(x.shape)} and dtype {x.dtype}; the plan was made for "
                 f"shape {tuple(want.shape)} and dtype {want.dtype} (re-plan for new shapes)"
             )
         pl = prog.storage[node]
         if isinstance(x, DTensor):
-            x = prog._redistribute(x, pl, node.name, f"input{i}", 0, "input")
+            x = prog._redistribute(x, pl, node.name, sig.name(i), 0, "input")
         elif x.requires_grad:
             x = _FromGlobal.apply(x, prog.mesh, pl)
         else:  # the global tensor, identical on every rank: keep the local chunk, no communication
@@ -643,8 +659,14 @@ def _parallel_forward(self: nn.Module, *inputs: Any) -> Any:
     if device is None:
         device = dinputs[0].to_local().device if dinputs else torch.device(prog.mesh.device_type)
     prog.redistributions = []
+    prog.new_buffer_values = {}
     keep = torch.is_grad_enabled() and any(v.requires_grad for v in values + dinputs)
-    return _JointStep.apply(prog, device, keep, *values, *dinputs)
+    out = _JointStep.apply(prog, device, keep, *values, *dinputs)
+    with torch.no_grad():  # buffer updates of the step (replicated: the local value is the global one)
+        for fqn, new in prog.new_buffer_values.items():
+            self.get_buffer(fqn).copy_(new)
+    prog.new_buffer_values = {}
+    return out
 
 
 def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Module:
@@ -677,6 +699,9 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Mo
         with torch.no_grad():
             dt = distribute_tensor(model.get_parameter(fqn).detach(), mesh, prog.storage[n], src_data_rank=None)
         _set_parameter(model, fqn, dt)
+        for tied in captured.tied_params.get(n.name, ()):  # tied weights stay one Parameter
+            owner_name, _, leaf = tied.rpartition(".")
+            (model.get_submodule(owner_name) if owner_name else model).register_parameter(leaf, model.get_parameter(fqn))
     cls = type(model)
     new_cls = type(f"Parallel{cls.__name__}", (cls,), {"forward": _parallel_forward, "__module__": cls.__module__})
     model.__class__ = new_cls
@@ -714,6 +739,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
     boundary = [(f"output:{o}", o, t, "forward") for o, t in captured.output_tangent.items()]
     boundary += [(f"grad:{captured.param_fqn[p]}", g, p, "backward") for p, g in captured.param_grad.items()]
     boundary += [(f"grad:input{captured.input_index[i]}", g, i, "backward") for i, g in captured.input_grad.items()]
+    boundary += [(f"buffer:{captured.buffer_fqn[b]}", u, b, "forward") for b, u in captured.buffer_update.items()]
     for label, producer, target, phase in boundary:
         src, dst = plan.node_strategy[producer].outputs[0], plan.node_strategy[target].outputs[0]
         if _tokens(src) != _tokens(dst):
@@ -763,15 +789,24 @@ def _meta_twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _capture_for(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None) -> Any:
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def _capture_for(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None, **capture_options: Any) -> Any:
     """Capture `model`'s training step on the meta device (as the planner does), whatever device the
-    model and the sample inputs are on."""
+    model and the sample inputs are on. ``capture_options``: kwargs, targets,
+    allow_unused_parameters (see :func:`apmodel.capture.capture`)."""
     from apmodel.capture import capture  # lazy: tracing machinery is heavy to import
 
     on_meta = all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
     meta_model = model if on_meta else _meta_twin(model)
-    meta_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in sample_inputs)
-    return capture(meta_model, meta_inputs, loss_fn)
+    if capture_options.get("kwargs") is not None:
+        capture_options["kwargs"] = {k: _to_meta(v) for k, v in capture_options["kwargs"].items()}
+    if capture_options.get("targets") is not None:
+        capture_options["targets"] = tuple(_to_meta(x) for x in capture_options["targets"])
+    meta_inputs = tuple(_to_meta(x) for x in sample_inputs)
+    return capture(meta_model, meta_inputs, loss_fn, **capture_options)
 
 
 def _plan_on_one_rank(solve: Callable[[], Any], mesh: DeviceMesh) -> Any:
@@ -804,6 +839,9 @@ def parallelize(
     sample_inputs: Sequence[Any],
     *,
     loss_fn: Callable | None = None,
+    kwargs: dict[str, Any] | None = None,
+    targets: Sequence[Any] | None = None,
+    allow_unused_parameters: bool = False,
     input_placements: Sequence[Any] | None = None,
     output_placements: Sequence[Any] | None = None,
     solver: str = "trws",
@@ -818,19 +856,27 @@ def parallelize(
         model: the user's module, ideally on the meta device (then nothing is allocated); it is
             changed in place and returned (see :func:`lower`).
         mesh: the real DeviceMesh to run on; its shape is the planning mesh shape.
-        sample_inputs: the inputs of one step, global shapes (e.g. ``(tokens, targets)``); the
-            returned module's ``forward`` takes inputs of exactly these shapes and dtypes.
-        loss_fn: ``loss_fn(model(*inputs), *inputs)`` gives the scalar loss (then ``forward``
-            returns the loss); None when the model returns what is to be differentiated.
+        sample_inputs: the model's positional inputs of one step, global shapes.
+        loss_fn: ``loss_fn(model(*inputs, **kwargs), *targets)`` gives the scalar loss (then
+            ``forward`` returns the loss); without ``targets`` it is called as
+            ``loss_fn(output, *inputs)``; None when the model returns what is to be differentiated.
+        kwargs: the model's keyword inputs (tensors, or constants traced into the graph).
+        targets: tensors only the loss reads (labels); the returned module is then called as
+            ``module(*inputs, *targets, **kwargs)``.
+        allow_unused_parameters: plan even if a trainable parameter gets no gradient.
         input_placements, output_placements, solver, device, constraints, plan_options: passed to
             :func:`apmodel.plan` (``device`` names the accelerator of the cost model).
         plan: a :class:`~apmodel.plans.Plan` (e.g. ``Plan.load(path)``): skip planning.
 
-    Returns the module, with DTensor parameters placed as planned. For a meta model call
-    ``to_empty(device=...)`` and initialise it (its ``init_weights``, or
+    Returns the module, with DTensor parameters placed as planned (tied parameters stay one
+    Parameter; buffers updated in forward, such as BatchNorm statistics, are written back after
+    each step). Its ``forward`` takes inputs of exactly the traced shapes and dtypes. For a meta
+    model call ``to_empty(device=...)`` and initialise it (its ``init_weights``, or
     :func:`load_full_state_dict`) before training.
     """
-    captured = _capture_for(model, sample_inputs, loss_fn)
+    captured = _capture_for(
+        model, sample_inputs, loss_fn, kwargs=kwargs, targets=targets, allow_unused_parameters=allow_unused_parameters
+    )
     if plan is None:
         from apmodel.api import plan as make_plan
 

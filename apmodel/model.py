@@ -11,7 +11,8 @@ pairwise problem (``solvers.PairwiseProblem``):
 * **pairwise terms**: redistribution cost (µs) between a producer's output placement and the
   placement its consumer expects, on every graph edge; a parameter's gradient is an edge back to
   the parameter (it must end in the parameter's storage placement, which prices the gradient
-  reduction), an input's gradient likewise;
+  reduction), an input's gradient likewise, and a buffer's new value (BatchNorm running
+  statistics) is an edge back to the buffer;
 * **constraints**: allowed-state masks (boundary placements, the parameter-storage policy, user
   fixes and bans, each recorded with its provenance so conflicts can be named) and linear rows over
   the indicators (parameter-memory budget, user rows).
@@ -183,6 +184,8 @@ class PlacementModel:
             edges.append(Edge(grad, 0, param, -1))
         for inp, grad in cap.input_grad.items():
             edges.append(Edge(grad, 0, inp, -1))
+        for buf, update in cap.buffer_update.items():  # written back at the buffer's placement
+            edges.append(Edge(update, 0, buf, -1))
         return edges
 
     def _boundary_outputs(self, output_placements: Sequence[Any] | None) -> dict[str, tuple[str, ...]]:

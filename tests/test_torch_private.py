@@ -48,12 +48,13 @@ def test_registries_exist_and_hold_the_ops_we_use():
 
 
 @pytest.mark.parametrize("shape", [(8,), (2, 4), (2, 2, 2), (2, 1, 2, 2)])
-def test_fake_mesh_shapes_and_idempotence(shape):
+def test_fake_mesh_shapes_and_no_process_group(shape):
+    was_initialized = torch.distributed.is_initialized()
     m1 = tp.fake_mesh(shape)
     m2 = tp.fake_mesh(shape)
     assert tuple(m1.shape) == tuple(m2.shape) == shape
-    assert m1.device_type == "cpu"
-    assert torch.distributed.is_initialized()
+    assert m1.device_type == "cpu" and m1.get_coordinate() == (0,) * len(shape)
+    assert torch.distributed.is_initialized() == was_initialized  # planning installs no group
 
 
 def test_fake_mesh_rejects_bad_shapes():
@@ -136,12 +137,41 @@ print("OK")
 """
 
 
-def test_fake_mesh_leaves_a_real_process_group_alone():
+_PLAN_THEN_GLOO_SCRIPT = r"""
+import os, tempfile, torch, torch.distributed as dist
+import apmodel
+from apmodel.models import build, config, sample_inputs
+cfg = dict(n_layers=1, dim=32, n_heads=2, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=8)
+with torch.device("meta"):
+    model = build("llama3-debug", **cfg)
+inputs = sample_inputs(config("llama3-debug", **cfg), 4, 8, device="meta")
+for _ in range(2):
+    apmodel.plan(model, (2, 2), inputs)
+    assert not dist.is_initialized(), "planning left a default process group behind"
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+assert dist.get_backend() == "gloo" and dist.get_world_size() == 1 and dist.get_rank() == 0
+t = torch.ones(2)
+dist.all_reduce(t)
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+def _run_script(script: str) -> None:
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _REAL_PG_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
+
+
+def test_fake_mesh_leaves_a_real_process_group_alone():
+    _run_script(_REAL_PG_SCRIPT)
+
+
+def test_planning_twice_then_gloo_init_in_one_process():
+    _run_script(_PLAN_THEN_GLOO_SCRIPT)
