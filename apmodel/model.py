@@ -271,7 +271,7 @@ class PlacementModel:
             strats = self.strategies[node]
             ok = np.array(
                 [
-                    all(pl.to_str(p) != "P" for p in s.outputs[0])
+                    not any(pl.to_str(p).startswith("P") for p in s.outputs[0])
                     and all(pl.to_str(s.outputs[0][a]) == "R" for a in self.replicate_axes)
                     for s in strats
                 ]
@@ -291,10 +291,10 @@ class PlacementModel:
             numel = _tensor_value(self.node_by_name[node].meta["val"], 0).numel()
             total += numel
             for i, s in enumerate(self.strategies[node]):
-                if any(pl.to_str(p) == "P" for p in s.outputs[0]):
+                if any(pl.to_str(p).startswith("P") for p in s.outputs[0]):
                     continue
                 terms.append((node, i, numel / self._param_shard_factor(s)))
-            self.restrict(node, lambda s: all(pl.to_str(p) != "P" for p in s.outputs[0]), f"policy: parameter {fqn} not partial")
+            self.restrict(node, lambda s: not any(pl.to_str(p).startswith("P") for p in s.outputs[0]), f"policy: parameter {fqn} not partial")
         self.linear_rows.append(("param_memory_budget", terms, "<=", fraction * total))
 
     # ------------------------------------------------------------------ user constraints

@@ -307,7 +307,8 @@ def node_strategies(
     *,
     allow_uneven: bool = False,
     partial_inputs: bool = True,
-    partial_reduce_ops: Sequence[str] = ("sum",),
+    partial_reduce_ops: Sequence[str] = ("sum", "avg"),
+    partial_input_ops: Sequence[str] = ("sum",),
     cache: StrategyCache | None = None,
     ball: Ball | None = None,
 ) -> list[Strategy]:
@@ -319,7 +320,9 @@ def node_strategies(
     mesh is made). ``partial_inputs=False`` drops strategies that consume a Partial input (e.g. the
     single-dim mm rule's P x R -> P), which shrinks the search space. ``partial_reduce_ops`` are the
     Partial reductions kept (DTensor's mean gives Partial("avg"), amax Partial("max")); the default
-    keeps only sums, the "P" of the costmodels vocabulary. ``ball`` (split-dimension seeding)
+    keeps sums and means, the "P" and "P(avg)" of the costmodels vocabulary (a batch-sharded
+    mean loss is a partial mean); ``partial_input_ops`` are the Partial reductions a strategy may
+    consume (default: sums only). ``ball`` (split-dimension seeding)
     keeps only the strategies inside it; single-dim rules then expand only the per-axis
     combinations inside the ball instead of the whole product over the mesh axes. Returns a
     non-empty list; the output node returns [].
@@ -396,7 +399,7 @@ def node_strategies(
     restrict_to_ball = (ball is not None and ball.radius < nd and isinstance(op, torch._ops.OpOverload)
                         and tp.rule_kind(op) == "single_dim")
     key = (op, _freeze(args, with_cands), _freeze(kwargs, with_cands), out_shapes, ms, allow_uneven,
-           partial_inputs, tuple(partial_reduce_ops), ball if restrict_to_ball else None)
+           partial_inputs, tuple(partial_reduce_ops), tuple(partial_input_ops), ball if restrict_to_ball else None)
     hit = cache.memo.get(key)
     if hit is not None:
         cache.hits += 1
@@ -433,7 +436,7 @@ def node_strategies(
             seen.add(s)
             if restrict_to_ball and not ball.contains(s):
                 continue
-            if _keep(op, s, out_shapes, in_shapes, ms, allow_uneven, partial_inputs, partial_reduce_ops):
+            if _keep(op, s, out_shapes, in_shapes, ms, allow_uneven, partial_inputs, partial_reduce_ops, partial_input_ops):
                 result.append(s)
         if reason is None and not result:
             reason = "every strategy of the rule was filtered out"
@@ -544,6 +547,7 @@ def _keep(
     allow_uneven: bool,
     partial_inputs: bool,
     partial_reduce_ops: Sequence[str],
+    partial_input_ops: Sequence[str],
 ) -> bool:
     for pl, shape in itertools.chain(zip(s.outputs, out_shapes), zip(s.inputs, in_shapes)):
         if pl is None:
@@ -551,6 +555,13 @@ def _keep(
         if shape is None or not _in_vocabulary(pl, partial_reduce_ops) or not _shardable(shape, pl, ms, allow_uneven):
             return False
     if not partial_inputs and any(pl is not None and any(isinstance(p, Partial) for p in pl) for pl in s.inputs):
+        return False
+    # Partial means are produced (a batch-sharded mean loss) but, by default, reduced before use:
+    # consuming one (P(avg) x R -> P(avg) for every linear op) would double the strategies of mm.
+    if any(
+        pl is not None and any(isinstance(p, Partial) and p.reduce_op not in partial_input_ops for p in pl)
+        for pl in s.inputs
+    ):
         return False
     return not any(ex.matches(op, s) for ex in EXCLUDED)
 
@@ -565,7 +576,8 @@ def enumerate_strategies(
     *,
     allow_uneven: bool = False,
     partial_inputs: bool = True,
-    partial_reduce_ops: Sequence[str] = ("sum",),
+    partial_reduce_ops: Sequence[str] = ("sum", "avg"),
+    partial_input_ops: Sequence[str] = ("sum",),
     cache: StrategyCache | None = None,
     progress: bool = True,
     balls: dict[str, Ball] | None = None,
@@ -587,7 +599,7 @@ def enumerate_strategies(
         for n in nodes:
             out[n.name] = node_strategies(
                 n, mesh, out, allow_uneven=allow_uneven, partial_inputs=partial_inputs,
-                partial_reduce_ops=partial_reduce_ops, cache=cache,
+                partial_reduce_ops=partial_reduce_ops, partial_input_ops=partial_input_ops, cache=cache,
                 ball=balls.get(n.name) if balls is not None else None,
             )
             advance()

@@ -1,6 +1,7 @@
 """Cost of moving a tensor from one placement tuple to another.
 
-Placements are tuples of strings, one per mesh axis: ``"R"``, ``"S(d)"``, ``"P"``.
+Placements are tuples of strings, one per mesh axis: ``"R"``, ``"S(d)"``, ``"P"`` (partial sum) or
+``"P(avg)"`` (partial mean: reduced by the same collectives as a sum, at the same price).
 The transition is decomposed into per-axis steps in the order DTensor's redistribute
 uses (``torch.distributed.tensor._redistribute``):
 
@@ -31,14 +32,18 @@ _SHARD = re.compile(r"^S\((\d+)\)$")
 
 #: placement token kinds
 _R, _P = "R", "P"
+#: partial tokens -> their index (kinds differ: moving between two partials needs a reduction)
+_PARTIALS = {"P": 0, "P(sum)": 0, "P(avg)": 1}
 
 
 def _parse(p: str, ndim: int, what: str) -> tuple[str, int]:
-    if p == _R or p == _P:
+    if p == _R:
         return (p, -1)
+    if p in _PARTIALS:
+        return (_P, _PARTIALS[p])
     m = _SHARD.match(p) if isinstance(p, str) else None
     if not m:
-        raise ValueError(f"{what}: bad placement {p!r}; expected 'R', 'P' or 'S(d)'")
+        raise ValueError(f"{what}: bad placement {p!r}; expected 'R', 'P', 'P(avg)' or 'S(d)'")
     d = int(m.group(1))
     if d >= ndim:
         raise ValueError(f"{what}: placement {p!r} shards dim {d} of a {ndim}-d tensor")
@@ -174,8 +179,9 @@ def redistribution_us(comm: Any, global_shape: tuple[int, ...], itemsize_bytes: 
 # ``(kind, axis, nbytes)``), and add the step prices of every pair in step order, so the
 # sums are the same floating-point operations as ``redistribution_us``'s.
 
-#: per-axis placement codes of the vectorised path: R, P, then S(d) as ``_CODE_S0 + d``
-_CODE_R, _CODE_P, _CODE_S0 = 0, 1, 2
+#: per-axis placement codes of the vectorised path: R, the partials (P, P(avg)), then S(d) as
+#: ``_CODE_S0 + d``
+_CODE_R, _CODE_P, _CODE_S0 = 0, 1, 1 + len(set(_PARTIALS.values()))
 #: step kinds of the vectorised path (0: no collective in this slot)
 _KIND_NAMES = (None, "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "forbidden")
 _AG, _RS, _AR, _A2A, _FORBIDDEN = 1, 2, 3, 4, 5
@@ -240,8 +246,8 @@ def _placement_codes(cache: _MatrixCache, placements: tuple[str, ...], D: int,
         codes, top = [], -1
         for p in placements:
             kind, d = _parse(p, 1 << 30, f"{what} {placements!r}")
-            codes.append(_CODE_R if kind == _R else _CODE_P if kind == _P else _CODE_S0 + d)
-            top = max(top, d)
+            codes.append(_CODE_R if kind == _R else _CODE_P + d if kind == _P else _CODE_S0 + d)
+            top = max(top, d if kind == "S" else -1)
         hit = cache.codes[placements] = (tuple(codes), top)
     return hit
 
@@ -293,13 +299,14 @@ def _trace_block(mesh: tuple[int, ...], src_codes: Any, dst_codes: Any,
     def apply(axis: int, new: Any, active: Any) -> None:
         """One call of ``_steps.apply`` on the ``active`` pairs; records the slot's keys."""
         old = cur[:, axis]
-        forbidden = active & (new == _CODE_P)
+        forbidden = active & (new >= _CODE_P) & (new < _CODE_S0)
         comm_step = active & ~forbidden & (old != _CODE_R) & (mesh[axis] > 1)
         old_s, new_s = old >= _CODE_S0, new >= _CODE_S0
+        old_p = (old >= _CODE_P) & ~old_s
         kind = np.zeros(len(cur), dtype=np.int64)
         kind[comm_step & old_s & (new == _CODE_R)] = _AG
-        kind[comm_step & (old == _CODE_P) & (new == _CODE_R)] = _AR
-        kind[comm_step & (old == _CODE_P) & new_s] = _RS
+        kind[comm_step & old_p & (new == _CODE_R)] = _AR
+        kind[comm_step & old_p & new_s] = _RS
         kind[comm_step & old_s & new_s] = _A2A
         # 1 + the dim the step gathers / scatters (all-to-all: the source's), 0 for all-reduce
         dim = np.where(kind == _RS, new, old).astype(np.int64) - (_CODE_S0 - 1)

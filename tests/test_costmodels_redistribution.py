@@ -31,6 +31,15 @@ def test_forbidden_transitions_are_inf(comm):
         assert cm.redistribution_steps(comm, SHAPE, 2, src, dst)[-1][0] == "forbidden"
 
 
+def test_partial_mean_reduces_like_a_sum_and_never_turns_into_another_partial(comm):
+    for dst in [("R", "R"), ("S(0)", "R"), ("R", "S(1)")]:
+        assert cm.redistribution_us(comm, SHAPE, 2, ("P(avg)", "R"), dst) == \
+            cm.redistribution_us(comm, SHAPE, 2, ("P", "R"), dst)
+    assert math.isinf(cm.redistribution_us(comm, SHAPE, 2, ("P(avg)", "R"), ("P", "R")))
+    assert math.isinf(cm.redistribution_us(comm, SHAPE, 2, ("P", "R"), ("P(avg)", "R")))
+    assert cm.redistribution_us(comm, SHAPE, 2, ("P(avg)", "R"), ("P(avg)", "R")) == 0
+
+
 def test_single_steps_price_the_right_collective_on_the_right_buffer(comm):
     nbytes = SHAPE[0] * SHAPE[1] * 2
     # S -> R on axis 1 (4 ranks): all-gather of the full tensor (the other axis is R)
@@ -72,7 +81,7 @@ def test_nested_sharding_goes_through_replicate(comm):
     assert [(k, a, b) for k, a, b, _ in steps] == [("reduce_scatter", 0, nbytes), ("reduce_scatter", 1, nbytes // 2)]
 
 
-PLACEMENTS = ["R", "P", "S(0)", "S(1)"]
+PLACEMENTS = ["R", "P", "P(avg)", "S(0)", "S(1)"]
 
 
 def _dtensor_plan(mesh_shape, shape, src, dst):
@@ -82,7 +91,9 @@ def _dtensor_plan(mesh_shape, shape, src, dst):
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
     def conv(p):
-        return Replicate() if p == "R" else Partial() if p == "P" else Shard(int(p[2:-1]))
+        if p.startswith("P"):
+            return Partial("avg") if p == "P(avg)" else Partial()
+        return Replicate() if p == "R" else Shard(int(p[2:-1]))
 
     mesh = SimpleNamespace(ndim=len(mesh_shape), size=lambda mesh_dim: mesh_shape[mesh_dim],
                            _sym_get_coordinate=lambda i: 0)
@@ -152,7 +163,7 @@ def test_bad_placements(comm):
 
 # ------------------------------------------------------------------ whole-edge matrices
 def _random_block(rng, mesh_shape, ndim, n):
-    tokens = ["R", "P"] + [f"S({d})" for d in range(ndim)]
+    tokens = ["R", "P", "P(avg)"] + [f"S({d})" for d in range(ndim)]
     every = list(itertools.product(tokens, repeat=len(mesh_shape)))
     return rng.sample(every, min(n, len(every)))
 

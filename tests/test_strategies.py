@@ -162,7 +162,8 @@ def test_add_counts(ms, n_sum, n_any):
     assert len(strats) == n_sum  # R, S(0..2), PxP->P per axis
     # With every Partial kind DTensor's rule offers (avg, max, min), the counts are those of
     # DESIGN.md (10 / 81 / 633) up to one combination on 2+ axes (sum and avg partials mix).
-    _, strats, _, _ = _enumerate_node(gm, aten.add.Tensor, ms, partial_reduce_ops=("sum", "avg", "max", "min"))
+    _, strats, _, _ = _enumerate_node(gm, aten.add.Tensor, ms, partial_reduce_ops=("sum", "avg", "max", "min"),
+                                      partial_input_ops=("sum", "avg", "max", "min"))
     assert len(strats) == n_any
 
 
