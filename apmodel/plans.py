@@ -116,6 +116,8 @@ class Plan:
         node_strategy = pmodel.decode(assignment)
         cap = pmodel.captured
         params = {fqn: node_strategy[node].outputs[0] for node, fqn in cap.param_fqn.items()}
+        for node, others in getattr(cap, "tied_params", {}).items():  # tied weights: one placement, every name
+            params.update({fqn: params[cap.param_fqn[node]] for fqn in others})
         breakdown = price(pmodel, node_strategy)
         plan = cls(
             mesh_shape=tuple(pmodel.mesh_shape),
