@@ -84,6 +84,9 @@ class CapturedGraph:
     """seconds spent in capture (tracing plus labelling)"""
     stats: dict[str, int] = field(default_factory=dict)
     """node counts: "nodes" (all), "placeholders", "forward" and "backward" (call_function nodes)"""
+    trace_options: dict[str, Any] = field(default_factory=dict)
+    """how to trace the same step again at other shapes: ``loss_fn``, ``allow_unused_parameters``,
+    ``functionalize`` (the arguments of :func:`capture` besides the model and the inputs)"""
 
     def nodes_with_role(self, role: str) -> list[str]:
         """Node names with ``role``, in graph order."""
@@ -140,6 +143,15 @@ class InputSignature:
                 raise ValueError(f"{where}: keyword argument {k!r} is {kwargs[k]!r}; it was traced as the constant {v!r}")
         return list(args[: self.n_args]) + [kwargs[k] for k in self.kwarg_names] + list(args[self.n_args:])
 
+    def split(self, flat: Sequence[Any]) -> tuple[tuple, dict[str, Any], tuple | None]:
+        """Flat inputs -> ``(args, kwargs, targets)`` of the traced call (constants included in
+        ``kwargs``; ``targets`` is None when the loss reads the model's arguments)."""
+        n_kw = len(self.kwarg_names)
+        kwargs = dict(zip(self.kwarg_names, flat[self.n_args:self.n_args + n_kw]))
+        kwargs.update(self.constant_kwargs)
+        targets = tuple(flat[self.n_args + n_kw:]) if self.n_targets is not None else None
+        return tuple(flat[: self.n_args]), kwargs, targets
+
 
 class _TracedStep(nn.Module):
     """The step of :class:`InputSignature` as a module taking flat tensors, so that AOTAutograd
@@ -152,15 +164,11 @@ class _TracedStep(nn.Module):
         self.signature = signature
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
-        sig = self.signature
-        args = flat[: sig.n_args]
-        kwargs = dict(zip(sig.kwarg_names, flat[sig.n_args:]))
-        kwargs.update(sig.constant_kwargs)
+        args, kwargs, targets = self.signature.split(flat)
         out = getattr(self, _WRAPPED)(*args, **kwargs)
         if self.loss_fn is None:
             return out
-        targets = flat[sig.n_args + len(sig.kwarg_names):] if sig.n_targets is not None else args
-        return self.loss_fn(out, *targets)
+        return self.loss_fn(out, *(targets if targets is not None else args))
 
 
 def has_dtensor_rule(op: Any) -> bool:
@@ -234,6 +242,45 @@ def _progress(message: str) -> contextlib.AbstractContextManager:
     return console.status(message, spinner="dots")
 
 
+class _ModuleStack:
+    """Which module of the step is running (FQN in the user's model), via forward hooks; on an
+    exception the innermost module that was entered stays on top (post-hooks do not run)."""
+
+    def __init__(self, step: nn.Module) -> None:
+        self.path: list[str] = []
+        self._handles = []
+        for name, mod in step.named_modules():
+            fqn = _user_fqn(name) if name != _WRAPPED else ""
+            if not name:
+                continue
+            self._handles.append(mod.register_forward_pre_hook(self._enter(fqn)))
+            self._handles.append(mod.register_forward_hook(self._leave))
+
+    def _enter(self, fqn: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.path.append(fqn)
+
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.path.pop()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def where(self, model: nn.Module) -> str:
+        if not self.path or not self.path[-1]:
+            return f"{type(model).__name__}.forward"
+        fqn = self.path[-1]
+        return f"module {fqn!r} ({type(model.get_submodule(fqn)).__name__})"
+
+
+#: torch's errors for an op whose output (shape or value) depends on tensor data, by class name
+#: (they live in private modules: torch._subclasses.fake_tensor, torch.fx.experimental.symbolic_shapes)
+_DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
+
+
 def _trace(
     module: nn.Module, inputs: tuple[torch.Tensor, ...], functionalize: bool
 ) -> tuple[fx.GraphModule, Any]:
@@ -241,12 +288,26 @@ def _trace(
 
     from apmodel._torch_private import composite_autograd_on_meta
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(composite_autograd_on_meta())
-        joint = aot_export_joint_with_descriptors(
-            stack, module, inputs, disable_functionalization=not functionalize
-        )
-        return joint.graph_module, joint.out_spec
+    modules = _ModuleStack(module)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(composite_autograd_on_meta())
+            joint = aot_export_joint_with_descriptors(
+                stack, module, inputs, disable_functionalization=not functionalize
+            )
+            return joint.graph_module, joint.out_spec
+    except Exception as e:
+        if type(e).__name__ not in _DATA_DEPENDENT_ERRORS:
+            raise
+        op = str(e).split("\n")[0] or type(e).__name__
+        raise ValueError(
+            f"capture: {modules.where(getattr(module, _WRAPPED))} calls {op}, whose result depends on "
+            "tensor values (.item(), nonzero, boolean-mask indexing, or Python control flow on a tensor); "
+            "apmodel traces shapes only: compute it outside the model, pass it as an input, or use a "
+            "static-shape form (torch.where, masking by multiplication)"
+        ) from None
+    finally:
+        modules.close()
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -640,6 +701,7 @@ def capture(
         trace_s=trace_s,
         stats=stats,
         signature=signature,
+        trace_options=dict(loss_fn=loss_fn, allow_unused_parameters=allow_unused_parameters, functionalize=functionalize),
         tied_params=tied,
         **labels,
     )

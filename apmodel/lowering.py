@@ -413,6 +413,10 @@ class LoweredProgram:
         self.redistributions: list[Redistribution] = []
         self.new_buffer_values: dict[str, torch.Tensor] = {}
         """buffer FQN -> its value after the last forward (global, replicated), to write back"""
+        self.retrace_model: nn.Module | None = None
+        """a meta copy of the user's model, to trace the step again for other input shapes"""
+        self.variants: dict[tuple, LoweredProgram] = {}
+        """the plan replayed on other input shapes, by the inputs' shapes"""
         self._kernels: dict[torch.device, dict] = {}
 
     @staticmethod
@@ -426,6 +430,54 @@ class LoweredProgram:
                 steps[i].last_use.append(a)
 
     # -------------------------------------------------------------------------------------------
+
+    def for_inputs(self, inputs: Sequence[Any]) -> "LoweredProgram":
+        """This program, or the plan replayed on the shapes of ``inputs`` (traced once per shape).
+
+        Same dtypes are required. A new batch (or sequence) size re-traces the step on the meta
+        device, checks that the graph has the plan's structure (same nodes and ops) and lowers the
+        plan's node strategies on it; a size the plan's shardings cannot divide raises a
+        ValueError naming the input, the node and the mesh axes."""
+        sig = self.signature
+        shapes = []
+        for i, (node, x) in enumerate(zip(self.inputs, inputs)):
+            want = node.meta["val"]
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {sig.name(i)} must be a tensor, got {type(x).__name__}")
+            if x.dtype != want.dtype or x.dim() != want.dim():
+                raise ValueError(
+                    f"input {sig.name(i)} has shape {tuple(x.shape)} and dtype {x.dtype}; the plan was made for "
+                    f"shape {tuple(want.shape)} and dtype {want.dtype} (re-plan for another dtype or rank)"
+                )
+            shapes.append(tuple(x.shape))
+        key = tuple(shapes)
+        if all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs)):
+            return self
+        variant = self.variants.get(key)
+        if variant is None:
+            variant = self.variants[key] = self._replay_on(inputs)
+        return variant
+
+    def _replay_on(self, inputs: Sequence[Any]) -> "LoweredProgram":
+        from apmodel.capture import capture
+        from apmodel.plans import PlanMismatch, structure_fingerprint
+
+        if self.retrace_model is None:
+            raise ValueError("this program cannot be traced again (made without lower()); re-plan for new shapes")
+        sig = self.signature
+        shapes = ", ".join(f"{sig.name(i)} {tuple(x.shape)}" for i, x in enumerate(inputs))
+        args, kwargs, targets = sig.split([torch.empty(x.shape, dtype=x.dtype, device="meta") for x in inputs])
+        captured = capture(self.retrace_model, args, kwargs=kwargs, targets=targets, **self.captured.trace_options)
+        if structure_fingerprint(captured) != structure_fingerprint(self.captured):
+            raise PlanMismatch(f"at input shapes {shapes} the model traces to another graph; re-plan for these shapes")
+        plan = copy.copy(self.plan)
+        plan.fingerprint = captured.fingerprint
+        try:
+            variant = LoweredProgram(self.mesh, plan, captured)
+        except ValueError as e:
+            raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
+        logger.info("replayed the plan on input shapes %s", shapes)
+        return variant
 
     def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str) -> DTensor:
         if not isinstance(x, DTensor):
@@ -614,19 +666,12 @@ def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
 
 
 def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    prog: LoweredProgram = self._apmodel_program
-    sig = prog.signature
+    traced: LoweredProgram = self._apmodel_program
+    sig = traced.signature
     inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
+    prog = traced.for_inputs(inputs)  # the plan as traced, or replayed on these shapes
     dinputs = []
     for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
-        want = node.meta["val"]
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input {sig.name(i)} must be a tensor, got {type(x).__name__}")
-        if tuple(x.shape) != tuple(want.shape) or x.dtype != want.dtype:
-            raise ValueError(
-                f"input {sig.name(i)} has shape {tuple(x.shape)} and dtype {x.dtype}; the plan was made for "
-                f"shape {tuple(want.shape)} and dtype {want.dtype} (re-plan for new shapes)"
-            )
         pl = prog.storage[node]
         if isinstance(x, DTensor):
             x = prog._redistribute(x, pl, node.name, sig.name(i), 0, "input")
@@ -658,7 +703,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         values.append(v)
     if device is None:
         device = dinputs[0].to_local().device if dinputs else torch.device(prog.mesh.device_type)
-    prog.redistributions = []
+    prog.redistributions = traced.redistributions = []
     prog.new_buffer_values = {}
     keep = torch.is_grad_enabled() and any(v.requires_grad for v in values + dinputs)
     out = _JointStep.apply(prog, device, keep, *values, *dinputs)
@@ -681,16 +726,19 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Mo
     Raises ValueError for a mesh of the wrong shape, a plan made for another graph (fingerprint), a
     plan with uneven shards, or a plan inconsistent with the graph.
     """
+    from apmodel.plans import PlanMismatch
+
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
-        raise ValueError(f"mesh shape {tuple(mesh.shape)} differs from the plan's mesh shape {tuple(plan.mesh_shape)}")
+        raise PlanMismatch(f"mesh shape {tuple(mesh.shape)} differs from the plan's mesh shape {tuple(plan.mesh_shape)}")
     if plan.fingerprint != captured.fingerprint:
-        raise ValueError(
+        raise PlanMismatch(
             f"the model's graph (fingerprint {captured.fingerprint[:12]}) does not match the plan's "
             f"(fingerprint {plan.fingerprint[:12]}): re-plan for this model and these sample inputs"
         )
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
     prog = LoweredProgram(mesh, plan, captured)
+    prog.retrace_model = _meta_twin(model)  # structure only (meta tensors): for other input shapes
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them
     # as usual; each step wraps them at their planned placement (the planner keeps them replicated).

@@ -21,7 +21,7 @@ PRELOAD = ["torch", "torch.distributed.tensor", "apmodel.lowering", "apmodel.cap
            "apmodel.strategies", "apmodel.models"]
 
 
-def _child(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple) -> None:
+def _child(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple, init_group: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -29,6 +29,15 @@ def _child(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: s
     torch.set_num_threads(1)
     result: Any
     try:
+        if not init_group:  # torchrun-style: the function initialises the group itself
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), APMODEL_TEST_INIT_METHOD=f"file://{store_path}")
+            try:
+                result = ("ok", fn(rank, world_size, *args))
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+            return
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         try:
             result = ("ok", fn(rank, world_size, *args))
@@ -39,16 +48,21 @@ def _child(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: s
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, init_group: bool = True
+) -> list[Any]:
     """``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo group initialised, and
     destroyed after); returns the per-rank results (picklable). A failing rank raises RuntimeError
-    with its traceback; a hang past ``timeout_s`` kills the processes and raises TimeoutError."""
+    with its traceback; a hang past ``timeout_s`` kills the processes and raises TimeoutError.
+
+    ``init_group=False`` runs ``fn`` as torchrun would: no group yet, ``RANK`` and ``WORLD_SIZE``
+    set, and the rendezvous address in ``APMODEL_TEST_INIT_METHOD``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="apmodel_dist_") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, store, tmp, args), daemon=True)
+            ctx.Process(target=_child, args=(fn, r, world_size, store, tmp, args, init_group), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

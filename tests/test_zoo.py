@@ -203,3 +203,130 @@ def test_keyword_inputs_are_checked_at_call_time(plan_dir):
         sig.flatten((*args, *targets), {**kwargs, "scale": 2.0}, "f")
     with pytest.raises(ValueError, match="1 model argument\\(s\\) \\+ 1 target"):
         sig.flatten(args, kwargs, "f")
+
+
+def _plan_then_train_worker(rank: int, world: int) -> dict[str, Any]:
+    """What a training script under torchrun does: plan first (before any process group exists),
+    then initialise the real group and mesh, then parallelize with the plan and train."""
+    import os
+
+    import torch.distributed as dist
+
+    from apmodel.lowering import load_full_state_dict
+    from apmodel.models import build, config, sample_inputs
+
+    cfg = dict(n_layers=1, dim=32, n_heads=2, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=8)
+    tokens, targets = sample_inputs(config("llama3-debug", **cfg), 4, 8, device="cpu", generator=torch.Generator().manual_seed(3))
+    with torch.device("meta"):
+        meta_model = build("llama3-debug", **cfg)
+    plan = apmodel.plan(meta_model, MESH, (tokens.to("meta"), targets.to("meta")))
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=os.environ["APMODEL_TEST_INIT_METHOD"], rank=rank, world_size=world)
+    mesh = dist.init_device_mesh("cpu", MESH)
+    torch.manual_seed(0)
+    ref = build("llama3-debug", **cfg)
+    ref.init_weights()
+    full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+    with torch.device("meta"):
+        model = build("llama3-debug", **cfg)
+    model = apmodel.parallelize(model, mesh, (tokens, targets), plan=plan)
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, full)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        opt.zero_grad(); ref_opt.zero_grad()
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        ref_loss = ref(tokens, targets)
+        ref_loss.backward()
+        ref_opt.step()
+        losses.append(loss.full_tensor().item())
+        ref_losses.append(ref_loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "backend": dist.get_backend(), "rank": dist.get_rank()}
+
+
+@pytest.mark.slow
+def test_plan_before_process_group_then_train_matches_one_device():
+    results = run_distributed(_plan_then_train_worker, 4, timeout_s=600, init_group=False)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert r["backend"] == "gloo"
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= LOSS_RTOL * abs(want), (got, want)
+
+
+def _other_shapes_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
+    """The lowered module replays its plan on other batch and sequence sizes; the losses equal one
+    device's, and a batch the plan cannot divide is refused with a clear error."""
+    import torch.distributed as dist
+
+    from apmodel.lowering import load_full_state_dict, lower
+
+    mesh = dist.init_device_mesh("cpu", MESH)
+    case = CASES["tied_lm"]
+    torch.manual_seed(0)
+    ref = case.build()
+    full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    with torch.device("meta"):
+        model = case.build()
+    model = lower(model, mesh, Plan.load(Path(plan_dir) / "tied_lm.json"), _capture(case))
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, full)
+    g = torch.Generator().manual_seed(11)
+    out: dict[str, Any] = {"losses": [], "ref_losses": []}
+    for batch, seq in [(4, 6), (8, 3), (16, 2), (8, 6)]:  # (8, 6) is the traced shape
+        tokens = torch.randint(0, 64, (batch, seq), generator=g)
+        labels = torch.randint(0, 64, (batch, seq), generator=g)
+        loss = model(tokens, labels)
+        loss.backward()
+        ref_loss = case.loss_fn(ref(tokens), labels)
+        ref_loss.backward()
+        out["losses"].append(loss.full_tensor().item())
+        out["ref_losses"].append(ref_loss.item())
+    out["grad_err"] = max(
+        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
+    )
+    out["variants"] = len(model._apmodel_program.variants)
+    try:
+        model(torch.zeros(3, 6, dtype=torch.long), torch.zeros(3, 6, dtype=torch.long))
+        out["odd_batch_error"] = None
+    except ValueError as e:
+        out["odd_batch_error"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_lowered_module_replays_its_plan_on_other_batch_and_sequence_sizes(plan_dir):
+    r = run_distributed(_other_shapes_worker, 4, str(plan_dir), timeout_s=600)[0]
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert abs(got - want) <= LOSS_RTOL * abs(want), (got, want)
+    assert r["grad_err"] < 1e-5  # gradients accumulated over the four batches
+    assert r["variants"] == 3  # one trace per new shape; the traced shape needs none
+    assert r["odd_batch_error"] is not None and "cannot run at input shapes args[0] (3, 6)" in r["odd_batch_error"]
+
+
+class _DataDependent(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.kind == "nonzero":
+            return h[h > 0].sum()
+        if self.kind == "item":
+            return h * h.sum().item()
+        return h if h.sum() > 0 else -h  # control flow on a tensor
+
+
+@pytest.mark.parametrize("kind,op", [("nonzero", "aten.nonzero"), ("item", "_local_scalar_dense"), ("branch", "_local_scalar_dense")])
+def test_data_dependent_ops_are_named_with_their_module(kind, op):
+    outer = torch.nn.Sequential(torch.nn.Identity(), _DataDependent(kind))
+    with torch.device("meta"):
+        outer = outer.to_empty(device="meta")
+    with pytest.raises(ValueError, match=rf"module '1' \(_DataDependent\) calls .*{op}.*depends on tensor values"):
+        capture(outer, (torch.randn(2, 4, device="meta"),), lambda out, x: out.sum())
