@@ -281,14 +281,18 @@ def _local_kernels(device: torch.device) -> dict:
     """Replacement kernels for ops that have no kernel on ``device`` (run on local shards).
 
     The reference models trace attention as ``aten._scaled_dot_product_flash_attention`` (it has
-    DTensor rules), which has no CPU kernel in torch 2.13; on CPU, run it with the reference
-    implementation from :mod:`apmodel.models.attention`.
+    DTensor rules). It has no CPU kernel in torch 2.13, and its CUDA kernel takes only fp16 and
+    bf16: on CPU it runs the reference implementation from :mod:`apmodel.models.attention`; on
+    CUDA the real kernel for half-precision inputs and the reference for fp32 (same outputs, same
+    logsumexp, so the traced backward op pairs with either).
     """
-    if device.type != "cpu":
-        return {}
-    from apmodel.models.attention import CPU_REFERENCE_KERNELS
+    from apmodel.models.attention import CPU_REFERENCE_KERNELS, HALF_ONLY_KERNELS
 
-    return dict(CPU_REFERENCE_KERNELS)
+    if device.type == "cpu":
+        return dict(CPU_REFERENCE_KERNELS)
+    if device.type == "cuda":
+        return dict(HALF_ONLY_KERNELS)
+    return {}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -152,3 +152,27 @@ CPU_REFERENCE_KERNELS = MappingProxyType({
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default: flash_attention_backward,
     torch.ops.aten._fused_rms_norm_backward.default: rms_norm_backward,
 })
+
+
+def _half_or_reference(op: torch._ops.OpOverload, reference):
+    """``op`` for fp16 / bf16 inputs, ``reference`` otherwise (flash attention's CUDA kernel
+    refuses fp32: "FlashAttention only support fp16 and bf16 data type")."""
+
+    def run(*args, **kwargs):
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        if first.dtype in (torch.float16, torch.bfloat16):
+            return op(*args, **kwargs)
+        return reference(*args, **kwargs)
+
+    return run
+
+
+# Ops whose device kernel takes only half precision, mapped to a dispatcher that runs the
+# reference implementation for other dtypes (fp32 models lowered on CUDA).
+HALF_ONLY_KERNELS = MappingProxyType({
+    op: _half_or_reference(op, CPU_REFERENCE_KERNELS[op])
+    for op in (
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+    )
+})
