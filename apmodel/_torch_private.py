@@ -15,6 +15,7 @@ Surface:
   combinations only (split-dimension seeding), with torch's own per-combination checks.
 - :func:`composite_autograd_on_meta` – context in which tracing on the meta device differentiates
   every CompositeImplicitAutograd op (``F.cross_entropy``, dropout, ``var``) as eager PyTorch does.
+- :func:`fused_attention_on_meta` – context in which SDPA traces on meta as the fused flash op.
 - :func:`without_redistribute_costs` – context in which torch's own redistribution pricing
   (unused by apmodel, 85% of enumeration time) is skipped.
 
@@ -60,6 +61,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 __all__ = [
     "composite_autograd_on_meta",
+    "fused_attention_on_meta",
     "without_redistribute_costs",
     "fake_mesh",
     "has_sharding_rule",
@@ -272,6 +274,71 @@ def composite_autograd_on_meta() -> Iterator[int]:
         for op, kernel in shadowing:
             op.py_kernels[DispatchKey.Meta] = kernel
             op._dispatch_cache.clear()
+
+
+def _flash_fits(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, enable_gqa: bool) -> bool:
+    """Whether flash attention's kernel takes this SDPA call: meta tensors of rank 4, no mask, no
+    dropout, equal head counts and head dims."""
+    tensors = (query, key, value)
+    return (
+        all(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.dim() == 4 for t in tensors)
+        and attn_mask is None
+        and not dropout_p
+        and not enable_gqa
+        and query.shape[1] == key.shape[1] == value.shape[1]
+        and query.shape[-1] == key.shape[-1] == value.shape[-1]
+    )
+
+
+def _sdpa_as_flash_on_meta(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    from torch._C import DispatchKey
+
+    if _flash_fits(query, key, value, attn_mask, dropout_p, enable_gqa):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+        return flash(query, key, value, 0.0, is_causal, False, scale=scale)[0]
+    # torch's own decomposition (the C++ CompositeImplicitAutograd kernel: the math path on meta)
+    return torch.ops.aten.scaled_dot_product_attention.default._op_dk(
+        DispatchKey.CompositeImplicitAutograd, query, key, value, attn_mask, dropout_p, is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """Trace ``F.scaled_dot_product_attention`` on meta tensors as the fused flash op a GPU runs.
+
+    SDPA is CompositeImplicitAutograd; on meta its backend choice (a per-device stub) is the math
+    path (bmm + softmax + bmm, with a [seq, seq] score tensor), so an unmodified model's attention
+    would be priced unfused and lose DTensor's attention rules. While inside, a Python kernel for
+    SDPA's CompositeImplicitAutograd key (honoured by AOTAutograd's Python dispatcher, also for
+    calls nested in ``nn.MultiheadAttention``) calls the flash op where its kernel takes the call,
+    and torch's own decomposition otherwise. Restored on exit. Not thread-safe.
+    """
+    from torch._C import DispatchKey
+
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    key = DispatchKey.CompositeImplicitAutograd
+    previous = op.py_kernels.get(key)
+    op.py_kernels[key] = _sdpa_as_flash_on_meta
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        if previous is None:
+            del op.py_kernels[key]
+        else:
+            op.py_kernels[key] = previous
+        op._dispatch_cache.clear()
 
 
 def op_strategies(

@@ -286,12 +286,13 @@ def _trace(
 ) -> tuple[fx.GraphModule, Any]:
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-    from apmodel._torch_private import composite_autograd_on_meta
+    from apmodel._torch_private import composite_autograd_on_meta, fused_attention_on_meta
 
     modules = _ModuleStack(module)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(composite_autograd_on_meta())
+            stack.enter_context(fused_attention_on_meta())
             joint = aot_export_joint_with_descriptors(
                 stack, module, inputs, disable_functionalization=not functionalize
             )
