@@ -54,6 +54,8 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +67,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from apmodel import constraints as C
+from apmodel import placements as pl
 
 
 class ConfigError(ValueError):
@@ -158,12 +161,48 @@ _CONSTRAINT_KEYS = {
 }
 
 
+#: Pricing dtypes (the keys of ``apmodel.api.DTYPES``; not imported to keep this module light).
+_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+# "4x8", "4,8", "4×8" or "8": what ``apmodel.cli.parse_mesh`` reads
+_MESH_AXIS = re.compile(r"\s*[0-9]+\s*")
+_ON = re.compile(r"output|input(:[0-9]+)?")
+_OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """``repr`` of a bad value, cut so a huge value does not flood the message."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 def _check_type(src: str, key: str, value: Any, types: tuple[type, ...], what: str) -> Any:
     # bool is an int in Python; do not accept true for a number (or 1 for a bool)
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if ok and isinstance(value, str) and not value.strip():
+        ok = False  # an empty name or path is never meant
     if not ok:
-        raise ConfigError(f"{src}: key {key!r} must be {what}, got {value!r}")
+        raise ConfigError(f"{src}: key {key!r} must be {what}, got {_short(value)}")
     return value
+
+
+def _check_placement(src: str, key: str, value: str) -> None:
+    """Syntax only: the number of mesh axes is known once the mesh is."""
+    try:
+        pl.parse(value)
+    except ValueError as e:
+        raise ConfigError(f"{src}: key {key!r}: {e}") from None
+
+
+def _check_finite(src: str, key: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{src}: key {key!r} must be a finite number, got {value!r}")
+
+
+def _check_mesh(src: str, text: str) -> None:
+    parts = text.lower().replace(",", "x").replace("×", "x").split("x")
+    if not (1 <= len(parts) <= 4 and all(_MESH_AXIS.fullmatch(p) and int(p) > 0 for p in parts)):
+        raise ConfigError(f"{src}: key 'workload.mesh' must be 1 to 4 positive axis sizes joined by 'x' "
+                          f"(e.g. \"8\" or \"4x8\"), got {_short(text)}")
 
 
 def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Linear:
@@ -183,8 +222,9 @@ def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Line
             raise ConfigError(f"{src}: {where}.placement is missing (e.g. placement = \"S(0)R\")")
         placement = _check_type(src, f"{where}.placement", entry["placement"], (str,), 'a placement string like "S(0)R"')
         on = _check_type(src, f"{where}.on", entry.get("on", "output"), (str,), '"output" or "input:J"')
-        if on != "output" and not (on.startswith("input") and (on == "input" or on[6:].isdigit())):
-            raise ConfigError(f"{src}: key {where}.on must be \"output\" or \"input:J\", got {on!r}")
+        if not _ON.fullmatch(on):
+            raise ConfigError(f"{src}: key {where}.on must be \"output\" or \"input:J\", got {_short(on)}")
+        _check_placement(src, f"{where}.placement", placement)
         name = _check_type(src, f"{where}.name", entry.get("name", f"config {where}: {kind} {pattern} {placement}"), (str,), "a string")
         ctor = C.fix if kind == "fix" else C.forbid
         return ctor(pattern, placement, on=on, name=name)
@@ -197,18 +237,23 @@ def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Line
     for j, t in enumerate(terms):
         if not (isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) and isinstance(t[1], str)
                 and isinstance(t[2], (int, float)) and not isinstance(t[2], bool)):
-            raise ConfigError(f"{src}: key {where}.terms[{j}] must be [pattern, placement, coefficient], got {t!r}")
+            raise ConfigError(f"{src}: key {where}.terms[{j}] must be [pattern, placement, coefficient], got {_short(t)}")
+        _check_placement(src, f"{where}.terms[{j}]", t[1])
+        _check_finite(src, f"{where}.terms[{j}]", t[2])
         parsed.append((t[0], t[1], float(t[2])))
     sense = entry["sense"]
-    if sense not in ("<=", ">=", "=="):
-        raise ConfigError(f"{src}: key {where}.sense must be \"<=\", \">=\" or \"==\", got {sense!r}")
+    if not isinstance(sense, str) or sense not in ("<=", ">=", "=="):
+        raise ConfigError(f"{src}: key {where}.sense must be \"<=\", \">=\" or \"==\", got {_short(sense)}")
     rhs = _check_type(src, f"{where}.rhs", entry["rhs"], (int, float), "a number")
+    _check_finite(src, f"{where}.rhs", rhs)
     return C.linear(name, parsed, sense, float(rhs))
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path | None = None) -> Config:
     """Validate a parsed TOML document; relative file paths are resolved against ``base_dir``."""
     cfg = Config(source=source)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a configuration must be a table of sections, got {_short(data)}")
     for section, body in data.items():
         if section == "constraints":
             if not isinstance(body, list):
@@ -229,7 +274,15 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
             setattr(cfg, attr, value)
     if cfg.replicate_axes is not None:
         if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in cfg.replicate_axes):
-            raise ConfigError(f"{source}: key 'planner.replicate_axes' must list non-negative integers, got {cfg.replicate_axes!r}")
+            raise ConfigError(f"{source}: key 'planner.replicate_axes' must list non-negative integers, got {_short(cfg.replicate_axes)}")
+    if cfg.mesh is not None:
+        _check_mesh(source, cfg.mesh)
+    if cfg.dtype is not None and cfg.dtype not in _DTYPES:
+        raise ConfigError(f"{source}: key 'device.dtype' must be one of {', '.join(_DTYPES)}, got {_short(cfg.dtype)}")
+    for key in ("compute_model", "comm_model"):
+        v = getattr(cfg, key)
+        if v is not None and not _OBJECT_SPEC.fullmatch(v):
+            raise ConfigError(f"{source}: key 'cost.{key}' must look like \"package.module:Name\", got {_short(v)}")
     if cfg.param_policy is not None and cfg.param_policy not in ("full_shard", "free"):
         raise ConfigError(f"{source}: key 'planner.param_policy' must be \"full_shard\" or \"free\", got {cfg.param_policy!r}")
     if cfg.param_memory_fraction is not None and not 0 < cfg.param_memory_fraction <= 1:
@@ -239,8 +292,16 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
         if v is not None and v < 1:
             section = "topology" if key == "gpus_per_node" else "workload"
             raise ConfigError(f"{source}: key '{section}.{key}' must be >= 1, got {v}")
-    if cfg.time_limit is not None and cfg.time_limit <= 0:
-        raise ConfigError(f"{source}: key 'solver.time_limit' must be > 0 seconds, got {cfg.time_limit}")
+    if cfg.time_limit is not None and not 0 < cfg.time_limit < math.inf:  # also refuses nan
+        raise ConfigError(f"{source}: key 'solver.time_limit' must be a finite number > 0 of seconds, got {cfg.time_limit}")
+    for key in ("intra_GBps", "inter_GBps"):  # bandwidths divide message sizes
+        v = getattr(cfg, key)
+        if v is not None and not 0 < v < math.inf:
+            raise ConfigError(f"{source}: key 'topology.{key}' must be a finite number > 0, got {v}")
+    for key in ("intra_latency_us", "inter_latency_us"):
+        v = getattr(cfg, key)
+        if v is not None and not 0 <= v < math.inf:
+            raise ConfigError(f"{source}: key 'topology.{key}' must be a finite number >= 0, got {v}")
     if cfg.calibration is not None and base_dir is not None and not Path(cfg.calibration).is_absolute():
         cfg.calibration = str(base_dir / cfg.calibration)
     return cfg
@@ -250,14 +311,23 @@ def load_config(path: str | Path) -> Config:
     """Read and validate a TOML configuration file (see the module docstring for its keys)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")  # TOML is UTF-8, whatever the locale says
     except OSError as e:
         raise ConfigError(f"{path}: cannot read configuration file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a TOML file (not UTF-8 text: {e.reason} at byte {e.start})") from None
+    return parse_config_text(text, str(path), path.parent)
+
+
+def parse_config_text(text: str, source: str = "<config>", base_dir: Path | None = None) -> Config:
+    """Parse and validate TOML text (what :func:`load_config` does after reading the file)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return parse_config(data, str(path), path.parent)
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid TOML: nested too deeply") from None
+    return parse_config(data, source, base_dir)
 
 
 def merge(cfg: Config, **flags: Any) -> Config:

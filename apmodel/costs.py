@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -28,6 +29,81 @@ logger = logging.getLogger(__name__)
 _FREE_TARGETS = {"getitem"}
 
 
+class CostModelError(ValueError):
+    """A compute or communication model returned a time (µs) that is not a finite number >= 0."""
+
+
+def describe_model(model: Any) -> str:
+    """Short name of a cost model for messages: its class, plus its repr when that says more."""
+    name = type(model).__qualname__
+    text = repr(model)
+    if text.startswith("<"):  # the default object repr adds only an address
+        return name
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return text if text.startswith(name) else f"{name} {text}"
+
+
+def _bad_time(value: Any) -> str | None:
+    """Why ``value`` is not a valid time in µs (``None`` when it is one)."""
+    try:
+        us = float(value)
+    except (TypeError, ValueError):
+        return f"{value!r}, which is not a number"
+    if math.isnan(us):
+        return "NaN"
+    if us < 0:
+        return f"a negative time ({us!r} µs)"
+    if math.isinf(us):
+        return "inf µs"
+    return None
+
+
+class CheckedComm:
+    """Validates the prices (µs) of a CommModel where they enter the model.
+
+    ``time_us`` raises :class:`CostModelError` for a negative, NaN or infinite time. ``inf`` is
+    reserved for forbidden transitions (into a partial placement), which
+    ``costmodels.redistribution`` produces itself without asking the comm model, so a comm model
+    never has a reason to return it. The redistribution layer memoises prices per
+    ``(kind, axis, nbytes)`` on this object, so each distinct collective is checked once.
+    Other attributes (``topo``, ...) are read from the wrapped model.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.mesh_shape: tuple[int, ...] = tuple(model.mesh_shape)
+        # costmodels.redistribution stores its caches on the comm object; they must live here
+        # (not be read through to the wrapped model's), or cached prices would skip the check
+        self.redistribution_cache = None
+        self.redistribution_matrix_cache = None
+
+    def time_us(self, kind: str, nbytes: float, axis: int) -> float:
+        """Time (µs) of one ``kind`` collective of ``nbytes`` bytes on mesh ``axis``."""
+        value = self.model.time_us(kind, nbytes, axis)
+        why = _bad_time(value)
+        if why is not None:
+            raise CostModelError(
+                f"comm model {describe_model(self.model)} returned {why} for {kind} of {nbytes} bytes on "
+                f"mesh axis {axis} (mesh {self.mesh_shape}); collective times must be finite and >= 0 "
+                f"(inf is reserved for forbidden transitions, which apmodel derives itself)"
+            )
+        return float(value)
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for attributes not set on the wrapper; "model" guards against recursion
+        # while unpickling / copying, before __init__ ran
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __repr__(self) -> str:
+        return f"CheckedComm({self.model!r})"
+
+
+def _shapes(values: Sequence[Any]) -> list[tuple[int, ...]]:
+    return [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+
+
 def _local(t: torch.Tensor, placement: tuple | None, mesh_shape: Sequence[int]) -> torch.Tensor:
     shape = tuple(t.shape) if placement is None else pl.local_shape(tuple(t.shape), placement, mesh_shape)
     return torch.empty(shape, dtype=t.dtype, device="meta")
@@ -40,15 +116,23 @@ class CostContext:
     Args:
         mesh_shape: the mesh the plan is for.
         compute: a ``costmodels.ComputeModel`` (``time_us(op, args, kwargs, out, dtype=None)``).
-        comm: a ``costmodels.CommModel`` (``time_us(kind, nbytes, axis)``).
+        comm: a ``costmodels.CommModel`` (``time_us(kind, nbytes, axis)``); stored wrapped in a
+            :class:`CheckedComm` so that every collective price is validated.
         dtype: floating-point tensors are priced as this dtype (the graph is traced in fp32);
             ``None`` prices them as traced.
+
+    Both models must return finite times >= 0 µs; anything else raises :class:`CostModelError`
+    naming the model, the op or collective, and the value.
     """
 
     mesh_shape: tuple[int, ...]
     compute: Any
     comm: Any
     dtype: torch.dtype | None = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.comm is not None and not isinstance(self.comm, CheckedComm):
+            self.comm = CheckedComm(self.comm)
 
     def itemsize(self, dtype: torch.dtype) -> int:
         """Bytes per element as priced (the pricing dtype for floating tensors)."""
@@ -88,7 +172,19 @@ class CostContext:
                     outs.append(o)
             call_args, call_kwargs = tree_unflatten(args, spec)
             out = tree_unflatten(outs, out_spec)
-            result[si] = self.compute.time_us(node.target, tuple(call_args), dict(call_kwargs), out, dtype=self.dtype)
+            value = self.compute.time_us(node.target, tuple(call_args), dict(call_kwargs), out, dtype=self.dtype)
+            try:
+                us = float(value)
+            except (TypeError, ValueError):
+                us = math.nan
+            if not 0.0 <= us < math.inf:  # False for NaN too
+                raise CostModelError(
+                    f"compute model {describe_model(self.compute)} returned {_bad_time(value) or repr(value)} for "
+                    f"{node.target} at node {node.name!r} (strategy {s}; per-device input shapes "
+                    f"{_shapes([args[pos] for pos in node_pos])}, output shapes {_shapes(outs)}); "
+                    f"compute times must be finite and >= 0 µs"
+                )
+            result[si] = us
         return result
 
     # ---------------------------------------------------------------- communication

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
+import torch
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from apmodel import placements as pl
 from apmodel.strategies import Strategy
@@ -37,30 +39,75 @@ class PlanMismatch(ValueError):
     """A plan used with a mesh or model other than the one it was made for."""
 
 
+class PlanFileError(ValueError):
+    """A plan file (or plan JSON object) is malformed; the message names the source and the field."""
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """``repr`` of a bad value, cut so a huge value does not flood the error message."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _bad(source: str, where: str, what: str, got: Any) -> PlanFileError:
+    return PlanFileError(f"{source}: field {where!r} must be {what}, got {_short(got)}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _placements_to_json(p) -> str | None:
     return None if p is None else pl.tuple_to_str(p)
 
 
-def _placements_from_json(s: str | None, where: str):
-    if s is None:
+def _placements_from_json(s: Any, where: str, ndim: int | None = None, source: str = "plan file", *, optional: bool = True):
+    """Parse one placement string; ``ndim`` (the mesh's axis count) checks the number of tokens."""
+    if s is None and optional:
         return None
+    if not isinstance(s, str):
+        what = "a placement string like 'S(0)R'" + (" or null" if optional else "")
+        raise _bad(source, where, what, s)
     try:
-        return pl.parse(s)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"plan file: {where}: {e}") from None
+        return pl.parse(s, ndim)
+    except ValueError as e:
+        raise PlanFileError(f"{source}: field {where!r}: {e}") from None
 
 
 def strategy_to_json(s: Strategy) -> dict[str, list[str | None]]:
     return {"out": [_placements_to_json(p) for p in s.outputs], "in": [_placements_to_json(p) for p in s.inputs]}
 
 
-def strategy_from_json(d: Any, where: str) -> Strategy:
-    if not isinstance(d, dict) or "out" not in d or "in" not in d:
-        raise ValueError(f"plan file: {where}: expected an object with 'out' and 'in' lists, got {d!r}")
+def strategy_from_json(d: Any, where: str, ndim: int | None = None, source: str = "plan file") -> Strategy:
+    """A :class:`Strategy` from ``{"out": [...], "in": [...]}``; PlanFileError names ``where`` if malformed."""
+    if not isinstance(d, dict) or not isinstance(d.get("out"), list) or not isinstance(d.get("in"), list):
+        raise _bad(source, where, "an object with 'out' and 'in' lists of placement strings", d)
+    if not d["out"]:
+        raise _bad(source, f"{where}.out", "a non-empty list (every node has an output)", d["out"])
     return Strategy(
-        outputs=tuple(_placements_from_json(p, f"{where}.out") for p in d["out"]),
-        inputs=tuple(_placements_from_json(p, f"{where}.in") for p in d["in"]),
+        outputs=tuple(_placements_from_json(p, f"{where}.out[{i}]", ndim, source) for i, p in enumerate(d["out"])),
+        inputs=tuple(_placements_from_json(p, f"{where}.in[{i}]", ndim, source) for i, p in enumerate(d["in"])),
     )
+
+
+def _str_keyed(source: str, where: str, value: Any, what: str) -> dict:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _bad(source, where, what, value)
+    return value
+
+
+def _number_map(source: str, where: str, value: Any, *, ints: bool = False) -> dict[str, Any]:
+    """A ``{name: number}`` object (``ints``: integers only), checked entry by entry."""
+    ok = _is_int if ints else _is_number
+    what = "an object of integers" if ints else "an object of numbers"
+    for k, v in _str_keyed(source, where, value, what).items():
+        if not ok(v):
+            raise _bad(source, f"{where}[{k!r}]", "an integer" if ints else "a number", v)
+    return {k: (int(v) if ints else float(v)) for k, v in value.items()}
 
 
 def layer_of(node_meta: Mapping[str, Any], fallback: str = "other") -> str:
@@ -99,6 +146,8 @@ class Plan:
     sizes: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     workload: dict[str, Any] = field(default_factory=dict)
+    #: Things the user should know about the plan (see :func:`plan_warnings`); saved in the file.
+    warnings: list[str] = field(default_factory=list)
     # Transient: what the plan was solved on (not saved).
     model: "PlacementModel | None" = field(default=None, repr=False, compare=False)
 
@@ -134,6 +183,7 @@ class Plan:
             sizes=pmodel.summary(),
             timings=dict(timings),
             workload=dict(workload or {}),
+            warnings=plan_warnings(pmodel, node_strategy),
             model=pmodel,
         )
         return plan
@@ -161,6 +211,7 @@ class Plan:
             "timings": self.timings,
             "param_placements": {k: pl.tuple_to_str(v) for k, v in self.param_placements.items()},
             "node_strategy": {k: strategy_to_json(v) for k, v in self.node_strategy.items()},
+            "warnings": list(self.warnings),
         }
 
     def save(self, path: str | Path) -> None:
@@ -170,45 +221,76 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> "Plan":
+        """A plan from the object :meth:`to_json` writes.
+
+        Raises :class:`PlanFileError` (a ValueError) naming ``source`` and the offending field for
+        a missing field, a value of the wrong type, a malformed placement, or placements whose
+        token count is not the mesh's number of axes.
+        """
         if not isinstance(data, dict) or data.get("format") != "apmodel-plan":
-            raise ValueError(f"{source}: not an apmodel plan file (missing \"format\": \"apmodel-plan\")")
+            raise PlanFileError(f"{source}: not an apmodel plan file (missing \"format\": \"apmodel-plan\")")
         version = data.get("version")
-        if version != PLAN_FORMAT_VERSION:
-            raise ValueError(f"{source}: plan format version {version!r} is not supported (this apmodel reads {PLAN_FORMAT_VERSION})")
+        if not _is_int(version) or version != PLAN_FORMAT_VERSION:
+            raise PlanFileError(f"{source}: plan format version {_short(version)} is not supported (this apmodel reads {PLAN_FORMAT_VERSION})")
         required = ["mesh_shape", "fingerprint", "structure_fingerprint", "node_strategy", "param_placements", "objective_us"]
         for key in required:
             if key not in data:
-                raise ValueError(f"{source}: missing field {key!r}")
-        try:
-            mesh_shape = tuple(int(x) for x in data["mesh_shape"])
-        except (TypeError, ValueError):
-            raise ValueError(f"{source}: field 'mesh_shape' must be a list of integers, got {data['mesh_shape']!r}") from None
-        nodes = {k: strategy_from_json(v, f"node_strategy[{k!r}]") for k, v in data["node_strategy"].items()}
-        params = {k: _placements_from_json(v, f"param_placements[{k!r}]") for k, v in data["param_placements"].items()}
+                raise PlanFileError(f"{source}: missing field {key!r}")
+        raw_mesh = data["mesh_shape"]
+        if not isinstance(raw_mesh, list) or not raw_mesh or not all(_is_int(x) and x > 0 for x in raw_mesh):
+            raise _bad(source, "mesh_shape", "a non-empty list of positive ints", raw_mesh)
+        mesh_shape = tuple(raw_mesh)
+        ndim = len(mesh_shape)
+        for key in ("fingerprint", "structure_fingerprint"):
+            if not isinstance(data[key], str):
+                raise _bad(source, key, "a string", data[key])
+        raw_nodes = _str_keyed(source, "node_strategy", data["node_strategy"], "an object mapping node names to strategies")
+        if not raw_nodes:
+            raise PlanFileError(f"{source}: field 'node_strategy' is empty: a plan places at least one node")
+        nodes = {k: strategy_from_json(v, f"node_strategy[{k!r}]", ndim, source) for k, v in raw_nodes.items()}
+        raw_params = _str_keyed(source, "param_placements", data["param_placements"], "an object mapping parameter names to placement strings")
+        params = {k: _placements_from_json(v, f"param_placements[{k!r}]", ndim, source, optional=False) for k, v in raw_params.items()}
+        numbers = {}
+        for key in ("objective_us", "compute_us", "comm_us"):
+            v = data.get(key, float("nan"))  # only objective_us is required (checked above)
+            if not _is_number(v):
+                raise _bad(source, key, "a number (µs)", v)
+            numbers[key] = float(v)
+        per_layer = _str_keyed(source, "per_layer", data.get("per_layer", {}), "an object of {compute_us, comm_us} objects")
+        warnings = data.get("warnings", [])  # absent in files written before warnings existed
+        if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+            raise _bad(source, "warnings", "a list of strings", warnings)
         return cls(
             mesh_shape=mesh_shape,
-            fingerprint=str(data["fingerprint"]),
-            structure_fingerprint=str(data["structure_fingerprint"]),
+            fingerprint=data["fingerprint"],
+            structure_fingerprint=data["structure_fingerprint"],
             node_strategy=nodes,
             param_placements=params,
-            objective_us=float(data["objective_us"]),
-            compute_us=float(data.get("compute_us", float("nan"))),
-            comm_us=float(data.get("comm_us", float("nan"))),
-            comm_by_collective=dict(data.get("comm_by_collective", {})),
-            per_layer=dict(data.get("per_layer", {})),
-            solver=dict(data.get("solver", {})),
-            sizes=dict(data.get("sizes", {})),
-            timings=dict(data.get("timings", {})),
-            workload=dict(data.get("workload", {})),
+            **numbers,
+            comm_by_collective=_number_map(source, "comm_by_collective", data.get("comm_by_collective", {})),
+            per_layer={k: _number_map(source, f"per_layer[{k!r}]", v) for k, v in per_layer.items()},
+            solver=dict(_str_keyed(source, "solver", data.get("solver", {}), "an object")),
+            sizes=_number_map(source, "sizes", data.get("sizes", {}), ints=True),
+            timings=_number_map(source, "timings", data.get("timings", {})),
+            workload=dict(_str_keyed(source, "workload", data.get("workload", {}), "an object")),
+            warnings=list(warnings),
         )
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        """Read a plan written by :meth:`save`; malformed files raise ValueError naming the field."""
+        """Read a plan written by :meth:`save`; a malformed file raises PlanFileError naming the field."""
         try:
-            data = json.loads(Path(path).read_text())
+            text = Path(path).read_bytes().decode("utf-8")
+        except OSError as e:
+            raise PlanFileError(f"{path}: cannot read plan file ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise PlanFileError(f"{path}: not a plan file (not UTF-8 text: {e.reason} at byte {e.start})") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+            raise PlanFileError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise PlanFileError(f"{path}: not a plan file (JSON nested too deeply)") from None
         return cls.from_json(data, str(path))
 
     # ------------------------------------------------------------------ checks
@@ -344,8 +426,21 @@ def explain(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy], tar
     return sorted(rows, key=lambda r: r["total_us"])
 
 
-def diff(a: Plan, b: Plan) -> list[dict[str, Any]]:
-    """Nodes (and parameters) whose placements differ between two plans."""
+def diff(a: Plan, b: Plan, *, allow_mismatch: bool = False) -> list[dict[str, Any]]:
+    """Nodes (and parameters) whose placements differ between two plans.
+
+    Plans for different meshes or different graph structures are not comparable node by node:
+    they raise :class:`PlanMismatch` saying what differs, unless ``allow_mismatch`` (then
+    parameters and nodes are matched by name and everything that differs is listed).
+    """
+    problems = []
+    if tuple(a.mesh_shape) != tuple(b.mesh_shape):
+        problems.append(f"mesh {tuple(a.mesh_shape)} vs {tuple(b.mesh_shape)}")
+    if a.structure_fingerprint != b.structure_fingerprint:
+        problems.append(f"graph structure {a.structure_fingerprint[:12]} vs {b.structure_fingerprint[:12]} (ops or layers differ)")
+    if problems and not allow_mismatch:
+        raise PlanMismatch(f"plans were made for different {' and '.join(problems)}; "
+                           "pass allow_mismatch=True to compare them by parameter and node name anyway")
     rows = []
     for fqn in sorted(set(a.param_placements) | set(b.param_placements)):
         pa, pb = a.param_placements.get(fqn), b.param_placements.get(fqn)
@@ -356,6 +451,79 @@ def diff(a: Plan, b: Plan) -> list[dict[str, Any]]:
         if sa != sb:
             rows.append({"kind": "node", "name": name, "a": None if sa is None else str(sa), "b": None if sb is None else str(sb)})
     return rows
+
+
+def plan_warnings(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> list[str]:
+    """What a user should know about a solved plan; each warning is also logged.
+
+    * a mesh axis (of size > 1) on which no node output is sharded only duplicates work; say so,
+      and say when no candidate of any node could shard on it (tensors too small or indivisible);
+    * a plan that replicates everything (all-R inputs and outputs everywhere): one warning instead;
+    * a forward output that is not a scalar: the model was planned without its loss.
+    """
+    mesh = tuple(pmodel.mesh_shape)
+    axes = [a for a, size in enumerate(mesh) if size > 1]  # a size-1 axis has nothing to split
+    sharded: set[int] = set()
+    all_replicated = True
+    for s in node_strategy.values():  # one pass over the plan
+        for p in s.outputs:
+            if p is None:
+                continue
+            for a in axes:
+                if isinstance(p[a], Shard):
+                    sharded.add(a)
+                    all_replicated = False
+                elif not isinstance(p[a], Replicate):
+                    all_replicated = False
+        if all_replicated:  # inputs matter only while the plan still looks all-R
+            all_replicated = all(p is None or all(isinstance(p[a], Replicate) for a in axes) for p in s.inputs)
+    idle = [a for a in axes if a not in sharded]
+    unshardable = _axes_without_shard_candidates(pmodel, idle) if idle else set()
+    out: list[str] = []
+
+    def why(axis_list: list[int]) -> str:
+        hit = [a for a in axis_list if a in unshardable]
+        if not hit:
+            return ""
+        names = ", ".join(f"axis {a} (size {mesh[a]})" for a in hit)
+        return (f"; no candidate strategy of any node shards on {names}: every tensor dimension is smaller "
+                "than or not divisible by the axis size")
+
+    if axes and all_replicated:
+        out.append(f"the plan replicates everything on mesh {mesh}: every device holds all parameters and repeats "
+                   f"the whole computation, so the mesh brings no speed-up or memory saving{why(axes)}")
+    else:
+        for a in idle:
+            out.append(f"mesh axis {a} (size {mesh[a]}): nothing is sharded on it (every parameter and activation is "
+                       f"replicated or partial across its {mesh[a]} devices), so it only duplicates work{why([a])}")
+    cap = pmodel.captured
+    for name, role in cap.roles.items():
+        node = pmodel.node_by_name.get(name)
+        val = None if node is None else node.meta.get("val")
+        if role == "output" and isinstance(val, torch.Tensor) and val.dim() != 0:
+            out.append(f"model output {name} has shape {tuple(val.shape)} and is not a scalar loss; the plan treats its "
+                       "gradient as an input of the step (fine when you compute the loss outside the model, "
+                       "otherwise pass loss_fn)")
+    for w in out:
+        logger.warning("%s", w)
+    return out
+
+
+def _axes_without_shard_candidates(pmodel: "PlacementModel", axes: list[int]) -> set[int]:
+    """Those of ``axes`` on which no candidate strategy of any node places a Shard."""
+    left = set(axes)
+    seen: set[int] = set()
+    for strats in pmodel.strategies.values():
+        if id(strats) in seen:  # candidate lists are interned: identical nodes share one
+            continue
+        seen.add(id(strats))
+        for s in strats:
+            for p in (*s.outputs, *s.inputs):
+                if p is not None:
+                    left -= {a for a in left if isinstance(p[a], Shard)}
+            if not left:
+                return left
+    return left
 
 
 def describe_axes(plan: Plan) -> dict[str, str]:

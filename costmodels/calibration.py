@@ -10,15 +10,21 @@
    (out-of-place columns, then in-place). Lines starting with ``#`` are comments.
 2. :meth:`Calibration.fit` computes, per (collective, mesh axis), the ratio of measured to
    modelled time at every logged size; the correction is piecewise linear in log2(size),
-   interpolated between sizes and held constant beyond the ends.
-3. :class:`CalibratedCollectives` multiplies any CommModel's times by the correction.
+   interpolated between sizes and held constant beyond the ends. A log must have been measured
+   on as many ranks as the axis it is fitted for has (else :class:`CalibrationMismatch`).
+3. :class:`CalibratedCollectives` multiplies any CommModel's times by the correction. It refuses
+   curves fitted on a rank count other than the size of the axis they are applied to (unless
+   ``allow_other_sizes=True``), and reports message sizes outside the measured range, which get
+   the correction at the nearest measured size, once per (collective, axis).
 
-Calibrations are saved as versioned JSON.
+Calibrations are saved as versioned JSON; each curve records the mesh shape, axis, rank count and
+message-size range (bytes) it was fitted on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Iterable
@@ -30,8 +36,12 @@ import numpy as np
 
 from .collectives import KINDS, bus_bandwidth_factor
 
+logger = logging.getLogger(__name__)
+
 CALIBRATION_FORMAT = "apmodel.costmodels.calibration"
-CALIBRATION_VERSION = 1
+#: 2: every curve records mesh_shape, ranks, min_bytes and max_bytes (version 1 files are still
+#: read, see :meth:`Calibration.from_json`)
+CALIBRATION_VERSION = 2
 
 #: nccl-tests binary name -> our collective kind
 NCCL_TESTS_BINARIES = {
@@ -164,12 +174,25 @@ def format_nccl_tests(kind: str, ranks: int, rows: Iterable[tuple[int, float]],
     return "\n".join(out) + "\n"
 
 
+class CalibrationMismatch(ValueError):
+    """A calibration or an nccl-tests log does not fit the mesh axis it is used for (rank count)."""
+
+
 @dataclass
 class CorrectionCurve:
-    """Multiplicative correction, piecewise linear in log2(size), clamped at the ends."""
+    """Multiplicative correction, piecewise linear in log2(size), clamped at the ends.
+
+    ``ranks`` and ``mesh_shape``: the axis size and mesh the curve was fitted on (``None`` when
+    unknown: such a curve is applied to any axis). ``min_bytes``/``max_bytes``: the measured
+    message-size range; default: the sizes of the first and last knot.
+    """
 
     log2_sizes: list[float]
     factors: list[float]
+    ranks: int | None = None
+    mesh_shape: tuple[int, ...] | None = None
+    min_bytes: int | None = None
+    max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.log2_sizes) != len(self.factors) or not self.factors:
@@ -178,6 +201,19 @@ class CorrectionCurve:
             raise ValueError("correction curve sizes must be strictly increasing")
         if any(not (f > 0 and math.isfinite(f)) for f in self.factors):
             raise ValueError("correction factors must be finite and > 0")
+        if self.ranks is not None:
+            if not isinstance(self.ranks, (int, np.integer)) or self.ranks < 1:
+                raise ValueError(f"correction curve ranks must be a positive integer, got {self.ranks!r}")
+            self.ranks = int(self.ranks)
+        if self.mesh_shape is not None:
+            self.mesh_shape = tuple(int(n) for n in self.mesh_shape)
+        # exact byte counts: 2 ** log2(size) need not round-trip to the integer size
+        if self.min_bytes is None:
+            self.min_bytes = round(2.0 ** self.log2_sizes[0])
+        if self.max_bytes is None:
+            self.max_bytes = round(2.0 ** self.log2_sizes[-1])
+        if not 0 < self.min_bytes <= self.max_bytes:
+            raise ValueError(f"correction curve byte range {self.min_bytes} – {self.max_bytes} is empty")
         self._x = np.asarray(self.log2_sizes, dtype=float)
         self._y = np.asarray(self.factors, dtype=float)
 
@@ -186,7 +222,11 @@ class CorrectionCurve:
 
 
 class Calibration:
-    """Per-(collective, axis) correction curves, fitted from nccl-tests logs."""
+    """Per-(collective, axis) correction curves, fitted from nccl-tests logs.
+
+    :meth:`factor` clamps sizes outside a curve's measured range silently; the reporting of
+    clamped sizes is :class:`CalibratedCollectives`' job.
+    """
 
     def __init__(self, curves: dict[tuple[str, int], CorrectionCurve] | None = None,
                  meta: dict[str, Any] | None = None) -> None:
@@ -200,16 +240,32 @@ class Calibration:
     @classmethod
     def fit(cls, base: Any, logs: Iterable[tuple[NcclTestsLog, int]], *,
             use: str = "out_of_place", min_bytes: int = 1) -> "Calibration":
-        """Fit corrections of ``base`` (a CommModel) to ``(log, axis)`` pairs.
+        """Fit corrections of ``base`` (a CommModel with ``mesh_shape``) to ``(log, axis)`` pairs.
 
-        ``use``: "out_of_place", "in_place" or "min" (of the two) measured time.
+        ``use``: "out_of_place", "in_place" or "min" (of the two) measured time. Every log must
+        have run on as many ranks as ``base.mesh_shape[axis]``: a curve measured on 8 ranks says
+        nothing reliable about a 4-rank axis (different ring length, maybe another fabric), so
+        a mismatch, or a log that does not say its rank count, raises :class:`CalibrationMismatch`.
         """
         if use not in ("out_of_place", "in_place", "min"):
             raise ValueError(f"use must be 'out_of_place', 'in_place' or 'min', got {use!r}")
+        mesh = tuple(int(n) for n in (getattr(base, "mesh_shape", None) or ()))
         points: dict[tuple[str, int], dict[int, list[float]]] = {}
         for log, axis in logs:
             if log.kind is None:
                 raise ValueError(f"{log.source}: collective kind unknown; pass kind= to parse_nccl_tests")
+            if not 0 <= axis < len(mesh):
+                raise ValueError(f"{log.source}: axis {axis} is not an axis of mesh {mesh} "
+                                 f"of the model being calibrated ({type(base).__name__})")
+            if log.ranks is None:
+                raise CalibrationMismatch(
+                    f"{log.source}: the log does not say how many ranks it ran on (no '# Rank' lines); "
+                    f"set log.ranks to fit it for axis {axis} of mesh {mesh} (size {mesh[axis]})")
+            if log.ranks != mesh[axis]:
+                raise CalibrationMismatch(
+                    f"{log.source}: {log.kind} log ran on {log.ranks} ranks, but axis {axis} of mesh "
+                    f"{mesh} has size {mesh[axis]}; measure on {mesh[axis]} ranks or fit for an axis "
+                    f"of size {log.ranks}")
             for r in log.rows:
                 if r.size_bytes < min_bytes:
                     continue
@@ -224,14 +280,18 @@ class Calibration:
         for key, by_size in points.items():
             sizes = sorted(by_size)
             facs = [float(np.exp(np.mean(np.log(by_size[s])))) for s in sizes]  # geometric mean
-            curves[key] = CorrectionCurve([math.log2(s) for s in sizes], facs)
-        return cls(curves, {"mesh_shape": list(getattr(base, "mesh_shape", []) or [])})
+            curves[key] = CorrectionCurve([math.log2(s) for s in sizes], facs, ranks=mesh[key[1]],
+                                          mesh_shape=mesh, min_bytes=sizes[0], max_bytes=sizes[-1])
+        return cls(curves, {"mesh_shape": list(mesh)})
 
     # --- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {
             "format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "meta": self.meta,
-            "curves": [{"kind": k, "axis": a, "log2_sizes": c.log2_sizes, "factors": c.factors}
+            "curves": [{"kind": k, "axis": a,
+                        "mesh_shape": None if c.mesh_shape is None else list(c.mesh_shape),
+                        "ranks": c.ranks, "min_bytes": c.min_bytes, "max_bytes": c.max_bytes,
+                        "log2_sizes": c.log2_sizes, "factors": c.factors}
                        for (k, a), c in sorted(self.curves.items())],
         }
 
@@ -240,22 +300,56 @@ class Calibration:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: str = "<json>") -> "Calibration":
+        """Read a calibration written by :meth:`to_json` (version 2, or version 1).
+
+        Version 1 files lack the per-curve fields; they are read with a fallback rather than
+        refused, because they hold what the fields record: the size range is the first and
+        last knot of each curve, and ``meta.mesh_shape`` is the mesh the curves were fitted
+        against, so ``ranks`` is that mesh's axis size. What version 1 never checked is that a
+        log ran on that many ranks; a warning says so. A version 1 file without a usable
+        ``meta.mesh_shape`` is refused (refit it with ``apmodel calibrate``).
+        """
         if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
             raise ValueError(f"{source}: not a calibration file (field 'format' must be {CALIBRATION_FORMAT!r})")
-        if data.get("version") != CALIBRATION_VERSION:
-            raise ValueError(f"{source}: unsupported calibration version {data.get('version')!r} "
-                             f"(this code reads version {CALIBRATION_VERSION})")
+        version = data.get("version")
+        if version not in (1, CALIBRATION_VERSION):
+            raise ValueError(f"{source}: unsupported calibration version {version!r} "
+                             f"(this code reads versions 1 and {CALIBRATION_VERSION})")
+        meta = data.get("meta", {})
         curves = {}
         for i, c in enumerate(data.get("curves", [])):
             try:
                 kind, axis = c["kind"], int(c["axis"])
                 if kind not in KINDS:
                     raise ValueError(f"unknown kind {kind!r}")
-                curves[(kind, axis)] = CorrectionCurve([float(x) for x in c["log2_sizes"]],
-                                                       [float(x) for x in c["factors"]])
-            except (KeyError, TypeError, ValueError) as e:
+                log2_sizes = [float(x) for x in c["log2_sizes"]]
+                factors = [float(x) for x in c["factors"]]
+                if version == 1:
+                    curve = CorrectionCurve(log2_sizes, factors)  # range: the curve's ends
+                    mesh = meta.get("mesh_shape") if isinstance(meta, dict) else None
+                    if not isinstance(mesh, list) or not 0 <= axis < len(mesh):
+                        raise ValueError(f"version 1 file without a mesh shape covering axis {axis} "
+                                         f"(meta.mesh_shape = {mesh!r}); refit it with `apmodel calibrate`")
+                    curve.mesh_shape = tuple(int(n) for n in mesh)
+                    curve.ranks = curve.mesh_shape[axis]
+                else:
+                    mesh_shape = None if c["mesh_shape"] is None else tuple(int(n) for n in c["mesh_shape"])
+                    ranks = None if c["ranks"] is None else int(c["ranks"])
+                    curve = CorrectionCurve(log2_sizes, factors, ranks=ranks, mesh_shape=mesh_shape,
+                                            min_bytes=int(c["min_bytes"]), max_bytes=int(c["max_bytes"]))
+                    if mesh_shape is not None and ranks is not None and (
+                            not 0 <= axis < len(mesh_shape) or mesh_shape[axis] != ranks):
+                        raise ValueError(f"ranks {ranks} is not the size of axis {axis} of mesh_shape {list(mesh_shape)}")
+                curves[(kind, axis)] = curve
+            except KeyError as e:
+                raise ValueError(f"{source}: curves[{i}]: missing field {e}") from e
+            except (TypeError, ValueError) as e:
                 raise ValueError(f"{source}: curves[{i}]: {e}") from e
-        return cls(curves, data.get("meta", {}))
+        if version == 1 and curves:
+            logger.warning("%s: calibration version 1: rank counts and size ranges are taken from the mesh "
+                           "shape and curve ends; the logs' own rank counts were never checked "
+                           "(refit with `apmodel calibrate` to record them)", source)
+        return cls(curves, meta)
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
@@ -268,18 +362,73 @@ class Calibration:
 
 
 class CalibratedCollectives:
-    """Wraps a CommModel: ``time_us = base.time_us(...) x calibration.factor(...)``."""
+    """Wraps a CommModel: ``time_us = base.time_us(...) x calibration.factor(...)``.
 
-    def __init__(self, base: Any, calibration: Calibration) -> None:
+    A curve fitted on ``ranks`` ranks applies only to a mesh axis of that size (or one the
+    base's mesh does not have): otherwise :class:`CalibrationMismatch`, unless
+    ``allow_other_sizes`` (then a warning, and the curves are applied as they are). Curves
+    without a recorded rank count, or a base without ``mesh_shape``, are not checked.
+
+    Message sizes (bytes) outside a curve's measured range get the correction at the nearest
+    measured size; the first such size per (kind, axis) logs a warning, and ``clamped[(kind,
+    axis)]`` keeps the fitted range and the smallest / largest size requested outside it.
+    """
+
+    def __init__(self, base: Any, calibration: Calibration, *, allow_other_sizes: bool = False) -> None:
         self.base = base
         self.calibration = calibration
         self.mesh_shape = tuple(getattr(base, "mesh_shape", ()))
         self.topo = getattr(base, "topo", None)
         self.redistribution_cache = None
+        self.allow_other_sizes = allow_other_sizes
+        self.clamped: dict[tuple[str, int], dict[str, int | float]] = {}
+        mismatches = self._mismatches()
+        if mismatches and not allow_other_sizes:
+            raise CalibrationMismatch("; ".join(mismatches) + ". Refit the calibration on this mesh, "
+                                      "or pass allow_other_sizes=True to apply it anyway")
+        for m in mismatches:
+            logger.warning("%s; applied anyway (allow_other_sizes=True)", m)
+
+    def _mismatches(self) -> list[str]:
+        """One line per curve whose fitted rank count is not the size of its axis here."""
+        if not self.mesh_shape:
+            return []
+        out = []
+        for (kind, axis), c in sorted(self.calibration.curves.items()):
+            if c.ranks is None:
+                continue
+            fitted = f"calibration of {kind} on axis {axis} was fitted on {c.ranks} ranks" + (
+                f" (mesh {c.mesh_shape})" if c.mesh_shape is not None else "")
+            if not 0 <= axis < len(self.mesh_shape):
+                out.append(f"{fitted}, but mesh {self.mesh_shape} has no axis {axis}")
+            elif self.mesh_shape[axis] != c.ranks:
+                out.append(f"{fitted}, but axis {axis} of mesh {self.mesh_shape} has size {self.mesh_shape[axis]}")
+        return out
 
     def time_us(self, kind: str, nbytes: float, axis: int) -> float:
+        """Base time (µs) times the correction for ``kind`` on ``axis`` at ``nbytes`` bytes."""
         t = self.base.time_us(kind, nbytes, axis)
-        return t * self.calibration.factor(kind, axis, nbytes) if t else t
+        if not t:
+            return t
+        curve = self.calibration.curves.get((kind, axis))
+        if curve is None:
+            return t
+        if not curve.min_bytes <= nbytes <= curve.max_bytes:
+            self._note_clamp(kind, axis, nbytes, curve)
+        return t * curve(nbytes)
+
+    def _note_clamp(self, kind: str, axis: int, nbytes: float, curve: CorrectionCurve) -> None:
+        rec = self.clamped.get((kind, axis))
+        if rec is None:
+            self.clamped[(kind, axis)] = {"fitted_min_bytes": curve.min_bytes, "fitted_max_bytes": curve.max_bytes,
+                                          "requested_min_bytes": nbytes, "requested_max_bytes": nbytes}
+            logger.warning("calibration of %s on axis %d was measured on %d – %d bytes; %s bytes is outside, "
+                           "so the correction at the nearest measured size is used (further sizes outside "
+                           "this range for %s on axis %d are not reported again)",
+                           kind, axis, curve.min_bytes, curve.max_bytes, f"{nbytes:g}", kind, axis)
+            return
+        rec["requested_min_bytes"] = min(rec["requested_min_bytes"], nbytes)
+        rec["requested_max_bytes"] = max(rec["requested_max_bytes"], nbytes)
 
     def __repr__(self) -> str:
         return f"CalibratedCollectives({self.base!r}, {len(self.calibration.curves)} curves)"

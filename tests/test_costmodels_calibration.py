@@ -1,12 +1,14 @@
 """Calibration against nccl-tests logs: parsing, fitting, JSON, wrapping."""
 
 import json
+import logging
 import math
 from pathlib import Path
 
 import pytest
 
 import costmodels as cm
+from apmodel.api import cost_context
 
 DATA = Path(__file__).parent / "data"
 KIND_FILES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
@@ -68,7 +70,10 @@ def test_round_trip_with_other_factors_and_axes(tmp_path):
     path = tmp_path / "cal.json"
     cal.save(path)
     data = json.loads(path.read_text())
-    assert data["format"] == "apmodel.costmodels.calibration" and data["version"] == 1
+    assert data["format"] == "apmodel.costmodels.calibration" and data["version"] == 2
+    # each curve records what it was fitted on
+    recorded = {c["axis"]: (c["mesh_shape"], c["ranks"], c["min_bytes"], c["max_bytes"]) for c in data["curves"]}
+    assert recorded == {0: ([2, 8], 2, 16, 2**30), 1: ([2, 8], 8, 16, 2**30)}
     back = cm.Calibration.load(path)
     for axis in (0, 1):
         for s in (16, 1000, 2**20, 2**31):
@@ -131,7 +136,121 @@ def test_bad_calibration_files(tmp_path):
     p.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="not a calibration file"):
         cm.Calibration.load(p)
-    p.write_text(json.dumps({"format": "apmodel.costmodels.calibration", "version": 1,
-                             "curves": [{"kind": "all_reduce", "axis": 0, "log2_sizes": [3, 2], "factors": [1, 1]}]}))
+    curve = {"kind": "all_reduce", "axis": 0, "mesh_shape": [8], "ranks": 8, "min_bytes": 4, "max_bytes": 8,
+             "log2_sizes": [3, 2], "factors": [1, 1]}
+    p.write_text(json.dumps({"format": "apmodel.costmodels.calibration", "version": 2, "curves": [curve]}))
     with pytest.raises(ValueError, match=r"curves\[0\].*increasing"):
+        cm.Calibration.load(p)
+    curve.update(log2_sizes=[2, 3], ranks=4)
+    p.write_text(json.dumps({"format": "apmodel.costmodels.calibration", "version": 2, "curves": [curve]}))
+    with pytest.raises(ValueError, match=r"curves\[0\]: ranks 4 is not the size of axis 0 of mesh_shape \[8\]"):
+        cm.Calibration.load(p)
+    del curve["ranks"]
+    p.write_text(json.dumps({"format": "apmodel.costmodels.calibration", "version": 2, "curves": [curve]}))
+    with pytest.raises(ValueError, match=r"curves\[0\]: missing field 'ranks'"):
+        cm.Calibration.load(p)
+
+
+# ------------------------------------------------------------------ where a calibration applies
+def shipped_logs(*kinds):
+    return [cm.parse_nccl_tests(DATA / f"nccl_tests_synthetic_h100x8_{k}.txt") for k in kinds]
+
+
+@pytest.fixture(scope="module")
+def cal_8(h100x8):
+    """all_gather and all_reduce curves fitted on a 1-D mesh of 8 (8 B .. 1 GiB)."""
+    return cm.Calibration.fit(h100x8, [(log, 0) for log in shipped_logs("all_gather", "all_reduce")])
+
+
+def test_fit_refuses_a_log_of_another_rank_count():
+    comm = cm.NCCLCollectives(cm.Topology((4, 8), "h100"))
+    (log,) = shipped_logs("all_gather")
+    with pytest.raises(cm.CalibrationMismatch, match=r"nccl_tests_synthetic_h100x8_all_gather\.txt: all_gather log "
+                                                     r"ran on 8 ranks, but axis 0 of mesh \(4, 8\) has size 4"):
+        cm.Calibration.fit(comm, [(log, 0)])
+    cal = cm.Calibration.fit(comm, [(log, 1)])  # the 8-rank axis
+    assert cal.curves[("all_gather", 1)].ranks == 8 and cal.curves[("all_gather", 1)].mesh_shape == (4, 8)
+
+
+def test_fit_refuses_a_log_without_its_rank_count():
+    comm = cm.NCCLCollectives(cm.Topology((4,), "h100"))
+    text = "\n".join(l for l in cm.format_nccl_tests("all_reduce", 4, [(1024, 20.0), (2048, 21.0)]).splitlines()
+                     if "Rank" not in l)
+    log = cm.parse_nccl_tests(text)
+    assert log.ranks is None
+    with pytest.raises(cm.CalibrationMismatch, match=r"<text>: the log does not say how many ranks it ran on.*"
+                                                     r"set log\.ranks to fit it for axis 0 of mesh \(4,\) \(size 4\)"):
+        cm.Calibration.fit(comm, [(log, 0)])
+    log.ranks = 4
+    assert cm.Calibration.fit(comm, [(log, 0)]).curves[("all_reduce", 0)].ranks == 4
+
+
+def test_applying_to_an_axis_of_another_size_is_refused(cal_8, caplog):
+    comm = cm.NCCLCollectives(cm.Topology((2, 4), "h100"))
+    with pytest.raises(cm.CalibrationMismatch, match=r"calibration of all_gather on axis 0 was fitted on 8 ranks "
+                                                     r"\(mesh \(8,\)\), but axis 0 of mesh \(2, 4\) has size 2.*"
+                                                     r"allow_other_sizes=True"):
+        cm.CalibratedCollectives(comm, cal_8)
+    with caplog.at_level(logging.WARNING, logger="costmodels.calibration"):
+        forced = cm.CalibratedCollectives(comm, cal_8, allow_other_sizes=True)
+    assert "applied anyway" in caplog.text
+    assert forced.time_us("all_gather", 2**20, 0) == pytest.approx(
+        comm.time_us("all_gather", 2**20, 0) * cal_8.factor("all_gather", 0, 2**20))
+    # an axis the mesh does not have
+    cal_2d = cm.Calibration({("all_reduce", 1): cm.CorrectionCurve([3.0, 30.0], [1.0, 1.0], ranks=8, mesh_shape=(2, 8))})
+    with pytest.raises(cm.CalibrationMismatch, match=r"fitted on 8 ranks \(mesh \(2, 8\)\), but mesh \(8,\) has no axis 1"):
+        cm.CalibratedCollectives(cm.NCCLCollectives(cm.Topology((8,), "h100")), cal_2d)
+    # same size elsewhere: fine
+    cm.CalibratedCollectives(cm.NCCLCollectives(cm.Topology((8, 4), "h100")), cal_8)
+
+
+def test_cost_context_checks_a_calibration_file(cal_8, tmp_path):
+    path = tmp_path / "cal.json"
+    cal_8.save(path)
+    with pytest.raises(cm.CalibrationMismatch, match="has size 2"):
+        cost_context((2, 4), calibration=path)
+    ctx = cost_context((8,), calibration=path)
+    assert ctx.comm.time_us("all_gather", 2**20, 0) > 0 and ctx.comm.clamped == {}
+
+
+def test_sizes_outside_the_measured_range_are_clamped_and_reported_once(caplog):
+    comm = cm.NCCLCollectives(cm.Topology((8,), "h100"))
+    sizes = [2**k for k in range(6, 10)]  # 64 B .. 512 B
+    log = cm.parse_nccl_tests(cm.format_nccl_tests(
+        "all_reduce", 8, [(s, comm.time_us("all_reduce", s, 0) * (2.0 - 0.1 * i)) for i, s in enumerate(sizes)]))
+    cal = cm.Calibration.fit(comm, [(log, 0)])
+    curve = cal.curves[("all_reduce", 0)]
+    assert (curve.min_bytes, curve.max_bytes) == (64, 512)
+    calibrated = cm.CalibratedCollectives(comm, cal)
+    with caplog.at_level(logging.WARNING, logger="costmodels.calibration"):
+        inside = calibrated.time_us("all_reduce", 256, 0)
+        assert calibrated.clamped == {} and not caplog.records
+        for s in (2**30, 2**20, 2**31, 8):
+            assert calibrated.time_us("all_reduce", s, 0) == pytest.approx(
+                comm.time_us("all_reduce", s, 0) * cal.factor("all_reduce", 0, 512 if s > 512 else 64))
+    assert inside == pytest.approx(comm.time_us("all_reduce", 256, 0) * cal.factor("all_reduce", 0, 256))
+    warnings = [r for r in caplog.records if "measured on 64 – 512 bytes" in r.getMessage()]
+    assert len(warnings) == 1 and "1.07374e+09 bytes is outside" in warnings[0].getMessage()
+    assert calibrated.clamped == {("all_reduce", 0): {"fitted_min_bytes": 64, "fitted_max_bytes": 512,
+                                                      "requested_min_bytes": 8, "requested_max_bytes": 2**31}}
+    # uncalibrated kinds are neither corrected nor reported
+    assert calibrated.time_us("all_gather", 2**30, 0) == comm.time_us("all_gather", 2**30, 0)
+    assert list(calibrated.clamped) == [("all_reduce", 0)]
+
+
+def test_version_1_files_are_read_with_a_fallback(tmp_path, caplog):
+    p = tmp_path / "v1.json"
+    v1 = {"format": "apmodel.costmodels.calibration", "version": 1, "meta": {"mesh_shape": [8]},
+          "curves": [{"kind": "all_reduce", "axis": 0, "log2_sizes": [3.0, 9.0], "factors": [1.2, 1.1]}]}
+    p.write_text(json.dumps(v1))
+    with caplog.at_level(logging.WARNING, logger="costmodels.calibration"):
+        cal = cm.Calibration.load(p)
+    assert "version 1" in caplog.text
+    c = cal.curves[("all_reduce", 0)]
+    assert (c.ranks, c.mesh_shape, c.min_bytes, c.max_bytes) == (8, (8,), 8, 512)
+    with pytest.raises(cm.CalibrationMismatch, match="fitted on 8 ranks"):
+        cm.CalibratedCollectives(cm.NCCLCollectives(cm.Topology((4,), "h100")), cal)
+    del v1["meta"]
+    p.write_text(json.dumps(v1))
+    with pytest.raises(ValueError, match=r"curves\[0\]: version 1 file without a mesh shape covering axis 0"):
         cm.Calibration.load(p)

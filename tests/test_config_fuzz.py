@@ -1,0 +1,258 @@
+"""The TOML configuration loader: malformed files are a ConfigError naming the key; a hypothesis
+fuzzer over mutated valid configurations (as tables and as text)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from apmodel import constraints as C
+from apmodel import placements as pl
+from apmodel.api import DTYPES
+from apmodel.cli import parse_mesh
+from apmodel.config import _SCHEMA, Config, ConfigError, load_config, parse_config, parse_config_text
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "apmodel.toml"
+
+# Every key the loader knows, with a valid value.
+FULL: dict[str, Any] = {
+    "workload": {"model": "llama3-8b", "mesh": "4x8", "seq": 2048, "batch": 8, "layers": 32},
+    "solver": {"backend": "trws", "time_limit": 60.0, "options": {"max_iters": 300}},
+    "device": {"name": "h100", "dtype": "bf16"},
+    "topology": {"gpus_per_node": 8, "intra_GBps": 450.0, "inter_GBps": 50.0, "intra_latency_us": 0.0,
+                 "inter_latency_us": 0.0, "nvls": True},
+    "cost": {"calibration": "calibration.json", "compute_model": "mypkg.costs:MyCompute",
+             "comm_model": "mypkg.costs:MyCollectives"},
+    "planner": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25},
+    "constraints": [
+        {"fix": "layers.*.attention.wo.weight", "placement": "S(0)S(1)"},
+        {"forbid": "output.weight", "placement": "RR", "on": "input:1", "name": "no"},
+        {"linear": "few", "terms": [["layers.*.ffn_norm.weight", "RR", 1.0]], "sense": "<=", "rhs": 4},
+    ],
+}
+FULL_TEXT = """
+[workload]
+model = "llama3-8b"
+mesh = "4x8"
+seq = 2048
+batch = 8
+layers = 32
+
+[solver]
+backend = "trws"
+time_limit = 60.0
+options = { max_iters = 300 }
+
+[device]
+name = "h100"
+dtype = "bf16"
+
+[topology]
+gpus_per_node = 8
+intra_GBps = 450.0
+inter_GBps = 50.0
+intra_latency_us = 0.0
+inter_latency_us = 0.0
+nvls = true
+
+[cost]
+calibration = "calibration.json"
+compute_model = "mypkg.costs:MyCompute"
+comm_model = "mypkg.costs:MyCollectives"
+
+[planner]
+param_policy = "full_shard"
+replicate_axes = [0]
+param_memory_fraction = 0.25
+
+[[constraints]]
+fix = "layers.*.attention.wo.weight"
+placement = "S(0)S(1)"
+[[constraints]]
+forbid = "output.weight"
+placement = "RR"
+on = "input:1"
+name = "no"
+[[constraints]]
+linear = "few"
+terms = [["layers.*.ffn_norm.weight", "RR", 1.0]]
+sense = "<="
+rhs = 4
+"""
+
+
+def test_valid_configs_load(tmp_path):
+    assert parse_config(copy.deepcopy(FULL)) == parse_config_text(FULL_TEXT)
+    cfg = parse_config(copy.deepcopy(FULL), base_dir=tmp_path)
+    assert cfg.calibration == str(tmp_path / "calibration.json") and len(cfg.constraints) == 3
+    load_config(EXAMPLE)
+
+
+BAD = [
+    ('[workload]\nmesh = "4y8"\n', "workload.mesh"),
+    ('[workload]\nmesh = "0x4"\n', "workload.mesh"),
+    ('[workload]\nmodel = ""\n', "workload.model"),
+    ('[device]\ndtype = "int4"\n', "device.dtype"),
+    ('[solver]\ntime_limit = nan\n', "solver.time_limit"),
+    ('[solver]\ntime_limit = inf\n', "solver.time_limit"),
+    ('[topology]\ninter_GBps = 0\n', "topology.inter_GBps"),
+    ('[topology]\nintra_latency_us = -1.0\n', "topology.intra_latency_us"),
+    ('[cost]\ncompute_model = "mypkg.costs.MyCompute"\n', "cost.compute_model"),
+    ('[[constraints]]\nfix = "a"\nplacement = "S(x)R"\n', "constraints[0].placement"),
+    ('[[constraints]]\nfix = "a"\nplacement = "RR"\non = "inputx3"\n', "constraints[0].on"),
+    ('[[constraints]]\nlinear = "x"\nterms = [["a", "Q", 1.0]]\nsense = "<="\nrhs = 1\n', "constraints[0].terms[0]"),
+    ('[[constraints]]\nlinear = "x"\nterms = [["a", "R", nan]]\nsense = "<="\nrhs = 1\n', "constraints[0].terms[0]"),
+    ('[[constraints]]\nlinear = "x"\nterms = []\nsense = ["<="]\nrhs = 1\n', "constraints[0].sense"),
+    ('[[constraints]]\nlinear = "x"\nterms = []\nsense = "<="\nrhs = inf\n', "constraints[0].rhs"),
+    ("[workload\n", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,key", BAD, ids=[k for _, k in BAD])
+def test_bad_config_names_the_key(text, key):
+    with pytest.raises(ConfigError) as e:
+        parse_config_text(text, "apmodel.toml")
+    assert str(e.value).startswith("apmodel.toml: ") and key in str(e.value), str(e.value)
+
+
+def test_unreadable_config_files(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_bytes(b"[solver]\nbackend = \"\xff\"\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(p)
+    p.write_text("a = " + "[" * 50_000)
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="table of sections"):
+        parse_config(["not", "a", "table"])  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- fuzzing
+TOML_VALUE = st.recursive(
+    st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=12)
+    | st.datetimes() | st.dates() | st.times(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+# values that pass the type check but may break a range or format check
+NEAR_VALID = st.sampled_from([0, -1, 1, 2**63 - 1, 0.0, -0.5, 1.5, math.inf, -math.inf, math.nan, "", " ", "4x8",
+                              "x", "RR", "S(0)", "S(-1)", "input:", "input:2", "free", "bf16", "a:b", ":", [], [-1],
+                              [True], [0, 1], {}, {"fix": "a"}, True, False])
+_TYPES = {attr: types for body in _SCHEMA.values() for attr, types, _ in body.values()}
+
+
+def _check_result(cfg: Config) -> None:
+    """What a configuration that loads must satisfy."""
+    for attr, types in _TYPES.items():
+        v = getattr(cfg, attr)
+        if attr == "solver_options":
+            assert isinstance(v, dict)
+        elif v is not None:
+            assert isinstance(v, types) and (bool in types or not isinstance(v, bool)), (attr, v)
+            if isinstance(v, float):
+                assert not math.isnan(v), attr
+    assert all(isinstance(c, (C.Fix, C.Forbid, C.Linear)) for c in cfg.constraints)
+    # and the values the command line would use next are usable
+    if cfg.mesh is not None:
+        parse_mesh(cfg.mesh)
+    assert cfg.dtype is None or cfg.dtype in DTYPES
+    assert cfg.time_limit is None or 0 < cfg.time_limit < math.inf
+    assert all(v is None or 0 < v < math.inf for v in (cfg.intra_GBps, cfg.inter_GBps))
+    assert all(v is None or 0 <= v < math.inf for v in (cfg.intra_latency_us, cfg.inter_latency_us))
+    for c in cfg.constraints:
+        for placement in [c.placement] if not isinstance(c, C.Linear) else [t[1] for t in c.terms]:
+            pl.parse(placement)
+        if isinstance(c, C.Linear):
+            assert math.isfinite(c.rhs) and all(math.isfinite(t[2]) for t in c.terms)
+
+
+def _parse(d: Any) -> None:
+    try:
+        cfg = parse_config(d, "fuzz.toml")
+    except ConfigError as e:
+        assert str(e).startswith("fuzz.toml: "), str(e)
+        return
+    _check_result(cfg)
+
+
+def _paths(d: Any, prefix: tuple = ()) -> list[tuple]:
+    out = []
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for k, v in items:
+        out.append((*prefix, k))
+        out += _paths(v, (*prefix, k))
+    return out
+
+
+PATHS = _paths(FULL)
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_config_tables(data):
+    d = copy.deepcopy(FULL)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        path = data.draw(st.sampled_from(PATHS), label="path")
+        parent = d
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            parent[path[-1]]
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier mutation removed this path
+        action = data.draw(st.sampled_from(["delete", "value", "near", "rename"]), label="action")
+        if action == "delete":
+            del parent[path[-1]]
+        elif action == "value":
+            parent[path[-1]] = data.draw(TOML_VALUE, label="value")
+        elif action == "near":
+            parent[path[-1]] = data.draw(NEAR_VALID, label="value")
+        elif isinstance(parent, dict):
+            parent[data.draw(st.text(max_size=8), label="key")] = parent.pop(path[-1])
+    _parse(d)
+
+
+@FUZZ
+@given(value=TOML_VALUE)
+def test_fuzz_config_any_value(value):
+    _parse(value)
+    _parse({"constraints": value})
+    for section in _SCHEMA:
+        _parse({section: value})
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_config_text(data):
+    source = data.draw(st.sampled_from([FULL_TEXT, EXAMPLE.read_text()]), label="source")
+    raw = source.encode()
+    kind = data.draw(st.sampled_from(["truncate", "splice", "bytes", "text"]), label="kind")
+    if kind == "truncate":
+        blob = raw[: data.draw(st.integers(0, len(raw)), label="cut")]
+    elif kind == "splice":
+        at = data.draw(st.integers(0, len(raw)), label="at")
+        junk = data.draw(st.binary(max_size=8) | st.sampled_from([b"=", b"[", b"]", b'"', b"\n", b"nan", b"{"]))
+        blob = raw[:at] + junk + raw[at + data.draw(st.integers(0, 8), label="drop"):]
+    elif kind == "bytes":
+        blob = data.draw(st.binary(max_size=200), label="bytes")
+    else:
+        blob = data.draw(st.text(alphabet='[]{}="\n .,=abc1-_:#', max_size=80), label="text").encode()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fuzz.toml"
+        path.write_bytes(blob)
+        try:
+            cfg = load_config(path)
+        except ConfigError as e:
+            assert str(e).startswith(str(path)), str(e)
+            return
+    _check_result(cfg)
