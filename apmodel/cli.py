@@ -14,12 +14,15 @@
 signature accepts. Without ``loss_fn`` the model's output must be the scalar loss.
 
 Results go to stdout (rich tables, or JSON with ``--json``); progress and logs go to stderr.
+Every failure is one line ``error: ...`` on stderr naming what is wrong, with exit code 2 (``-vv``
+shows the traceback instead); all of them go through :func:`_errors`.
 Heavy imports (torch) happen inside the commands so that ``--help`` is quick.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import json
 import logging
@@ -28,11 +31,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
+import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 logger = logging.getLogger("apmodel.cli")
 
@@ -78,21 +84,180 @@ def _console() -> Console:
     return console
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {msg}", highlight=False)
+class CLIError(Exception):
+    """A user error the CLI found itself; printed as is (one line, exit code 2)."""
+
+
+def _one_line(text: str) -> str:
+    """The first non-empty line of ``text``: an error is always one line on the terminal."""
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()
+    return str(text).strip()
+
+
+def _fail(msg: str, code: int = 2) -> NoReturn:
+    """Print ``error: msg`` on stderr as one literal line and exit with ``code``.
+
+    ``msg`` goes in a ``Text`` (no markup: ``[workload]`` stays) and ``soft_wrap`` keeps a long
+    message on one line for scripts that grep it."""
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    console.print(Text.assemble(("error:", "bold red"), " ", _one_line(msg)))
     raise typer.Exit(code)
 
 
+#: Names of the torch errors raised when tracing hits an op whose result depends on tensor values
+#: (matched by name: they live in private torch modules that move between releases).
+_DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from (outermost first)."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return chain
+
+
+def _user_frame(chain: list[BaseException]) -> str | None:
+    """``file:line in function`` of the innermost frame of user code (the model) in a traceback."""
+    import sysconfig
+    import traceback
+
+    import torch
+
+    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]))
+    ours = os.path.dirname(os.path.abspath(__file__))
+    for exc in reversed(chain):  # innermost exception first
+        frames = traceback.extract_tb(exc.__traceback__)
+        ours_at = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(ours)]
+        # only frames called from apmodel (the model's code), never the CLI machinery around it
+        start = ours_at[-1] + 1 if ours_at else 0
+        user = [f for f in frames[start:] if not f.filename.startswith("<")
+                and not os.path.abspath(f.filename).startswith(skip)]
+        if user:
+            f = user[-1]
+            return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+    return None
+
+
+def _data_dependent(exc: BaseException) -> str | None:
+    """A one-line description of a data-dependent op hit while tracing, or None."""
+    chain = _exception_chain(exc)
+    hit = next((e for e in chain if type(e).__name__ in _DATA_DEPENDENT_ERRORS), None)
+    if hit is None:
+        return None
+    func = getattr(hit, "func", None)
+    op = str(func) if func is not None else None
+    if op is None:
+        what = f"a data-dependent value ({_one_line(str(hit))})"
+    elif "_local_scalar_dense" in op:
+        what = f"data-dependent op {op} (Tensor.item(), or Python control flow on a tensor value)"
+    elif type(hit).__name__ == "DynamicOutputShapeException":
+        what = f"data-dependent op {op} (its output shape depends on tensor values)"
+    else:
+        what = f"data-dependent op {op}"
+    where = _user_frame(chain)
+    return (f"{what}{f' at {where}' if where else ''}: the planner traces on the meta device, where tensor "
+            "values are unknown; shapes and control flow must not depend on them")
+
+
+def describe_error(exc: BaseException) -> str:
+    """The one-line message the CLI prints for ``exc`` (it names the offending thing)."""
+    import solvers
+
+    if isinstance(exc, CLIError):
+        return str(exc)
+    if isinstance(exc, solvers.Infeasible):
+        return f"infeasible: {exc}"
+    dd = _data_dependent(exc)
+    if dd is not None:
+        return dd
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]  # str(KeyError) adds quotes around the message
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, (ValueError, KeyError)):
+        return str(exc)  # our libraries raise these with a message naming the culprit
+    return f"{type(exc).__name__}: {_one_line(str(exc))} (run with -vv for the traceback)"
+
+
+@contextlib.contextmanager
+def _errors(verbose: int = 0) -> Iterator[None]:
+    """The CLI's one error boundary: any exception becomes one ``error:`` line and exit code 2.
+
+    ``-vv`` re-raises instead, so the traceback is there when debugging."""
+    try:
+        yield
+    except (click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+        raise  # typer.Exit from _fail, usage errors: click prints and exits itself
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except Exception as e:
+        if verbose >= 2:
+            raise
+        logger.debug("command failed", exc_info=True)
+        _fail(describe_error(e))
+
+
+@contextlib.contextmanager
+def _cwd_importable() -> Iterator[None]:
+    """Put the working directory first on ``sys.path`` (as ``python -m`` does) for ``pkg.mod:name``.
+
+    The ``apmodel`` console script runs with its bin directory, not the cwd, on ``sys.path``; a
+    model module next to the user would not be found. The entry is removed afterwards so that
+    in-process callers (tests) keep their path."""
+    cwd = os.getcwd()
+    if any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        yield
+        return
+    sys.path.insert(0, cwd)
+    importlib.invalidate_caches()  # a module file created moments ago (tests) must be seen
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(cwd)
+
+
+#: Largest mesh the CLI accepts: checked on the axis sizes before anything is allocated.
+MAX_MESH_AXES = 4
+MAX_MESH_DEVICES = 2**20
+
+
 def parse_mesh(text: str) -> tuple[int, ...]:
-    """``"4x8"`` (or ``"4,8"``, ``"8"``) -> ``(4, 8)``; 1 to 4 positive axis sizes."""
+    """``"4x8"`` (or ``"4,8"``, ``"8"``) -> ``(4, 8)``; 1 to 4 positive axis sizes, at most 2**20 devices."""
     parts = text.lower().replace(",", "x").replace("×", "x").split("x")
     try:
         sizes = tuple(int(p) for p in parts)
     except ValueError:
         raise ValueError(f"--mesh {text!r}: expected axis sizes joined by 'x', e.g. 8, 4x8 or 2x2x2x4") from None
-    if not 1 <= len(sizes) <= 4 or any(s < 1 for s in sizes):
-        raise ValueError(f"--mesh {text!r}: expected 1 to 4 positive axis sizes, e.g. 4x8")
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"--mesh {text!r}: expected positive axis sizes, e.g. 4x8")
+    if len(sizes) > MAX_MESH_AXES:
+        raise ValueError(f"--mesh {text!r}: {len(sizes)} axes; at most {MAX_MESH_AXES} are supported, e.g. 2x2x2x4")
+    devices = math.prod(sizes)
+    if devices > MAX_MESH_DEVICES:
+        raise ValueError(f"--mesh {text!r}: {devices:,} devices; at most {MAX_MESH_DEVICES:,} (2**20) are supported")
     return sizes
+
+
+def check_writable(path: Path, flag: str = "--out") -> None:
+    """Raise :class:`CLIError` unless ``path`` can be written: checked before the slow work, not after."""
+    if path.is_dir():
+        raise CLIError(f"{flag} {str(path)!r} is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        anc = parent
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        if anc.exists() and not anc.is_dir():
+            raise CLIError(f"{flag} {str(path)!r}: {str(anc)!r} is a file, not a directory")
+        raise CLIError(f"{flag} {str(path)!r}: directory {str(parent)!r} does not exist")
+    ok = os.access(path, os.W_OK) if path.exists() else os.access(parent, os.W_OK | os.X_OK)
+    if not ok:
+        raise CLIError(f"{flag} {str(path)!r}: permission denied")
 
 
 @contextlib.contextmanager
@@ -135,7 +300,7 @@ class _Progress:
     def stage(self, text: str) -> None:
         logger.info("%s", text)
         if self._status is not None:
-            self._status.update(f"[bold]{text}")
+            self._status.update(Text(text, style="bold"))  # model names may hold brackets
 
     def done(self, text: str) -> None:
         if self.live:
@@ -147,20 +312,27 @@ class _Progress:
 
 
 def load_workload(model: str, *, batch: int, seq: int, layers: int | None):
-    """``(nn.Module on meta, sample_inputs, loss_fn or None)`` for a preset or a factory."""
+    """``(nn.Module on meta, sample_inputs, loss_fn or None)`` for a preset or a factory.
+
+    A factory's module is looked up with the working directory on ``sys.path`` (as ``python -m``
+    does); an exception raised by the factory becomes a :class:`CLIError` naming it."""
     import torch
 
     if ":" in model:
         import costmodels
 
-        factory = costmodels.load_object(model)
+        with _cwd_importable():  # "mymodel:factory" next to the user, as `python -m` finds it
+            factory = costmodels.load_object(model)
         if not callable(factory):
             raise ValueError(f"--model {model!r} is not callable")
         accepted = inspect.signature(factory).parameters
         kwargs = {k: v for k, v in (("batch", batch), ("seq", seq), ("layers", layers))
                   if k in accepted and v is not None}
-        with torch.device("meta"):
-            out = factory(**kwargs)
+        try:
+            with torch.device("meta"):
+                out = factory(**kwargs)
+        except Exception as e:  # user code: say which factory failed, and how
+            raise CLIError(f"--model {model!r}: the factory raised {describe_error(e)}") from e
         if not isinstance(out, tuple) or len(out) not in (2, 3) or not isinstance(out[0], torch.nn.Module):
             raise ValueError(f"--model {model!r} must return (model, sample_inputs) or (model, sample_inputs, loss_fn), "
                              f"got {type(out).__name__}")
@@ -304,12 +476,9 @@ def emerged(plan) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ plan
 def _merged_config(config: Optional[Path], **flags: Any):
-    from apmodel.config import Config, ConfigError, load_config, merge
+    from apmodel.config import Config, load_config, merge
 
-    try:
-        cfg = load_config(config) if config is not None else Config()
-    except ConfigError as e:
-        _fail(str(e))
+    cfg = load_config(config) if config is not None else Config()  # ConfigError names file and key
     defaults = dict(model=None, mesh=None, seq=2048, batch=8, solver="trws", device="h100", dtype="bf16",
                     gpus_per_node=8, param_policy="full_shard", replicate_axes=[])
     cfg = merge(cfg, **flags)
@@ -320,27 +489,40 @@ def _merged_config(config: Optional[Path], **flags: Any):
 
 
 def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Progress) -> dict[str, Any]:
-    """The whole pipeline for ``apmodel plan``; returns everything the printers need."""
-    import solvers
-    from apmodel import recipes as R
-    from apmodel.api import DTYPES, candidate_strategies, placement_model, solve_model
-    from apmodel.capture import capture
+    """The whole pipeline for ``apmodel plan``; returns everything the printers need.
+
+    Cheap input checks (mesh, ``out``, calibration file, solver) come first, before torch is
+    imported and the model traced, so that a typo costs no waiting."""
+    import solvers  # torch-free
 
     if cfg.model is None:
         raise ValueError("no model: give --model (a preset or package.module:factory) or [workload] model in --config")
     if cfg.mesh is None:
         raise ValueError("no mesh: give --mesh (e.g. 4x8) or [workload] mesh in --config")
     mesh = parse_mesh(cfg.mesh)
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"--dtype {cfg.dtype!r} is not one of {sorted(DTYPES)}")
+    if out is not None:
+        check_writable(out)
+    if cfg.calibration is not None and not Path(cfg.calibration).is_file():
+        what = "is not a file" if Path(cfg.calibration).exists() else "does not exist"
+        raise CLIError(f"calibration file {cfg.calibration!r} (key 'cost.calibration' of {cfg.source}) {what}")
     if cfg.solver not in solvers.available():
         raise ValueError(f"--solver {cfg.solver!r} is not an available backend: {solvers.available()}")
     if any(a >= len(mesh) for a in cfg.replicate_axes):
         raise ValueError(f"replicate_axes {cfg.replicate_axes} name an axis outside mesh {mesh}")
+
+    from apmodel import recipes as R
+    from apmodel.api import DTYPES, candidate_strategies, placement_model
+    from apmodel.capture import capture
+
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype!r} is not one of {sorted(DTYPES)}")
     timings: dict[str, float] = {}
     progress.stage(f"tracing {cfg.model} (seq {cfg.seq}, batch {cfg.batch})")
     model, inputs, loss_fn = load_workload(cfg.model, batch=cfg.batch, seq=cfg.seq, layers=cfg.layers)
-    captured = capture(model, inputs, loss_fn)
+    try:
+        captured = capture(model, inputs, loss_fn)
+    except Exception as e:  # data-dependent ops, unsupported ops...: name the model and the op
+        raise CLIError(f"--model {cfg.model!r}: cannot trace the training step: {describe_error(e)}") from e
     timings["trace_s"] = captured.trace_s
     progress.done(f"traced {len(captured.gm.graph.nodes)} nodes in {captured.trace_s:.1f} s")
 
@@ -369,14 +551,17 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
         "config": None if cfg.source == "<defaults>" else str(Path(cfg.source).resolve()),
     }
     progress.stage(f"solving with {cfg.solver}")
-    plan = solve_model(pmodel, solver=cfg.solver, time_limit=cfg.time_limit, solver_options=cfg.solver_options,
-                       timings=timings, workload=workload)
+    plan = _solve(pmodel, cfg, timings=timings, workload=workload)
     progress.done(f"solved ({plan.solver.get('status')}) in {plan.timings['solve_s']:.1f} s: "
                   f"{plan.objective_us:,.1f} µs")
     if out is not None:
-        plan.save(out)
+        try:
+            plan.save(out)
+        except OSError as e:  # checked writable up front; it can still fail (disk full, removed directory)
+            raise CLIError(f"--out {str(out)!r}: cannot write the plan: {e.strerror or e}") from e
     result: dict[str, Any] = {"cfg": cfg, "mesh": mesh, "plan": plan, "captured": captured, "recipes": None,
-                              "found_free": None, "warnings": [], "param_bytes": R.param_bytes_per_device(plan, captured, _itemsize(cfg.dtype))}
+                              "found_free": None, "warnings": _unique(getattr(plan, "warnings", None) or []),
+                              "param_bytes": R.param_bytes_per_device(plan, captured, _itemsize(cfg.dtype))}
     if not compare_recipes:
         return result
 
@@ -385,8 +570,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     if cfg.param_policy != "free" or cfg.replicate_axes or cfg.param_memory_fraction is not None:
         progress.stage(f"solving with {cfg.solver} under the free parameter-storage policy")
         pm_free = placement_model(captured, strategies, cost, constraints=cfg.constraints, param_policy="free")
-        found_free = solve_model(pm_free, solver=cfg.solver, time_limit=cfg.time_limit,
-                                 solver_options=cfg.solver_options, workload={"policy": "free"})
+        found_free = _solve(pm_free, cfg, workload={"policy": "free"})
     else:
         found_free = plan
     result["found_free"] = found_free
@@ -410,9 +594,28 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
                 msg = (f"recipe {r.name} ({r.objective_us:,.1f} µs) is cheaper than the {label} ({ref:,.1f} µs): "
                        f"the search missed a plan its space contains (solver {cfg.solver} is approximate"
                        f"{'; user constraints restrict the search' if cfg.constraints else ''}) — please report")
-                result["warnings"].append(msg)
+                result["warnings"] = _unique([*result["warnings"], msg])
                 logger.warning("%s", msg)
     return result
+
+
+def _unique(items: list[str]) -> list[str]:
+    """``items`` without repeats, first occurrence order (plan and recipe warnings may coincide)."""
+    return list(dict.fromkeys(items))
+
+
+def _solve(pmodel, cfg, **kwargs: Any):
+    """``solve_model`` with the configured solver; a time-out without any assignment becomes a CLIError."""
+    import solvers
+    from apmodel.api import solve_model
+
+    try:
+        return solve_model(pmodel, solver=cfg.solver, time_limit=cfg.time_limit, solver_options=cfg.solver_options,
+                           **kwargs)
+    except solvers.TimeLimitReached as e:
+        hint = "a longer --time-limit" + ("" if cfg.solver == "trws" else " or --solver trws (approximate, fast)")
+        raise CLIError(f"solver {cfg.solver!r} reached its time limit ({cfg.time_limit:g} s) before finding any "
+                       f"feasible assignment: try {hint}") from e
 
 
 def plan_json(result: dict[str, Any]) -> dict[str, Any]:
@@ -444,6 +647,7 @@ def plan_json(result: dict[str, Any]) -> dict[str, Any]:
         "comm_by_collective": plan.comm_by_collective,
         "param_bytes_per_device": result["param_bytes"],
         "emerged": emerged(plan),
+        "warnings": list(result["warnings"]),
     }
     if result["recipes"] is not None:
         data["recipes"] = {r.name: r.objective_us for r in result["recipes"]}
@@ -454,7 +658,6 @@ def plan_json(result: dict[str, Any]) -> dict[str, Any]:
             for r in result["recipes"]
         }
         data["free_policy_objective_us"] = result["found_free"].objective_us
-        data["warnings"] = result["warnings"]
     return data
 
 
@@ -464,7 +667,7 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
 
     plan, cfg = result["plan"], result["cfg"]
     mesh = result["mesh"]
-    console.print(f"[bold]apmodel plan[/]: {cfg.model} (seq {cfg.seq}, batch {cfg.batch}"
+    console.print(f"[bold]apmodel plan[/]: {escape(str(cfg.model))} (seq {cfg.seq}, batch {cfg.batch}"
                   f"{f', {cfg.layers} layers' if cfg.layers else ''}) on mesh {'x'.join(map(str, mesh))} "
                   f"of {cfg.device}, priced in {cfg.dtype}", highlight=False)
 
@@ -518,6 +721,8 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
 
     if result["recipes"] is not None:
         _print_recipes(result, console)
+    for w in result["warnings"]:  # plan warnings and recipe checks; literal text, never markup
+        console.print(Text.assemble(("WARNING:", "bold red"), " ", w))
 
 
 def _print_recipes(result: dict[str, Any], console: Console) -> None:
@@ -542,7 +747,7 @@ def _print_recipes(result: dict[str, Any], console: Console) -> None:
     for r in result["recipes"]:
         policy = r.param_policy + ("" if R.within_default_space(R.get(r.name)) else " *")
         if r.objective_us is None:
-            t.add_row(r.title, policy, f"[yellow]{r.status}[/]", "", "", "", "")
+            t.add_row(r.title, policy, Text(r.status, style="yellow"), "", "", "", "")
             notes.append(f"{r.name}: {r.status} — {r.reason.splitlines()[0][:300]}")
             continue
         t.add_row(r.title, policy, _fmt_us(r.objective_us), _fmt_us(r.compute_us), _fmt_us(r.comm_us),
@@ -551,9 +756,7 @@ def _print_recipes(result: dict[str, Any], console: Console) -> None:
     console.print("* outside the default search space (parameters not fully sharded: more bytes per device); "
                   "compared with the free-storage plan, which contains every recipe.", style="dim", highlight=False)
     for n in notes:
-        console.print(f"  {n}", style="dim", highlight=False)
-    for w in result["warnings"]:
-        console.print(f"[bold red]WARNING:[/] {w}", highlight=False)
+        console.print(f"  {n}", style="dim", highlight=False, markup=False)
 
 
 @app.command()
@@ -577,31 +780,20 @@ def plan(
 ) -> None:
     """Plan a model on a mesh and print the plan (or --json)."""
     _setup_logging(verbose)
-    cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
-                         batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
-                         param_policy=param_policy)
-    if cfg.param_policy not in ("full_shard", "free"):
-        _fail(f"--param-policy {cfg.param_policy!r}: expected full_shard or free")
-    if cfg.mesh is not None:
-        try:
-            parse_mesh(cfg.mesh)
-        except ValueError as e:
-            _fail(str(e))
-    try:
+    with _errors(verbose), _cwd_importable():
+        cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
+                             batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
+                             param_policy=param_policy)
+        if cfg.param_policy not in ("full_shard", "free"):
+            raise CLIError(f"--param-policy {cfg.param_policy!r}: expected full_shard or free")
         with _stdout_to_stderr(True), _Progress(True) as progress:
             result = run_plan(cfg, compare_recipes=compare_recipes, out=out, progress=progress)
-    except typer.Exit:
-        raise
-    except (ValueError, KeyError, TypeError) as e:
-        if verbose >= 2:
-            raise
-        _fail(str(e).strip("'\""))
-    if json_out:
-        typer.echo(json.dumps(plan_json(result), default=float))
-    else:
-        print_plan(result, _console())
-        if out is not None:
-            _console().print(f"plan saved to {out}", highlight=False)
+        if json_out:
+            typer.echo(json.dumps(plan_json(result), default=float))
+        else:
+            print_plan(result, _console())
+            if out is not None:
+                _console().print(f"plan saved to {out}", highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------------- explain
@@ -654,21 +846,23 @@ def explain(
 ) -> None:
     """Why the plan chose what it chose at one node: every candidate priced with its neighbours fixed."""
     _setup_logging(verbose)
+    with _errors(verbose), _cwd_importable():
+        _explain(plan_file, target, top)
+
+
+def _explain(plan_file: Path, target: str, top: int) -> None:
     from apmodel.plans import Plan
 
-    try:
-        saved = Plan.load(plan_file)
-        with _Progress(True) as progress:
-            attach(saved, progress=progress)
-        pm = saved.model
-        node = pm.fqn_to_node.get(target, target)
-        rows = saved.explain(target)
-    except (ValueError, KeyError) as e:
-        _fail(str(e).strip("'\""))
+    saved = Plan.load(plan_file)
+    with _Progress(True) as progress:
+        attach(saved, progress=progress)
+    pm = saved.model
+    node = pm.fqn_to_node.get(target, target)
+    rows = saved.explain(target)
     by_str = {str(s): s for s in pm.strategies[node]}
     console = _console()
     n = pm.node_by_name[node]
-    console.print(f"[bold]{target}[/] (node {node}, {n.target}), {len(rows)} candidates; "
+    console.print(f"[bold]{escape(target)}[/] (node {escape(node)}, {escape(str(n.target))}), {len(rows)} candidates; "
                   f"planned: {_strategy_str(saved.node_strategy[node])}", highlight=False)
     t = Table(title="Candidates, neighbours held at the plan (µs)", title_justify="left")
     for col in ("", "outputs ← inputs", "compute", "comm", "total", "allowed"):
@@ -681,7 +875,7 @@ def explain(
     console.print(t)
     reasons = pm.restriction_reasons(node)
     if reasons:
-        console.print("restricted by: " + "; ".join(reasons), style="dim", highlight=False)
+        console.print("restricted by: " + "; ".join(reasons), style="dim", highlight=False, markup=False)
 
 
 # ------------------------------------------------------------------------------------ diff
@@ -692,18 +886,20 @@ def diff(
     limit: int = typer.Option(40, "--limit", min=0, help="Show at most this many differing nodes."),
 ) -> None:
     """Compare two plans: objectives, parameter placements, node strategies."""
+    with _errors():
+        _diff(a, b, limit)
+
+
+def _diff(a: Path, b: Path, limit: int) -> None:
     from apmodel.plans import Plan, diff as plan_diff
 
-    try:
-        pa, pb = Plan.load(a), Plan.load(b)
-    except ValueError as e:
-        _fail(str(e))
+    pa, pb = Plan.load(a), Plan.load(b)
     console = _console()
     t = Table(title="Plans", title_justify="left")
     for col in ("", "mesh", "objective µs", "compute µs", "comm µs", "solver"):
         t.add_column(col)
     for label, p in (("a", pa), ("b", pb)):
-        t.add_row(f"{label}: {a if label == 'a' else b}", "x".join(map(str, p.mesh_shape)), _fmt_us(p.objective_us),
+        t.add_row(escape(f"{label}: {a if label == 'a' else b}"), "x".join(map(str, p.mesh_shape)), _fmt_us(p.objective_us),
                   _fmt_us(p.compute_us), _fmt_us(p.comm_us), f"{p.solver.get('backend', '?')} {p.solver.get('status', '')}")
     console.print(t)
     if pa.objective_us > 0:
@@ -711,7 +907,9 @@ def diff(
                       f"({100 * (pb.objective_us - pa.objective_us) / pa.objective_us:+.2f}%)", highlight=False)
     if pa.fingerprint != pb.fingerprint:
         console.print("[yellow]note:[/] the plans were made for different graphs (fingerprints differ)", highlight=False)
-    rows = plan_diff(pa, pb)
+    if tuple(pa.mesh_shape) != tuple(pb.mesh_shape):
+        console.print("[yellow]note:[/] the plans were made for different meshes", highlight=False)
+    rows = plan_diff(pa, pb, allow_mismatch=True)  # the notes above say what differs; compare by name
     params = [r for r in rows if r["kind"] == "param"]
     nodes = [r for r in rows if r["kind"] == "node"]
     if not rows:
@@ -722,7 +920,7 @@ def diff(
         for col in ("parameter", "a", "b"):
             t.add_column(col)
         for r in params:
-            t.add_row(r["name"], str(r["a"]), str(r["b"]))
+            t.add_row(escape(r["name"]), escape(str(r["a"])), escape(str(r["b"])))
         console.print(t)
     t = Table(title=f"Nodes with a different strategy ({len(nodes)}, showing {min(limit, len(nodes))})", title_justify="left")
     for col in ("node", "a", "b"):
@@ -749,31 +947,35 @@ def calibrate(
 ) -> None:
     """Fit per-collective correction curves of the NCCL model to nccl-tests logs."""
     _setup_logging(verbose)
+    with _errors(verbose):
+        _calibrate(logs, out, axis=axis, kind=kind, mesh=mesh, device=device, gpus_per_node=gpus_per_node, use=use)
+
+
+def _calibrate(logs: list[Path], out: Path, *, axis: int, kind: str, mesh: Optional[str], device: str,
+               gpus_per_node: int, use: str) -> None:
     import costmodels
 
-    try:
-        parsed = [costmodels.parse_nccl_tests(p, kind=None if kind == "auto" else kind) for p in logs]
-        for p, log in zip(logs, parsed):
-            if log.kind is None:
-                raise ValueError(f"{p}: cannot tell the collective from the log; pass --kind")
-        if mesh is not None:
-            shape = parse_mesh(mesh)
-        else:
-            ranks = {log.ranks for log in parsed if log.ranks}
-            if len(ranks) > 1:
-                raise ValueError(f"logs have different rank counts {sorted(ranks)}; pass --mesh")
-            shape = (ranks.pop() if ranks else 8,)
-        if axis >= len(shape):
-            raise ValueError(f"--axis {axis} is not an axis of mesh {shape}")
-        base = costmodels.NCCLCollectives(costmodels.Topology(shape, costmodels.device(device), gpus_per_node))
-        cal = costmodels.Calibration.fit(base, [(log, axis) for log in parsed], use=use)
-    except (ValueError, KeyError) as e:
-        _fail(str(e).strip("'\""))
+    check_writable(out)
+    parsed = [costmodels.parse_nccl_tests(p, kind=None if kind == "auto" else kind) for p in logs]
+    for p, log in zip(logs, parsed):
+        if log.kind is None:
+            raise ValueError(f"{p}: cannot tell the collective from the log; pass --kind")
+    if mesh is not None:
+        shape = parse_mesh(mesh)
+    else:
+        ranks = {log.ranks for log in parsed if log.ranks}
+        if len(ranks) > 1:
+            raise ValueError(f"logs have different rank counts {sorted(ranks)}; pass --mesh")
+        shape = (ranks.pop() if ranks else 8,)
+    if axis >= len(shape):
+        raise ValueError(f"--axis {axis} is not an axis of mesh {shape}")
+    base = costmodels.NCCLCollectives(costmodels.Topology(shape, costmodels.device(device), gpus_per_node))
+    cal = costmodels.Calibration.fit(base, [(log, axis) for log in parsed], use=use)
     cal.meta.update({"device": device, "gpus_per_node": gpus_per_node, "mesh_shape": list(shape),
                      "sources": [str(p) for p in logs]})
     cal.save(out)
     console = _console()
-    t = Table(title=f"Calibration of the NCCL model ({device}, mesh {'x'.join(map(str, shape))})", title_justify="left")
+    t = Table(title=f"Calibration of the NCCL model ({escape(device)}, mesh {'x'.join(map(str, shape))})", title_justify="left")
     for col in ("collective", "axis", "sizes", "factor at min", "factor at max", "range"):
         t.add_column(col, justify="left" if col == "collective" else "right")
     for (k, ax), c in sorted(cal.curves.items()):
@@ -787,6 +989,11 @@ def calibrate(
 @app.command()
 def devices() -> None:
     """The device registry: peak throughput, memory, fabric, network."""
+    with _errors():
+        _devices()
+
+
+def _devices() -> None:
     from costmodels.hardware import ALIASES, BUILTIN_DEVICES
 
     aliases: dict[str, list[str]] = {}

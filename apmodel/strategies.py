@@ -614,7 +614,8 @@ def enumerate_strategies(
 
 
 class _progress:
-    """A transient rich progress bar (no-op when disabled or rich is missing); yields an advance()."""
+    """A transient rich progress bar on stderr when it is a terminal (else a no-op); yields an
+    advance()."""
 
     def __init__(self, enabled: bool, total: int, label: str) -> None:
         self.enabled, self.total, self.label = enabled, total, label
@@ -622,15 +623,15 @@ class _progress:
 
     def __enter__(self):
         if self.enabled:
-            try:
-                from rich.progress import Progress
+            from rich.console import Console
+            from rich.progress import Progress
 
-                self.bar = Progress(transient=True)
+            console = Console(stderr=True)
+            if console.is_terminal:
+                self.bar = Progress(console=console, transient=True)
                 self.bar.__enter__()
                 task = self.bar.add_task(self.label, total=self.total)
                 return lambda: self.bar.advance(task)
-            except ImportError:  # rich is optional for library use
-                self.bar = None
         return lambda: None
 
     def __exit__(self, *exc: object) -> None:

@@ -1,10 +1,14 @@
 """Table of modelled collective times and bus bandwidths by message size and mesh axis.
 
     python benchmarks/costmodels.py --mesh 4x8 --device h100
-    python benchmarks/costmodels.py --mesh 8 --device h100 --kinds all_reduce --json
+    python benchmarks/costmodels.py --mesh 8 --device h100 --kinds all_reduce --json costmodels.json
+    python benchmarks/costmodels.py --mesh 8 --json | jq .rows[0]
 
 Sizes are nccl-tests sizes (whole buffer); times in µs; bus bandwidth in GB/s (1e9 B/s),
 computed as nccl-tests does. ``--calibration`` applies a saved calibration JSON.
+
+``--json PATH`` prints the tables and writes the results to PATH as JSON (like the other
+benchmark scripts); ``--json`` alone, or ``--json -``, prints only the JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -74,10 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max", default="1G", help="largest size")
     ap.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
     ap.add_argument("--calibration", default=None, help="calibration JSON to apply")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                    help="write the results as JSON to PATH (tables still printed); "
+                         "without PATH, or with -, print only the JSON object on stdout")
     args = ap.parse_args(argv)
 
-    mesh = tuple(int(x) for x in args.mesh.lower().split("x"))
+    try:
+        mesh = tuple(int(x) for x in args.mesh.lower().split("x"))
+    except ValueError:
+        ap.error(f"--mesh {args.mesh!r}: expected axis sizes joined by 'x', e.g. 8 or 4x8")
+    json_path = None if args.json in (None, "-") else Path(args.json)
+    if json_path is not None and not json_path.parent.is_dir():  # fail before the work, not after
+        ap.error(f"--json {args.json!r}: directory {str(json_path.parent)!r} does not exist")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     for k in kinds:
         if k not in cm.KINDS:
@@ -87,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(s)
         s *= max(2, args.factor)
     result = run(mesh, args.device, args.gpus_per_node, kinds, sizes, args.calibration)
-    if args.json:
+    if args.json == "-":
         print(json.dumps(result))
         return 0
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=1))
 
     from rich.console import Console
     from rich.table import Table
@@ -113,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['algorithm']}/{r['protocol']}" if r["algorithm"] else "-"]
             table.add_row(*cells)
         console.print(table)
+    if json_path is not None:
+        console.print(f"results written to {json_path}", markup=False, highlight=False)
     return 0
 
 

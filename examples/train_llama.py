@@ -8,6 +8,9 @@ processes), every rank receives the plan, and the model, built on the meta devic
 the mesh: its parameters become DTensors placed as planned. The weights are then materialised
 (``to_empty``) and loaded from a single-device reference model, and both are trained side by side
 with AdamW: the log shows the parallel loss next to the single-device loss at every step.
+
+The mesh must use every process: the product of the ``--mesh`` axis sizes must equal the world
+size (``--nproc-per-node`` x nodes); this is checked before anything is built or planned.
 """
 
 from __future__ import annotations
@@ -36,6 +39,25 @@ from apmodel.plans import Plan
 log = logging.getLogger("train_llama")
 
 
+def mesh_for_world(ap: argparse.ArgumentParser, text: str | None, world: int) -> tuple[int, ...]:
+    """The mesh shape of ``--mesh`` (default: 1D over the world); exits via ``ap.error`` naming both sizes."""
+    if text is None:
+        return (world,)
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        ap.error(f"--mesh {text!r}: expected axis sizes joined by 'x', e.g. 4 or 2x2")
+    if any(s < 1 for s in shape):
+        ap.error(f"--mesh {text!r}: axis sizes must be positive")
+    size = 1
+    for s in shape:
+        size *= s
+    if size != world:
+        ap.error(f"--mesh {text} has {size} devices but the world size is {world} processes; "
+                 f"they must be equal (e.g. torchrun --nproc-per-node {size}, or a --mesh of {world} devices)")
+    return shape
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 4 or 2x2 (default: world size, 1D)")
@@ -53,6 +75,14 @@ def main() -> None:
     ap.add_argument("--solver", default="trws")
     ap.add_argument("--save-plan", default=None, help="write the plan (JSON) here")
     args = ap.parse_args()
+    # torchrun sets WORLD_SIZE: check the mesh against it before the process group and the planner start
+    if "WORLD_SIZE" not in os.environ:
+        ap.error("WORLD_SIZE is not set: launch with torchrun, e.g. torchrun --nproc-per-node 4 examples/train_llama.py")
+    try:
+        env_world = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        ap.error(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer")
+    mesh_shape = mesh_for_world(ap, args.mesh, env_world)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)  # several processes share this machine's cores
@@ -60,7 +90,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s")
-    mesh_shape = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (world,)
+    if world != env_world:  # WORLD_SIZE and the process group disagree only if launched oddly
+        dist.destroy_process_group()
+        ap.error(f"the process group has {world} processes but WORLD_SIZE is {env_world}")
     mesh = dist.init_device_mesh("cpu", mesh_shape)
 
     cfg = config("llama3-debug", n_layers=args.layers, dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads,

@@ -12,10 +12,10 @@ variables); the returned :class:`Solution` always refers to the original problem
 
 from .problem import EdgeGroup, LinearConstraint, PairwiseProblem
 from .registry import BUILTIN_BACKENDS, SolverRegistry, available, default_registry, register, solve
-from .solution import BackendResult, Infeasible, Solution, SolverError, Unsupported
+from .solution import BackendResult, Infeasible, Solution, SolverError, TimeLimitReached, Unsupported
 
 __all__ = [
     "BUILTIN_BACKENDS", "BackendResult", "EdgeGroup", "Infeasible", "LinearConstraint", "PairwiseProblem",
-    "Solution", "SolverError", "SolverRegistry", "Unsupported", "available", "default_registry", "register",
+    "Solution", "SolverError", "SolverRegistry", "TimeLimitReached", "Unsupported", "available", "default_registry", "register",
     "solve",
 ]

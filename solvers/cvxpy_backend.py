@@ -15,7 +15,7 @@ import numpy as np
 
 from .marginal import build_marginal_model
 from .problem import PairwiseProblem
-from .solution import BackendResult, Infeasible, SolverError
+from .solution import BackendResult, Infeasible, SolverError, TimeLimitReached
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ def solve_cvxpy(problem: PairwiseProblem, time_limit: float | None = None, *, so
         raise Infeasible(f"cvxpy/{solver} proved that no assignment satisfies the constraints {list(names)} "
                          "(and any extra constraints) with finite energy", constraints=names)
     if x.value is None:
-        raise SolverError(f"cvxpy/{solver} returned status {status!r} without a solution")
+        error = TimeLimitReached if status == cp.USER_LIMIT else SolverError
+        raise error(f"cvxpy/{solver} returned status {status!r} without a solution")
     col = np.concatenate([x.value, np.zeros(a.shape[1] - n_x)])
     assignment = m.assignment_from_columns(problem, col)
     st = "optimal" if status == cp.OPTIMAL else ("time_limit" if status == cp.USER_LIMIT else "feasible")

@@ -9,7 +9,7 @@ import numpy as np
 
 from .marginal import build_marginal_model
 from .problem import PairwiseProblem
-from .solution import BackendResult, Infeasible, SolverError
+from .solution import BackendResult, Infeasible, SolverError, TimeLimitReached
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
                          constraints=names)
     has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
     if not has_sol:
-        raise SolverError(f"HiGHS stopped with status {stats['model_status']!r} and no feasible assignment")
+        error = TimeLimitReached if ms == M.kTimeLimit else SolverError
+        raise error(f"HiGHS stopped with status {stats['model_status']!r} and no feasible assignment")
     x = model.assignment_from_columns(problem, np.asarray(h.getSolution().col_value))
     bound = float(info.mip_dual_bound)
     if not np.isfinite(bound):

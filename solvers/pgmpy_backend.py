@@ -5,11 +5,23 @@ MPLP maximises a sum of non-negative log-potentials, so each cost table ``c`` be
 factor (MPLP needs one).  The result is approximate and has no bound.  Variables MPLP leaves out
 are completed greedily given their assigned neighbours (logged); an assignment with a forbidden
 state or pair raises :class:`~solvers.Infeasible` (not proven).  Side constraints are unsupported.
+
+``time_limit``: pgmpy's ``Mplp.map_query`` only takes iteration counts, no clock and no callback.
+It does consult ``Mplp._is_converged`` after every message-passing sweep and before every
+triplet-tightening round, so :class:`_DeadlineMplp` overrides that (private) hook to report
+convergence once the deadline has passed; ``map_query`` then returns the best decoded assignment
+so far, with status ``"time_limit"``.  This was chosen over re-calling ``map_query`` in short
+chunks, which cannot tell convergence from exhaustion and so would keep iterating to the limit.
+Limits: pgmpy always runs at least 17 sweeps of its first pass before it honours convergence, and
+building the network and ``Mplp(...)`` itself cannot be interrupted, so a run can overshoot the
+limit by that much.  Should a pgmpy release drop the hook, the limit cannot be honoured; that is
+logged as a warning and MPLP runs to its iteration counts.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -28,9 +40,29 @@ def _potential(c: np.ndarray, penalty: float) -> np.ndarray:
     return c.max() - c
 
 
+def _deadline_mplp(mplp_cls: type, deadline: float) -> type | None:
+    """A subclass of pgmpy's ``Mplp`` whose convergence test also says yes after ``deadline``.
+
+    None when this pgmpy has no ``_is_converged`` hook (then the limit cannot be honoured)."""
+    if not callable(getattr(mplp_cls, "_is_converged", None)):
+        return None
+
+    class _DeadlineMplp(mplp_cls):  # type: ignore[misc, valid-type]
+        timed_out = False
+
+        def _is_converged(self, *args, **kwargs):  # called after each sweep / tightening round
+            if time.perf_counter() >= deadline:
+                self.timed_out = True
+                return True
+            return super()._is_converged(*args, **kwargs)
+
+    return _DeadlineMplp
+
+
 def solve_pgmpy(problem: PairwiseProblem, time_limit: float | None = None, *, init_iter: int = 1000,
                 later_iter: int = 20, tighten_triplet: bool = False) -> BackendResult:
-    """MAP by MPLP.  ``time_limit`` is not supported by pgmpy and is ignored (logged)."""
+    """MAP by MPLP; ``time_limit`` stops message passing when it has passed (see the module docstring)."""
+    t0 = time.perf_counter()
     p = problem
     if p.constraints:
         raise Unsupported(f"pgmpy backend does not support linear side constraints "
@@ -39,8 +71,12 @@ def solve_pgmpy(problem: PairwiseProblem, time_limit: float | None = None, *, in
     from pgmpy.inference import Mplp
     from pgmpy.models import DiscreteMarkovNetwork
 
+    mplp_cls = Mplp
     if time_limit is not None:
-        log.info("pgmpy backend ignores time_limit=%s", time_limit)
+        mplp_cls = _deadline_mplp(Mplp, t0 + float(time_limit)) or Mplp
+        if mplp_cls is Mplp:
+            log.warning("pgmpy backend cannot honour time_limit=%s: this pgmpy's Mplp has no _is_converged hook; "
+                        "MPLP runs to its iteration counts", time_limit)
     rng_total = float(np.ptp(p.unary_flat[np.isfinite(p.unary_flat)])) if np.isfinite(p.unary_flat).any() else 0.0
     for g in p.groups:
         fin = np.isfinite(g.costs)
@@ -57,7 +93,11 @@ def solve_pgmpy(problem: PairwiseProblem, time_limit: float | None = None, *, in
         model.add_edge(names[u], names[v])
         factors.append(DiscreteFactor([names[u], names[v]], list(c.shape), _potential(c, penalty).ravel()))
     model.add_factors(*factors)
-    result = Mplp(model).map_query(init_iter=init_iter, later_iter=later_iter, tighten_triplet=tighten_triplet)
+    mplp = mplp_cls(model)
+    result = mplp.map_query(init_iter=init_iter, later_iter=later_iter, tighten_triplet=tighten_triplet)
+    timed_out = bool(getattr(mplp, "timed_out", False))
+    if timed_out:
+        log.info("pgmpy/MPLP stopped at time_limit=%ss after %.2fs", time_limit, time.perf_counter() - t0)
     x = np.full(p.n_vars, -1, dtype=np.int64)
     for name, state in result.items():
         x[int(name[1:])] = int(state)
@@ -68,7 +108,8 @@ def solve_pgmpy(problem: PairwiseProblem, time_limit: float | None = None, *, in
     if not np.isfinite(p.energy(x)):
         raise Infeasible("pgmpy/MPLP returned an assignment using a forbidden state or pair (not proven infeasible)",
                          proven=False)
-    return BackendResult(x, None, "feasible", {"unassigned_by_mplp": int(len(missing))})
+    return BackendResult(x, None, "time_limit" if timed_out else "feasible",
+                         {"unassigned_by_mplp": int(len(missing)), "timed_out": timed_out})
 
 
 def _complete_greedily(p: PairwiseProblem, x: np.ndarray, missing: np.ndarray) -> None:

@@ -29,6 +29,10 @@ class SolverError(RuntimeError):
     """A backend failed or returned something unusable (not an infeasibility proof)."""
 
 
+class TimeLimitReached(SolverError):
+    """The time limit ran out before the backend found any feasible assignment."""
+
+
 class Unsupported(ValueError):
     """The backend cannot honour part of the problem (e.g. side constraints)."""
 

@@ -181,3 +181,182 @@ def test_every_subcommand_has_help():
         res = invoke(cmd, "--help")
         assert res.exit_code == 0 and "Usage" in res.output, cmd
     assert invoke("--help").exit_code == 0
+
+
+# ------------------------------------------------------------------ failures: one line, exit code 2
+class NonzeroModel(TinyMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y[y.nonzero()[:, 0]]  # output shape depends on the values
+
+
+class ItemModel(TinyMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * y.sum().item()
+
+
+class BranchModel(TinyMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y if y.sum() > 0 else -y  # Python control flow on a tensor value
+
+
+def _factory(cls):
+    return lambda batch=16: (cls(), (torch.randn(batch, 32),), lambda out, x: (out * out).mean())
+
+
+nonzero_mlp, item_mlp, branch_mlp = _factory(NonzeroModel), _factory(ItemModel), _factory(BranchModel)
+
+
+def exploding_factory(batch: int = 16):
+    """Fails the test if the CLI gets as far as building the model."""
+    raise AssertionError("the CLI should have stopped before building the model")
+
+
+def error_line(res) -> str:
+    """The CLI's single error line (stderr), checking exit code 2 and the absence of a traceback."""
+    assert res.exit_code == 2, res.output + repr(res.exception)
+    assert "Traceback" not in res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == lines[-1], res.stderr
+    return errors[0]
+
+
+def test_missing_calibration_file_is_named(tmp_path):
+    cfg = tmp_path / "apmodel.toml"
+    cfg.write_text('[cost]\ncalibration = "missing.json"\n')
+    line = error_line(invoke("plan", "--model", "test_cli:exploding_factory", "--mesh", "4", "--config", str(cfg)))
+    assert f"'{tmp_path / 'missing.json'}'" in line and "cost.calibration" in line and "does not exist" in line
+
+
+@pytest.mark.parametrize("where,expect", [
+    ("no_such_dir/plan.json", "does not exist"),
+    ("a_file/plan.json", "is a file, not a directory"),
+    (".", "is a directory"),
+])
+def test_unwritable_out_fails_before_planning(tmp_path, where, expect):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / where
+    line = error_line(invoke("plan", "--model", "test_cli:exploding_factory", "--mesh", "4", "--out", str(out)))
+    assert line.startswith(f"error: --out '{out}'") and expect in line
+
+
+def test_infeasible_constraints_print_literally(tmp_path):
+    """One line naming the constraint; rich markup must not eat [workload], nor quotes be stripped."""
+    cfg = tmp_path / "apmodel.toml"
+    cfg.write_text('[[constraints]]\nlinear = "need_two [workload]"\nterms = [["up.weight", "S(0)", 1.0]]\n'
+                   'sense = ">="\nrhs = 2\n')
+    line = error_line(invoke("plan", "--model", "test_cli:tiny_mlp", "--mesh", "4", "--config", str(cfg)))
+    assert line.startswith("error: infeasible: ") and line.endswith("'need_two [workload]'")
+
+
+def test_unknown_module_keeps_its_quotes():
+    line = error_line(invoke("plan", "--model", "no_such_module_xyz:f", "--mesh", "4"))
+    assert line.endswith("No module named 'no_such_module_xyz'")
+
+
+def test_solver_time_out_without_assignment_suggests_remedies():
+    """What a backend raises when it stops at its time limit before any feasible assignment."""
+    import solvers
+
+    def timed_out(problem, time_limit=None, **options):
+        raise solvers.TimeLimitReached("stopped with status 'Time limit reached' and no feasible assignment")
+
+    solvers.register("timed_out_for_test", timed_out)
+    try:
+        line = error_line(invoke("plan", "--model", "test_cli:tiny_mlp", "--mesh", "4", "--solver",
+                                 "timed_out_for_test", "--time-limit", "0.5"))
+    finally:
+        solvers.default_registry().unregister("timed_out_for_test")
+    assert "'timed_out_for_test' reached its time limit (0.5 s)" in line
+    assert "--time-limit" in line and "--solver trws" in line
+
+
+def test_highs_time_out_is_one_line():
+    res = invoke("plan", *LLAMA, "--solver", "highs", "--time-limit", "0.001")
+    if res.exit_code == 0:
+        pytest.skip("HiGHS solved the problem within 1 ms on this machine")
+    line = error_line(res)
+    assert "'highs' reached its time limit" in line and "--solver trws" in line
+
+
+@pytest.mark.parametrize("mesh,expect", [
+    ("1000000x1000000", "1,000,000,000,000 devices; at most 1,048,576 (2**20)"),
+    ("2x2x2x2x2", "5 axes; at most 4"),
+])
+def test_huge_mesh_is_refused_before_any_allocation(mesh, expect):
+    line = error_line(invoke("plan", "--model", "test_cli:exploding_factory", "--mesh", mesh))
+    assert f"--mesh '{mesh}'" in line and expect in line
+
+
+@pytest.mark.parametrize("factory,op", [
+    ("nonzero_mlp", "aten.nonzero"),
+    ("item_mlp", "aten._local_scalar_dense"),
+    ("branch_mlp", "aten._local_scalar_dense"),
+])
+def test_data_dependent_op_is_one_named_line(factory, op):
+    line = error_line(invoke("plan", "--model", f"test_cli:{factory}", "--mesh", "2"))
+    assert f"--model 'test_cli:{factory}': cannot trace" in line and op in line and "test_cli.py:" in line
+
+
+def test_model_module_in_the_working_directory(tmp_path, monkeypatch):
+    """`--model mod:factory` finds mod.py in the cwd, as `python -m` would, and leaves sys.path as it was."""
+    import sys
+
+    (tmp_path / "cwd_model_for_cli_test.py").write_text(
+        "import torch\n\n"
+        "def factory(batch=16):\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False))\n"
+        "    return model, (torch.randn(batch, 32),), lambda out, x: (out * out).mean()\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    res = invoke("plan", "--model", "cwd_model_for_cli_test:factory", "--mesh", "2", "--json")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert json.loads(res.stdout)["param_placements"]["0.weight"]
+    assert sys.path == before
+    sys.modules.pop("cwd_model_for_cli_test", None)
+
+
+def test_console_script_errors_without_traceback(tmp_path):
+    """The real `apmodel` process (the cwd is not on its sys.path): one stderr line, exit code 2."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("apmodel") or str(Path(sys.executable).parent / "apmodel")
+    (tmp_path / "dd_model.py").write_text(
+        "import torch\n\n"
+        "class M(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        y = super().forward(x)\n"
+        "        return y[y.nonzero()[:, 0]].sum()\n\n"
+        "def factory():\n"
+        "    return M(8, 8, bias=False), (torch.randn(4, 8),)\n")
+    proc = subprocess.run([exe, "plan", "--model", "dd_model:factory", "--mesh", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --model 'dd_model:factory'"), proc.stderr
+    assert "aten.nonzero" in lines[0] and "dd_model.py:6 in forward" in lines[0]
+
+
+def test_plan_warnings_are_shown_deduplicated(monkeypatch):
+    """Plan.warnings (when the Plan has them) join the recipe checks: in the table and in --json."""
+    import apmodel.cli as cli
+
+    solve = cli._solve
+
+    def with_warnings(pmodel, cfg, **kwargs):
+        plan = solve(pmodel, cfg, **kwargs)
+        plan.warnings = ["check [this] 'x'", "check [this] 'x'", "second"]
+        return plan
+
+    monkeypatch.setattr(cli, "_solve", with_warnings)
+    res = invoke("plan", "--model", "test_cli:tiny_mlp", "--mesh", "2", "--json")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert json.loads(res.stdout)["warnings"] == ["check [this] 'x'", "second"]
+    res = invoke("plan", "--model", "test_cli:tiny_mlp", "--mesh", "2")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert res.stdout.count("WARNING: check [this] 'x'") == 1 and "WARNING: second" in res.stdout

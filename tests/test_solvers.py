@@ -477,3 +477,38 @@ def test_benchmark_npz_loader_and_planner_instances(tmp_path):
     sol = solvers.solve(big, "highs")
     assert sol.info["reduce"]["series"] > 0 and sol.status == "optimal"
     assert solvers.solve(big, "highs", reduce=False).energy == pytest.approx(sol.energy, abs=TOL)
+
+
+def _grid_problem(n: int = 5, k: int = 3, seed: int = 0) -> solvers.PairwiseProblem:
+    """An n x n grid with random costs: frustrated cycles, so MPLP needs many sweeps."""
+    rng = np.random.default_rng(seed)
+    unary = [rng.normal(size=k).round(3) for _ in range(n * n)]
+    edges = []
+    for i in range(n):
+        for j in range(n):
+            if i + 1 < n:
+                edges.append((i * n + j, (i + 1) * n + j, rng.normal(scale=2, size=(k, k)).round(3)))
+            if j + 1 < n:
+                edges.append((i * n + j, i * n + j + 1, rng.normal(scale=2, size=(k, k)).round(3)))
+    return solvers.PairwiseProblem(unary, edges)
+
+
+def test_pgmpy_honours_time_limit(caplog):
+    from solvers import pgmpy_backend
+
+    p = _grid_problem()
+    # A limit already past when MPLP starts: it stops at its first convergence check (deterministic),
+    # though init_iter alone would let it run until it converges.
+    raw = pgmpy_backend.solve_pgmpy(p, time_limit=1e-9, init_iter=10**6)
+    assert raw.status == "time_limit" and raw.info["timed_out"]
+    assert np.isfinite(p.energy(raw.assignment))
+    sol = solvers.solve(p, "pgmpy", time_limit=1e-9, init_iter=10**6)
+    assert sol.status == "time_limit" and np.isfinite(sol.energy)
+    free = pgmpy_backend.solve_pgmpy(p, init_iter=50)
+    assert free.status == "feasible" and not free.info["timed_out"]
+    # a pgmpy without the hook: the limit is not honoured, and the log says so
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pgmpy_backend, "_deadline_mplp", lambda cls, deadline: None)
+        with caplog.at_level("WARNING", logger="solvers.pgmpy_backend"):
+            raw = pgmpy_backend.solve_pgmpy(p, time_limit=1e-9, init_iter=20)
+    assert raw.status == "feasible" and "cannot honour time_limit" in caplog.text
