@@ -7,6 +7,7 @@ The pipeline, top to bottom: capture → strategies → model (cluster, price, c
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from apmodel.capture import CapturedGraph, capture
 from apmodel.constraints import ConstraintLike, apply_all
 from apmodel.costs import CostContext
 from apmodel import seeding as seeding_mod
+from apmodel.memory import HBM_RESERVE_FRACTION, MemoryEstimate, OutOfMemory
 from apmodel.model import ConstraintConflict, PlacementModel
 from apmodel.plans import Plan
 from apmodel.strategies import enumerate_strategies
@@ -64,17 +66,21 @@ def cost_context(
 ) -> CostContext:
     """The default cost models for a mesh on a device, with optional replacements.
 
-    ``compute_model``/``comm_model`` replace the roofline and NCCL models: an object, or a dotted
-    name ``"package.module:Name"`` constructed with the device spec / topology.
+    The default compute model is ``costmodels.compute_model(spec)``: the measured model where the
+    device has a profile (h200, h100), else the roofline. ``compute_model``/``comm_model`` replace
+    the compute and NCCL models: an object, or a dotted name ``"package.module:Name"`` constructed
+    with the device spec / topology.
     """
     mesh_shape = tuple(int(s) for s in mesh_shape)
     spec = costmodels.device(device) if isinstance(device, str) else device
     topo = costmodels.Topology(mesh_shape=mesh_shape, device=spec, gpus_per_node=gpus_per_node)
-    compute = _cost_model(compute_model, costmodels.RooflineCompute, spec)
+    compute = _cost_model(compute_model, costmodels.compute_model, spec)
     comm = _cost_model(comm_model, costmodels.NCCLCollectives, topo)
     if calibration is not None:
         comm = costmodels.CalibratedCollectives(comm, costmodels.Calibration.load(calibration))
-    return CostContext(mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=_pricing_dtype(dtype))
+    return CostContext(
+        mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=_pricing_dtype(dtype), hbm_bytes=spec.hbm_GiB * 2**30
+    )
 
 
 def placement_model(
@@ -160,6 +166,7 @@ def build_model(
     param_memory_fraction: float | None = None,
     merge_copies: bool = True,
     flow_coupling: bool = True,
+    optimizer: str = "adamw",
     seeding: bool | None = None,
     seed_radius: int = seeding_mod.DEFAULT_RADIUS,
     seed_widen_inputs: bool = False,
@@ -211,6 +218,7 @@ def build_model(
             param_memory_fraction=param_memory_fraction,
             merge_copies=merge_copies,
             flow_coupling=flow_coupling,
+            optimizer=optimizer,
         )
     except ConstraintConflict as e:
         if not seeded:
@@ -221,7 +229,7 @@ def build_model(
             captured, mesh_shape, cost=cost, mesh=mesh, constraints=constraints, input_placements=input_placements,
             output_placements=output_placements, param_policy=param_policy, replicate_axes=replicate_axes,
             param_memory_fraction=param_memory_fraction, merge_copies=merge_copies, flow_coupling=flow_coupling,
-            seeding=False, timings=timings,
+            optimizer=optimizer, seeding=False, timings=timings,
         )
         timings["build_s"] += spent  # the discarded seeded attempt counts too
         return pmodel
@@ -289,6 +297,7 @@ def plan(
     constraints: Sequence[ConstraintLike] = (),
     replay: Plan | str | Path | None = None,
     workload: Mapping[str, Any] | None = None,
+    memory_limit: float | None = None,
     **model_options: Any,
 ) -> Plan:
     """Plan ``model`` on a mesh of ``mesh_shape``: the cheapest per-operator placements.
@@ -299,7 +308,9 @@ def plan(
     take their labels). ``device`` names the
     target accelerator of the cost model (``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"cpu"``);
     ``solver`` a backend of :func:`solvers.available`. ``replay`` prices a saved plan on this
-    workload instead of searching. Further options: see :func:`build_model`.
+    workload instead of searching. ``memory_limit`` (bytes per device; default: the device's HBM
+    less 10%, ``math.inf`` for none): a plan over it is solved again under a memory row, or
+    refused with :class:`~apmodel.memory.OutOfMemory`. Further options: see :func:`build_model`.
     """
     timings: dict[str, float] = {}
     constraints = list(constraints)
@@ -311,4 +322,56 @@ def plan(
     )
     wl = {"device": device if isinstance(device, str) else getattr(device, "name", str(device)),
           "gpus_per_node": gpus_per_node, "dtype": str(dtype), **dict(workload or {})}
-    return solve_model(pmodel, solver=solver, time_limit=time_limit, solver_options=solver_options, timings=timings, workload=wl)
+    result = solve_model(pmodel, solver=solver, time_limit=time_limit, solver_options=solver_options, timings=timings, workload=wl)
+    return fit_in_memory(
+        pmodel, result, memory_limit,
+        lambda: solve_model(pmodel, solver=solver, time_limit=time_limit, solver_options=solver_options, timings=timings, workload=wl),
+    )
+
+
+def _memory_limit(memory_limit: float | None, pmodel: PlacementModel) -> float | None:
+    if memory_limit is not None:
+        if not memory_limit > 0:
+            raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
+        return None if math.isinf(memory_limit) else float(memory_limit)
+    hbm = pmodel.memory.hbm_bytes
+    return None if hbm is None else hbm * (1 - HBM_RESERVE_FRACTION)
+
+
+def fit_in_memory(
+    pmodel: PlacementModel, plan: Plan, memory_limit: float | None, solve: Callable[[], Plan]
+) -> Plan:
+    """``plan`` if its peak fits ``memory_limit`` (bytes per device; None: the device's HBM less
+    :data:`~apmodel.memory.HBM_RESERVE_FRACTION`), else the cheapest plan under a memory row
+    (:meth:`PlacementModel.add_memory_limit`), else :class:`~apmodel.memory.OutOfMemory` saying
+    the smallest footprint the candidates allow and what dominates it."""
+    limit = _memory_limit(memory_limit, pmodel)
+    if limit is None or plan.memory.get("peak_bytes") is None or plan.memory["peak_bytes"] <= limit:
+        return plan
+    mem = plan.memory
+    transient = mem["peak_bytes"] - sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
+    logger.info(
+        "plan needs %.2f GB per device, over the %.2f GB limit: solving again with a memory row",
+        mem["peak_bytes"] / 1e9, limit / 1e9,
+    )
+    smallest = pmodel.memory.smallest({n: pmodel.allowed_mask(n) for n in pmodel.strategies}) + transient
+    if smallest > limit:
+        raise _out_of_memory(pmodel, plan, limit, smallest)
+    pmodel.add_memory_limit(limit, reserved_bytes=transient)
+    try:
+        fitted = solve()
+    except solvers.Infeasible:
+        raise _out_of_memory(pmodel, plan, limit, smallest) from None
+    if fitted.memory["peak_bytes"] > limit:
+        raise _out_of_memory(pmodel, fitted, limit, smallest)
+    return fitted
+
+
+def _out_of_memory(pmodel: PlacementModel, plan: Plan, limit: float, smallest: float) -> OutOfMemory:
+    est = MemoryEstimate(**{k: plan.memory[k] for k in MemoryEstimate.__dataclass_fields__})
+    return OutOfMemory(
+        f"out of memory: no plan fits {limit / 1e9:.2f} GB per device (memory_limit; by default the "
+        f"device's HBM less {HBM_RESERVE_FRACTION:.0%}); the cheapest plan needs {est.peak_bytes / 1e9:.2f} GB "
+        f"({est.dominant()}), the smallest any plan can need is about {smallest / 1e9:.2f} GB: use a smaller "
+        "batch or sequence, more devices, or an optimizer with less state"
+    )

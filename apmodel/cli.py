@@ -511,7 +511,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
         raise ValueError(f"replicate_axes {cfg.replicate_axes} name an axis outside mesh {mesh}")
 
     from apmodel import recipes as R
-    from apmodel.api import DTYPES, candidate_strategies, placement_model
+    from apmodel.api import DTYPES, candidate_strategies, fit_in_memory, placement_model
     from apmodel.capture import capture
 
     if cfg.dtype not in DTYPES:
@@ -536,7 +536,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     progress.stage("building the placement model")
     t0 = time.perf_counter()
     options = dict(param_policy=cfg.param_policy, replicate_axes=tuple(cfg.replicate_axes),
-                   param_memory_fraction=cfg.param_memory_fraction)
+                   param_memory_fraction=cfg.param_memory_fraction, optimizer=cfg.optimizer or "adamw")
     pmodel = placement_model(captured, strategies, cost, constraints=cfg.constraints, **options)
     timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"] + timings["seeding_s"]
     sizes = pmodel.summary()
@@ -547,11 +547,14 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
         "model": cfg.model, "seq": cfg.seq, "batch": cfg.batch, "layers": cfg.layers, "mesh": list(mesh),
         "device": cfg.device, "dtype": cfg.dtype, "gpus_per_node": cfg.gpus_per_node,
         "param_policy": cfg.param_policy, "replicate_axes": list(cfg.replicate_axes),
-        "param_memory_fraction": cfg.param_memory_fraction,
+        "param_memory_fraction": cfg.param_memory_fraction, "optimizer": cfg.optimizer or "adamw",
+        "memory_limit_GB": cfg.memory_limit_GB,
         "config": None if cfg.source == "<defaults>" else str(Path(cfg.source).resolve()),
     }
     progress.stage(f"solving with {cfg.solver}")
     plan = _solve(pmodel, cfg, timings=timings, workload=workload)
+    limit = None if cfg.memory_limit_GB is None else cfg.memory_limit_GB * 1e9
+    plan = fit_in_memory(pmodel, plan, limit, lambda: _solve(pmodel, cfg, timings=timings, workload=workload))
     progress.done(f"solved ({plan.solver.get('status')}) in {plan.timings['solve_s']:.1f} s: "
                   f"{plan.objective_us:,.1f} µs")
     if out is not None:
@@ -648,6 +651,7 @@ def plan_json(result: dict[str, Any]) -> dict[str, Any]:
         "param_bytes_per_device": result["param_bytes"],
         "emerged": emerged(plan),
         "warnings": list(result["warnings"]),
+        "memory": dict(plan.memory),
     }
     if result["recipes"] is not None:
         data["recipes"] = {r.name: r.objective_us for r in result["recipes"]}
@@ -685,6 +689,11 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
         gap = (plan.objective_us - lb) / max(abs(plan.objective_us), 1e-12)
         t.add_row("lower bound (µs) / gap", f"{_fmt_us(lb)} / {100 * gap:.2f}%")
     t.add_row("parameter bytes per device", _fmt_bytes(result["param_bytes"]))
+    mem = plan.memory
+    if mem.get("peak_bytes") is not None:
+        t.add_row("memory per device (peak)", f"{_fmt_bytes(mem['peak_bytes'])} of {_fmt_bytes(mem['hbm_bytes'])}: "
+                  f"params {_fmt_bytes(mem['params_bytes'])}, grads {_fmt_bytes(mem['grads_bytes'])}, "
+                  f"optimizer {_fmt_bytes(mem['optimizer_bytes'])}, activations {_fmt_bytes(mem['activations_bytes'])}")
     console.print(t)
 
     t = Table(title="Objective breakdown (µs per training step)", title_justify="left")
@@ -776,6 +785,8 @@ def plan(
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0.001, help="Solver time limit per solve, seconds."),
     param_policy: Optional[str] = typer.Option(None, "--param-policy", help="Parameter storage: full_shard (default) or free."),
     compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
+    memory_limit_gb: Optional[float] = typer.Option(None, "--memory-limit-gb", min=0.001, help="Per-device memory limit in GB (1e9 B). Default: the device's HBM less 10%."),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr; -vv: DEBUG."),
 ) -> None:
     """Plan a model on a mesh and print the plan (or --json)."""
@@ -783,7 +794,9 @@ def plan(
     with _errors(verbose), _cwd_importable():
         cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
                              batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
-                             param_policy=param_policy)
+                             param_policy=param_policy, optimizer=optimizer, memory_limit_GB=memory_limit_gb)
+        if cfg.optimizer is not None and cfg.optimizer not in ("adamw", "adam", "sgd", "sgd-nomomentum", "none"):
+            raise CLIError(f"--optimizer {cfg.optimizer!r}: expected adamw, sgd, sgd-nomomentum or none")
         if cfg.param_policy not in ("full_shard", "free"):
             raise CLIError(f"--param-policy {cfg.param_policy!r}: expected full_shard or free")
         with _stdout_to_stderr(True), _Progress(True) as progress:

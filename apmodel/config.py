@@ -36,6 +36,8 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     param_policy = "full_shard"   # or "free"
     replicate_axes = []           # mesh axes on which parameters stay replicated (HSDP)
     param_memory_fraction = 0.25  # optional per-device parameter budget (instead of full_shard)
+    optimizer = "adamw"           # optimizer state in the memory model: adamw | sgd | none
+    memory_limit_GB = 70.0        # per-device memory limit (default: the device's HBM less 10%)
 
     [[constraints]]
     fix = "layers.*.attention.wo.weight"
@@ -68,6 +70,9 @@ else:  # pragma: no cover
 
 from apmodel import constraints as C
 from apmodel import placements as pl
+from apmodel.memory import OPTIMIZER_STATE_COPIES
+
+_OPTIMIZERS = tuple(OPTIMIZER_STATE_COPIES)
 
 
 class ConfigError(ValueError):
@@ -106,6 +111,8 @@ class Config:
     param_policy: str | None = None
     replicate_axes: list[int] | None = None
     param_memory_fraction: float | None = None
+    optimizer: str | None = None
+    memory_limit_GB: float | None = None
     # [[constraints]]
     constraints: list[Any] = field(default_factory=list)
     source: str = "<defaults>"
@@ -151,6 +158,8 @@ _SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
         "param_policy": ("param_policy", (str,), '"full_shard" or "free"'),
         "replicate_axes": ("replicate_axes", (list,), "a list of mesh axes"),
         "param_memory_fraction": ("param_memory_fraction", (int, float), "a number in (0, 1]"),
+        "optimizer": ("optimizer", (str,), '"adamw" or "sgd"'),
+        "memory_limit_GB": ("memory_limit_GB", (int, float), "a number of GB (1e9 bytes) per device"),
     },
 }
 
@@ -285,6 +294,10 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
             raise ConfigError(f"{source}: key 'cost.{key}' must look like \"package.module:Name\", got {_short(v)}")
     if cfg.param_policy is not None and cfg.param_policy not in ("full_shard", "free"):
         raise ConfigError(f"{source}: key 'planner.param_policy' must be \"full_shard\" or \"free\", got {cfg.param_policy!r}")
+    if cfg.optimizer is not None and cfg.optimizer not in _OPTIMIZERS:
+        raise ConfigError(f"{source}: key 'planner.optimizer' must be one of {', '.join(_OPTIMIZERS)}, got {_short(cfg.optimizer)}")
+    if cfg.memory_limit_GB is not None and not 0 < cfg.memory_limit_GB < math.inf:
+        raise ConfigError(f"{source}: key 'planner.memory_limit_GB' must be a finite number > 0, got {cfg.memory_limit_GB}")
     if cfg.param_memory_fraction is not None and not 0 < cfg.param_memory_fraction <= 1:
         raise ConfigError(f"{source}: key 'planner.param_memory_fraction' must be in (0, 1], got {cfg.param_memory_fraction!r}")
     for key in ("seq", "batch", "layers", "gpus_per_node"):

@@ -129,6 +129,8 @@ class CostContext:
     compute: Any
     comm: Any
     dtype: torch.dtype | None = torch.bfloat16
+    hbm_bytes: float | None = None
+    """memory capacity of one device (bytes), for the memory model; None when unknown"""
 
     def __post_init__(self) -> None:
         if self.comm is not None and not isinstance(self.comm, CheckedComm):

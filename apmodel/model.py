@@ -42,6 +42,7 @@ from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
 from apmodel.clustering import Grouping, cluster, local_signature
 from apmodel.costs import CostContext
+from apmodel.memory import MemoryModel
 from apmodel.strategies import Strategy, input_slots
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class PlacementModel:
         param_memory_fraction: if given, a linear budget row: total per-device parameter bytes
             ≤ fraction × total parameter bytes (instead of the ``full_shard`` restriction).
         merge_copies, flow_coupling: clustering switches (see :mod:`apmodel.clustering`).
+        optimizer: the optimizer whose state the memory model counts (``"adamw"``, ``"sgd"``, ...;
+            :mod:`apmodel.memory`); the device capacity comes from ``cost.hbm_bytes``.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class PlacementModel:
         param_memory_fraction: float | None = None,
         merge_copies: bool = True,
         flow_coupling: bool = True,
+        optimizer: str = "adamw",
     ) -> None:
         if param_policy not in ("full_shard", "free"):
             raise ValueError(f"param_policy must be 'full_shard' or 'free', got {param_policy!r}")
@@ -169,6 +173,9 @@ class PlacementModel:
             self._add_param_budget(float(param_memory_fraction))
         elif param_policy == "full_shard":
             self._apply_full_shard()
+        self.memory = MemoryModel(
+            captured, self.strategies, self.mesh_shape, cost.itemsize, optimizer=optimizer, hbm_bytes=cost.hbm_bytes
+        )
         self._compiled: CompiledModel | None = None
 
     # ------------------------------------------------------------------ graph structure
@@ -296,6 +303,13 @@ class PlacementModel:
                 terms.append((node, i, numel / self._param_shard_factor(s)))
             self.restrict(node, lambda s: not any(pl.to_str(p).startswith("P") for p in s.outputs[0]), f"policy: parameter {fqn} not partial")
         self.linear_rows.append(("param_memory_budget", terms, "<=", fraction * total))
+
+    def add_memory_limit(self, limit_bytes: float, *, reserved_bytes: float = 0.0) -> None:
+        """Per-device memory row: parameters, gradients, optimizer state and saved activations
+        (see :mod:`apmodel.memory`) ≤ ``limit_bytes - reserved_bytes`` (``reserved_bytes``: what the
+        row cannot see, e.g. the step's largest transient)."""
+        self.linear_rows.append(("memory", self.memory.row(), "<=", float(limit_bytes - reserved_bytes)))
+        self._compiled = None
 
     # ------------------------------------------------------------------ user constraints
     def select(self, pattern: str) -> list[str]:

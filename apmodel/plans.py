@@ -148,6 +148,9 @@ class Plan:
     workload: dict[str, Any] = field(default_factory=dict)
     #: Things the user should know about the plan (see :func:`plan_warnings`); saved in the file.
     warnings: list[str] = field(default_factory=list)
+    #: Per-device bytes (:class:`apmodel.memory.MemoryEstimate` fields: params_bytes, grads_bytes,
+    #: optimizer_bytes, activations_bytes, peak_bytes, hbm_bytes); empty in files without it.
+    memory: dict[str, float | None] = field(default_factory=dict)
     # Transient: what the plan was solved on (not saved).
     model: "PlacementModel | None" = field(default=None, repr=False, compare=False)
 
@@ -184,6 +187,7 @@ class Plan:
             timings=dict(timings),
             workload=dict(workload or {}),
             warnings=plan_warnings(pmodel, node_strategy),
+            memory=pmodel.memory.estimate(node_strategy).to_json(),
             model=pmodel,
         )
         return plan
@@ -212,6 +216,7 @@ class Plan:
             "param_placements": {k: pl.tuple_to_str(v) for k, v in self.param_placements.items()},
             "node_strategy": {k: strategy_to_json(v) for k, v in self.node_strategy.items()},
             "warnings": list(self.warnings),
+            "memory": dict(self.memory),
         }
 
     def save(self, path: str | Path) -> None:
@@ -260,6 +265,10 @@ class Plan:
         warnings = data.get("warnings", [])  # absent in files written before warnings existed
         if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
             raise _bad(source, "warnings", "a list of strings", warnings)
+        memory = _str_keyed(source, "memory", data.get("memory", {}), "an object of byte counts")
+        for k, v in memory.items():
+            if v is not None and not _is_number(v):
+                raise _bad(source, f"memory[{k!r}]", "a number of bytes or null", v)
         return cls(
             mesh_shape=mesh_shape,
             fingerprint=data["fingerprint"],
@@ -274,6 +283,7 @@ class Plan:
             timings=_number_map(source, "timings", data.get("timings", {})),
             workload=dict(_str_keyed(source, "workload", data.get("workload", {}), "an object")),
             warnings=list(warnings),
+            memory={k: (None if v is None else float(v)) for k, v in memory.items()},
         )
 
     @classmethod

@@ -1,10 +1,12 @@
-"""Hardware specs and cost models for apmodel: roofline compute, NCCL-like collectives,
+"""Hardware specs and cost models for apmodel: measured and roofline compute, NCCL-like collectives,
 redistribution costs and calibration against nccl-tests. Times are in µs, sizes in bytes."""
 
-from .calibration import (Calibration, CalibratedCollectives, CorrectionCurve, NcclTestsLog,
-                          format_nccl_tests, parse_nccl_tests)
+from .calibration import (Calibration, CalibratedCollectives, CalibrationMismatch, CorrectionCurve,
+                          NcclTestsLog, format_nccl_tests, parse_nccl_tests)
 from .collectives import KINDS, NCCLCollectives, bus_bandwidth_factor
 from .compute import RooflineCompute
+from .measured import (BUILTIN_PROFILES, EXECUTIONS, ComputeProfile, MeasuredCompute, ProfileError,
+                       builtin_profile, compute_model, load_profile)
 from .hardware import (BUILTIN_DEVICES, DeviceRegistry, DeviceSpec, FabricSpec, device,
                        load_devices)
 from .protocols import CommModel, ComputeModel, load_object
@@ -12,8 +14,9 @@ from .redistribution import redistribution_matrix, redistribution_steps, redistr
 from .topology import AxisLink, Topology
 
 __all__ = [
-    "AxisLink", "BUILTIN_DEVICES", "Calibration", "CalibratedCollectives", "CommModel",
-    "ComputeModel", "CorrectionCurve", "DeviceRegistry", "DeviceSpec", "FabricSpec", "KINDS",
+    "AxisLink", "BUILTIN_DEVICES", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
+    "ProfileError", "builtin_profile", "compute_model", "load_profile", "Calibration", "CalibratedCollectives", "CalibrationMismatch",
+    "CommModel", "ComputeModel", "CorrectionCurve", "DeviceRegistry", "DeviceSpec", "FabricSpec", "KINDS",
     "NCCLCollectives", "NcclTestsLog", "RooflineCompute", "Topology", "bus_bandwidth_factor",
     "device", "format_nccl_tests", "load_devices", "load_object", "parse_nccl_tests",
     "redistribution_matrix", "redistribution_steps", "redistribution_us",

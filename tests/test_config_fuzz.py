@@ -30,7 +30,8 @@ FULL: dict[str, Any] = {
                  "inter_latency_us": 0.0, "nvls": True},
     "cost": {"calibration": "calibration.json", "compute_model": "mypkg.costs:MyCompute",
              "comm_model": "mypkg.costs:MyCollectives"},
-    "planner": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25},
+    "planner": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25,
+                "optimizer": "sgd", "memory_limit_GB": 70.0},
     "constraints": [
         {"fix": "layers.*.attention.wo.weight", "placement": "S(0)S(1)"},
         {"forbid": "output.weight", "placement": "RR", "on": "input:1", "name": "no"},
@@ -71,6 +72,8 @@ comm_model = "mypkg.costs:MyCollectives"
 param_policy = "full_shard"
 replicate_axes = [0]
 param_memory_fraction = 0.25
+optimizer = "sgd"
+memory_limit_GB = 70.0
 
 [[constraints]]
 fix = "layers.*.attention.wo.weight"
@@ -100,6 +103,8 @@ BAD = [
     ('[workload]\nmesh = "0x4"\n', "workload.mesh"),
     ('[workload]\nmodel = ""\n', "workload.model"),
     ('[device]\ndtype = "int4"\n', "device.dtype"),
+    ('[planner]\noptimizer = "lion"\n', "planner.optimizer"),
+    ('[planner]\nmemory_limit_GB = 0\n', "planner.memory_limit_GB"),
     ('[solver]\ntime_limit = nan\n', "solver.time_limit"),
     ('[solver]\ntime_limit = inf\n', "solver.time_limit"),
     ('[topology]\ninter_GBps = 0\n', "topology.inter_GBps"),
@@ -210,6 +215,8 @@ def test_fuzz_config_tables(data):
             parent[path[-1]]
         except (KeyError, IndexError, TypeError):
             continue  # an earlier mutation removed this path
+        if not isinstance(parent, (dict, list)):
+            continue  # an earlier mutation replaced a table by a string (which also indexes)
         action = data.draw(st.sampled_from(["delete", "value", "near", "rename"]), label="action")
         if action == "delete":
             del parent[path[-1]]

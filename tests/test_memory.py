@@ -1,0 +1,89 @@
+"""The memory model (apmodel.memory): per-device bytes of a plan, held to a real single-device run
+(bytes autograd saves, counted by ``torch.autograd.graph.saved_tensors_hooks``), to the arithmetic
+of sharded storage, and used as a constraint (a plan over the limit is re-solved under a memory
+row, or refused with a named out-of-memory error)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import apmodel
+from apmodel.capture import capture
+from apmodel.memory import OPTIMIZER_STATE_COPIES, MemoryModel, OutOfMemory
+from apmodel.models import build, config, sample_inputs
+
+CASES = [
+    ("llama3-debug", dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256, max_seq_len=64), 4, 64),
+    ("gpt2", dict(n_layers=2, dim=64, n_heads=4, vocab_size=256, max_seq_len=64), 4, 64),
+    ("moe-debug", dict(n_layers=2), 4, 32),
+]
+TINY = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=32)
+
+
+def _saved_bytes_eager(model: torch.nn.Module, inputs) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name,overrides,batch,seq", CASES, ids=[c[0] for c in CASES])
+def test_saved_activations_match_a_real_run_within_10_percent(name, overrides, batch, seq):
+    cfg = config(name, **overrides)
+    with torch.device("meta"):
+        meta = build(cfg)
+    captured = capture(meta, sample_inputs(cfg, batch, seq, device="meta"))
+    mm = MemoryModel(captured, {}, (1,), lambda dtype: dtype.itemsize)  # as traced (fp32), one device
+    predicted = sum(mm.local_bytes(n, ("R",)) for n in mm.saved)
+    torch.manual_seed(0)
+    real = _saved_bytes_eager(build(cfg), sample_inputs(cfg, batch, seq, device="cpu"))
+    assert abs(predicted - real) <= 0.10 * real, (predicted, real)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = config("llama3-debug", **TINY)
+    with torch.device("meta"):
+        model = build(cfg)
+    return capture(model, sample_inputs(cfg, 8, 32, device="meta"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "none"])
+def test_state_bytes_are_the_sharded_parameters(tiny, optimizer):
+    plan = apmodel.plan(tiny, (4,), dtype="bf16", optimizer=optimizer)
+    numel = sum(n.meta["val"].numel() for n in tiny.gm.graph.nodes if n.name in tiny.param_fqn)
+    mem = plan.memory
+    assert mem["params_bytes"] == numel * 2 // 4  # bf16, every parameter sharded 4 ways (full_shard)
+    assert mem["grads_bytes"] == mem["params_bytes"]
+    assert mem["optimizer_bytes"] == OPTIMIZER_STATE_COPIES[optimizer] * mem["grads_bytes"]
+    assert mem["hbm_bytes"] == 80 * 2**30  # h100
+    linear = sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
+    assert linear < mem["peak_bytes"]
+    again = apmodel.Plan.from_json(plan.to_json())
+    assert again.memory == {k: (None if v is None else float(v)) for k, v in mem.items()}
+
+
+def test_a_memory_limit_changes_the_plan_to_fit(tiny):
+    free = apmodel.plan(tiny, (2, 2), param_policy="free", solver="highs", memory_limit=math.inf)
+    tight = free.memory["peak_bytes"] * 0.8
+    fitted = apmodel.plan(tiny, (2, 2), param_policy="free", solver="highs", memory_limit=tight)
+    assert fitted.memory["peak_bytes"] <= tight
+    assert fitted.objective_us >= free.objective_us - 1e-6  # the limit can only cost time
+    assert fitted.node_strategy != free.node_strategy
+
+
+def test_no_plan_fits_is_a_named_out_of_memory_error(tiny):
+    with pytest.raises(OutOfMemory, match=r"out of memory: no plan fits 0\.00 GB per device.*smallest any plan"):
+        apmodel.plan(tiny, (2, 2), memory_limit=1000.0)
