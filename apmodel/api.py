@@ -63,6 +63,7 @@ def cost_context(
     compute_model: Any = None,
     comm_model: Any = None,
     calibration: str | Path | None = None,
+    mixed_precision: bool | None = None,
 ) -> CostContext:
     """The default cost models for a mesh on a device, with optional replacements.
 
@@ -70,6 +71,11 @@ def cost_context(
     device has a profile (h200, h100), else the roofline. ``compute_model``/``comm_model`` replace
     the compute and NCCL models: an object, or a dotted name ``"package.module:Name"`` constructed
     with the device spec / topology.
+
+    ``mixed_precision`` (default: on when ``dtype`` is bf16 or fp16, as real recipes train): fp32
+    master parameters, gradients and optimizer state (memory model) and gradient reductions in
+    fp32 (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); compute and
+    parameter gathers stay in ``dtype``.
     """
     mesh_shape = tuple(int(s) for s in mesh_shape)
     spec = costmodels.device(device) if isinstance(device, str) else device
@@ -78,8 +84,13 @@ def cost_context(
     comm = _cost_model(comm_model, costmodels.NCCLCollectives, topo)
     if calibration is not None:
         comm = costmodels.CalibratedCollectives(comm, costmodels.Calibration.load(calibration))
+    pricing = _pricing_dtype(dtype)
+    if mixed_precision is None:
+        mixed_precision = pricing in (torch.bfloat16, torch.float16)
+    full = torch.float32 if mixed_precision else None
     return CostContext(
-        mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=_pricing_dtype(dtype), hbm_bytes=spec.hbm_GiB * 2**30
+        mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=pricing, hbm_bytes=spec.hbm_GiB * 2**30,
+        reduce_dtype=full, master_dtype=full,
     )
 
 

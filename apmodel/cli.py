@@ -361,7 +361,8 @@ def make_cost(cfg, mesh_shape: tuple[int, ...]):
         topo = costmodels.Topology(mesh_shape, costmodels.device(cfg.device), cfg.gpus_per_node, **overrides)
         comm = costmodels.load_object(comm)(topo) if isinstance(comm, str) else costmodels.NCCLCollectives(topo)
     return cost_context(mesh_shape, device=cfg.device, gpus_per_node=cfg.gpus_per_node, dtype=cfg.dtype,
-                        compute_model=cfg.compute_model, comm_model=comm, calibration=cfg.calibration)
+                        compute_model=cfg.compute_model, comm_model=comm, calibration=cfg.calibration,
+                        mixed_precision=cfg.mixed_precision)
 
 
 def _itemsize(dtype: str) -> int:
@@ -546,6 +547,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     workload = {
         "model": cfg.model, "seq": cfg.seq, "batch": cfg.batch, "layers": cfg.layers, "mesh": list(mesh),
         "device": cfg.device, "dtype": cfg.dtype, "gpus_per_node": cfg.gpus_per_node,
+        "mixed_precision": cfg.mixed_precision,
         "param_policy": cfg.param_policy, "replicate_axes": list(cfg.replicate_axes),
         "param_memory_fraction": cfg.param_memory_fraction, "optimizer": cfg.optimizer or "adamw",
         "memory_limit_GB": cfg.memory_limit_GB,
@@ -785,6 +787,7 @@ def plan(
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0.001, help="Solver time limit per solve, seconds."),
     param_policy: Optional[str] = typer.Option(None, "--param-policy", help="Parameter storage: full_shard (default) or free."),
     compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
+    mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: on for bf16/fp16."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
     memory_limit_gb: Optional[float] = typer.Option(None, "--memory-limit-gb", min=0.001, help="Per-device memory limit in GB (1e9 B). Default: the device's HBM less 10%."),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr; -vv: DEBUG."),
@@ -794,7 +797,8 @@ def plan(
     with _errors(verbose), _cwd_importable():
         cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
                              batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
-                             param_policy=param_policy, optimizer=optimizer, memory_limit_GB=memory_limit_gb)
+                             param_policy=param_policy, optimizer=optimizer, memory_limit_GB=memory_limit_gb,
+                             mixed_precision=mixed_precision)
         if cfg.optimizer is not None and cfg.optimizer not in ("adamw", "adam", "sgd", "sgd-nomomentum", "none"):
             raise CLIError(f"--optimizer {cfg.optimizer!r}: expected adamw, sgd, sgd-nomomentum or none")
         if cfg.param_policy not in ("full_shard", "free"):
@@ -831,7 +835,7 @@ def attach(saved, *, progress: _Progress | None = None):
         raise ValueError("the plan file records no workload model; re-plan it with `apmodel plan ... --out` to explain it")
     cfg = load_config(wl["config"]) if wl.get("config") and Path(wl["config"]).is_file() else Config()
     cfg = merge(cfg, model=wl["model"], device=wl.get("device", "h100"), dtype=wl.get("dtype", "bf16"),
-                gpus_per_node=wl.get("gpus_per_node", 8))
+                gpus_per_node=wl.get("gpus_per_node", 8), mixed_precision=wl.get("mixed_precision"))
     if progress:
         progress.stage(f"re-tracing {wl['model']}")
     model, inputs, loss_fn = load_workload(wl["model"], batch=wl.get("batch", 8), seq=wl.get("seq", 2048),
@@ -845,7 +849,8 @@ def attach(saved, *, progress: _Progress | None = None):
     pm = placement_model(captured, strategies, make_cost(cfg, mesh), constraints=cfg.constraints,
                            param_policy=wl.get("param_policy", "full_shard"),
                            replicate_axes=tuple(wl.get("replicate_axes") or ()),
-                           param_memory_fraction=wl.get("param_memory_fraction"))
+                           param_memory_fraction=wl.get("param_memory_fraction"),
+                           optimizer=wl.get("optimizer") or "adamw")
     saved.model = pm
     return saved
 

@@ -18,6 +18,7 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     [device]
     name = "h100"         # costmodels.device() name
     dtype = "bf16"        # pricing dtype: bf16 | fp16 | fp32 | fp8
+    mixed_precision = true  # fp32 master weights and gradient reductions (default: on for bf16/fp16)
 
     [topology]
     gpus_per_node = 8
@@ -113,6 +114,7 @@ class Config:
     param_memory_fraction: float | None = None
     optimizer: str | None = None
     memory_limit_GB: float | None = None
+    mixed_precision: bool | None = None
     # [[constraints]]
     constraints: list[Any] = field(default_factory=list)
     source: str = "<defaults>"
@@ -140,6 +142,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
     "device": {
         "name": ("device", (str,), "a string"),
         "dtype": ("dtype", (str,), "a string"),
+        "mixed_precision": ("mixed_precision", (bool,), "true or false"),
     },
     "topology": {
         "gpus_per_node": ("gpus_per_node", (int,), "an integer"),

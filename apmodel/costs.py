@@ -131,6 +131,12 @@ class CostContext:
     dtype: torch.dtype | None = torch.bfloat16
     hbm_bytes: float | None = None
     """memory capacity of one device (bytes), for the memory model; None when unknown"""
+    reduce_dtype: torch.dtype | None = None
+    """mixed precision: parameter gradients are reduced in this dtype (FSDP2's ``reduce_dtype``,
+    fp32 in real recipes); None: the pricing dtype"""
+    master_dtype: torch.dtype | None = None
+    """mixed precision: parameters, their gradients and optimizer state are stored in this dtype
+    (fp32 master weights); None: the pricing dtype"""
 
     def __post_init__(self) -> None:
         if self.comm is not None and not isinstance(self.comm, CheckedComm):
@@ -141,6 +147,17 @@ class CostContext:
         if self.dtype is not None and dtype.is_floating_point:
             return self.dtype.itemsize
         return dtype.itemsize
+
+    def state_itemsize(self, dtype: torch.dtype) -> int:
+        """Bytes per element of parameters, gradients and optimizer state (the master dtype)."""
+        if self.master_dtype is not None and dtype.is_floating_point:
+            return self.master_dtype.itemsize
+        return self.itemsize(dtype)
+
+    def _edge_itemsize(self, dtype: torch.dtype, gradient: bool) -> int:
+        if gradient and self.reduce_dtype is not None and dtype.is_floating_point:
+            return self.reduce_dtype.itemsize
+        return self.itemsize(dtype)
 
     # ---------------------------------------------------------------- compute
     def compute_vector(self, node: fx.Node, strategies: Sequence[Strategy]) -> np.ndarray:
@@ -200,11 +217,14 @@ class CostContext:
 
         return price
 
-    def redistribution_us(self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...]) -> float:
-        """Price (µs) of moving a tensor of global ``shape`` from placement ``src`` to ``dst``."""
+    def redistribution_us(
+        self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...], *, gradient: bool = False
+    ) -> float:
+        """Price (µs) of moving a tensor of global ``shape`` from placement ``src`` to ``dst``;
+        ``gradient``: a parameter gradient on its way to the parameter (priced in ``reduce_dtype``)."""
         if src == dst:
             return 0.0
-        return self._redistribution(tuple(shape), self.itemsize(dtype), src, dst)
+        return self._redistribution(tuple(shape), self._edge_itemsize(dtype, gradient), src, dst)
 
     def redistribution_matrix(
         self,
@@ -212,6 +232,8 @@ class CostContext:
         dtype: torch.dtype,
         srcs: Sequence[tuple[str, ...] | None],
         dsts: Sequence[tuple[str, ...] | None],
+        *,
+        gradient: bool = False,
     ) -> np.ndarray:
         """Matrix ``M[a, b]`` = price (µs) of ``srcs[a] -> dsts[b]``; ``None`` entries cost 0.
 
@@ -224,13 +246,17 @@ class CostContext:
         si = {s: i for i, s in enumerate(usrc)}
         di = {d: i for i, d in enumerate(udst)}
         small = np.zeros((len(usrc) + 1, len(udst) + 1))  # last row/column: "no tensor" = free
-        small[:-1, :-1] = costmodels.redistribution_matrix(self.comm, tuple(shape), self.itemsize(dtype), usrc, udst)
+        itemsize = self._edge_itemsize(dtype, gradient)
+        small[:-1, :-1] = costmodels.redistribution_matrix(self.comm, tuple(shape), itemsize, usrc, udst)
         rows = np.array([si[s] if s is not None else len(usrc) for s in srcs], dtype=np.int64)
         cols = np.array([di[d] if d is not None else len(udst) for d in dsts], dtype=np.int64)
         return small[np.ix_(rows, cols)]
 
-    def redistribution_steps(self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...]) -> list:
+    def redistribution_steps(
+        self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...], *, gradient: bool = False
+    ) -> list:
         """The collectives behind one redistribution: list of (kind, axis, nbytes, µs)."""
         if src == dst:
             return []
-        return list(costmodels.redistribution_steps(self.comm, tuple(shape), self.itemsize(dtype), src, dst))
+        itemsize = self._edge_itemsize(dtype, gradient)
+        return list(costmodels.redistribution_steps(self.comm, tuple(shape), itemsize, src, dst))

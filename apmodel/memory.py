@@ -3,8 +3,8 @@ constraint, extended to a whole training step).
 
 Per device, for a plan (one strategy per node):
 
-* **parameters**: each parameter at its storage placement (local elements × bytes per element as
-  priced; tied parameters once);
+* **parameters**: each parameter at its storage placement (local elements × bytes per element of
+  the master dtype under mixed precision, else as priced; tied parameters once);
 * **gradients**: one per trainable parameter, at the parameter's placement (the plan reduces each
   gradient to its parameter's placement, see :mod:`apmodel.model`);
 * **optimizer state**: :data:`OPTIMIZER_STATE_COPIES` copies of each trainable parameter's
@@ -120,8 +120,9 @@ def saved_for_backward(captured: Any) -> list[fx.Node]:
 class MemoryModel:
     """Bytes per device of every candidate strategy of the nodes that hold memory across a step.
 
-    ``itemsize(dtype) -> bytes`` prices each tensor (the cost context's pricing dtype by
-    default); ``optimizer`` is a key of :data:`OPTIMIZER_STATE_COPIES`.
+    ``itemsize(dtype) -> bytes`` prices activations (the cost context's pricing dtype),
+    ``state_itemsize`` parameters, gradients and optimizer state (the master dtype under mixed
+    precision; ``itemsize`` when None); ``optimizer`` is a key of :data:`OPTIMIZER_STATE_COPIES`.
     """
 
     def __init__(
@@ -133,6 +134,7 @@ class MemoryModel:
         *,
         optimizer: str = "adamw",
         hbm_bytes: float | None = None,
+        state_itemsize: Any = None,
     ) -> None:
         if optimizer not in OPTIMIZER_STATE_COPIES:
             raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_COPIES)}")
@@ -140,6 +142,7 @@ class MemoryModel:
         self.strategies = strategies
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         self.itemsize = itemsize
+        self.state_itemsize = state_itemsize or itemsize
         self.optimizer = optimizer
         self.hbm_bytes = hbm_bytes
         self.node_by_name = {n.name: n for n in captured.gm.graph.nodes}
@@ -147,27 +150,29 @@ class MemoryModel:
         self._local_memo: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ per strategy
-    def local_bytes(self, node: fx.Node, placement: Sequence[Any] | None, index: int = 0) -> float:
-        """Bytes of output ``index`` of ``node`` on one device under ``placement``."""
+    def local_bytes(self, node: fx.Node, placement: Sequence[Any] | None, index: int = 0, *, state: bool = False) -> float:
+        """Bytes of output ``index`` of ``node`` on one device under ``placement`` (``state``: in
+        the parameters' storage dtype)."""
         val = _value(node, index)
         if val is None or placement is None:
             return 0.0
         strs = tuple(p if isinstance(p, str) else pl.to_str(p) for p in placement)
-        key = (tuple(val.shape), val.dtype, strs)
+        key = (tuple(val.shape), val.dtype, strs, state)
         hit = self._local_memo.get(key)
         if hit is None:
             shape = pl.local_shape(tuple(val.shape), "".join(strs), self.mesh_shape)
-            hit = self._local_memo[key] = float(math.prod(shape) * self.itemsize(val.dtype))
+            size = (self.state_itemsize if state else self.itemsize)(val.dtype)
+            hit = self._local_memo[key] = float(math.prod(shape) * size)
         return hit
 
-    def _state_bytes(self, name: str) -> np.ndarray:
+    def _state_bytes(self, name: str, *, state: bool = False) -> np.ndarray:
         node = self.node_by_name[name]
-        return np.array([self.local_bytes(node, s.outputs[0]) for s in self.strategies[name]])
+        return np.array([self.local_bytes(node, s.outputs[0], state=state) for s in self.strategies[name]])
 
     def param_vectors(self) -> dict[str, tuple[np.ndarray, bool]]:
         """Param node -> (bytes per strategy of its storage, trainable)."""
         cap = self.captured
-        return {node: (self._state_bytes(node), node in cap.param_grad) for node in cap.param_fqn}
+        return {node: (self._state_bytes(node, state=True), node in cap.param_grad) for node in cap.param_fqn}
 
     def row(self) -> list[tuple[str, int, float]]:
         """The linear memory row: (node, state index, bytes) for parameters, their gradients and
@@ -187,7 +192,7 @@ class MemoryModel:
         copies = OPTIMIZER_STATE_COPIES[self.optimizer]
         params = grads = 0.0
         for node in self.captured.param_fqn:
-            b = self.local_bytes(self.node_by_name[node], node_strategy[node].outputs[0])
+            b = self.local_bytes(self.node_by_name[node], node_strategy[node].outputs[0], state=True)
             params += b
             if node in self.captured.param_grad:
                 grads += b

@@ -27,6 +27,7 @@ The model is built in two steps so users can constrain it in Python in between::
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -47,6 +48,16 @@ from apmodel.strategies import Strategy, input_slots
 
 logger = logging.getLogger(__name__)
 
+
+
+def _is_view_of_input(node: fx.Node) -> bool:
+    """A view of its first input (``t``, ``view``, ``transpose``, ``_unsafe_view``...)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 class ConstraintConflict(ValueError):
@@ -174,7 +185,8 @@ class PlacementModel:
         elif param_policy == "full_shard":
             self._apply_full_shard()
         self.memory = MemoryModel(
-            captured, self.strategies, self.mesh_shape, cost.itemsize, optimizer=optimizer, hbm_bytes=cost.hbm_bytes
+            captured, self.strategies, self.mesh_shape, cost.itemsize, optimizer=optimizer, hbm_bytes=cost.hbm_bytes,
+            state_itemsize=cost.state_itemsize,
         )
         self._compiled: CompiledModel | None = None
 
@@ -396,7 +408,27 @@ class PlacementModel:
                 None if s.inputs[e.slot] is None else tuple(pl.to_str(x) for x in s.inputs[e.slot])
                 for s in self.strategies[e.consumer]
             ]
-        return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, dst)
+        return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, dst, gradient=self.is_param_gradient(e))
+
+    def is_param_gradient(self, e: Edge) -> bool:
+        """True for an edge that carries a parameter gradient: from the op that computes it,
+        through views (``t``, ``view``), back to the parameter. Its reduction (wherever the plan
+        puts it on this chain) is priced in the reduce dtype under mixed precision."""
+        chain = self._gradient_chain
+        return e.producer in chain and (e.consumer in chain or (e.slot < 0 and e.consumer in self.captured.param_fqn))
+
+    @functools.cached_property
+    def _gradient_chain(self) -> frozenset[str]:
+        """Nodes whose value is a parameter gradient up to views: each gradient output, the views
+        it is read through, and the op that computes it."""
+        chain: set[str] = set()
+        for grad in self.captured.param_grad.values():
+            node = self.node_by_name[grad]
+            chain.add(node.name)
+            while _is_view_of_input(node):
+                node = node.args[0]
+                chain.add(node.name)
+        return frozenset(chain)
 
     def boundary_vector(self, name: str) -> np.ndarray:
         """Cost (µs) of bringing forward output ``name`` to its required placement."""
@@ -447,7 +479,7 @@ class PlacementModel:
         for e in self.edges:
             val = _tensor_value(self.node_by_name[e.producer].meta.get("val"), e.out_index)
             key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
-                   tuple(val.shape), val.dtype)
+                   tuple(val.shape), val.dtype, self.is_param_gradient(e))
             mat = matrix_memo.get(key)
             if mat is None:
                 mat = matrix_memo[key] = self.edge_matrix(e)

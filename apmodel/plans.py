@@ -370,9 +370,9 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     by_collective: dict[str, float] = defaultdict(float)
     comm_total = 0.0
 
-    def add_steps(shape, dtype, src, dst, layer):
+    def add_steps(shape, dtype, src, dst, layer, gradient=False):
         nonlocal comm_total
-        for kind, axis, _nbytes, us in cost.redistribution_steps(shape, dtype, src, dst):
+        for kind, axis, _nbytes, us in cost.redistribution_steps(shape, dtype, src, dst, gradient=gradient):
             by_collective[f"{kind}@axis{axis}"] += us
             comm_total += us
             per_layer[layer]["comm_us"] += us
@@ -386,7 +386,8 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
         if src is None or dst_p is None:
             continue
         dst = tuple(pl.to_str(x) for x in dst_p)
-        add_steps(tuple(val.shape), val.dtype, src, dst, layer_of(pmodel.node_by_name[e.consumer].meta))
+        add_steps(tuple(val.shape), val.dtype, src, dst, layer_of(pmodel.node_by_name[e.consumer].meta),
+                  gradient=pmodel.is_param_gradient(e))
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
         add_steps(tuple(val.shape), val.dtype, pmodel.output_strs(node_strategy[name], 0), want, "outputs")

@@ -65,7 +65,7 @@ def test_state_bytes_are_the_sharded_parameters(tiny, optimizer):
     plan = apmodel.plan(tiny, (4,), dtype="bf16", optimizer=optimizer)
     numel = sum(n.meta["val"].numel() for n in tiny.gm.graph.nodes if n.name in tiny.param_fqn)
     mem = plan.memory
-    assert mem["params_bytes"] == numel * 2 // 4  # bf16, every parameter sharded 4 ways (full_shard)
+    assert mem["params_bytes"] == numel * 4 // 4  # fp32 masters (bf16 mixed precision), sharded 4 ways
     assert mem["grads_bytes"] == mem["params_bytes"]
     assert mem["optimizer_bytes"] == OPTIMIZER_STATE_COPIES[optimizer] * mem["grads_bytes"]
     assert mem["hbm_bytes"] == 80 * 2**30  # h100
@@ -87,3 +87,28 @@ def test_a_memory_limit_changes_the_plan_to_fit(tiny):
 def test_no_plan_fits_is_a_named_out_of_memory_error(tiny):
     with pytest.raises(OutOfMemory, match=r"out of memory: no plan fits 0\.00 GB per device.*smallest any plan"):
         apmodel.plan(tiny, (2, 2), memory_limit=1000.0)
+
+
+def test_mixed_precision_reduces_gradients_and_keeps_masters_in_fp32():
+    """bf16 compute and gathers, fp32 gradient reductions and master state (FSDP2's policy)."""
+    import costmodels
+
+    cfg = config("llama3-debug", n_layers=1, dim=1024, n_heads=16, n_kv_heads=8, ffn_hidden_dim=4096, vocab_size=4096, max_seq_len=512)
+    with torch.device("meta"):
+        model = build(cfg)
+    captured = capture(model, sample_inputs(cfg, 64, 512, device="meta"))
+    roofline = costmodels.RooflineCompute(costmodels.device("h100"))
+    off = apmodel.plan(captured, (8,), mixed_precision=False, compute_model=roofline)
+    # the same plan priced under mixed precision: only the gradient reductions change
+    same = apmodel.plan(captured, (8,), mixed_precision=True, compute_model=roofline, replay=off)
+    assert same.node_strategy == off.node_strategy
+    assert same.compute_us == pytest.approx(off.compute_us)
+    assert same.comm_by_collective["all_gather@axis0"] == pytest.approx(off.comm_by_collective["all_gather@axis0"])
+    # twice the bytes; latency and the non-gradient reduce-scatters do not double
+    assert same.comm_by_collective["reduce_scatter@axis0"] > 1.3 * off.comm_by_collective["reduce_scatter@axis0"]
+    assert same.memory["params_bytes"] == 2 * off.memory["params_bytes"]  # fp32 masters vs bf16
+    assert same.memory["activations_bytes"] == off.memory["activations_bytes"]  # bf16 either way
+    on = apmodel.plan(captured, (8,), mixed_precision=True, compute_model=roofline)
+    assert off.objective_us < on.objective_us <= same.objective_us + 1e-6
+    default = apmodel.plan(captured, (8,), compute_model=roofline)  # bf16 pricing: mixed precision on
+    assert default.objective_us == pytest.approx(on.objective_us)
