@@ -331,8 +331,13 @@ def plan(
         model, mesh_shape, sample_inputs, loss_fn=loss_fn, constraints=constraints, timings=timings,
         device=device, gpus_per_node=gpus_per_node, dtype=dtype, **model_options,
     )
-    wl = {"device": device if isinstance(device, str) else getattr(device, "name", str(device)),
-          "gpus_per_node": gpus_per_node, "dtype": str(dtype), **dict(workload or {})}
+    # recorded as the CLI records it, so that `apmodel explain` can rebuild a preset model
+    wl = {**pmodel.captured.workload, "mesh": list(pmodel.mesh_shape),
+          "device": device if isinstance(device, str) else getattr(device, "name", str(device)),
+          "gpus_per_node": gpus_per_node, "dtype": dtype if isinstance(dtype, str) or dtype is None else str(dtype),
+          **{k: model_options[k] for k in ("param_policy", "replicate_axes", "param_memory_fraction", "optimizer",
+                                           "mixed_precision") if k in model_options},
+          **dict(workload or {})}
     result = solve_model(pmodel, solver=solver, time_limit=time_limit, solver_options=solver_options, timings=timings, workload=wl)
     return fit_in_memory(
         pmodel, result, memory_limit,

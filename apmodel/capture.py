@@ -84,6 +84,9 @@ class CapturedGraph:
     """seconds spent in capture (tracing plus labelling)"""
     stats: dict[str, int] = field(default_factory=dict)
     """node counts: "nodes" (all), "placeholders", "forward" and "backward" (call_function nodes)"""
+    workload: dict[str, Any] = field(default_factory=dict)
+    """how to rebuild the model by name (a reference-model preset: ``model``, ``layers``, and the
+    ``batch`` and ``seq`` of its token input); empty for other models"""
     trace_options: dict[str, Any] = field(default_factory=dict)
     """how to trace the same step again at other shapes: ``loss_fn``, ``allow_unused_parameters``,
     ``functionalize`` (the arguments of :func:`capture` besides the model and the inputs)"""
@@ -604,6 +607,14 @@ def _unsupported_ops(gm: fx.GraphModule) -> list[str]:
     return sorted(missing)
 
 
+def _preset_workload(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    preset = getattr(model, "apmodel_workload", None)
+    if not isinstance(preset, dict) or not inputs or inputs[0].dim() != 2:
+        return {}
+    batch, seq = inputs[0].shape
+    return {**preset, "batch": int(batch), "seq": int(seq)}
+
+
 def capture(
     model: nn.Module,
     sample_inputs: Sequence[torch.Tensor] | torch.Tensor,
@@ -703,6 +714,7 @@ def capture(
         stats=stats,
         signature=signature,
         trace_options=dict(loss_fn=loss_fn, allow_unused_parameters=allow_unused_parameters, functionalize=functionalize),
+        workload=_preset_workload(model, inputs),
         tied_params=tied,
         **labels,
     )

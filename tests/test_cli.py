@@ -360,3 +360,26 @@ def test_plan_warnings_are_shown_deduplicated(monkeypatch):
     res = invoke("plan", "--model", "test_cli:tiny_mlp", "--mesh", "2")
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert res.stdout.count("WARNING: check [this] 'x'") == 1 and "WARNING: second" in res.stdout
+
+
+def test_explain_a_plan_saved_from_the_python_api(tmp_path):
+    """The API records the workload as the CLI does (preset, layers, batch, seq), so a plan saved
+    from Python can be explained from the command line."""
+    import torch
+
+    import apmodel
+    from apmodel.models import build, sample_inputs
+
+    with torch.device("meta"):
+        model = build("llama3-debug", n_layers=1)
+    plan = apmodel.plan(model, (2, 2), sample_inputs("llama3-debug", 8, 32, device="meta"))
+    assert {k: plan.workload[k] for k in ("model", "layers", "batch", "seq")} == {
+        "model": "llama3-debug", "layers": 1, "batch": 8, "seq": 32}
+    path = tmp_path / "api.json"
+    plan.save(path)
+    res = invoke("explain", str(path), "layers.0.attention.wq.weight")
+    assert res.exit_code == 0, res.output
+    from apmodel import placements as pl
+
+    assert "layers.0.attention.wq.weight" in res.output
+    assert pl.tuple_to_str(plan.param_placements["layers.0.attention.wq.weight"]) in res.output

@@ -110,7 +110,11 @@ def build(name: str | ModelConfig, **overrides: Any) -> nn.Module:
     model_cls = {LlamaConfig: Transformer, GPT2Config: GPT2, MoEConfig: MoETransformer}.get(type(cfg))
     if model_cls is None:
         raise TypeError(f"build: expected a preset name or a model config, got {type(cfg).__name__}")
-    return model_cls(cfg)
+    model = model_cls(cfg)
+    if isinstance(name, str) and set(overrides) <= {"n_layers"}:
+        # what `apmodel explain` needs to rebuild it from a saved plan (the CLI's --model/--layers)
+        model.apmodel_workload = {"model": name, "layers": overrides.get("n_layers")}
+    return model
 
 
 def sample_inputs(
