@@ -91,6 +91,21 @@ class CapturedGraph:
     """how to trace the same step again at other shapes: ``loss_fn``, ``allow_unused_parameters``,
     ``functionalize`` (the arguments of :func:`capture` besides the model and the inputs)"""
 
+    def param_gradient_chain(self) -> frozenset[str]:
+        """Nodes whose value is a parameter gradient up to views: each gradient output, the views
+        it is read through (``t``, ``view``, ``_unsafe_view``), and the op that computes it. A
+        redistribution on an edge between two of them, or from one to its parameter, is the
+        gradient's reduction."""
+        by_name = {n.name: n for n in self.gm.graph.nodes}
+        chain: set[str] = set()
+        for grad in self.param_grad.values():
+            node = by_name[grad]
+            chain.add(node.name)
+            while aliases_first_input(node):
+                node = node.args[0]
+                chain.add(node.name)
+        return frozenset(chain)
+
     def nodes_with_role(self, role: str) -> list[str]:
         """Node names with ``role``, in graph order."""
         return [n for n, r in self.roles.items() if r == role]
@@ -312,6 +327,16 @@ def _trace(
         ) from None
     finally:
         modules.close()
+
+
+def aliases_first_input(node: fx.Node) -> bool:
+    """A view of its first input (``t``, ``view``, ``transpose``, ``_unsafe_view``...)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _is_view(node: fx.Node) -> bool:

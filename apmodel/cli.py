@@ -1,10 +1,12 @@
-"""The ``apmodel`` command: plan, explain, diff, calibrate, devices.
+"""The ``apmodel`` command: plan, explain, diff, report, calibrate, devices.
 
     apmodel plan --model llama3-8b --mesh 4x8 --device h100 --seq 2048 --batch 8 --solver trws
     apmodel plan ... --compare-recipes          # price DDP / FSDP / Megatron TP / FSDP+TP too
     apmodel plan ... --json                     # one JSON object on stdout (see DESIGN.md)
     apmodel explain plan.json layers.0.attention.wq.weight
     apmodel diff a.json b.json
+    apmodel plan ... --report plan.html --png figures/   # a one-page HTML report, its figures as PNGs
+    apmodel report plan.json -o plan.html              # the report of a saved plan; two files: a diff
     apmodel calibrate all_gather_perf.log --axis 1 --mesh 4x8 --out calibration.json
     apmodel devices
 
@@ -790,6 +792,8 @@ def plan(
     mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: on for bf16/fp16."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
     memory_limit_gb: Optional[float] = typer.Option(None, "--memory-limit-gb", min=0.001, help="Per-device memory limit in GB (1e9 B). Default: the device's HBM less 10%."),
+    report_html: Optional[Path] = typer.Option(None, "--report", help="Also write a one-page, self-contained HTML report of the plan here."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also write the report's figures as PNGs into this directory (needs matplotlib)."),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr; -vv: DEBUG."),
 ) -> None:
     """Plan a model on a mesh and print the plan (or --json)."""
@@ -803,8 +807,11 @@ def plan(
             raise CLIError(f"--optimizer {cfg.optimizer!r}: expected adamw, sgd, sgd-nomomentum or none")
         if cfg.param_policy not in ("full_shard", "free"):
             raise CLIError(f"--param-policy {cfg.param_policy!r}: expected full_shard or free")
+        _check_report_outputs(report_html, png)
         with _stdout_to_stderr(True), _Progress(True) as progress:
             result = run_plan(cfg, compare_recipes=compare_recipes, out=out, progress=progress)
+        _write_report(result["plan"], report_html, png, recipes=result["recipes"], free_plan=result["found_free"],
+                      warnings=result["warnings"])
         if json_out:
             typer.echo(json.dumps(plan_json(result), default=float))
         else:
@@ -948,6 +955,81 @@ def _diff(a: Path, b: Path, limit: int) -> None:
         t.add_row(r["name"], _strategy_str(sa[r["name"]]) if r["name"] in sa else "—",
                   _strategy_str(sb[r["name"]]) if r["name"] in sb else "—")
     console.print(t)
+
+
+# ---------------------------------------------------------------------------------- report
+def _check_report_outputs(html_out: Optional[Path], png: Optional[Path], flag: str = "--report") -> None:
+    """Fail on an unwritable ``--report`` or ``--png`` before the slow work, not after."""
+    import importlib.util
+
+    if html_out is not None:
+        check_writable(html_out, flag)
+    if png is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CLIError("--png needs matplotlib: pip install 'apmodel[report]'")
+        if png.exists() and not png.is_dir():
+            raise CLIError(f"--png {str(png)!r} is a file, not a directory")
+        png.mkdir(parents=True, exist_ok=True)
+
+
+def _write_report(plan, html_out: Optional[Path], png: Optional[Path], **page: Any) -> None:
+    """Write the HTML report and/or the PNG figures of ``plan``; say where on stderr."""
+    from apmodel import report
+
+    console = Console(stderr=True, highlight=False)
+    if html_out is not None:
+        html_out.write_text(report.plan_page(plan, **page), encoding="utf-8")
+        console.print(f"report written to {html_out}", markup=False)
+    if png is not None:
+        paths = report.write_pngs(plan, png, recipes=page.get("recipes"), free_plan=page.get("free_plan"))
+        console.print(f"{len(paths)} figures written to {png}", markup=False)
+
+
+@app.command()
+def report(
+    plans: list[Path] = typer.Argument(..., exists=True, dir_okay=False, metavar="PLAN", help="A plan file (its report), or two (what changed from the first to the second)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file to write. Default: the plan file with .html; for two plans A-vs-B.html next to A."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also write the figures as PNGs into this directory (one plan; needs matplotlib)."),
+    trace: bool = typer.Option(True, "--trace/--no-trace", help="Re-trace the plan's model to show how parameters are used (FSDP or TP); --no-trace shows storage only."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr."),
+) -> None:
+    """A one-page HTML report of a saved plan, or of the differences between two plans."""
+    _setup_logging(verbose)
+    with _errors(verbose), _cwd_importable():
+        _report(plans, out, png, trace)
+
+
+def _report(plans: list[Path], out: Optional[Path], png: Optional[Path], trace: bool) -> None:
+    from apmodel import report as R
+    from apmodel.plans import Plan
+
+    if len(plans) > 2:
+        raise CLIError(f"report takes one plan file (a report) or two (a diff), got {len(plans)}")
+    if len(plans) == 2 and png is not None:
+        raise CLIError("--png draws the figures of one plan; give one plan file")
+    if out is None:
+        a = plans[0]
+        out = a.with_suffix(".html") if len(plans) == 1 else a.with_name(f"{a.stem}-vs-{plans[1].stem}.html")
+    _check_report_outputs(out, png, "--out")
+    loaded = [Plan.load(p) for p in plans]
+    if len(loaded) == 2:
+        out.write_text(R.diff_page(*loaded, names=(str(plans[0]), str(plans[1]))), encoding="utf-8")
+        Console(stderr=True, highlight=False).print(f"diff written to {out}", markup=False)
+        return
+    saved, notes = loaded[0], []
+    if trace:
+        try:
+            with _Progress(True) as progress:
+                attach(saved, progress=progress)
+        except Exception as e:  # the page is still useful without uses: say why they are missing
+            logger.debug("re-tracing failed", exc_info=True)
+            notes.append(f"could not re-trace the plan's model, so parameter uses are not shown: {describe_error(e)}")
+            logger.warning("%s", notes[-1])
+    page = R.plan_page(saved, source=str(plans[0]), notes=notes)
+    out.write_text(page, encoding="utf-8")
+    Console(stderr=True, highlight=False).print(f"report written to {out}", markup=False)
+    if png is not None:
+        _write_report(saved, None, png)
 
 
 # ------------------------------------------------------------------------------- calibrate

@@ -105,8 +105,16 @@ def _shapes(values: Sequence[Any]) -> list[tuple[int, ...]]:
 
 
 def _local(t: torch.Tensor, placement: tuple | None, mesh_shape: Sequence[int]) -> torch.Tensor:
+    """The per-device shard of ``t`` as a meta tensor, laid out in ``t``'s dimension order (a
+    transposed operand stays transposed: the compute model reads alignment off the strides)."""
     shape = tuple(t.shape) if placement is None else pl.local_shape(tuple(t.shape), placement, mesh_shape)
-    return torch.empty(shape, dtype=t.dtype, device="meta")
+    order = sorted(range(len(shape)), key=lambda d: (-t.stride(d), d))  # outermost dimension first
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return torch.empty_strided(shape, strides, dtype=t.dtype, device="meta")
 
 
 @dataclass

@@ -124,6 +124,8 @@ class Redistribution:
     dst: tuple[str, ...]
     global_shape: tuple[int, ...]
     dtype: torch.dtype
+    gradient: bool = False
+    """it moves a parameter gradient (priced in the reduce dtype under mixed precision)"""
 
     @property
     def key(self) -> tuple:
@@ -471,7 +473,10 @@ class LoweredProgram:
         sig = self.signature
         shapes = ", ".join(f"{sig.name(i)} {tuple(x.shape)}" for i, x in enumerate(inputs))
         args, kwargs, targets = sig.split([torch.empty(x.shape, dtype=x.dtype, device="meta") for x in inputs])
-        captured = capture(self.retrace_model, args, kwargs=kwargs, targets=targets, **self.captured.trace_options)
+        try:
+            captured = capture(self.retrace_model, args, kwargs=kwargs, targets=targets, **self.captured.trace_options)
+        except Exception as e:  # the user's model rejects these shapes (mismatched batch, too long, ...)
+            raise ValueError(f"the step cannot be traced at input shapes {shapes}: {type(e).__name__}: {e}") from e
         if structure_fingerprint(captured) != structure_fingerprint(self.captured):
             raise PlanMismatch(f"at input shapes {shapes} the model traces to another graph; re-plan for these shapes")
         plan = copy.copy(self.plan)
@@ -773,6 +778,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
     gm = captured.gm
     out: list[Redistribution] = []
     is_bwd = captured.is_backward
+    chain = captured.param_gradient_chain()
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -784,7 +790,8 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
             val = _tensor_vals(prod)[idx]
             if _tokens(src) != _tokens(dst):
                 out.append(Redistribution(n.name, prod.name, idx, "backward" if is_bwd.get(n.name) else "forward",
-                                          _tokens(src), _tokens(dst), tuple(val.shape), val.dtype))
+                                          _tokens(src), _tokens(dst), tuple(val.shape), val.dtype,
+                                          gradient=prod.name in chain and n.name in chain))
     by_name = {n.name: n for n in gm.graph.nodes}
     # Boundary moves: a forward output to its required (tangent) placement, each gradient to its
     # parameter's storage placement or its input's placement.
@@ -796,7 +803,8 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
         src, dst = plan.node_strategy[producer].outputs[0], plan.node_strategy[target].outputs[0]
         if _tokens(src) != _tokens(dst):
             val = by_name[producer].meta["val"]
-            out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape), val.dtype))
+            out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape), val.dtype,
+                                      gradient=label.startswith("grad:") and target in captured.param_fqn))
     return out
 
 

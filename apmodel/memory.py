@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from apmodel import placements as pl
+from apmodel.capture import aliases_first_input
 from apmodel.strategies import Strategy, input_slots
 
 logger = logging.getLogger(__name__)
@@ -82,17 +83,9 @@ def _value(node: fx.Node, index: int = 0) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _aliases_input(node: fx.Node) -> bool:
-    """True for ops whose output is a view of their first input (storage shared)."""
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and any(
-        r.alias_info is not None for r in schema.returns
-    ) and bool(node.args) and isinstance(node.args[0], fx.Node)
-
-
 def storage_root(node: fx.Node) -> fx.Node:
     """The node whose value owns ``node``'s storage (following views back to their base)."""
-    while _aliases_input(node):
+    while aliases_first_input(node):
         node = node.args[0]
     return node
 

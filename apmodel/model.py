@@ -50,16 +50,6 @@ logger = logging.getLogger(__name__)
 
 
 
-def _is_view_of_input(node: fx.Node) -> bool:
-    """A view of its first input (``t``, ``view``, ``transpose``, ``_unsafe_view``...)."""
-    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
-
-
 class ConstraintConflict(ValueError):
     """Constraints leave some node with no allowed strategy; the message names them."""
 
@@ -419,16 +409,7 @@ class PlacementModel:
 
     @functools.cached_property
     def _gradient_chain(self) -> frozenset[str]:
-        """Nodes whose value is a parameter gradient up to views: each gradient output, the views
-        it is read through, and the op that computes it."""
-        chain: set[str] = set()
-        for grad in self.captured.param_grad.values():
-            node = self.node_by_name[grad]
-            chain.add(node.name)
-            while _is_view_of_input(node):
-                node = node.args[0]
-                chain.add(node.name)
-        return frozenset(chain)
+        return self.captured.param_gradient_chain()
 
     def boundary_vector(self, name: str) -> np.ndarray:
         """Cost (µs) of bringing forward output ``name`` to its required placement."""

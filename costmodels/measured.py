@@ -28,9 +28,11 @@ GPU time per class, with the fitted parameters of a :class:`ComputeProfile` (uni
 * fused attention (flash / cuDNN / efficient SDPA, forward and backward): ``latency + F / R(d)
   + tail`` with ``R(d) = R128 x (d / (d + d_half)) / (128 / (128 + d_half))`` and ``tail`` the
   exposed part of the longest (causal: last) query tile's work, ``c_tail x F_tile x n_sm / R(d)``;
-* memory-bound ops: ``latency + traffic[kind] x bytes / BW(bytes)``, ``BW`` the L2 bandwidth when the
-  working set fits in L2, else the HBM bandwidth; ``traffic`` is the effective number of passes
-  (1 for elementwise ops, ~2 for dtype conversions, ~2-3.5 for softmaxes);
+* memory-bound ops: ``latency + traffic[kind] x bytes / BW(bytes)``, ``BW`` the HBM bandwidth, or
+  with ``cache="warm"`` the L2 bandwidth when the working set fits in L2 (the measurements replay
+  one op on the same buffers, so they are fitted warm; planning defaults to ``cache="cold"``);
+  ``traffic`` is the effective number of passes (1 for elementwise ops, ~2 for dtype
+  conversions, ~2-3.5 for softmaxes);
 * embedding backward: ``fixed + out_bytes / BW + rows x dim x itemsize / scatter_BW``.
 
 A profile is data (JSON, schema :data:`PROFILE_SCHEMA`): fitted parameters plus provenance; the
@@ -68,6 +70,10 @@ PROFILE_SCHEMA = "apmodel.compute_profile/1"
 MEASUREMENTS_SCHEMA = "apmodel.kernel_measurements/1"
 #: Execution modes: eager PyTorch (CPU issues every op) or CUDA-graph replay (no per-op CPU cost).
 EXECUTIONS = ("eager", "graphs")
+#: L2 residency of memory-bound operands: "cold" (they stream from HBM: in a training step the
+#: weights that GEMMs stream through L2 evict activations between ops) or "warm" (a working set
+#: that fits in L2 is resident: one op replayed on the same buffers, as in the measurements).
+CACHE_MODES = ("cold", "warm")
 
 #: Built-in profiles by canonical device name (files in ``costmodels/profiles``).
 BUILTIN_PROFILES: Mapping[str, str] = MappingProxyType({
@@ -282,8 +288,9 @@ class ComputeProfile:
                                f"(bf16 {ratio_tc:.4g}), HBM TB/s x {hbm_ratio:.4g}; CPU floors, latencies, "
                                "L2, traffic and alignment factors unchanged"),
         }
+        fit = {"note": f"not fitted on {spec.name}: derived from the {self.device} fit (see provenance.derived_from)"}
         return ComputeProfile(device=spec.name, params=p, reference=reference, provenance=prov,
-                              fit={}, source=f"{self.source or self.device} scaled to {spec.name}")
+                              fit=fit, source=f"{self.source or self.device} scaled to {spec.name}")
 
     def matches(self, spec: DeviceSpec) -> bool:
         """True when ``spec`` has this profile's reference peaks and HBM bandwidth."""
@@ -429,19 +436,25 @@ class MeasuredCompute:
     another device is scaled to ``device`` by datasheet ratios (:meth:`ComputeProfile.scaled_to`).
     ``execution``: "eager" or "graphs" (see the module docstring). ``attention_backend``: price every
     fused attention op as this backend ("flash", "cudnn", "efficient") instead of the one its op
-    names. ``fp32_matmul``: "fp32" (no TF32, PyTorch's default) or "tf32".
+    names. ``fp32_matmul``: "fp32" (no TF32, PyTorch's default) or "tf32". ``cache``: "cold"
+    (default; memory-bound operands stream from HBM) or "warm" (working sets that fit in L2 run at
+    the L2 rate, the condition of the measurements), see :data:`CACHE_MODES`.
 
     Strides matter: the alignment of a matmul operand is that of its row pitch, so pass tensors
     with the layout the kernel sees (a transposed weight is a transposed view).
     """
 
     def __init__(self, device: DeviceSpec | str, profile: Any = None, *, execution: str = "eager",
-                 attention_backend: str | None = None, fp32_matmul: str = "fp32") -> None:
+                 attention_backend: str | None = None, fp32_matmul: str = "fp32",
+                 cache: str = "cold") -> None:
         self.device: DeviceSpec = _device(device) if isinstance(device, str) else device
         if execution not in EXECUTIONS:
             raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
         if fp32_matmul not in ("fp32", "tf32"):
             raise ValueError(f"fp32_matmul must be 'fp32' or 'tf32', got {fp32_matmul!r}")
+        if cache not in CACHE_MODES:
+            raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
+        self.cache = cache
         if profile is None:
             found = builtin_profile(self.device.name) if self.device.name in BUILTIN_PROFILES else None
             if found is None:
@@ -465,7 +478,7 @@ class MeasuredCompute:
 
     def __repr__(self) -> str:
         return (f"MeasuredCompute({self.device.name!r}, profile={self.profile.device!r}, "
-                f"execution={self.execution!r})")
+                f"execution={self.execution!r}, cache={self.cache!r})")
 
     def _load(self, p: Mapping[str, Any]) -> None:
         launch = p["launch"]
@@ -717,7 +730,7 @@ class MeasuredCompute:
             if name in SOFTMAX_OPS:
                 kind = SOFTMAX_OPS[name]
                 if _softmax_row(name, args, ins) > PERSISTENT_SOFTMAX_MAX_DIM:
-                    traffic = self._traffic[kind]
+                    traffic = _softmax_traffic(self._traffic[kind], name.endswith("_backward_data"))
             elif name in NORM_OPS:
                 kind = NORM_OPS[name]
                 floor = self._floor["norm"]
@@ -734,10 +747,11 @@ class MeasuredCompute:
 
     def memory_us(self, nbytes: float, traffic: float = 1.0) -> float:
         """GPU time (µs) of a memory-bound kernel moving ``nbytes`` (nominal) with ``traffic``
-        passes: kernel latency + bytes at the L2 rate when they fit in L2, else at the HBM rate."""
+        passes: kernel latency + bytes at the HBM rate, or (``cache="warm"``) at the L2 rate when
+        they fit in L2."""
         if nbytes <= 0:
             return self._lat_mem
-        bw = self._l2 if nbytes <= self._l2_bytes else self._hbm
+        bw = self._l2 if (self.cache == "warm" and nbytes <= self._l2_bytes) else self._hbm
         return self._lat_mem + traffic * nbytes / bw * 1e6
 
     def _fp32_internal(self, op: Any, name: str, args: tuple, kwargs: dict, out: Any,
@@ -823,6 +837,17 @@ def _causal_fraction(sq: int, sk: int) -> float:
     # rows past sk keep every key
     kept = sk * (sk + 1) / 2 + (sq - sk) * sk
     return kept / (sq * sk)
+
+
+def _softmax_traffic(forward: float, backward: bool) -> float:
+    """Passes over the nominal bytes of a multi-pass softmax kernel. The forward (fitted) reads its
+    input in a max pass, a sum pass and the write pass: nominal 1 read + 1 write, actual
+    ``2 x forward`` tensor passes, so ``2 x (forward - 1)`` extra reads. The backward makes one
+    reduction pass (sum of grad or grad x out) before the write pass, half the forward's extra
+    reads, over a nominal 2 reads + 1 write: ``1 + (forward - 1) / 3``."""
+    if not backward:
+        return forward
+    return 1.0 + (forward - 1.0) / 3.0
 
 
 def _softmax_row(name: str, args: tuple, ins: list[torch.Tensor]) -> int:

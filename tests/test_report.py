@@ -1,0 +1,323 @@
+"""The plan report: one self-contained HTML page (and PNGs) per plan, and the page of a diff."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import apmodel
+from apmodel import models, report
+from apmodel import placements as pl
+from apmodel.cli import app, param_uses
+from apmodel.plans import Plan
+from apmodel.recipes import RecipeResult
+
+OVERRIDES = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=32)
+CLI_PLAN = ["plan", "--model", "llama3-debug", "--mesh", "2x2", "--layers", "1", "--seq", "32", "--batch", "8"]
+SECTIONS = ("summary", "placements", "time", "memory", "recipes", "warnings")
+#: Elements that never have a closing tag in HTML.
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    with torch.device("meta"):
+        m = models.build("llama3-debug", **OVERRIDES)
+    inputs = models.sample_inputs(models.config("llama3-debug", **OVERRIDES), 8, 32, device="meta")
+    return apmodel.plan(m, (2, 2), inputs)
+
+
+@pytest.fixture(scope="module")
+def page(plan) -> str:
+    return report.plan_page(plan)
+
+
+@pytest.fixture(scope="module")
+def cli_plan(tmp_path_factory):
+    """One `apmodel plan ... --out --report --png` run shared by the CLI tests."""
+    d = tmp_path_factory.mktemp("cli")
+    res = CliRunner().invoke(app, [*CLI_PLAN, "--out", str(d / "p.json"), "--report", str(d / "p.html"),
+                                   "--png", str(d / "png")])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return d
+
+
+class Checked(HTMLParser):
+    """Parses a page and records unbalanced tags, ids, text and any reference to another resource."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+        self.ids: set[str] = set()
+        self.external: list[str] = []
+        self.chunks: list[str] = []
+        self.feed(text)
+        self.close()
+        self.errors += [f"<{t}> never closed" for t in self.stack]
+        self.text = " ".join(" ".join(self.chunks).split())
+
+    def _attrs(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if "id" in a:
+            self.ids.add(a["id"])
+        for key in ("src", "href", "xlink:href", "action", "data", "poster"):
+            if re.match(r"\s*(https?:)?//", a.get(key, ""), re.I):
+                self.external.append(f"<{tag} {key}={a[key]}>")
+        if tag == "script" and "src" in a:
+            self.external.append(f"<script src={a['src']}>")
+        if tag == "link" and a.get("href"):
+            self.external.append(f"<link href={a['href']}>")
+
+    def handle_starttag(self, tag, attrs):
+        self._attrs(tag, attrs)
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self._attrs(tag, attrs)
+
+    def handle_endtag(self, tag):
+        if tag in VOID:
+            return
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes <{self.stack[-1] if self.stack else 'nothing'}>")
+            if tag in self.stack:  # resynchronise so one slip is reported once
+                del self.stack[len(self.stack) - 1 - self.stack[::-1].index(tag):]
+        else:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        self.chunks.append(data)
+
+
+def check_self_contained(text: str) -> Checked:
+    doc = Checked(text)
+    assert text.startswith("<!DOCTYPE html>")
+    assert doc.errors == []
+    assert doc.external == []
+    assert not re.search(r"url\(|@import|<iframe|<object|<embed", text, re.I)
+    return doc
+
+
+# ------------------------------------------------------------------------------ the page
+def test_page_is_well_formed_and_self_contained(page):
+    doc = check_self_contained(page)
+    assert "<script" not in page  # nothing runs: nothing can fetch
+    assert {*SECTIONS, "placement-grid", "time-breakdown", "per-layer", "memory"} <= doc.ids
+
+
+def test_page_shows_the_plans_numbers_and_placements(plan, page):
+    doc = Checked(page)
+    text = doc.text
+    assert f"Objective {plan.objective_us:,.1f} µs" in text
+    assert f"{plan.compute_us:,.1f} µs" in text and f"{plan.comm_us:,.1f} µs" in text
+    assert "mesh 2×2" in text and "trws" in text and plan.solver["status"] in text
+    for key, us in plan.comm_by_collective.items():
+        kind, axis = key.split("@")
+        assert f"{kind} axis {axis[4:]}" in text and f"{us:,.1f}" in text
+    for fqn, placement in plan.param_placements.items():
+        assert fqn in text
+        assert re.search(re.escape(fqn) + r" [\d×]+ " + re.escape(pl.tuple_to_str(placement)) + " ", text), fqn
+    pm = plan.model
+    for node, placements in param_uses(pm, plan.node_strategy, "layers.0.attention.wq.weight", through_views=True):
+        assert f"{node}: {''.join(placements)}" in text  # the use the grid colours by
+    assert "layers.1" in text and "outside the layers" in text
+    assert "Not compared" in text  # no recipes given
+    assert "warnings" in doc.ids and ("none" in text if not plan.warnings else plan.warnings[0] in text)
+    mem = plan.memory
+    assert "peak" in text and report._fmt_bytes(mem["peak_bytes"]) in text
+
+
+def test_roles_follow_storage_and_use():
+    assert report._param_role("S(0)", ["R"]) == "fsdp"
+    assert report._param_role("S(1)", ["S(0)"]) == "tp"
+    assert report._param_role("R", ["S(1)"]) == "tp"
+    assert report._param_role("R", ["R"]) == "replicated"
+    assert report._param_role("S(0)", None) == "sharded"  # use unknown
+    assert report._param_role("S(0)", []) == "sharded"  # not read by the forward
+    assert [report._activation_role(t) for t in ("S(0)", "S(1)", "S(2)", "R", "P")] == ["dp", "sp", "sharded", "replicated", "partial"]
+
+
+def test_grid_colours_each_axis_by_the_role_the_plan_gives_it(plan):
+    blocks, rows = report._placement_data(plan)
+    by_name = {r.name: r for r in rows}
+    for fqn, placement in plan.param_placements.items():
+        uses = param_uses(plan.model, plan.node_strategy, fqn, through_views=True)
+        for a, p in enumerate(placement):
+            used = sorted({u[1][a] for u in uses})
+            want = report._param_role(pl.to_str(p), used)
+            assert by_name[fqn].roles[a] == want, (fqn, a)
+    layer_rows = [label for b in blocks for label, _ in b.rows]
+    assert layer_rows == ["layers.0", "layers.1", "model"]
+    svg = report._svg(report.plan_figures(plan)[0])
+    for role in {r for row in rows for r in row.roles}:
+        assert report.ROLES[role][1] in svg and report.ROLES[role][0] in svg  # fill and legend
+
+
+def test_plan_file_alone_old_file_and_escaped_warnings(plan, tmp_path):
+    data = plan.to_json()
+    data.pop("memory")
+    data.pop("per_layer")
+    data["warnings"] = ["axis 1 <idle> & unused"]
+    old = Plan.from_json(data)
+    page = report.plan_page(old, source="old.json")
+    doc = check_self_contained(page)
+    assert "not recorded" in doc.text
+    assert "storage placements only" in doc.text and "not known" in doc.text
+    assert "from a plan file alone" in doc.text
+    assert "axis 1 <idle> & unused" in doc.text and "<idle>" not in page  # escaped, shown
+    assert "1 warning" in doc.text
+    assert "no per-layer costs" in doc.text
+
+
+def test_recipe_comparison_section(plan):
+    recipes = [RecipeResult("fsdp", "FSDP", "full_shard", objective_us=plan.objective_us * 1.25, compute_us=plan.compute_us,
+                            comm_us=plan.objective_us * 1.25 - plan.compute_us, param_bytes=4096.0),
+               RecipeResult("ddp", "DDP", "free", status="n/a", reason="the global batch 8 does not split")]
+    page = report.plan_page(plan, recipes=recipes)
+    doc = check_self_contained(page)
+    assert "recipes-chart" in doc.ids
+    assert "FSDP" in doc.text and f"{plan.objective_us * 1.25:,.1f}" in doc.text and "+25.0%" in doc.text
+    assert "DDP" in doc.text and "n/a" in doc.text and "does not split" in doc.text
+    assert "Not compared" not in doc.text
+
+
+def test_diff_page(plan):
+    b = Plan.from_json(plan.to_json())
+    fqn = "layers.0.attention.wq.weight"
+    b.param_placements[fqn] = pl.parse("RR")
+    b.objective_us += 100.0
+    b.comm_us += 100.0
+    page = report.diff_page(plan, b, names=("a.json", "b.json"))
+    doc = check_self_contained(page)
+    assert {"summary", "params", "nodes", "diff-time"} <= doc.ids
+    assert "Not the same workload" not in doc.text
+    assert re.search(re.escape(fqn) + " " + re.escape(pl.tuple_to_str(plan.param_placements[fqn])) + " RR", doc.text)
+    assert "+100.0" in doc.text and "1 of 21 parameters stored differently" in doc.text
+    assert "0 nodes with a different strategy" in doc.text
+
+    b.structure_fingerprint = "0" * 64  # another graph: say so first, compare by name
+    doc = check_self_contained(report.diff_page(plan, b))
+    assert "Not the same workload" in doc.text and "graph structure" in doc.text
+    assert "allow_mismatch" not in doc.text
+
+
+def test_report_module_does_not_import_matplotlib():
+    code = "import sys, apmodel.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+# ---------------------------------------------------------------------------------- PNGs
+def _check_png(path: Path) -> np.ndarray:
+    import matplotlib.image
+
+    assert path.is_file() and path.stat().st_size > 1000, path
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 50 and img.shape[1] > 200
+    assert float(img[..., :3].std()) > 0.02, f"{path} is blank"
+    return img
+
+
+def test_write_pngs(plan, tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = report.write_pngs(plan, tmp_path / "figs")
+    assert sorted(p.name for p in paths) == ["memory.png", "per-layer.png", "placement-grid.png", "time-breakdown.png"]
+    for p in paths:
+        _check_png(p)
+
+
+# ----------------------------------------------------------------------------------- CLI
+def test_cli_plan_writes_report_and_pngs(cli_plan):
+    doc = check_self_contained((cli_plan / "p.html").read_text(encoding="utf-8"))
+    assert set(SECTIONS) <= doc.ids and "llama3-debug" in doc.text
+    assert "layers.0.attention.wq.weight" in doc.text and "not known" not in doc.text
+    pngs = sorted((cli_plan / "png").glob("*.png"))
+    assert {p.name for p in pngs} >= {"placement-grid.png", "time-breakdown.png", "memory.png"}
+    for p in pngs:
+        _check_png(p)
+
+
+def test_cli_report_of_a_plan_file(cli_plan, tmp_path):
+    out = tmp_path / "x.html"
+    res = CliRunner().invoke(app, ["report", str(cli_plan / "p.json"), "-o", str(out), "--png", str(tmp_path / "png")])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = check_self_contained(out.read_text(encoding="utf-8"))
+    assert "not known" not in doc.text  # the model was re-traced: uses are shown
+    assert "from a plan file alone" in doc.text
+    saved = Plan.load(cli_plan / "p.json")
+    assert f"Objective {saved.objective_us:,.1f} µs" in doc.text
+    assert (tmp_path / "png" / "placement-grid.png").stat().st_size > 1000
+
+    res = CliRunner().invoke(app, ["report", str(cli_plan / "p.json"), "-o", str(tmp_path / "y.html"), "--no-trace"])
+    assert res.exit_code == 0, res.output
+    assert "not known" in Checked((tmp_path / "y.html").read_text(encoding="utf-8")).text
+
+
+def test_cli_report_of_two_plans_is_a_diff(cli_plan, plan, tmp_path):
+    other = tmp_path / "api.json"
+    plan.save(other)  # two layers instead of one: another graph
+    out = tmp_path / "d.html"
+    res = CliRunner().invoke(app, ["report", str(cli_plan / "p.json"), str(other), "-o", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = check_self_contained(out.read_text(encoding="utf-8"))
+    assert "Not the same workload" in doc.text and "layers.1.attention.wq.weight" in doc.text
+
+    res = CliRunner().invoke(app, ["report", str(other), str(other), str(other)])
+    assert res.exit_code == 2 and "error: report takes one plan file" in res.output
+
+
+def test_cli_report_refuses_a_bad_output_before_work(cli_plan, tmp_path):
+    res = CliRunner().invoke(app, ["report", str(cli_plan / "p.json"), "-o", str(tmp_path / "missing" / "x.html")])
+    assert res.exit_code == 2 and "does not exist" in res.output
+    (tmp_path / "file").write_text("")
+    res = CliRunner().invoke(app, [*CLI_PLAN, "--png", str(tmp_path / "file")])
+    assert res.exit_code == 2 and "is a file, not a directory" in res.output
+
+
+# ------------------------------------------------------------------------------- browser
+def _chromium() -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("chromium not installed: `apt-get install -y chromium` (.ci/run tries it) to render the page")
+    return exe
+
+
+def test_page_renders_in_a_headless_browser(page, tmp_path):
+    exe = _chromium()
+    import matplotlib.image
+
+    html_file = tmp_path / "plan.html"
+    html_file.write_text(page, encoding="utf-8")
+    base = [exe, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run", "--disable-extensions",
+            f"--user-data-dir={tmp_path / 'profile'}"]  # a profile of its own: no lock shared with other runs
+    dom = subprocess.run([*base, "--dump-dom", html_file.as_uri()], capture_output=True, text=True, timeout=180)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'id="placement-grid"' in dom.stdout and "<rect" in dom.stdout and 'id="warnings"' in dom.stdout
+
+    shot = tmp_path / "shot.png"
+    run = subprocess.run([*base, "--enable-logging=stderr", "--v=0", "--hide-scrollbars", "--window-size=1200,1800",
+                          f"--screenshot={shot}", html_file.as_uri()], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and shot.is_file() and shot.stat().st_size > 0, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines()
+              if "Uncaught" in line or (":CONSOLE" in line and html_file.name in line)]
+    assert errors == []
+    img = matplotlib.image.imread(shot)[..., :3]
+    assert img.shape[:2] == (1800, 1200)
+    assert float(img.std()) > 0.05, "the screenshot is blank"
+    # the grid is on screen: pixels of the FSDP and TP fills (colours no other figure uses)
+    colours = {report.ROLES[r][1] for r in ("fsdp", "tp") if f'fill="{report.ROLES[r][1]}"' in page}
+    assert colours
+    for colour in colours:
+        rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
+        hits = int((np.abs(img - rgb).max(axis=-1) < 0.03).sum())
+        assert hits > 200, f"{colour}: {hits} pixels"
