@@ -266,6 +266,7 @@ class _ModuleStack:
 
     def __init__(self, step: nn.Module) -> None:
         self.path: list[str] = []
+        self._types: list[str] = []
         self._handles = []
         for name, mod in step.named_modules():
             fqn = _user_fqn(name) if name != _WRAPPED else ""
@@ -277,11 +278,29 @@ class _ModuleStack:
     def _enter(self, fqn: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self.path.append(fqn)
+            self._label(type(module).__qualname__)
 
         return hook
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.path.pop()
+        self._types.pop()
+        self._publish()
+
+    def _label(self, qualname: str) -> None:
+        self._types.append(qualname)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Tell FX which modules the ops traced next belong to (``node.meta["nn_module_stack"]``,
+        copied to backward nodes as ``fwd_nn_module_stack``): plans break costs down per layer."""
+        from torch.fx import traceback as fx_traceback
+
+        stack = {p: (p, t) for p, t in zip(self.path, self._types) if p}
+        if stack:
+            fx_traceback.current_meta["nn_module_stack"] = stack
+        else:
+            fx_traceback.current_meta.pop("nn_module_stack", None)
 
     def close(self) -> None:
         for h in self._handles:
