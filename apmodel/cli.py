@@ -692,12 +692,12 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
     if lb is not None and math.isfinite(lb):
         gap = (plan.objective_us - lb) / max(abs(plan.objective_us), 1e-12)
         t.add_row("lower bound (µs) / gap", f"{_fmt_us(lb)} / {100 * gap:.2f}%")
-    t.add_row("parameter bytes per device", _fmt_bytes(result["param_bytes"]))
+    t.add_row(f"parameter bytes per device ({cfg.dtype})", _fmt_bytes(result["param_bytes"]))
     mem = plan.memory
     if mem.get("peak_bytes") is not None:
-        t.add_row("memory per device (peak)", f"{_fmt_bytes(mem['peak_bytes'])} of {_fmt_bytes(mem['hbm_bytes'])}: "
-                  f"params {_fmt_bytes(mem['params_bytes'])}, grads {_fmt_bytes(mem['grads_bytes'])}, "
-                  f"optimizer {_fmt_bytes(mem['optimizer_bytes'])}, activations {_fmt_bytes(mem['activations_bytes'])}")
+        t.add_row("memory per device: peak / HBM", f"{_fmt_bytes(mem['peak_bytes'])} / {_fmt_bytes(mem['hbm_bytes'])}")
+        t.add_row("  params / grads / optimizer / activations",
+                  " / ".join(_fmt_bytes(mem[k]) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")))
     console.print(t)
 
     t = Table(title="Objective breakdown (µs per training step)", title_justify="left")

@@ -59,7 +59,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from .compute import GATHER_OPS as _ROOFLINE_GATHER_OPS
-from .compute import VIEW_OPS, RooflineCompute, _DTYPE_KEY, _op_name
+from .compute import VIEW_OPS, RooflineCompute, _DTYPE_KEY, _op_name, _tensors
 from .hardware import DeviceSpec, device as _device
 
 logger = logging.getLogger(__name__)
@@ -860,23 +860,6 @@ def _softmax_row(name: str, args: tuple, ins: list[torch.Tensor]) -> int:
     if x.dim() == 0:
         return 1
     return int(x.shape[dim])
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _collect(tree, out)
-    return out
-
-
-def _collect(x: Any, out: list) -> None:
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            _collect(y, out)
-    elif isinstance(x, dict):
-        for y in x.values():
-            _collect(y, out)
 
 
 def _key(x: Any, parts: list) -> None:
