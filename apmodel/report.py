@@ -10,7 +10,7 @@ or attached to an issue as one file. Each figure is laid out once, in pixels, as
 so both show the same thing. matplotlib is imported only by :func:`write_pngs`.
 
 How a parameter is *used* (gathered for the op that computes with it, or read sharded) needs the
-graph: it is read with :func:`apmodel.cli.param_uses` when the plan has its model attached
+graph: it is read with :func:`apmodel.roles.param_uses` when the plan has its model attached
 (``plan.model``: a plan just solved, or one re-attached with :func:`apmodel.cli.attach`). A plan
 read from a file alone shows storage placements only, and says so.
 """
@@ -216,7 +216,7 @@ def _column(rel: str) -> str:
 def _placement_data(plan: "Plan") -> tuple[list[_Block], list[_ParamRow]]:
     """The placement grid (layers x parameters, one stripe per axis) and the per-parameter table."""
     from apmodel import placements as pl
-    from apmodel.cli import param_uses
+    from apmodel.roles import param_uses
 
     pm, ns = plan.model, plan.node_strategy
     axes = range(len(plan.mesh_shape))
@@ -614,7 +614,7 @@ def _gap(plan: "Plan") -> tuple[float | None, float | None]:
 
 
 def _summary_section(plan: "Plan", param_note: str) -> str:
-    from apmodel.cli import emerged
+    from apmodel.roles import emerged
     from apmodel.plans import describe_axes
 
     wl, s, tm = plan.workload, plan.solver, plan.timings

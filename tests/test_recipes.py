@@ -50,7 +50,7 @@ def _s(plan, fqn):
 
 def _uses(plan, fqn):
     """Placement strings of the forward ops' input that reads ``fqn``."""
-    from apmodel.cli import param_uses
+    from apmodel.roles import param_uses
 
     return {"".join(u[1]) for u in param_uses(plan.model, plan.node_strategy, fqn)}
 
@@ -147,7 +147,7 @@ def test_infeasible_recipe_is_reported(captured, setup_2x2):
 
 def test_emerged_roles_read_back_the_recipes(results_2x2):
     """The CLI's reading of a plan names the parallelism each recipe prescribes."""
-    from apmodel.cli import emerged
+    from apmodel.roles import emerged
 
     fsdp = emerged(results_2x2["fsdp"].plan)
     assert all("FSDP" in fsdp[a] and "tensor parallel" not in fsdp[a] for a in ("axis0", "axis1"))

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 import apmodel
 from apmodel import models, report
 from apmodel import placements as pl
-from apmodel.cli import app, param_uses
+from apmodel.cli import app
+from apmodel.roles import param_uses
 from apmodel.plans import Plan
 from apmodel.recipes import RecipeResult
 

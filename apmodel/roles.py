@@ -1,0 +1,96 @@
+"""What a plan does with each parameter and each mesh axis, read off the solved placements.
+
+:func:`param_uses` follows a parameter to the forward ops that compute with it and reports the
+placements they read it in; :func:`emerged` names what each mesh axis ended up doing (FSDP, tensor
+parallel, sequence parallel, data parallel, all-to-all). The CLI tables, the plan report and the
+recipe tests read plans through these two functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apmodel import placements as pl
+from apmodel.strategies import input_slots
+
+#: Ops that only relabel a weight on its way to the op that computes with it.
+_VIEW_OPS = frozenset({"t", "transpose", "view", "_unsafe_view", "reshape", "permute", "expand", "alias",
+                       "_to_copy", "detach", "clone", "contiguous"})
+
+
+def param_uses(pmodel: Any, node_strategy: dict[str, Any], fqn: str, *, through_views: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """(consumer node, placement strings) for each forward op that reads parameter ``fqn``.
+
+    With ``through_views``, follow view-like ops (``t``, ``view``...) to the computing forward ops
+    (mm, embedding, mul...) and report the placements they expect for the weight (a redistribution
+    after a transpose counts)."""
+    out = []
+    frontier = [pmodel.node_by_name[pmodel.fqn_to_node[fqn]]]
+    seen = set()
+    while frontier:
+        prod = frontier.pop()
+        for user in prod.users:
+            if user.name in seen or user.name not in node_strategy or pmodel.captured.is_backward.get(user.name, False):
+                continue
+            seen.add(user.name)
+            op = getattr(user.target, "__name__", str(user.target)).split(".")[0]
+            if through_views and op in _VIEW_OPS:
+                frontier.append(user)
+                continue
+            for j, (src, _k) in enumerate(input_slots(user)):
+                p = node_strategy[user.name].inputs[j] if j < len(node_strategy[user.name].inputs) else None
+                if src is prod and p is not None:
+                    out.append((user.name, tuple(pl.to_str(x) for x in p)))
+    return out
+
+
+def emerged(plan: Any) -> dict[str, str]:
+    """What each mesh axis does, read off the plan (needs ``plan.model``).
+
+    * parameters sharded in storage but read replicated by their forward ops -> FSDP (gathered);
+    * matmul weights read sharded -> tensor parallel;
+    * norm outputs sharded on dim 1 (sequence of ``[b, s, d]``) -> sequence parallel;
+    * norm outputs sharded on dim 0 -> data parallel (batch);
+    * all-to-all traffic on the axis -> all-to-all resharding.
+    """
+    pm = plan.model
+    ns = plan.node_strategy
+    roles: dict[str, str] = {}
+    weights = [f for f, node in pm.fqn_to_node.items() if getattr(pm.node_by_name[node].meta.get("val"), "dim", lambda: 0)() >= 2]
+    norm_outputs = []
+    for fqn, node in pm.fqn_to_node.items():
+        if fqn.endswith("norm.weight"):
+            for user in pm.node_by_name[node].users:
+                if user.name in ns and not pm.captured.is_backward.get(user.name, False) and ns[user.name].outputs:
+                    val = user.meta.get("val")
+                    if getattr(val, "dim", lambda: 0)() == 3 and ns[user.name].outputs[0] is not None:
+                        norm_outputs.append(tuple(pl.to_str(x) for x in ns[user.name].outputs[0]))
+    for axis, size in enumerate(plan.mesh_shape):
+        gathered = tp = replicated = 0
+        for fqn in weights:
+            stored = pl.to_str(plan.param_placements[fqn][axis])
+            uses = [u[1][axis] for u in param_uses(pm, ns, fqn, through_views=True)]
+            if any(u.startswith("S") for u in uses):
+                tp += 1
+            elif stored.startswith("S") and uses:
+                gathered += 1
+            elif stored == "R":
+                replicated += 1
+        sp = sum(1 for o in norm_outputs if o[axis] == "S(1)")
+        dp = sum(1 for o in norm_outputs if o[axis] == "S(0)")
+        a2a = plan.comm_by_collective.get(f"all_to_all@axis{axis}", 0.0)
+        parts = []
+        if dp:
+            parts.append(f"data parallel (batch-sharded norm outputs {dp}/{len(norm_outputs)})")
+        if gathered:
+            parts.append(f"FSDP (weights sharded in storage, all-gathered for use: {gathered}/{len(weights)})")
+        if tp:
+            parts.append(f"tensor parallel (matmul/embedding weights used sharded: {tp}/{len(weights)})")
+        if replicated:
+            parts.append(f"weights replicated ({replicated}/{len(weights)})")
+        if sp:
+            parts.append(f"sequence parallel (norm outputs sharded on seq dim: {sp}/{len(norm_outputs)})")
+        if a2a > 0:
+            parts.append(f"all-to-all resharding ({a2a:,.0f} µs)")
+        roles[f"axis{axis}"] = "; ".join(parts) or "idle (everything replicated on this axis)"
+    return roles
