@@ -3,9 +3,13 @@
 A backend is a callable ``backend(problem, time_limit=None, **options)`` returning a
 :class:`~solvers.solution.BackendResult` (or a :class:`~solvers.solution.Solution`, or just an
 assignment array), or an object with such a ``solve`` method, or a class whose no-argument
-instance has one.  Built-in backends are named in the constant :data:`BUILTIN_BACKENDS` and imported
-lazily; user backends live in a :class:`SolverRegistry` object.  The default registry is created on
-first use by :func:`default_registry` (no module-level mutable state).
+instance has one.  Every backend has a :class:`~solvers.backends.Capabilities` record (data, see
+:mod:`solvers.backends`): built-in backends are declared in :data:`~solvers.backends.BUILTIN_BACKENDS`
+and imported lazily; user backends live in a :class:`SolverRegistry` object with the record given
+to :meth:`SolverRegistry.register` (or a ``capabilities`` attribute of the backend; without either,
+:data:`~solvers.backends.UNDECLARED`).  :func:`solve` refuses a problem whose linear rows the backend
+cannot take before it runs anything.  The default registry is created on first use by
+:func:`default_registry` (no module-level mutable state).
 """
 
 from __future__ import annotations
@@ -16,26 +20,17 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from .backends import BUILTIN_BACKENDS, UNDECLARED, Capabilities
 from .presolve import presolve
 from .reduce import Reduction, reduce_problem
 from .problem import PairwiseProblem
-from .solution import STATUSES, BackendResult, Solution, SolverError
+from .solution import STATUSES, BackendResult, Solution, SolverError, Unsupported
 
 log = logging.getLogger(__name__)
-
-# name -> (module, function, third-party module it needs or None)
-BUILTIN_BACKENDS = MappingProxyType({
-    "trws": ("solvers.trws", "solve_trws", None),
-    "highs": ("solvers.highs_backend", "solve_highs", "highspy"),
-    "cvxpy": ("solvers.cvxpy_backend", "solve_cvxpy", "cvxpy"),
-    "pgmpy": ("solvers.pgmpy_backend", "solve_pgmpy", "pgmpy"),
-    "brute": ("solvers.brute", "solve_brute", None),
-})
 
 Backend = Callable[..., Any]
 
@@ -50,16 +45,28 @@ def _as_callable(name: str, backend: Any) -> Backend:
     raise TypeError(f"backend {name!r} must be callable or have a solve() method, got {type(backend).__name__}")
 
 
+def _installed(module: str | None) -> bool:
+    return module is None or importlib.util.find_spec(module) is not None
+
+
 class SolverRegistry:
     """Built-in backends plus user-registered ones (registered names shadow built-ins)."""
 
     def __init__(self) -> None:
-        self._user: dict[str, Backend] = {}
+        self._user: dict[str, tuple[Backend, Capabilities]] = {}
 
-    def register(self, name: str, backend: Any) -> None:
+    def register(self, name: str, backend: Any, capabilities: Capabilities | None = None) -> None:
+        """Add ``backend`` under ``name``.  ``capabilities``: what it can do (default: the backend's
+        ``capabilities`` attribute if it is a :class:`Capabilities`, else ``UNDECLARED``)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"backend name must be a non-empty str, got {name!r}")
-        self._user[name] = _as_callable(name, backend)
+        if capabilities is None:
+            declared = getattr(backend, "capabilities", None)
+            capabilities = declared if isinstance(declared, Capabilities) else UNDECLARED
+        if not isinstance(capabilities, Capabilities):
+            raise TypeError(f"capabilities of backend {name!r} must be a solvers.Capabilities, "
+                            f"got {type(capabilities).__name__}")
+        self._user[name] = (_as_callable(name, backend), capabilities)
 
     def unregister(self, name: str) -> None:
         if name not in self._user:
@@ -67,19 +74,32 @@ class SolverRegistry:
         del self._user[name]
 
     def available(self) -> list[str]:
-        names = [n for n, (_, _, dep) in BUILTIN_BACKENDS.items()
-                 if dep is None or importlib.util.find_spec(dep) is not None]
+        """Built-in backends whose dependency is installed, then user backends."""
+        names = [n for n, spec in BUILTIN_BACKENDS.items() if _installed(spec.capabilities.requires)]
         return names + [n for n in self._user if n not in names]
+
+    def capabilities(self, name: str) -> Capabilities:
+        """The capability record of backend ``name`` (installed or not, for built-ins)."""
+        if name in self._user:
+            return self._user[name][1]
+        if name not in BUILTIN_BACKENDS:
+            raise ValueError(f"unknown solver backend {name!r}; available: {', '.join(self.available())}")
+        return BUILTIN_BACKENDS[name].capabilities
+
+    def all_capabilities(self) -> dict[str, Capabilities]:
+        """Every available backend's record, in :meth:`available` order."""
+        return {n: self.capabilities(n) for n in self.available()}
 
     def get(self, name: str) -> Backend:
         if name in self._user:
-            return self._user[name]
+            return self._user[name][0]
         if name not in BUILTIN_BACKENDS:
             raise ValueError(f"unknown solver backend {name!r}; available: {', '.join(self.available())}")
-        module, func, dep = BUILTIN_BACKENDS[name]
-        if dep is not None and importlib.util.find_spec(dep) is None:
+        spec = BUILTIN_BACKENDS[name]
+        dep = spec.capabilities.requires
+        if not _installed(dep):
             raise ValueError(f"solver backend {name!r} needs the {dep!r} package, which is not installed")
-        return getattr(importlib.import_module(module), func)
+        return getattr(importlib.import_module(spec.module), spec.function)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,14 +108,52 @@ def default_registry() -> SolverRegistry:
     return SolverRegistry()
 
 
-def register(name: str, backend: Any) -> None:
-    """Register a user backend in the default registry."""
-    default_registry().register(name, backend)
+def register(name: str, backend: Any, capabilities: Capabilities | None = None) -> None:
+    """Register a user backend in the default registry (see :meth:`SolverRegistry.register`)."""
+    default_registry().register(name, backend, capabilities)
 
 
 def available() -> list[str]:
     """Names of installed built-in backends plus registered ones."""
     return default_registry().available()
+
+
+def capabilities(name: str) -> Capabilities:
+    """What backend ``name`` can do (its :class:`~solvers.backends.Capabilities` record)."""
+    return default_registry().capabilities(name)
+
+
+def all_capabilities() -> dict[str, Capabilities]:
+    """Records of every available backend of the default registry, by name."""
+    return default_registry().all_capabilities()
+
+
+def _rows_for_backend(problem: PairwiseProblem, run_presolve: bool) -> list[tuple[str, str]]:
+    """(name, sense) of the rows the backend will see: with the presolve, rows over one variable
+    (or none) become domain restrictions and only rows over several variables remain."""
+    out = []
+    for c in problem.constraints:
+        if not run_presolve or len({t[0] for t in c.terms}) > 1:
+            out.append((c.name, c.sense))
+    return out
+
+
+def check_capabilities(problem: PairwiseProblem, backend: str, *, registry: SolverRegistry | None = None,
+                       run_presolve: bool = True, time_limit: float | None = None) -> Capabilities:
+    """Raise :class:`~solvers.Unsupported` when ``backend`` cannot take ``problem``'s linear rows
+    (naming the backend, the rows and the backends that could); return its record otherwise.
+    A time limit the backend does not honour is logged, not refused."""
+    reg = registry or default_registry()
+    caps = reg.capabilities(backend)
+    rows = _rows_for_backend(problem, run_presolve)
+    if rows:
+        others = [n for n, c in reg.all_capabilities().items() if n != backend and c.refusal(n, rows) is None]
+        why = caps.refusal(backend, rows, others)
+        if why is not None:
+            raise Unsupported(why)
+    if time_limit is not None and not caps.time_limit:
+        log.warning("solver backend %r does not honour time_limit=%ss; it runs to completion", backend, time_limit)
+    return caps
 
 
 def _relative_gap(energy: float, bound: float | None) -> float | None:
@@ -135,6 +193,7 @@ def solve(problem: PairwiseProblem, backend: str = "trws", time_limit: float | N
         raise TypeError(f"problem must be a solvers.PairwiseProblem, got {type(problem).__name__}")
     if time_limit is not None and not time_limit > 0:
         raise ValueError(f"time_limit must be positive seconds or None, got {time_limit!r}")
+    check_capabilities(problem, backend, registry=registry, run_presolve=run_presolve, time_limit=time_limit)
     fn = (registry or default_registry()).get(backend)
     t0 = time.perf_counter()
     if problem.n_vars == 0:

@@ -72,8 +72,13 @@ def brute_or_none(problem: solvers.PairwiseProblem):
 
 
 # ---------------------------------------------------------------- tests
-EXACT = ["highs", "cvxpy"]
-APPROX = ["trws", "pgmpy"]
+# Backend lists come from the registry's capability records (solvers/backends.py).
+BUILTIN = [n for n in solvers.BUILTIN_BACKENDS if n in solvers.available()]
+CAPS = {n: solvers.capabilities(n) for n in BUILTIN}
+EXACT = [n for n in BUILTIN if CAPS[n].exact and n != "brute"]  # brute is the reference
+APPROX = [n for n in BUILTIN if not CAPS[n].exact]
+TAKES_BUDGET = [n for n in BUILTIN if CAPS[n].refusal(n, [("budget", "<=")]) is None]
+PROVES_INFEASIBLE = [n for n in BUILTIN if CAPS[n].exact or CAPS[n].lower_bound]
 # instances per backend: the slow adapters (cvxpy: ~0.1 s, pgmpy: ~0.5 s per call) get fewer
 N_CASES = {"brute": 0, "highs": 150, "cvxpy": 12, "trws": 300, "pgmpy": 6}
 
@@ -101,7 +106,7 @@ def test_random_problems_against_brute_force(backend, layouts):
             continue
         assert got.energy == pytest.approx(p.energy(got.assignment))
         assert got.backend == backend
-        if backend in EXACT:
+        if CAPS[backend].exact:
             assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
             assert got.status == "optimal"
         else:
@@ -124,9 +129,9 @@ def test_trws_exact_on_chains_and_trees(graph, layouts):
         assert got.lower_bound == pytest.approx(ref.energy, abs=1e-5), seed
 
 
-@pytest.mark.parametrize("backend", ["highs", "cvxpy", "trws", "brute"])
+@pytest.mark.parametrize("backend", TAKES_BUDGET)
 def test_budget_constraint_honoured(backend):
-    n = {"highs": 80, "cvxpy": 8, "trws": 120, "brute": 20}[backend]
+    n = {"highs": 80, "cvxpy": 8, "trws": 120, "brute": 20}.get(backend, 8)
     for seed in range(n):
         p = with_budget(random_problem(seed), seed)
         ref = brute_or_none(p)
@@ -135,17 +140,17 @@ def test_budget_constraint_honoured(backend):
             assert isinstance(got, solvers.Infeasible)
             continue
         if isinstance(got, solvers.Infeasible):
-            assert backend == "trws" and not got.proven, seed
+            assert not CAPS[backend].exact and not got.proven, seed
             continue
         assert p.violated_constraints(got.assignment) == []
-        if backend == "trws":
+        if not CAPS[backend].exact:
             assert got.energy >= ref.energy - TOL
             assert got.lower_bound is None or got.lower_bound <= ref.energy + TOL
         else:
             assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
 
 
-@pytest.mark.parametrize("backend", ["brute", "highs", "cvxpy", "trws", "pgmpy"])
+@pytest.mark.parametrize("backend", BUILTIN)
 def test_fixed_state_constraint(backend):
     p0 = random_problem(5, p_inf=0.0)
     v, s = 1, int(p0.n_states[1]) - 1
@@ -166,17 +171,22 @@ def _infeasible_cases():
         [solvers.LinearConstraint("mem", [(0, 0, 5), (0, 1, 6), (1, 0, 5), (1, 1, 7)], "<=", 9)]), "mem"
 
 
-@pytest.mark.parametrize("backend", ["brute", "highs", "cvxpy", "trws", "pgmpy"])
+@pytest.mark.parametrize("backend", BUILTIN)
 @pytest.mark.parametrize("case", list(_infeasible_cases()), ids=lambda c: c[0])
 def test_infeasible_raises_with_names(backend, case):
     _, p, needle = case
+    rows = [(c.name, c.sense) for c in p.constraints if len({t[0] for t in c.terms}) > 1]
+    if CAPS[backend].refusal(backend, rows) is not None:  # refused up front, naming the backend
+        with pytest.raises(solvers.Unsupported, match=backend):
+            solvers.solve(p, backend)
+        return
     with pytest.raises(solvers.Infeasible) as info:
         solvers.solve(p, backend)
     assert needle in str(info.value)
     assert info.value.proven
 
 
-@pytest.mark.parametrize("backend", ["brute", "highs", "trws"])
+@pytest.mark.parametrize("backend", PROVES_INFEASIBLE)
 def test_infeasible_beyond_presolve(backend):
     # a triangle of 2-state "must differ" edges is arc consistent yet infeasible
     ne = np.array([[np.inf, 0.0], [0.0, np.inf]])
@@ -220,7 +230,7 @@ def test_groups_stack_edges_by_shape():
 
 
 def test_registry_and_user_backend():
-    assert {"highs", "cvxpy", "pgmpy", "trws", "brute"} <= set(solvers.available())
+    assert set(BUILTIN) == set(solvers.BUILTIN_BACKENDS)  # every built-in's dependency is installed here
     reg = solvers.SolverRegistry()
 
     class Greedy:
@@ -246,14 +256,126 @@ def test_unsupported_constraints_are_rejected():
     p0 = random_problem(2, p_inf=0.0)
     rows = [solvers.LinearConstraint(f"r{i}", [(0, 0, 1.0), (1, 0, 1.0)], "<=", 1) for i in range(2)]
     p = solvers.PairwiseProblem(p0.unary, p0.edges, rows)
-    with pytest.raises(solvers.Unsupported, match="at most one"):
+    with pytest.raises(solvers.Unsupported, match="'trws' takes at most one"):
         solvers.solve(p, "trws")
-    with pytest.raises(solvers.Unsupported, match="pgmpy"):
+    with pytest.raises(solvers.Unsupported, match="'pgmpy' does not support linear side constraints"):
         solvers.solve(p, "pgmpy")
     eq = solvers.PairwiseProblem(p0.unary, p0.edges, [solvers.LinearConstraint("e", [(0, 0, 1.0), (1, 0, 1.0)], "==", 1)])
-    with pytest.raises(solvers.Unsupported, match="equality"):
+    with pytest.raises(solvers.Unsupported, match="'trws' cannot take equality rows.*'e'.*accept them: highs"):
         solvers.solve(eq, "trws")
     assert eq.violated_constraints(solvers.solve(eq, "highs").assignment) == []
+
+
+def _row_cases(p0):
+    """(rows as (name, sense), problem) with two multi-variable rows of each sense mix."""
+    def row(name, sense, rhs):
+        return solvers.LinearConstraint(name, [(0, 0, 1.0), (1, 0, 1.0)], sense, rhs)
+    for rows in ([row("le", "<=", 1)], [row("ge", ">=", 0)], [row("eq", "==", 1)], [row("a", "<=", 1), row("b", "<=", 2)]):
+        yield [(r.name, r.sense) for r in rows], solvers.PairwiseProblem(p0.unary, p0.edges, rows)
+
+
+@pytest.mark.parametrize("backend", BUILTIN)
+def test_declared_row_capabilities_match_the_adapters(backend):
+    """The registry's record says what the adapter itself does: where the record refuses a row
+    mix, calling the adapter function directly raises Unsupported too; where it accepts, the
+    adapter returns an assignment satisfying the rows."""
+    import importlib
+
+    spec = solvers.BUILTIN_BACKENDS[backend]
+    adapter = getattr(importlib.import_module(spec.module), spec.function)
+    rng = np.random.default_rng(0)
+    p0 = solvers.PairwiseProblem([rng.normal(size=3) for _ in range(4)],
+                                 [(i, i + 1, rng.normal(size=(3, 3))) for i in range(3)])
+    for rows, p in _row_cases(p0):  # every row mix is feasible (variable 0 in state 0, variable 1 in state 1)
+        if CAPS[backend].refusal(backend, rows) is not None:
+            with pytest.raises(solvers.Unsupported):
+                adapter(p)
+            with pytest.raises(solvers.Unsupported, match=f"'{backend}'"):
+                solvers.solve(p, backend)
+        else:
+            try:
+                raw = adapter(p)
+            except solvers.Infeasible as err:  # an approximate backend may miss a feasible point
+                assert not CAPS[backend].exact and not err.proven, rows
+                continue
+            assert p.violated_constraints(raw.assignment) == [], (backend, rows)
+
+
+@pytest.mark.parametrize("backend", BUILTIN)
+def test_declared_bounds_and_exactness_hold(backend):
+    """A backend that declares a lower bound returns one (never above the optimum), one that
+    does not returns None; an exact backend reaches brute force's optimum."""
+    seen_bound = False
+    for seed in range(max(3, min(20, N_CASES[backend]))):
+        p = random_problem(seed, p_inf=0.0)
+        ref = solvers.solve(p, "brute", reduce=False)
+        got = solvers.solve(p, backend, reduce=False)
+        if not CAPS[backend].lower_bound:
+            assert got.lower_bound is None, seed
+        elif got.lower_bound is not None:
+            seen_bound = True
+            assert got.lower_bound <= ref.energy + TOL, seed
+        if CAPS[backend].exact:
+            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+    assert seen_bound == CAPS[backend].lower_bound
+
+
+def test_refusal_happens_before_the_backend_runs(caplog):
+    calls = []
+
+    def greedy(problem, time_limit=None):
+        calls.append(problem)
+        return np.array([int(np.argmin(u)) for u in problem.unary])
+
+    reg = solvers.SolverRegistry()
+    reg.register("greedy", greedy, solvers.Capabilities(exact=False, lower_bound=False, row_senses=frozenset(),
+                                                         time_limit=False))
+    reg.register("anything", greedy)  # no record: nothing is refused up front
+    assert reg.capabilities("anything") == solvers.UNDECLARED
+    p0 = random_problem(2, p_inf=0.0)
+    two_vars = solvers.LinearConstraint("mem", [(0, 0, 1.0), (1, 0, 1.0)], "<=", 1)
+    one_var = solvers.LinearConstraint("fix", [(0, 0, 1.0)], "==", 1)
+    p = solvers.PairwiseProblem(p0.unary, p0.edges, [two_vars])
+    with pytest.raises(solvers.Unsupported, match=r"'greedy' does not support linear side constraints.*'mem'"):
+        solvers.solve(p, "greedy", registry=reg)
+    assert calls == []
+    solvers.solve(p, "anything", registry=reg, reduce=False)
+    assert len(calls) == 1
+    # a one-variable row is absorbed by the presolve, so it is no reason to refuse ...
+    fixed = solvers.PairwiseProblem(p0.unary, p0.edges, [one_var])
+    assert solvers.solve(fixed, "greedy", registry=reg, reduce=False).assignment[0] == 0
+    # ... unless the presolve is switched off
+    with pytest.raises(solvers.Unsupported, match="'fix'"):
+        solvers.solve(fixed, "greedy", registry=reg, run_presolve=False)
+    with caplog.at_level("WARNING", logger="solvers.registry"):
+        solvers.solve(p0, "greedy", registry=reg, time_limit=5.0, reduce=False)
+    assert "'greedy' does not honour time_limit" in caplog.text
+
+
+def test_capability_listing_and_help_text():
+    from solvers.backends import help_text
+
+    table = solvers.all_capabilities()
+    assert list(table) == solvers.available()
+    text = help_text()
+    for name, spec in solvers.BUILTIN_BACKENDS.items():
+        assert f"{name} ({spec.capabilities.summary()})" in text
+    assert "trws (approximate, lower bound, one inequality row)" in text
+    assert solvers.capabilities("pgmpy").linear_rows == "none"
+    assert solvers.capabilities("highs").to_dict()["linear_rows"] == "equality and inequality"
+    with pytest.raises(ValueError, match="unknown solver backend 'nope'"):
+        solvers.capabilities("nope")
+    with pytest.raises(ValueError, match="row_senses"):
+        solvers.Capabilities(exact=True, lower_bound=True, row_senses=frozenset({"<"}))
+
+
+def test_solvers_package_imports_neither_torch_nor_numpy_for_help():
+    import subprocess
+    import sys
+
+    code = ("import sys, solvers.backends as b; b.help_text(); assert 'numpy' not in sys.modules; "
+            "import solvers; solvers.solve; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_highs_warm_start_and_cvxpy_extra_constraints():
@@ -404,7 +526,7 @@ def test_reductions_are_exact():
     assert eliminated > 300  # the generator does exercise the eliminations
 
 
-@pytest.mark.parametrize("backend", ["highs", "trws"])
+@pytest.mark.parametrize("backend", [n for n in BUILTIN if CAPS[n].lower_bound and n != "brute"])
 def test_solve_with_and_without_reductions_agree(backend):
     for seed in range(60):
         p = reducible_problem(seed, max_vars=9)
@@ -415,7 +537,7 @@ def test_solve_with_and_without_reductions_agree(backend):
             continue
         assert got.energy == pytest.approx(p.energy(got.assignment))
         assert got.lower_bound is None or got.lower_bound <= ref.energy + TOL, seed
-        if backend == "highs":
+        if CAPS[backend].exact:
             assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
 
 
