@@ -1,6 +1,7 @@
 """apmodel: automatic parallelism planning for PyTorch training steps.
 
-Pipeline (one module per stage): capture → strategies → clustering → model → plan → lowering.
+Pipeline (one module per stage): capture → strategies → clustering → model → search → plan →
+lowering, orchestrated by :mod:`apmodel.api` with every option in one :class:`~apmodel.options.PlanOptions`.
 
     plan = apmodel.plan(model, (4, 8), (tokens, targets), loss_fn=loss, device="h100")
     par_model = apmodel.parallelize(model, mesh, (tokens, targets), loss_fn=loss)
@@ -30,7 +31,11 @@ _EXPORTS = {
     "Plan": "apmodel.plans",
     "PlanMismatch": "apmodel.plans",
     "diff": "apmodel.plans",
-    "parallelize": "apmodel.lowering",
+    "parallelize": "apmodel.api",
+    "PlanOptions": "apmodel.options",
+    "Workload": "apmodel.workloads",
+    "plan_workload": "apmodel.api",
+    "attach": "apmodel.api",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,21 @@
-"""Every use of PyTorch's private DTensor APIs lives here (torch 2.13).
+"""Every use of PyTorch's private APIs lives here (torch 2.11 to 2.15).
 
 apmodel asks DTensor's own sharding propagator which placements each ATen operator accepts, so
-that every plan is semantically valid by construction. Those rules are private torch API; keeping
-all access in this one module (checked by ``tests/test_torch_private.py``) means a torch upgrade
-breaks one place.
+that every plan is semantically valid by construction. Those rules are private torch API, as are
+AOTAutograd's joint export and its descriptors, ``OpOverload`` and pytree; keeping all access in
+this one module (checked by ``tests/test_torch_private.py``; ``tests/test_layering.py`` checks that
+no other module of apmodel names a private torch module or attribute) means a torch upgrade breaks
+one place. Where releases differ, this module detects the feature (try-import, ``getattr``) rather
+than parsing version strings; a feature a release lacks raises :class:`MissingTorchFeature`, which
+names the release and the missing piece.
 
 Surface:
+
+- :data:`OpOverload`, :func:`tree_flatten` / :func:`tree_unflatten` – torch's own, re-exported.
+- :func:`export_joint` and the AOT descriptor classes (``ParamAOTInput``, ``GradAOTOutput``, ...,
+  imported lazily by name) – the joint forward-backward graph and the roles of its inputs/outputs.
+- :func:`is_data_dependent_error`, :func:`op_schema`, :func:`overload_name`.
+- :func:`torch_version`, :class:`MissingTorchFeature`, :func:`no_rule_reason`.
 
 - :func:`fake_mesh` – a ``"cpu"`` :class:`DeviceMesh` for planning, without any process group.
 - :func:`has_sharding_rule` / :func:`rule_kind` – does DTensor know this op, and through which registry.
@@ -40,26 +50,45 @@ and cannot enumerate candidates; :func:`has_sharding_rule` reports such ops as u
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops import single_dim_strategy as _single_dim
 from torch.distributed.tensor._ops import utils as _ops_utils
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _expand_single_dim_strategy_to_mesh,
-    _PreparedSingleDimStrategy,
-)
+from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
+    "OpOverload",
+    "tree_flatten",
+    "tree_unflatten",
+    "MissingTorchFeature",
+    "torch_version",
+    "no_rule_reason",
+    "export_joint",
+    "is_data_dependent_error",
+    "op_schema",
+    "overload_name",
+    "BufferAOTInput",
+    "GradAOTOutput",
+    "InputMutationAOTOutput",
+    "ParamAOTInput",
+    "PlainAOTInput",
+    "PlainAOTOutput",
+    "TangentAOTInput",
     "composite_autograd_on_meta",
     "fused_attention_on_meta",
     "without_redistribute_costs",
@@ -77,6 +106,93 @@ logger = logging.getLogger(__name__)
 
 PlacementsT = tuple[Placement, ...]
 
+
+# ----------------------------------------------------------------------------------------------
+# torch releases and the private features apmodel needs
+
+
+class MissingTorchFeature(RuntimeError):
+    """The installed torch lacks a private API the planner needs; the message names the release
+    and the missing piece."""
+
+
+def torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed torch, for messages and tests; behaviour that differs
+    between releases is chosen by detecting the feature, not by this number."""
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _torch_feature(module: str, name: str, what: str) -> Any:
+    """``module.name`` from torch, or :class:`MissingTorchFeature` naming the release and ``what``."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise MissingTorchFeature(
+            f"torch {torch.__version__} has no {module}.{name} ({what}); apmodel is tested on torch 2.11 to 2.15"
+        ) from e
+
+
+def no_rule_reason(op: object) -> str:
+    """Why ``op`` is planned replicated: no enumerable DTensor rule in this torch release."""
+    return f"no DTensor sharding rule for {op} in torch {torch.__version__}"
+
+
+#: names resolved on first use (``from apmodel._torch_private import ParamAOTInput``): the module
+#: imports AOTAutograd only when a graph is captured, and a release without one of them fails
+#: there, naming it, rather than at ``import apmodel``
+_LAZY = {
+    "aot_export_joint_with_descriptors": ("torch._functorch.aot_autograd", "the joint forward-backward export"),
+    **{name: ("torch._functorch._aot_autograd.descriptors", "AOTAutograd's graph input/output descriptors")
+       for name in ("BufferAOTInput", "GradAOTOutput", "InputMutationAOTOutput", "ParamAOTInput",
+                    "PlainAOTInput", "PlainAOTOutput", "TangentAOTInput")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, what = _LAZY[name]
+        value = _torch_feature(module, name, what)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def export_joint(stack: contextlib.ExitStack, module: torch.nn.Module, inputs: tuple, *, functionalize: bool) -> tuple[Any, Any]:
+    """The joint forward-backward graph of ``module(*inputs)`` (its ``graph_module`` and the
+    output pytree spec), traced by AOTAutograd with input/output descriptors in ``node.meta["desc"]``."""
+    export = __getattr__("aot_export_joint_with_descriptors")
+    joint = export(stack, module, inputs, disable_functionalization=not functionalize)
+    return joint.graph_module, joint.out_spec
+
+
+#: torch's errors for an op whose output (shape or value) depends on tensor data
+_DATA_DEPENDENT_ERRORS = (
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+    ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+    ("torch.fx.experimental.symbolic_shapes", "GuardOnDataDependentSymNode"),
+)
+
+
+def is_data_dependent_error(e: BaseException) -> bool:
+    """True when tracing failed because an op's result depends on tensor values; by class where
+    this release defines it, by class name otherwise (a class that moved modules still counts)."""
+    for module, name in _DATA_DEPENDENT_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if (isinstance(cls, type) and isinstance(e, cls)) or type(e).__name__ == name:
+            return True
+    return False
+
+
+def op_schema(target: object) -> Any:
+    """The ``torch._C.FunctionSchema`` of an operator (an OpOverload, a higher-order op), None
+    for a plain Python callable."""
+    return getattr(target, "_schema", None)
+
+
+def overload_name(op: OpOverload) -> str:
+    """``"Tensor"`` for ``aten.add.Tensor``, ``"default"`` for ``aten.mm.default``."""
+    return op._overloadname
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,7 +345,7 @@ def without_redistribute_costs() -> Iterator[None]:
             mod.generate_redistribute_costs = original
 
 
-def _meta_kernels_shadowing_composites() -> list[tuple[torch._ops.OpOverload, Any]]:
+def _meta_kernels_shadowing_composites() -> list[tuple[OpOverload, Any]]:
     """Ops whose Python meta kernel hides their CompositeImplicitAutograd kernel from autograd.
 
     ``torch._meta_registrations`` installs every decomposition (PrimTorch refs included) as a
@@ -243,11 +359,11 @@ def _meta_kernels_shadowing_composites() -> list[tuple[torch._ops.OpOverload, An
     from torch._C import DispatchKey
     from torch._decomp import global_decomposition_table
 
-    found: dict[torch._ops.OpOverload, Any] = {}
+    found: dict[OpOverload, Any] = {}
     for table in global_decomposition_table.values():
         for op in table:
             if (
-                isinstance(op, torch._ops.OpOverload)
+                isinstance(op, OpOverload)
                 and op not in found
                 and DispatchKey.Meta in op.py_kernels
                 and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
@@ -342,7 +458,7 @@ def fused_attention_on_meta() -> Iterator[None]:
 
 
 def op_strategies(
-    op: torch._ops.OpOverload,
+    op: OpOverload,
     args: tuple,
     kwargs: dict,
     out_val: object,
@@ -401,11 +517,67 @@ def _op_strategies(p, kind, op, args, kwargs, out_meta, mesh):
         strat = fn(op, schema.args_meta, schema.kwargs_meta)
     else:
         return _full_mesh_strategies(p, op, args, kwargs, mesh)
-    return _to_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
+    return _single_dim_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
+
+
+def _single_dim_pairs(op, strat, n_inputs):
+    """torch's expansion of a single-dim rule, less mixed-partial combinations (see :func:`_mixed_partials`)."""
+    return [(outs, ins) for outs, ins in _to_pairs(op, strat, n_inputs) if not _mixed_partials(outs + ins)]
 
 
 # ----------------------------------------------------------------------------------------------
 # single-dim rules, expanded over chosen per-axis combinations only
+
+
+@dataclass(frozen=True)
+class _PreparedRule:
+    """One call's single-dim rule with its sharding placeholders filled: the fields apmodel reads
+    of torch's ``_PreparedSingleDimStrategy`` (torch 2.13 on; 2.11 has no such class)."""
+
+    num_outputs: int
+    expanded_strategies: list[list[Placement | None]]
+    allow_unbacked_sharding: bool | None
+    allow_uneven_sharding: bool
+    remapped_different_mesh_args: list[int] | None
+    element_mesh: DeviceMesh | None
+    full_mesh_filter: bool  # the rule checks each full-mesh combination further (torch 2.14 on)
+
+
+def _prepare_single_dim(info: Any, schema: OpSchema, out_meta: Any) -> _PreparedRule:
+    """Fill one call's single-dim rule, as torch's own expansion does before taking the product."""
+    prepared_cls = getattr(_single_dim, "_PreparedSingleDimStrategy", None)
+    if prepared_cls is not None:
+        p = prepared_cls(info, schema, out_meta)
+        return _PreparedRule(p.num_outputs, p.expanded_strategies, p.allow_unbacked_sharding,
+                             p.allow_uneven_sharding, p.remapped_different_mesh_args, p.element_mesh,
+                             getattr(p, "full_mesh_strategy_filter", None) is not None)
+    # torch 2.11: ``_expand_single_dim_strategy_to_mesh`` fills the rule inline with these
+    # helpers (their 2.11 signatures); no uneven sharding, one mesh for every argument.
+    if out_meta is None:
+        nout = 0
+    elif isinstance(out_meta, TensorMeta):
+        nout = 1
+    else:
+        nout = len(out_meta)
+    nin = _single_dim._get_num_tensor_inputs(schema)
+    rows = info.func(schema.op, schema.args_meta, schema.kwargs_meta)
+    rows = _single_dim._insert_single_dim_replication_strategy(rows, nout, nin)
+    rows = _single_dim._fill_single_dim_strategy_placeholders(_single_dim._get_unique_placements(schema), rows)
+    return _PreparedRule(nout, rows, getattr(info, "allow_unbacked_sharding", None),
+                         bool(getattr(info, "allow_uneven_sharding", False)), None, None, False)
+
+
+def _mixed_partials(specs: Sequence[PlacementsT | None]) -> bool:
+    """True when one tensor would be partial of different reduce kinds over different mesh axes
+    (sum with avg excepted): such a tensor has no well-defined value. torch 2.13 on skips these
+    combinations when expanding a single-dim rule; apmodel skips them on every version."""
+    for pl in specs:
+        if pl is None:
+            continue
+        kinds = {(type(x), x.reduce_op) for x in pl if isinstance(x, Partial)}
+        if len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"}):
+            return True
+    return False
 
 _FOREACH_PREFIXES = ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
 
@@ -420,14 +592,16 @@ class SingleDimRule:
     ``expand_to_full_mesh_op_strategy``): mixed partial kinds are skipped, every input must be
     shardable (``is_tensor_shardable``, or ``allow_uneven_sharding`` with the seed placement), a
     missing single output raises. Ops whose expansion has further checks (in-place, out=
-    variants, multi-mesh arguments, foreach lists) are marked ``exact = False``: :meth:`expand`
-    then returns torch's full expansion (a superset; the caller filters).
+    variants, multi-mesh arguments, foreach lists, and from torch 2.14 a rule's own
+    ``full_mesh_strategy_filter``: mean, argmax/argmin, convolution, grouped mm) are marked
+    ``exact = False``: :meth:`expand` then returns torch's full expansion (a superset; the caller
+    filters). On torch 2.11 every single-dim rule is exact (no uneven sharding, one mesh).
 
     ``entries[i]`` is one per-axis rule: a placement (or None) per output, then per tensor input.
     ``expand(all combinations)`` equals :func:`op_strategies` (checked in the tests).
     """
 
-    def __init__(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict, out_val: object, mesh: DeviceMesh) -> None:
+    def __init__(self, op: OpOverload, args: tuple, kwargs: dict, out_val: object, mesh: DeviceMesh) -> None:
         p = _propagator()
         if rule_kind(op) != "single_dim":
             raise KeyError(f"{op}: no single-dim DTensor rule")
@@ -436,7 +610,7 @@ class SingleDimRule:
         self.info = p.op_single_dim_strategy_funcs[op]
         with without_redistribute_costs():
             self.schema = _single_dim_schema(p, op, args, kwargs, mesh)
-            prepared = _PreparedSingleDimStrategy(self.info, self.schema, self.out_meta)
+            prepared = _prepare_single_dim(self.info, self.schema, self.out_meta)
         self.num_outputs: int = prepared.num_outputs
         self.entries: tuple[tuple[Placement | None, ...], ...] = tuple(tuple(e) for e in prepared.expanded_strategies)
         self.allow_unbacked = prepared.allow_unbacked_sharding
@@ -448,6 +622,7 @@ class SingleDimRule:
             base.endswith("_") or self.schema.is_out_variant_op() or foreach
             or prepared.remapped_different_mesh_args is not None
             or (prepared.element_mesh is not None and prepared.element_mesh != mesh)
+            or prepared.full_mesh_filter
         )
 
     def expand(self, combos: Sequence[Sequence[int]]) -> list[tuple[tuple[PlacementsT | None, ...], tuple[PlacementsT, ...]]]:
@@ -462,15 +637,7 @@ class SingleDimRule:
             specs: list[PlacementsT | None] = []
             for pos in range(width):
                 specs.append(None if rows[0][pos] is None else tuple(r[pos] for r in rows))
-            mixed = False
-            for pl in specs:
-                if pl is None:
-                    continue
-                kinds = {(type(x), x.reduce_op) for x in pl if isinstance(x, Partial)}
-                if len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"}):
-                    mixed = True
-                    break
-            if mixed:
+            if _mixed_partials(specs):
                 continue
             ins = [pl for pl in specs[nout:] if pl is not None]
             if len(ins) != len(self.inputs):
@@ -496,7 +663,58 @@ class SingleDimRule:
         fn = _expand_single_dim_strategy_to_mesh(self.mesh, self.schema, self.info, self.out_meta)
         with without_redistribute_costs():
             strat = fn(self.op, self.schema.args_meta, self.schema.kwargs_meta)
-        return _to_pairs(self.op, strat, len(self.inputs))
+        return _single_dim_pairs(self.op, strat, len(self.inputs))
+
+
+def _ask_full_mesh(p, op, args, kwargs, mesh):
+    """One call of a full-mesh rule, each tensor argument offered in all of its candidates."""
+
+    def full(a: TensorArg) -> OpStrategy:
+        meta = a.meta()
+        return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(c), meta)) for c in a.candidates])
+
+    schema = OpSchema(op, tuple(_map_args(a, full) for a in args),
+                      {k: _map_args(v, full) for k, v in kwargs.items()},
+                      schema_info=p.op_to_schema_info.get(op))
+    strat = p.op_strategy_funcs[op](schema)
+    return _to_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
+
+
+#: norm backwards whose full-mesh rule (torch 2.11's ``_common_norm_backward_strategy``; 2.13 on
+#: has single-dim rules instead) pairs the k-th candidate of ``input`` with the k-th of ``mean``,
+#: ``rstd``, ``weight`` and ``bias`` and keeps those four as given: asked with independent candidate
+#: lists it offers invalid pairs (a sharded weight with a replicated input fails when run:
+#: "Expected weight to be of same shape as normalized_shape"). Positions in the argument list:
+#: (statistics, affine parameters).
+_INDEX_PAIRED_NORM_BACKWARD: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    torch.ops.aten.native_layer_norm_backward.default: ((3, 4), (5, 6)),  # grad, x, shape, mean, rstd, w, b, mask
+    torch.ops.aten._fused_rms_norm_backward.default: ((3,), (4,)),  # grad, x, shape, rstd, w, mask
+}
+
+
+def _norm_backward_paired(p, op, args, kwargs, mesh):
+    """Ask an index-pairing norm-backward rule with partners aligned to each ``input`` candidate:
+    the statistics in the placement the rule gives ``input`` (the forward emits them so), the
+    affine parameters replicated (the forward rule requires it). Two calls: the first, with
+    everything but ``input`` replicated, tells the rule's placement of ``input`` per candidate."""
+    stats, params = _INDEX_PAIRED_NORM_BACKWARD[op]
+    n = len(args[1].candidates)
+    replicated = [(Replicate(),) * mesh.ndim] * n
+
+    def aligned(per_position: dict[int, Sequence[PlacementsT]]) -> tuple:
+        out = list(args)
+        for i, per_candidate in per_position.items():
+            if i < len(out) and isinstance(out[i], TensorArg):
+                a = out[i]
+                out[i] = TensorArg(a.shape, a.stride, a.dtype, tuple(per_candidate))
+        return tuple(out)
+
+    first = _ask_full_mesh(p, op, aligned({i: replicated for i in stats + params}), kwargs, mesh)
+    if len(first) != n:
+        raise RuntimeError(f"{op}: rule gave {len(first)} strategies for {n} input candidates")
+    x_targets = [ins[1] for _, ins in first]  # tensor inputs: grad_out, input, ...
+    second = aligned({**{i: x_targets for i in stats}, **{i: replicated for i in params}})
+    return list(dict.fromkeys(_ask_full_mesh(p, op, second, kwargs, mesh)))
 
 
 def _full_mesh_strategies(p, op, args, kwargs, mesh):
@@ -508,16 +726,11 @@ def _full_mesh_strategies(p, op, args, kwargs, mesh):
     fails is dropped. If every candidate fails, the first error is raised.
     """
 
-    def ask(a_args, a_kwargs):
-        def full(a: TensorArg) -> OpStrategy:
-            meta = a.meta()
-            return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(c), meta)) for c in a.candidates])
+    if op in _INDEX_PAIRED_NORM_BACKWARD:
+        return _norm_backward_paired(p, op, args, kwargs, mesh)
 
-        schema = OpSchema(op, tuple(_map_args(a, full) for a in a_args),
-                          {k: _map_args(v, full) for k, v in a_kwargs.items()},
-                          schema_info=p.op_to_schema_info.get(op))
-        strat = p.op_strategy_funcs[op](schema)
-        return _to_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
+    def ask(a_args, a_kwargs):
+        return _ask_full_mesh(p, op, a_args, a_kwargs, mesh)
 
     first_error: list[Exception] = []
 

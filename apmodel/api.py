@@ -1,161 +1,165 @@
-"""The public entry points: ``apmodel.plan`` (and ``apmodel.build_model`` for users who constrain
-the model step by step). ``apmodel.parallelize`` lives in :mod:`apmodel.lowering`.
+"""The public entry points and the one orchestration path of the planner.
 
-The pipeline, top to bottom: capture → strategies → model (cluster, price, constrain) → solve → plan.
+``apmodel.plan`` plans a module given from Python; ``apmodel.parallelize`` plans and lowers it
+onto a real mesh; the command line builds a :class:`~apmodel.workloads.Workload` from a name and
+calls :func:`plan_workload`, the same path, which also prices the hand-written recipes when asked.
+Stages, top to bottom: capture → strategies → model (cluster, price, constrain) → solve → fit in
+memory → plan (→ lowering). Every option is one :class:`~apmodel.options.PlanOptions`; the
+keyword arguments of these functions are its field names.
+
+Progress is reported through a :class:`Progress` (``stage`` when a step starts, ``done`` when it
+ends); the default logs at INFO, the CLI draws a status line.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
-import costmodels
 import solvers
+from apmodel import search
 from apmodel.capture import CapturedGraph, capture
-from apmodel.constraints import ConstraintLike, apply_all
-from apmodel.costs import CostContext
-from apmodel import seeding as seeding_mod
-from apmodel.memory import HBM_RESERVE_FRACTION, MemoryEstimate, OutOfMemory
+from apmodel.constraints import ConstraintLike
+from apmodel.costs import DTYPES, CostContext, build_cost_context
 from apmodel.model import ConstraintConflict, PlacementModel
+from apmodel.options import PlanOptions, make_options
 from apmodel.plans import Plan
-from apmodel.strategies import enumerate_strategies
+from apmodel.search import fit_in_memory, replay_constraints
+from apmodel.workloads import TraceFailed, Workload
 
 logger = logging.getLogger(__name__)
 
-#: Pricing dtypes by their command-line names.
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-}
+__all__ = [
+    "DTYPES", "PlanResult", "Progress", "LogProgress", "attach", "build_model", "cost_context", "fit_in_memory",
+    "parallelize", "placement_model", "plan", "plan_workload", "replay_constraints", "solve_model",
+]
+
+#: Relative tolerance when checking that the found plan is no worse than a recipe.
+RECIPE_TOLERANCE = 1e-6
 
 
-def _pricing_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+class Progress(Protocol):
+    """Where the planner reports its steps (the CLI draws them; the default logs them)."""
+
+    def stage(self, text: str) -> None: ...
+
+    def done(self, text: str) -> None: ...
 
 
-def _cost_model(given: Any, default: Callable[[Any], Any], built_from: Any) -> Any:
-    """``given`` itself, or a dotted name / the default class constructed from ``built_from``."""
-    if given is None:
-        return default(built_from)
-    if isinstance(given, str):
-        return costmodels.load_object(given)(built_from)
-    return given
+class LogProgress:
+    """Steps as INFO log records (the default progress of the Python API)."""
+
+    def stage(self, text: str) -> None:
+        logger.info("%s", text)
+
+    def done(self, text: str) -> None:
+        logger.info("%s", text)
 
 
-def cost_context(
-    mesh_shape: Sequence[int],
-    *,
-    device: str | Any = "h100",
-    gpus_per_node: int = 8,
-    dtype: str | torch.dtype | None = "bf16",
-    compute_model: Any = None,
-    comm_model: Any = None,
-    calibration: str | Path | None = None,
-    mixed_precision: bool | None = None,
-) -> CostContext:
-    """The default cost models for a mesh on a device, with optional replacements.
+@dataclass
+class PlanResult:
+    """A plan with what was learned making it: the capture, warnings and the recipe comparison."""
 
-    The default compute model is ``costmodels.compute_model(spec)``: the measured model where the
-    device has a profile (h200, h100), else the roofline. ``compute_model``/``comm_model`` replace
-    the compute and NCCL models: an object, or a dotted name ``"package.module:Name"`` constructed
-    with the device spec / topology.
+    plan: Plan
+    captured: CapturedGraph
+    options: PlanOptions
+    param_bytes: float
+    """parameter bytes per device in the pricing dtype, under the plan's storage placements"""
+    warnings: list[str] = field(default_factory=list)
+    recipes: list[Any] | None = None
+    """:class:`~apmodel.recipes.RecipeResult` of every recipe (``compare_recipes``), else None"""
+    free_plan: Plan | None = None
+    """the plan under the free storage policy (contains every recipe), when recipes were priced"""
+    free_plan_param_bytes: float | None = None
 
-    ``mixed_precision`` (default: on when ``dtype`` is bf16 or fp16, as real recipes train): fp32
-    master parameters, gradients and optimizer state (memory model) and gradient reductions in
-    fp32 (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); compute and
-    parameter gathers stay in ``dtype``.
-    """
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    spec = costmodels.device(device) if isinstance(device, str) else device
-    topo = costmodels.Topology(mesh_shape=mesh_shape, device=spec, gpus_per_node=gpus_per_node)
-    compute = _cost_model(compute_model, costmodels.compute_model, spec)
-    comm = _cost_model(comm_model, costmodels.NCCLCollectives, topo)
-    if calibration is not None:
-        comm = costmodels.CalibratedCollectives(comm, costmodels.Calibration.load(calibration))
-    pricing = _pricing_dtype(dtype)
-    if mixed_precision is None:
-        mixed_precision = pricing in (torch.bfloat16, torch.float16)
-    full = torch.float32 if mixed_precision else None
-    return CostContext(
-        mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=pricing, hbm_bytes=spec.hbm_GiB * 2**30,
-        reduce_dtype=full, master_dtype=full,
-    )
+
+# -------------------------------------------------------------------------------- building
+def cost_context(mesh_shape: Sequence[int], options: PlanOptions | None = None, **option_values: Any) -> CostContext:
+    """The cost models of ``options`` (or of the option keywords: ``device``, ``dtype``,
+    ``compute_model``, ``comm_model``, ``calibration``, ``mixed_precision``, ...) on a mesh.
+    See :func:`apmodel.costs.build_cost_context`."""
+    return build_cost_context(mesh_shape, make_options(options, **option_values))
 
 
 def placement_model(
     captured: CapturedGraph,
     strategies: Mapping[str, list],
     cost: CostContext,
+    options: PlanOptions | None = None,
     *,
     constraints: Sequence[ConstraintLike] = (),
-    **options: Any,
+    **option_values: Any,
 ) -> PlacementModel:
-    """A compiled :class:`PlacementModel` from a capture and its candidate strategies.
-
-    The strategies can be shared by several models (e.g. the free plan and each recipe priced by
-    ``apmodel plan --compare-recipes``). ``options`` go to :class:`PlacementModel`.
-    """
-    pmodel = PlacementModel(captured, strategies, cost, **options)
-    apply_all(pmodel, constraints)
-    pmodel.compile()
-    return pmodel
+    """A compiled :class:`PlacementModel` (see :func:`apmodel.search.placement_model`)."""
+    return search.placement_model(captured, strategies, cost, make_options(options, **option_values),
+                                  constraints=constraints)
 
 
-def candidate_strategies(
-    captured: CapturedGraph,
-    mesh_shape: Sequence[int],
-    cost: CostContext,
+def solve_model(
+    pmodel: PlacementModel,
+    options: PlanOptions | None = None,
     *,
-    mesh: Any = None,
-    seeding: bool | None = None,
-    seed_radius: int = seeding_mod.DEFAULT_RADIUS,
-    seed_widen_inputs: bool = False,
-    input_placements: Sequence[Any] | None = None,
-    output_placements: Sequence[Any] | None = None,
-    param_policy: str = "full_shard",
-    replicate_axes: Sequence[int] = (),
-    merge_copies: bool = True,
-    flow_coupling: bool = True,
     timings: dict[str, float] | None = None,
-) -> tuple[dict[str, list], bool]:
-    """Candidate strategies of every node, seeded (see :func:`build_model`) on meshes of 3+ axes.
+    workload: Mapping[str, Any] | None = None,
+    **option_values: Any,
+) -> Plan:
+    """Solve a built model (``solver``, ``time_limit``, ``solver_options``) and decode the plan."""
+    return search.solve_model(pmodel, make_options(options, **option_values), timings=timings, workload=workload)
 
-    Returns the strategies and whether seeding restricted them; ``timings`` gets ``seeding_s``
-    and ``strategies_s``.
-    """
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    timings = timings if timings is not None else {}
-    use_seeding = len(mesh_shape) >= 3 if seeding is None else bool(seeding)
-    balls = None
-    timings["seeding_s"] = 0.0
-    if use_seeding:
-        t0 = time.perf_counter()
-        seeds = seeding_mod.seed(
-            captured, mesh_shape, cost=cost, input_placements=input_placements, output_placements=output_placements,
-            param_policy=param_policy, replicate_axes=replicate_axes, merge_copies=merge_copies,
-            flow_coupling=flow_coupling,
-        )
-        balls = seeding_mod.balls(
-            seeds, captured, mesh_shape, seed_radius, input_placements=input_placements,
-            output_placements=output_placements, widen_inputs=seed_widen_inputs,
-        )
-        timings["seeding_s"] = time.perf_counter() - t0
+
+def _capture(workload: Workload | CapturedGraph) -> CapturedGraph:
+    if isinstance(workload, CapturedGraph):
+        return workload
+    if isinstance(workload.model, CapturedGraph):
+        return workload.model
+    try:
+        return capture(workload.model, workload.sample_inputs, workload.loss_fn, kwargs=workload.kwargs,
+                       targets=workload.targets, allow_unused_parameters=workload.allow_unused_parameters)
+    except Exception as e:
+        if not workload.record.get("model"):
+            raise  # a module from Python: its own error is the clearest
+        raise TraceFailed(workload.name, "cannot trace the training step", e) from e
+
+
+def _build(
+    captured: CapturedGraph,
+    options: PlanOptions,
+    cost: CostContext,
+    constraints: Sequence[ConstraintLike],
+    timings: dict[str, float],
+    progress: Progress,
+    mesh: Any = None,
+) -> PlacementModel:
+    """Strategies and the constrained model; seeded candidates that conflict with the constraints
+    are discarded and the full space is built instead (the same on every entry point)."""
+    mesh_shape = tuple(cost.mesh_shape)
+    use_seeding = len(mesh_shape) >= 3 if options.seeding is None else bool(options.seeding)
+    progress.stage(f"enumerating strategies on mesh {mesh_shape}" + (" (seeded per axis)" if use_seeding else ""))
+    strategies, seeded = search.candidate_strategies(captured, cost, options, mesh=mesh, timings=timings)
+    progress.done(f"strategies in {timings['seeding_s'] + timings['strategies_s']:.1f} s")
+    progress.stage("building the placement model")
     t0 = time.perf_counter()
-    strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape, balls=balls)
-    timings["strategies_s"] = time.perf_counter() - t0
-    return strategies, balls is not None
+    try:
+        pmodel = search.placement_model(captured, strategies, cost, options, constraints=constraints)
+    except ConstraintConflict as e:
+        if not seeded:
+            raise
+        logger.warning("seeded candidates conflict with the constraints (%s); rebuilding without seeding", e)
+        spent = timings["seeding_s"] + timings["strategies_s"]
+        pmodel = _build(captured, options.replace(seeding=False), cost, constraints, timings, progress, mesh)
+        timings["build_s"] += spent  # the discarded seeded attempt counts too
+        return pmodel
+    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"] + timings["seeding_s"]
+    sizes = pmodel.summary()
+    progress.done(f"model: {sizes['groups']} groups, {sizes['states']} states, {sizes['edges']} edges "
+                  f"in {timings['build_s']:.1f} s")
+    return pmodel
 
 
 def build_model(
@@ -167,130 +171,129 @@ def build_model(
     kwargs: Mapping[str, Any] | None = None,
     targets: Sequence[Any] | None = None,
     allow_unused_parameters: bool = False,
+    options: PlanOptions | None = None,
     cost: CostContext | None = None,
     mesh: Any = None,
     constraints: Sequence[ConstraintLike] = (),
-    input_placements: Sequence[Any] | None = None,
-    output_placements: Sequence[Any] | None = None,
-    param_policy: str = "full_shard",
-    replicate_axes: Sequence[int] = (),
-    param_memory_fraction: float | None = None,
-    merge_copies: bool = True,
-    flow_coupling: bool = True,
-    optimizer: str = "adamw",
-    seeding: bool | None = None,
-    seed_radius: int = seeding_mod.DEFAULT_RADIUS,
-    seed_widen_inputs: bool = False,
     timings: dict[str, float] | None = None,
-    **cost_options: Any,
+    progress: Progress | None = None,
+    **option_values: Any,
 ) -> PlacementModel:
     """Capture (unless given a :class:`CapturedGraph`), enumerate strategies and build the model.
 
     ``loss_fn``, ``kwargs``, ``targets``, ``allow_unused_parameters``: how the step is traced (see
-    :func:`apmodel.capture.capture`). ``cost_options`` (device, gpus_per_node, dtype,
-    compute_model, comm_model, calibration) go to :func:`cost_context` when ``cost`` is not given.
-
-    ``seeding`` (split-dimension seeding, :mod:`apmodel.seeding`): solve one 1-D problem per mesh
-    axis and keep only candidates within Hamming distance ``seed_radius`` of that seed; ``None``
-    turns it on for meshes of 3 or more axes. The result is a restriction of the full model (its
-    optimum is never lower); when the given constraints conflict with the restricted candidates
-    the model is rebuilt without seeding. ``timings`` gets ``seeding_s`` (part of ``build_s``).
-    ``seed_widen_inputs`` also offers full-mesh rules (view, t, ...) the input placements within
-    the ball, which no producer may output: a larger space than the unseeded one (experimental).
+    :func:`apmodel.capture.capture`). ``options`` / the option keywords: see
+    :class:`~apmodel.options.PlanOptions`; ``cost`` replaces the cost models they describe.
+    When seeded candidates (meshes of 3+ axes) conflict with the constraints, the model is
+    rebuilt without seeding. ``timings`` gets ``trace_s``, ``seeding_s``, ``strategies_s`` and
+    ``build_s``.
     """
+    opts = make_options(options, **option_values)
     mesh_shape = tuple(int(s) for s in mesh_shape)
+    opts.check_mesh(mesh_shape)
     timings = timings if timings is not None else {}
-    if isinstance(model, CapturedGraph):
-        captured = model
-    else:
-        captured = capture(
-            model, tuple(sample_inputs), loss_fn, kwargs=kwargs, targets=targets,
-            allow_unused_parameters=allow_unused_parameters,
-        )
+    workload = model if isinstance(model, CapturedGraph) else Workload(
+        model, mesh_shape, tuple(sample_inputs), loss_fn, kwargs, targets, allow_unused_parameters)
+    captured = _capture(workload)
     timings["trace_s"] = captured.trace_s
-    cost = cost or cost_context(mesh_shape, **cost_options)
-    strategies, seeded = candidate_strategies(
-        captured, mesh_shape, cost, mesh=mesh, seeding=seeding, seed_radius=seed_radius,
-        seed_widen_inputs=seed_widen_inputs, input_placements=input_placements, output_placements=output_placements,
-        param_policy=param_policy, replicate_axes=replicate_axes, merge_copies=merge_copies,
-        flow_coupling=flow_coupling, timings=timings,
-    )
-    t0 = time.perf_counter()
-    try:
-        pmodel = placement_model(
-            captured,
-            strategies,
-            cost,
-            constraints=constraints,
-            input_placements=input_placements,
-            output_placements=output_placements,
-            param_policy=param_policy,
-            replicate_axes=replicate_axes,
-            param_memory_fraction=param_memory_fraction,
-            merge_copies=merge_copies,
-            flow_coupling=flow_coupling,
-            optimizer=optimizer,
-        )
-    except ConstraintConflict as e:
-        if not seeded:
-            raise
-        logger.warning("seeded candidates conflict with the constraints (%s); rebuilding without seeding", e)
-        spent = timings["seeding_s"] + timings["strategies_s"]
-        pmodel = build_model(
-            captured, mesh_shape, cost=cost, mesh=mesh, constraints=constraints, input_placements=input_placements,
-            output_placements=output_placements, param_policy=param_policy, replicate_axes=replicate_axes,
-            param_memory_fraction=param_memory_fraction, merge_copies=merge_copies, flow_coupling=flow_coupling,
-            optimizer=optimizer, seeding=False, timings=timings,
-        )
-        timings["build_s"] += spent  # the discarded seeded attempt counts too
-        return pmodel
-    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"] + timings["seeding_s"]
-    return pmodel
+    cost = cost or build_cost_context(mesh_shape, opts)
+    return _build(captured, opts, cost, constraints, timings, progress or LogProgress(), mesh)
 
 
-def replay_constraints(saved: Plan | str | Path) -> Callable[[PlacementModel], None]:
-    """A constraint that forces every node to its strategy in ``saved`` (to price a stale plan)."""
-    plan = saved if isinstance(saved, Plan) else Plan.load(saved)
-
-    def apply(m: PlacementModel) -> None:
-        plan.check_compatible(m.captured, m.mesh_shape, exact=False)
-        for node in m.strategies:
-            if node not in plan.node_strategy:
-                raise ValueError(f"replay: node {node!r} of this graph is not in the saved plan")
-            m.fix_strategy(node, plan.node_strategy[node], f"replay of saved plan (node {node})")
-
-    return apply
+# -------------------------------------------------------------------------------- planning
+def _solve(pmodel: PlacementModel, options: PlanOptions, timings: dict[str, float], record: Mapping[str, Any]) -> Plan:
+    return search.solve_model(pmodel, options, timings=timings, workload=record)
 
 
-def solve_model(
-    pmodel: PlacementModel,
+def plan_workload(
+    workload: Workload,
+    options: PlanOptions | None = None,
     *,
-    solver: str = "trws",
-    time_limit: float | None = None,
-    solver_options: Mapping[str, Any] | None = None,
-    timings: dict[str, float] | None = None,
-    workload: Mapping[str, Any] | None = None,
-) -> Plan:
-    """Solve a built model with a backend and decode the plan."""
-    timings = dict(timings or {})
-    problem = pmodel.compile()
-    sol = solvers.solve(problem, backend=solver, time_limit=time_limit, **dict(solver_options or {}))
-    timings["solve_s"] = sol.seconds
-    timings["total_s"] = timings.get("trace_s", 0.0) + timings.get("build_s", 0.0) + sol.seconds
-    stats = {
-        "backend": sol.backend,
-        "status": sol.status,
-        "seconds": sol.seconds,
-        "energy_us": sol.energy,
-        "lower_bound_us": sol.lower_bound,
-        "gap": sol.gap,
-    }
-    plan = Plan.from_assignment(pmodel, sol.assignment, solver=stats, timings=timings, workload=workload)
-    logger.info(
-        "plan: objective %.1f µs (compute %.1f, comm %.1f), solver %s %s in %.2f s",
-        plan.objective_us, plan.compute_us, plan.comm_us, sol.backend, sol.status, sol.seconds,
-    )
-    return plan
+    constraints: Sequence[ConstraintLike] = (),
+    replay: Plan | str | Path | None = None,
+    compare_recipes: bool = False,
+    record: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> PlanResult:
+    """Plan a :class:`~apmodel.workloads.Workload`: the one path every entry point takes.
+
+    Traces the step, builds the model under ``constraints`` (plus ``replay``: force a saved plan),
+    solves with ``options.solver``, re-solves under a memory row when the plan does not fit
+    (:func:`~apmodel.search.fit_in_memory`), and with ``compare_recipes`` prices every recipe of
+    :mod:`apmodel.recipes` on the same candidates and checks none beats the search. ``record``:
+    extra keys for the plan file's ``workload`` record (beside the workload's and the options').
+    """
+    from apmodel import recipes as R
+
+    options = options or PlanOptions()
+    options.check_mesh(workload.mesh_shape)
+    progress = progress or LogProgress()
+    if options.solver not in solvers.available():
+        raise ValueError(f"solver {options.solver!r} is not an available backend: {solvers.available()}")
+    constraints = list(constraints)
+    if replay is not None:
+        constraints.append(replay_constraints(replay))
+    timings: dict[str, float] = {}
+    progress.stage(f"tracing {workload.name}")
+    captured = _capture(workload)
+    timings["trace_s"] = captured.trace_s
+    progress.done(f"traced {len(captured.gm.graph.nodes)} nodes in {captured.trace_s:.1f} s")
+    cost = build_cost_context(workload.mesh_shape, options)
+    pmodel = _build(captured, options, cost, constraints, timings, progress)
+    wl = {**captured.workload, **{k: v for k, v in workload.record.items() if v is not None},
+          "mesh": list(workload.mesh_shape), **options.to_record(), **dict(record or {})}
+    progress.stage(f"solving with {options.solver}")
+    found = _solve(pmodel, options, timings, wl)
+    found = fit_in_memory(pmodel, found, search.memory_limit_bytes(options, pmodel),
+                          lambda: _solve(pmodel, options, timings, wl))
+    progress.done(f"solved ({found.solver.get('status')}) in {found.timings['solve_s']:.1f} s: "
+                  f"{found.objective_us:,.1f} µs")
+    itemsize = options.dtype_bytes
+    result = PlanResult(found, captured, options, R.param_bytes_per_device(found, captured, itemsize),
+                        warnings=list(dict.fromkeys(found.warnings or [])))
+    if compare_recipes:
+        _compare_recipes(result, pmodel, cost, constraints, itemsize, progress)
+    return result
+
+
+def _compare_recipes(result: PlanResult, pmodel: PlacementModel, cost: CostContext,
+                     constraints: Sequence[ConstraintLike], itemsize: int, progress: Progress) -> None:
+    """Price every recipe on the found plan's candidates; warn where one beats the search."""
+    from apmodel import recipes as R
+
+    options, captured, found = result.options, result.captured, result.plan
+    strategies = pmodel.strategies
+    default_space = options.param_policy == "full_shard" and not options.replicate_axes \
+        and options.param_memory_fraction is None
+    if default_space:
+        free = found
+    else:
+        progress.stage(f"solving with {options.solver} under the free parameter-storage policy")
+        free_options = options.replace(param_policy="free", replicate_axes=(), param_memory_fraction=None)
+        free = search.solve_model(search.placement_model(captured, strategies, cost, free_options,
+                                                         constraints=constraints), free_options,
+                                  workload={"policy": "free"})
+    result.free_plan = free
+    result.free_plan_param_bytes = R.param_bytes_per_device(free, captured, itemsize)
+    priced = []
+    for recipe in R.RECIPES:
+        progress.stage(f"pricing recipe {recipe.name}")
+        priced.append(R.run(recipe, captured, strategies, cost, options, itemsize=itemsize))
+    result.recipes = priced
+    # The honest check: every recipe lies in the free-policy space; full_shard recipes also in the default one.
+    for r in priced:
+        if r.objective_us is None:
+            continue
+        refs = [("free-policy plan", free.objective_us)]
+        if default_space and R.within_default_space(R.get(r.name)):
+            refs.append(("found plan", found.objective_us))
+        for label, ref in refs:
+            if r.objective_us < ref * (1 - RECIPE_TOLERANCE) - 1e-9:
+                msg = (f"recipe {r.name} ({r.objective_us:,.1f} µs) is cheaper than the {label} ({ref:,.1f} µs): "
+                       f"the search missed a plan its space contains (solver {options.solver} is approximate"
+                       f"{'; user constraints restrict the search' if constraints else ''}) — please report")
+                result.warnings = list(dict.fromkeys([*result.warnings, msg]))
+                logger.warning("%s", msg)
 
 
 def plan(
@@ -299,95 +302,123 @@ def plan(
     sample_inputs: Sequence[Any] = (),
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
-    device: str | Any = "h100",
-    gpus_per_node: int = 8,
-    dtype: str | torch.dtype | None = "bf16",
-    solver: str = "trws",
-    time_limit: float | None = None,
-    solver_options: Mapping[str, Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    targets: Sequence[Any] | None = None,
+    allow_unused_parameters: bool = False,
+    options: PlanOptions | None = None,
     constraints: Sequence[ConstraintLike] = (),
     replay: Plan | str | Path | None = None,
     workload: Mapping[str, Any] | None = None,
     memory_limit: float | None = None,
-    **model_options: Any,
+    progress: Progress | None = None,
+    **option_values: Any,
 ) -> Plan:
     """Plan ``model`` on a mesh of ``mesh_shape``: the cheapest per-operator placements.
 
     ``model`` is an ``nn.Module`` (ideally on the meta device) called as
     ``model(*sample_inputs, **kwargs)``; ``loss_fn(output, *targets)`` turns its output into the
     scalar loss (``loss_fn(output, *sample_inputs)`` when no ``targets`` are given: models that
-    take their labels). ``device`` names the
-    target accelerator of the cost model (``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"cpu"``);
-    ``solver`` a backend of :func:`solvers.available`. ``replay`` prices a saved plan on this
-    workload instead of searching. ``memory_limit`` (bytes per device; default: the device's HBM
-    less 10%, ``math.inf`` for none): a plan over it is solved again under a memory row, or
-    refused with :class:`~apmodel.memory.OutOfMemory`. Further options: see :func:`build_model`.
+    take their labels). Options: ``options`` and/or their keywords (:class:`PlanOptions`), e.g.
+    ``device="h200"`` (the accelerator of the cost model: ``"h100"``, ``"h200"``, ``"a100"``,
+    ``"b200"``, ``"cpu"``), ``solver="highs"``, ``param_policy="free"``. ``replay`` prices a saved
+    plan on this workload instead of searching. ``memory_limit`` (bytes per device, the option
+    ``memory_limit_bytes``; default: the device's HBM less 10%, ``math.inf`` for none): a plan over
+    it is solved again under a memory row, or refused with :class:`~apmodel.memory.OutOfMemory`.
+    ``workload``: extra keys for the plan file's workload record.
     """
-    timings: dict[str, float] = {}
-    constraints = list(constraints)
-    if replay is not None:
-        constraints.append(replay_constraints(replay))
-    pmodel = build_model(
-        model, mesh_shape, sample_inputs, loss_fn=loss_fn, constraints=constraints, timings=timings,
-        device=device, gpus_per_node=gpus_per_node, dtype=dtype, **model_options,
-    )
-    # recorded as the CLI records it, so that `apmodel explain` can rebuild a preset model
-    wl = {**pmodel.captured.workload, "mesh": list(pmodel.mesh_shape),
-          "device": device if isinstance(device, str) else getattr(device, "name", str(device)),
-          "gpus_per_node": gpus_per_node, "dtype": dtype if isinstance(dtype, str) or dtype is None else str(dtype),
-          **{k: model_options[k] for k in ("param_policy", "replicate_axes", "param_memory_fraction", "optimizer",
-                                           "mixed_precision") if k in model_options},
-          **dict(workload or {})}
-    result = solve_model(pmodel, solver=solver, time_limit=time_limit, solver_options=solver_options, timings=timings, workload=wl)
-    return fit_in_memory(
-        pmodel, result, memory_limit,
-        lambda: solve_model(pmodel, solver=solver, time_limit=time_limit, solver_options=solver_options, timings=timings, workload=wl),
-    )
-
-
-def _memory_limit(memory_limit: float | None, pmodel: PlacementModel) -> float | None:
     if memory_limit is not None:
-        if not memory_limit > 0:
-            raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
-        return None if math.isinf(memory_limit) else float(memory_limit)
-    hbm = pmodel.memory.hbm_bytes
-    return None if hbm is None else hbm * (1 - HBM_RESERVE_FRACTION)
+        option_values["memory_limit_bytes"] = memory_limit
+    opts = make_options(options, **option_values)
+    target = model if isinstance(model, CapturedGraph) else model
+    wl = Workload(target, tuple(mesh_shape), tuple(sample_inputs), loss_fn, kwargs, targets,  # type: ignore[arg-type]
+                  allow_unused_parameters)
+    return plan_workload(wl, opts, constraints=constraints, replay=replay, record=workload, progress=progress).plan
 
 
-def fit_in_memory(
-    pmodel: PlacementModel, plan: Plan, memory_limit: float | None, solve: Callable[[], Plan]
-) -> Plan:
-    """``plan`` if its peak fits ``memory_limit`` (bytes per device; None: the device's HBM less
-    :data:`~apmodel.memory.HBM_RESERVE_FRACTION`), else the cheapest plan under a memory row
-    (:meth:`PlacementModel.add_memory_limit`), else :class:`~apmodel.memory.OutOfMemory` saying
-    the smallest footprint the candidates allow and what dominates it."""
-    limit = _memory_limit(memory_limit, pmodel)
-    if limit is None or plan.memory.get("peak_bytes") is None or plan.memory["peak_bytes"] <= limit:
-        return plan
-    mem = plan.memory
-    transient = mem["peak_bytes"] - sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
-    logger.info(
-        "plan needs %.2f GB per device, over the %.2f GB limit: solving again with a memory row",
-        mem["peak_bytes"] / 1e9, limit / 1e9,
+def attach(saved: Plan, *, progress: Progress | None = None) -> Plan:
+    """Rebuild the placement model of a saved plan from its ``workload`` record and attach it
+    (``saved.model``), so that ``explain`` and the report can read how parameters are used.
+
+    The record must name a preset or ``package.module:factory`` (plans made from a name, or from a
+    preset model built with :func:`apmodel.models.build`)."""
+    from apmodel.config import Config, load_config
+    from apmodel.strategies import enumerate_strategies
+    from apmodel.workloads import load_workload
+
+    record = saved.workload
+    if not record.get("model"):
+        raise ValueError("the plan file records no workload model; re-plan it with `apmodel plan ... --out` to explain it")
+    progress = progress or LogProgress()
+    options = PlanOptions.from_record(record)
+    user_constraints = []
+    if record.get("config") and Path(record["config"]).is_file():
+        cfg = load_config(record["config"])
+        user_constraints = cfg.constraints
+    else:
+        cfg = Config()
+    progress.stage(f"re-tracing {record['model']}")
+    mesh = tuple(saved.mesh_shape)
+    workload = load_workload(record["model"], mesh, batch=record.get("batch", 8), seq=record.get("seq", 2048),
+                             layers=record.get("layers"))
+    captured = _capture(workload)
+    saved.check_compatible(captured, mesh)
+    progress.stage("enumerating strategies and building the model")
+    strategies = enumerate_strategies(captured.gm, mesh)
+    saved.model = search.placement_model(captured, strategies, build_cost_context(mesh, options), options,
+                                         constraints=user_constraints)
+    return saved
+
+
+# ------------------------------------------------------------------------------ lowering
+def parallelize(
+    model: nn.Module,
+    mesh: Any,
+    sample_inputs: Sequence[Any],
+    *,
+    loss_fn: Callable | None = None,
+    kwargs: dict[str, Any] | None = None,
+    targets: Sequence[Any] | None = None,
+    allow_unused_parameters: bool = False,
+    constraints: Sequence[Any] = (),
+    plan: Plan | None = None,
+    options: PlanOptions | None = None,
+    **option_values: Any,
+) -> nn.Module:
+    """Plan ``model``'s training step for ``mesh`` (unless ``plan`` is given) and lower it onto ``mesh``.
+
+    Args:
+        model: the user's module, ideally on the meta device (then nothing is allocated); it is
+            changed in place and returned (see :func:`apmodel.lowering.lower`).
+        mesh: the real ``DeviceMesh`` to run on; its shape is the planning mesh shape.
+        sample_inputs: the model's positional inputs of one step, global shapes.
+        loss_fn: ``loss_fn(model(*inputs, **kwargs), *targets)`` gives the scalar loss (then
+            ``forward`` returns the loss); without ``targets`` it is called as
+            ``loss_fn(output, *inputs)``; None when the model returns what is to be differentiated.
+        kwargs: the model's keyword inputs (tensors, or constants traced into the graph).
+        targets: tensors only the loss reads (labels); the returned module is then called as
+            ``module(*inputs, *targets, **kwargs)``.
+        allow_unused_parameters: plan even if a trainable parameter gets no gradient.
+        constraints, options and option keywords (``device``, ``solver``, ``input_placements``...):
+            as for :func:`plan`.
+        plan: a :class:`~apmodel.plans.Plan` (e.g. ``Plan.load(path)``): skip planning.
+
+    Returns the module, with DTensor parameters placed as planned (tied parameters stay one
+    Parameter; buffers updated in forward, such as BatchNorm statistics, are written back after
+    each step). For a meta model call ``to_empty(device=...)`` and initialise it (its
+    ``init_weights``, or :func:`apmodel.lowering.load_full_state_dict`) before training.
+    """
+    from apmodel import kernels, lowering
+
+    captured = lowering.capture_on_meta(
+        model, sample_inputs, loss_fn, kwargs=kwargs, targets=targets, allow_unused_parameters=allow_unused_parameters
     )
-    smallest = pmodel.memory.smallest({n: pmodel.allowed_mask(n) for n in pmodel.strategies}) + transient
-    if smallest > limit:
-        raise _out_of_memory(pmodel, plan, limit, smallest)
-    pmodel.add_memory_limit(limit, reserved_bytes=transient)
-    try:
-        fitted = solve()
-    except solvers.Infeasible:
-        raise _out_of_memory(pmodel, plan, limit, smallest) from None
-    if fitted.memory["peak_bytes"] > limit:
-        raise _out_of_memory(pmodel, fitted, limit, smallest)
-    return fitted
+    if plan is None:
+        opts = make_options(options, **option_values)
 
+        def solve() -> Plan:
+            return plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan  # type: ignore[arg-type]
 
-def _out_of_memory(pmodel: PlacementModel, plan: Plan, limit: float, smallest: float) -> OutOfMemory:
-    est = MemoryEstimate(**{k: plan.memory[k] for k in MemoryEstimate.__dataclass_fields__})
-    return OutOfMemory(
-        f"out of memory: no plan fits {limit / 1e9:.2f} GB per device (memory_limit; by default the "
-        f"device's HBM less {HBM_RESERVE_FRACTION:.0%}); the cheapest plan needs {est.peak_bytes / 1e9:.2f} GB "
-        f"({est.dominant()}), the smallest any plan can need is about {smallest / 1e9:.2f} GB: use a smaller "
-        "batch or sequence, more devices, or an optimizer with less state"
-    )
+        plan = lowering.plan_on_one_rank(solve, mesh)
+    elif option_values or options is not None or constraints:
+        raise TypeError("planning options given together with plan=: the plan is used as it is")
+    return lowering.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels)

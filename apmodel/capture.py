@@ -1,8 +1,9 @@
 """Capture: module + sample inputs + loss -> one joint forward-backward ATen FX graph, labelled.
 
-The graph comes from ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``: it
-functionalises the training step and traces forward and backward into one graph of ATen ops, with a
-descriptor on every placeholder (``ParamAOTInput(target=fqn)``, ``BufferAOTInput``,
+The graph comes from AOTAutograd's ``aot_export_joint_with_descriptors`` (reached through
+:func:`apmodel._torch_private.export_joint`, like every private torch API): it functionalises the
+training step and traces forward and backward into one graph of ATen ops, with a descriptor on
+every placeholder (``ParamAOTInput(target=fqn)``, ``BufferAOTInput``,
 ``PlainAOTInput(idx)``, ``TangentAOTInput(output)``) and on every graph output (``PlainAOTOutput``,
 ``GradAOTOutput(grad_of)``). :func:`capture` turns those descriptors into plain dictionaries keyed by
 node name (:class:`CapturedGraph`), so later stages never touch AOTAutograd objects.
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+
+from apmodel._torch_private import OpOverload, op_schema, overload_name
 
 logger = logging.getLogger(__name__)
 
@@ -313,29 +316,24 @@ class _ModuleStack:
         return f"module {fqn!r} ({type(model.get_submodule(fqn)).__name__})"
 
 
-#: torch's errors for an op whose output (shape or value) depends on tensor data, by class name
-#: (they live in private modules: torch._subclasses.fake_tensor, torch.fx.experimental.symbolic_shapes)
-_DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
-
-
 def _trace(
     module: nn.Module, inputs: tuple[torch.Tensor, ...], functionalize: bool
 ) -> tuple[fx.GraphModule, Any]:
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
-    from apmodel._torch_private import composite_autograd_on_meta, fused_attention_on_meta
+    from apmodel._torch_private import (
+        composite_autograd_on_meta,
+        export_joint,
+        fused_attention_on_meta,
+        is_data_dependent_error,
+    )
 
     modules = _ModuleStack(module)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(composite_autograd_on_meta())
             stack.enter_context(fused_attention_on_meta())
-            joint = aot_export_joint_with_descriptors(
-                stack, module, inputs, disable_functionalization=not functionalize
-            )
-            return joint.graph_module, joint.out_spec
+            return export_joint(stack, module, inputs, functionalize=functionalize)
     except Exception as e:
-        if type(e).__name__ not in _DATA_DEPENDENT_ERRORS:
+        if not is_data_dependent_error(e):
             raise
         op = str(e).split("\n")[0] or type(e).__name__
         raise ValueError(
@@ -354,7 +352,7 @@ def aliases_first_input(node: fx.Node) -> bool:
         return False
     if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
         return True
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
@@ -364,19 +362,19 @@ def _is_view(node: fx.Node) -> bool:
         return node.op == "placeholder"
     if node.target is operator.getitem:
         return _is_view(node.args[0])
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     return schema is None or any(r.alias_info is not None for r in schema.returns)
 
 
 def _functional_variant(op: Any) -> Any:
     """``aten.add_.Scalar`` -> ``aten.add.Scalar`` (None when there is none)."""
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return None
     name = op.overloadpacket.__name__
     if not name.endswith("_") or name.startswith("_"):
         return None
     packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(packet, op._overloadname, None) if packet is not None else None
+    return getattr(packet, overload_name(op), None) if packet is not None else None
 
 
 def _remove_local_mutations(gm: fx.GraphModule) -> bool:
@@ -392,7 +390,7 @@ def _remove_local_mutations(gm: fx.GraphModule) -> bool:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     mutations = [
         n for n in gm.graph.nodes
-        if n.op == "call_function" and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+        if n.op == "call_function" and op_schema(n.target) is not None and op_schema(n.target).is_mutable
     ]
     for n in mutations:
         functional = _functional_variant(n.target)
@@ -402,7 +400,7 @@ def _remove_local_mutations(gm: fx.GraphModule) -> bool:
         if any(u is not n and _is_view(u) for u in mutated.users):
             return False
         # only the first argument may be written
-        if any(a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments[1:]):
+        if any(a.alias_info is not None and a.alias_info.is_write for a in op_schema(n.target).arguments[1:]):
             return False
     for n in mutations:
         mutated = n.args[0]
@@ -422,7 +420,7 @@ def _simplify(gm: fx.GraphModule) -> int:
     Returns the number of nodes removed."""
     # AOTAutograd's pytree codegen wraps inputs/outputs in nested structures; make the module
     # take one positional argument per placeholder and return the output node's flat list.
-    gm.graph._codegen = fx.graph.CodeGen()
+    gm.graph.set_codegen(fx.graph.CodeGen())
     before = len(gm.graph.nodes)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
@@ -434,7 +432,7 @@ def _simplify(gm: fx.GraphModule) -> int:
 
 
 def _target_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return str(target)  # e.g. "aten.mm.default"
     return getattr(target, "__name__", str(target))
 
@@ -467,7 +465,7 @@ def _fingerprint(gm: fx.GraphModule, param_fqn: dict[str, str]) -> str:
 
 def _label(gm: fx.GraphModule) -> dict[str, Any]:
     """Turn AOT descriptors into role / FQN / pairing dictionaries keyed by node name."""
-    from torch._functorch._aot_autograd.descriptors import (
+    from apmodel._torch_private import (
         BufferAOTInput,
         GradAOTOutput,
         InputMutationAOTOutput,
@@ -568,7 +566,7 @@ def _merge_tied_parameters(gm: fx.GraphModule, step: nn.Module) -> dict[str, lis
     of them (what autograd computes for a shared tensor). Returns first placeholder -> the other
     FQNs.
     """
-    from torch._functorch._aot_autograd.descriptors import GradAOTOutput, ParamAOTInput
+    from apmodel._torch_private import GradAOTOutput, ParamAOTInput
 
     fqns_of: dict[int, list[str]] = {}
     for fqn, p in step.named_parameters(remove_duplicate=False):
@@ -645,7 +643,7 @@ def _unsupported_ops(gm: fx.GraphModule) -> list[str]:
         if n.target is operator.getitem:
             continue
         if n.target not in checked:
-            checked[n.target] = isinstance(n.target, torch._ops.OpOverload) and has_dtensor_rule(n.target)
+            checked[n.target] = isinstance(n.target, OpOverload) and has_dtensor_rule(n.target)
         if not checked[n.target]:
             missing.add(_target_name(n.target))
     return sorted(missing)
@@ -734,7 +732,8 @@ def capture(
     fingerprint = _fingerprint(gm, labels["param_fqn"])
     unsupported = _unsupported_ops(gm)
     if unsupported:
-        logger.warning("capture: ops without a DTensor sharding rule: %s", ", ".join(unsupported))
+        logger.warning("capture: ops without a DTensor sharding rule in torch %s (planned replicated): %s",
+                       torch.__version__, ", ".join(unsupported))
     trace_s = time.perf_counter() - start
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
     stats = {

@@ -2,12 +2,13 @@
 
     apmodel plan --model llama3-8b --mesh 4x8 --device h100 --seq 2048 --batch 8 --solver trws
     apmodel plan ... --compare-recipes          # price DDP / FSDP / Megatron TP / FSDP+TP too
-    apmodel plan ... --json                     # one JSON object on stdout (see DESIGN.md)
+    apmodel plan ... --json                     # one JSON object on stdout (see docs/design.md)
     apmodel explain plan.json layers.0.attention.wq.weight
     apmodel diff a.json b.json
     apmodel plan ... --report plan.html --png figures/   # a one-page HTML report, its figures as PNGs
     apmodel report plan.json -o plan.html              # the report of a saved plan; two files: a diff
     apmodel calibrate all_gather_perf.log --axis 1 --mesh 4x8 --out calibration.json
+    apmodel calibrate-compute --out compute_profile.json   # measure this machine's kernels, fit a profile
     apmodel devices
 
 ``--model`` is a preset of :mod:`apmodel.models` or ``package.module:factory``: a callable returning
@@ -42,6 +43,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from apmodel.formatting import fmt_bytes as _fmt_bytes
+from apmodel.formatting import fmt_us as _fmt_us
+from apmodel.formatting import strategy_str as _strategy_str
+
 logger = logging.getLogger("apmodel.cli")
 
 app = typer.Typer(
@@ -52,15 +57,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-#: Keys the ``plan --json`` object always has (DESIGN.md, "Public contracts").
+#: Keys the ``plan --json`` object always has (docs/design.md, "Public contracts").
 JSON_KEYS = (
     "model", "mesh", "device", "solver", "nodes", "groups", "states", "edges",
     "trace_s", "build_s", "solve_s", "total_s", "objective_us", "lower_bound_us", "status",
     "compute_us", "comm_us", "param_placements",
 )
-
-#: Relative tolerance when checking that the found plan is no worse than a recipe.
-RECIPE_TOLERANCE = 1e-6
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -223,28 +225,6 @@ def _cwd_importable() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
-#: Largest mesh the CLI accepts: checked on the axis sizes before anything is allocated.
-MAX_MESH_AXES = 4
-MAX_MESH_DEVICES = 2**20
-
-
-def parse_mesh(text: str) -> tuple[int, ...]:
-    """``"4x8"`` (or ``"4,8"``, ``"8"``) -> ``(4, 8)``; 1 to 4 positive axis sizes, at most 2**20 devices."""
-    parts = text.lower().replace(",", "x").replace("×", "x").split("x")
-    try:
-        sizes = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"--mesh {text!r}: expected axis sizes joined by 'x', e.g. 8, 4x8 or 2x2x2x4") from None
-    if any(s < 1 for s in sizes):
-        raise ValueError(f"--mesh {text!r}: expected positive axis sizes, e.g. 4x8")
-    if len(sizes) > MAX_MESH_AXES:
-        raise ValueError(f"--mesh {text!r}: {len(sizes)} axes; at most {MAX_MESH_AXES} are supported, e.g. 2x2x2x4")
-    devices = math.prod(sizes)
-    if devices > MAX_MESH_DEVICES:
-        raise ValueError(f"--mesh {text!r}: {devices:,} devices; at most {MAX_MESH_DEVICES:,} (2**20) are supported")
-    return sizes
-
-
 def check_writable(path: Path, flag: str = "--out") -> None:
     """Raise :class:`CLIError` unless ``path`` can be written: checked before the slow work, not after."""
     if path.is_dir():
@@ -313,101 +293,38 @@ class _Progress:
             self._status.__exit__(*exc)
 
 
-def load_workload(model: str, *, batch: int, seq: int, layers: int | None):
-    """``(nn.Module on meta, sample_inputs, loss_fn or None)`` for a preset or a factory.
-
-    A factory's module is looked up with the working directory on ``sys.path`` (as ``python -m``
-    does); an exception raised by the factory becomes a :class:`CLIError` naming it."""
-    import torch
-
-    if ":" in model:
-        import costmodels
-
-        with _cwd_importable():  # "mymodel:factory" next to the user, as `python -m` finds it
-            factory = costmodels.load_object(model)
-        if not callable(factory):
-            raise ValueError(f"--model {model!r} is not callable")
-        accepted = inspect.signature(factory).parameters
-        kwargs = {k: v for k, v in (("batch", batch), ("seq", seq), ("layers", layers))
-                  if k in accepted and v is not None}
-        try:
-            with torch.device("meta"):
-                out = factory(**kwargs)
-        except Exception as e:  # user code: say which factory failed, and how
-            raise CLIError(f"--model {model!r}: the factory raised {describe_error(e)}") from e
-        if not isinstance(out, tuple) or len(out) not in (2, 3) or not isinstance(out[0], torch.nn.Module):
-            raise ValueError(f"--model {model!r} must return (model, sample_inputs) or (model, sample_inputs, loss_fn), "
-                             f"got {type(out).__name__}")
-        mod, inputs = out[0], tuple(out[1]) if isinstance(out[1], (tuple, list)) else (out[1],)
-        return mod, inputs, out[2] if len(out) == 3 else None
-    from apmodel import models
-
-    if model not in models.PRESETS:
-        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(sorted(models.PRESETS))}) "
-                         "nor 'package.module:factory'")
-    overrides = {"n_layers": layers} if layers is not None else {}
-    cfg = models.config(model, **overrides)
-    with torch.device("meta"):
-        mod = models.build(cfg)
-    return mod, models.sample_inputs(cfg, batch=batch, seq=seq), None
-
-
-def make_cost(cfg, mesh_shape: tuple[int, ...]):
-    """The cost context of a merged :class:`~apmodel.config.Config` (topology overrides included)."""
-    import costmodels
-    from apmodel.api import cost_context
-
-    comm = cfg.comm_model
-    overrides = cfg.topology_overrides()
-    if overrides:
-        topo = costmodels.Topology(mesh_shape, costmodels.device(cfg.device), cfg.gpus_per_node, **overrides)
-        comm = costmodels.load_object(comm)(topo) if isinstance(comm, str) else costmodels.NCCLCollectives(topo)
-    return cost_context(mesh_shape, device=cfg.device, gpus_per_node=cfg.gpus_per_node, dtype=cfg.dtype,
-                        compute_model=cfg.compute_model, comm_model=comm, calibration=cfg.calibration,
-                        mixed_precision=cfg.mixed_precision)
-
-
 def _itemsize(dtype: str) -> int:
-    from apmodel.api import DTYPES
+    from apmodel.options import PRICING_DTYPE_BYTES
 
-    return DTYPES[dtype].itemsize
-
-
-def _fmt_us(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "—"
-    return f"{x:,.1f}"
-
-
-def _fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return "—"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            return f"{b / size:,.2f} {unit}"
-    return f"{b:.0f} B"
+    return PRICING_DTYPE_BYTES[dtype]
 
 
 # ------------------------------------------------------------------------------------ plan
 def _merged_config(config: Optional[Path], **flags: Any):
+    """The configuration file merged with the flags; workload and option defaults filled in."""
     from apmodel.config import Config, load_config, merge
+    from apmodel.options import PlanOptions
+    from apmodel.workloads import DEFAULT_BATCH, DEFAULT_SEQ
 
     cfg = load_config(config) if config is not None else Config()  # ConfigError names file and key
-    defaults = dict(model=None, mesh=None, seq=2048, batch=8, solver="trws", device="h100", dtype="bf16",
-                    gpus_per_node=8, param_policy="full_shard", replicate_axes=[])
     cfg = merge(cfg, **flags)
-    for k, v in defaults.items():
-        if getattr(cfg, k) is None:
-            setattr(cfg, k, v)
+    defaults = PlanOptions()
+    for key, value in (("seq", DEFAULT_SEQ), ("batch", DEFAULT_BATCH), ("solver", defaults.solver),
+                       ("device", defaults.device), ("dtype", defaults.dtype),
+                       ("gpus_per_node", defaults.gpus_per_node), ("param_policy", defaults.param_policy),
+                       ("replicate_axes", list(defaults.replicate_axes))):
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
     return cfg
 
 
-def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Progress) -> dict[str, Any]:
-    """The whole pipeline for ``apmodel plan``; returns everything the printers need.
+def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Progress):
+    """``apmodel plan``: check the inputs, build the workload, call the API's one planning path.
 
-    Cheap input checks (mesh, ``out``, calibration file, solver) come first, before torch is
-    imported and the model traced, so that a typo costs no waiting."""
+    Cheap input checks (mesh, ``out``, calibration file, solver, options) come first, before torch
+    is imported and the model traced, so that a typo costs no waiting."""
     import solvers  # torch-free
+    from apmodel.workloads import parse_mesh
 
     if cfg.model is None:
         raise ValueError("no model: give --model (a preset or package.module:factory) or [workload] model in --config")
@@ -421,131 +338,42 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
         raise CLIError(f"calibration file {cfg.calibration!r} (key 'cost.calibration' of {cfg.source}) {what}")
     if cfg.solver not in solvers.available():
         raise ValueError(f"--solver {cfg.solver!r} is not an available backend: {solvers.available()}")
-    if any(a >= len(mesh) for a in cfg.replicate_axes):
-        raise ValueError(f"replicate_axes {cfg.replicate_axes} name an axis outside mesh {mesh}")
+    options = cfg.plan_options()
+    options.check_mesh(mesh)
 
-    from apmodel import recipes as R
-    from apmodel.api import DTYPES, candidate_strategies, fit_in_memory, placement_model
-    from apmodel.capture import capture
+    from apmodel.api import plan_workload
+    from apmodel.workloads import TraceFailed, load_workload
 
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"--dtype {cfg.dtype!r} is not one of {sorted(DTYPES)}")
-    timings: dict[str, float] = {}
     progress.stage(f"tracing {cfg.model} (seq {cfg.seq}, batch {cfg.batch})")
-    model, inputs, loss_fn = load_workload(cfg.model, batch=cfg.batch, seq=cfg.seq, layers=cfg.layers)
+    record = {"config": None if cfg.source == "<defaults>" else str(Path(cfg.source).resolve())}
     try:
-        captured = capture(model, inputs, loss_fn)
-    except Exception as e:  # data-dependent ops, unsupported ops...: name the model and the op
-        raise CLIError(f"--model {cfg.model!r}: cannot trace the training step: {describe_error(e)}") from e
-    timings["trace_s"] = captured.trace_s
-    progress.done(f"traced {len(captured.gm.graph.nodes)} nodes in {captured.trace_s:.1f} s")
-
-    cost = make_cost(cfg, mesh)
-    progress.stage(f"enumerating strategies on mesh {mesh}" + (" (seeded per axis)" if len(mesh) >= 3 else ""))
-    strategies, _seeded = candidate_strategies(
-        captured, mesh, cost, param_policy=cfg.param_policy, replicate_axes=tuple(cfg.replicate_axes), timings=timings,
-    )
-    progress.done(f"strategies in {timings['seeding_s'] + timings['strategies_s']:.1f} s")
-
-    progress.stage("building the placement model")
-    t0 = time.perf_counter()
-    options = dict(param_policy=cfg.param_policy, replicate_axes=tuple(cfg.replicate_axes),
-                   param_memory_fraction=cfg.param_memory_fraction, optimizer=cfg.optimizer or "adamw")
-    pmodel = placement_model(captured, strategies, cost, constraints=cfg.constraints, **options)
-    timings["build_s"] = time.perf_counter() - t0 + timings["strategies_s"] + timings["seeding_s"]
-    sizes = pmodel.summary()
-    progress.done(f"model: {sizes['groups']} groups, {sizes['states']} states, {sizes['edges']} edges "
-                  f"in {timings['build_s']:.1f} s")
-
-    workload = {
-        "model": cfg.model, "seq": cfg.seq, "batch": cfg.batch, "layers": cfg.layers, "mesh": list(mesh),
-        "device": cfg.device, "dtype": cfg.dtype, "gpus_per_node": cfg.gpus_per_node,
-        "mixed_precision": cfg.mixed_precision,
-        "param_policy": cfg.param_policy, "replicate_axes": list(cfg.replicate_axes),
-        "param_memory_fraction": cfg.param_memory_fraction, "optimizer": cfg.optimizer or "adamw",
-        "memory_limit_GB": cfg.memory_limit_GB,
-        "config": None if cfg.source == "<defaults>" else str(Path(cfg.source).resolve()),
-    }
-    progress.stage(f"solving with {cfg.solver}")
-    plan = _solve(pmodel, cfg, timings=timings, workload=workload)
-    limit = None if cfg.memory_limit_GB is None else cfg.memory_limit_GB * 1e9
-    plan = fit_in_memory(pmodel, plan, limit, lambda: _solve(pmodel, cfg, timings=timings, workload=workload))
-    progress.done(f"solved ({plan.solver.get('status')}) in {plan.timings['solve_s']:.1f} s: "
-                  f"{plan.objective_us:,.1f} µs")
-    if out is not None:
-        try:
-            plan.save(out)
-        except OSError as e:  # checked writable up front; it can still fail (disk full, removed directory)
-            raise CLIError(f"--out {str(out)!r}: cannot write the plan: {e.strerror or e}") from e
-    result: dict[str, Any] = {"cfg": cfg, "mesh": mesh, "plan": plan, "captured": captured, "recipes": None,
-                              "found_free": None, "warnings": _unique(getattr(plan, "warnings", None) or []),
-                              "param_bytes": R.param_bytes_per_device(plan, captured, _itemsize(cfg.dtype))}
-    if not compare_recipes:
-        return result
-
-    itemsize = _itemsize(cfg.dtype)
-    found_free = None
-    if cfg.param_policy != "free" or cfg.replicate_axes or cfg.param_memory_fraction is not None:
-        progress.stage(f"solving with {cfg.solver} under the free parameter-storage policy")
-        pm_free = placement_model(captured, strategies, cost, constraints=cfg.constraints, param_policy="free")
-        found_free = _solve(pm_free, cfg, workload={"policy": "free"})
-    else:
-        found_free = plan
-    result["found_free"] = found_free
-    result["found_free_bytes"] = R.param_bytes_per_device(found_free, captured, itemsize)
-    results = []
-    for recipe in R.RECIPES:
-        progress.stage(f"pricing recipe {recipe.name}")
-        results.append(R.run(recipe, captured, strategies, cost, solver=cfg.solver, time_limit=cfg.time_limit,
-                             solver_options=cfg.solver_options, itemsize=itemsize))
-    result["recipes"] = results
-    # The honest check: every recipe lies in the free-policy space; full_shard recipes also in the default one.
-    default_space = cfg.param_policy == "full_shard" and not cfg.replicate_axes and cfg.param_memory_fraction is None
-    for r in results:
-        if r.objective_us is None:
-            continue
-        refs = [("free-policy plan", found_free.objective_us)]
-        if default_space and R.within_default_space(R.get(r.name)):
-            refs.append(("found plan", plan.objective_us))
-        for label, ref in refs:
-            if r.objective_us < ref * (1 - RECIPE_TOLERANCE) - 1e-9:
-                msg = (f"recipe {r.name} ({r.objective_us:,.1f} µs) is cheaper than the {label} ({ref:,.1f} µs): "
-                       f"the search missed a plan its space contains (solver {cfg.solver} is approximate"
-                       f"{'; user constraints restrict the search' if cfg.constraints else ''}) — please report")
-                result["warnings"] = _unique([*result["warnings"], msg])
-                logger.warning("%s", msg)
-    return result
-
-
-def _unique(items: list[str]) -> list[str]:
-    """``items`` without repeats, first occurrence order (plan and recipe warnings may coincide)."""
-    return list(dict.fromkeys(items))
-
-
-def _solve(pmodel, cfg, **kwargs: Any):
-    """``solve_model`` with the configured solver; a time-out without any assignment becomes a CLIError."""
-    import solvers
-    from apmodel.api import solve_model
-
-    try:
-        return solve_model(pmodel, solver=cfg.solver, time_limit=cfg.time_limit, solver_options=cfg.solver_options,
-                           **kwargs)
+        workload = load_workload(cfg.model, mesh, batch=cfg.batch, seq=cfg.seq, layers=cfg.layers)
+        result = plan_workload(workload, options, constraints=cfg.constraints, compare_recipes=compare_recipes,
+                               record=record, progress=progress)
+    except TraceFailed as e:  # data-dependent ops, unsupported ops...: name the model and the op
+        raise CLIError(f"--model {e.model!r}: {e.what}: {describe_error(e.__cause__)}") from e
     except solvers.TimeLimitReached as e:
         hint = "a longer --time-limit" + ("" if cfg.solver == "trws" else " or --solver trws (approximate, fast)")
         raise CLIError(f"solver {cfg.solver!r} reached its time limit ({cfg.time_limit:g} s) before finding any "
                        f"feasible assignment: try {hint}") from e
+    if out is not None:
+        try:
+            result.plan.save(out)
+        except OSError as e:  # checked writable up front; it can still fail (disk full, removed directory)
+            raise CLIError(f"--out {str(out)!r}: cannot write the plan: {e.strerror or e}") from e
+    return result
 
 
-def plan_json(result: dict[str, Any]) -> dict[str, Any]:
-    """The ``--json`` object (DESIGN.md keys first, then extras)."""
+def plan_json(result, cfg) -> dict[str, Any]:
+    """The ``--json`` object (docs/design.md keys first, then extras)."""
     from apmodel import placements as pl
     from apmodel.roles import emerged
 
-    plan, cfg = result["plan"], result["cfg"]
+    plan = result.plan
     lb = plan.solver.get("lower_bound_us")
     data: dict[str, Any] = {
         "model": cfg.model,
-        "mesh": list(result["mesh"]),
+        "mesh": list(plan.mesh_shape),
         "device": cfg.device,
         "solver": cfg.solver,
         **{k: plan.sizes[k] for k in ("nodes", "groups", "states", "edges")},
@@ -564,30 +392,30 @@ def plan_json(result: dict[str, Any]) -> dict[str, Any]:
         "dtype": cfg.dtype,
         "layers": cfg.layers,
         "comm_by_collective": plan.comm_by_collective,
-        "param_bytes_per_device": result["param_bytes"],
+        "param_bytes_per_device": result.param_bytes,
         "emerged": emerged(plan),
-        "warnings": list(result["warnings"]),
+        "warnings": list(result.warnings),
         "memory": dict(plan.memory),
     }
-    if result["recipes"] is not None:
-        data["recipes"] = {r.name: r.objective_us for r in result["recipes"]}
+    if result.recipes is not None:
+        data["recipes"] = {r.name: r.objective_us for r in result.recipes}
         data["recipes_detail"] = {
             r.name: {"status": r.status, "reason": r.reason, "param_policy": r.param_policy,
                      "objective_us": r.objective_us, "compute_us": r.compute_us, "comm_us": r.comm_us,
                      "param_bytes_per_device": r.param_bytes}
-            for r in result["recipes"]
+            for r in result.recipes
         }
-        data["free_policy_objective_us"] = result["found_free"].objective_us
+        data["free_policy_objective_us"] = result.free_plan.objective_us
     return data
 
 
-def print_plan(result: dict[str, Any], console: Console) -> None:
+def print_plan(result, cfg, console: Console) -> None:
     """Readable summary: solver stats, objective breakdown, one layer's parameters, emerged roles."""
     from apmodel import placements as pl
     from apmodel.roles import emerged, param_uses
 
-    plan, cfg = result["plan"], result["cfg"]
-    mesh = result["mesh"]
+    plan = result.plan
+    mesh = tuple(plan.mesh_shape)
     console.print(f"[bold]apmodel plan[/]: {escape(str(cfg.model))} (seq {cfg.seq}, batch {cfg.batch}"
                   f"{f', {cfg.layers} layers' if cfg.layers else ''}) on mesh {'x'.join(map(str, mesh))} "
                   f"of {cfg.device}, priced in {cfg.dtype}", highlight=False)
@@ -605,7 +433,7 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
     if lb is not None and math.isfinite(lb):
         gap = (plan.objective_us - lb) / max(abs(plan.objective_us), 1e-12)
         t.add_row("lower bound (µs) / gap", f"{_fmt_us(lb)} / {100 * gap:.2f}%")
-    t.add_row(f"parameter bytes per device ({cfg.dtype})", _fmt_bytes(result["param_bytes"]))
+    t.add_row(f"parameter bytes per device ({cfg.dtype})", _fmt_bytes(result.param_bytes))
     mem = plan.memory
     if mem.get("peak_bytes") is not None:
         t.add_row("memory per device: peak / HBM", f"{_fmt_bytes(mem['peak_bytes'])} / {_fmt_bytes(mem['hbm_bytes'])}")
@@ -645,16 +473,16 @@ def print_plan(result: dict[str, Any], console: Console) -> None:
         t.add_row(axis.replace("axis", ""), str(mesh[int(axis[4:])]), desc)
     console.print(t)
 
-    if result["recipes"] is not None:
-        _print_recipes(result, console)
-    for w in result["warnings"]:  # plan warnings and recipe checks; literal text, never markup
+    if result.recipes is not None:
+        _print_recipes(result, cfg, console)
+    for w in result.warnings:  # plan warnings and recipe checks; literal text, never markup
         console.print(Text.assemble(("WARNING:", "bold red"), " ", w))
 
 
-def _print_recipes(result: dict[str, Any], console: Console) -> None:
+def _print_recipes(result, cfg, console: Console) -> None:
     from apmodel import recipes as R
 
-    plan = result["plan"]
+    plan = result.plan
     base = plan.objective_us
     t = Table(title="Found plan versus hand-written recipes (same cost model, same solver)", title_justify="left")
     for col in ("plan", "param storage", "objective µs", "compute µs", "comm µs", "params/device", "vs found"):
@@ -663,14 +491,14 @@ def _print_recipes(result: dict[str, Any], console: Console) -> None:
     def pct(x: float) -> str:
         return f"{100 * (x - base) / base:+.1f}%"
 
-    t.add_row("[bold]apmodel (found)[/]", result["cfg"].param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
-              _fmt_us(plan.comm_us), _fmt_bytes(result["param_bytes"]), "0.0%")
-    ff = result["found_free"]
+    t.add_row("[bold]apmodel (found)[/]", cfg.param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
+              _fmt_us(plan.comm_us), _fmt_bytes(result.param_bytes), "0.0%")
+    ff = result.free_plan
     if ff is not plan:
         t.add_row("apmodel (free storage)", "free", _fmt_us(ff.objective_us), _fmt_us(ff.compute_us),
-                  _fmt_us(ff.comm_us), _fmt_bytes(result["found_free_bytes"]), pct(ff.objective_us))
+                  _fmt_us(ff.comm_us), _fmt_bytes(result.free_plan_param_bytes), pct(ff.objective_us))
     notes = []
-    for r in result["recipes"]:
+    for r in result.recipes:
         policy = r.param_policy + ("" if R.within_default_space(R.get(r.name)) else " *")
         if r.objective_us is None:
             t.add_row(r.title, policy, Text(r.status, style="yellow"), "", "", "", "")
@@ -693,7 +521,7 @@ def plan(
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="GPUs per node (which mesh axes cross nodes). Default: 8."),
     seq: Optional[int] = typer.Option(None, "--seq", min=1, help="Sequence length. Default: 2048."),
     batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Global batch size. Default: 8."),
-    solver: Optional[str] = typer.Option(None, "--solver", help="Solver backend: trws, highs, cvxpy, pgmpy, brute or a registered one. Default: trws."),
+    solver: Optional[str] = typer.Option(None, "--solver", help="Solver backend: " + importlib.import_module("solvers.backends").help_text() + "; or a registered one. Default: trws."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Pricing dtype: bf16, fp16, fp32, fp8. Default: bf16."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Override the preset's number of layers (quick runs)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file (flags override it)."),
@@ -723,58 +551,17 @@ def plan(
         _check_report_outputs(report_html, png)
         with _stdout_to_stderr(True), _Progress(True) as progress:
             result = run_plan(cfg, compare_recipes=compare_recipes, out=out, progress=progress)
-        _write_report(result["plan"], report_html, png, recipes=result["recipes"], free_plan=result["found_free"],
-                      warnings=result["warnings"])
+        _write_report(result.plan, report_html, png, recipes=result.recipes, free_plan=result.free_plan,
+                      warnings=result.warnings)
         if json_out:
-            typer.echo(json.dumps(plan_json(result), default=float))
+            typer.echo(json.dumps(plan_json(result, cfg), default=float))
         else:
-            print_plan(result, _console())
+            print_plan(result, cfg, _console())
             if out is not None:
                 _console().print(f"plan saved to {out}", highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------------- explain
-def _strategy_str(s) -> str:
-    from apmodel import placements as pl
-
-    def one(ps) -> str:
-        return ", ".join("—" if p is None else pl.tuple_to_str(p) for p in ps)
-
-    return f"{one(s.outputs)} ← {one(s.inputs)}" if s.inputs else one(s.outputs)
-
-
-def attach(saved, *, progress: _Progress | None = None):
-    """Rebuild the model of a saved plan from its workload and attach it (``saved.model``)."""
-    from apmodel.api import placement_model
-    from apmodel.capture import capture
-    from apmodel.config import Config, load_config, merge
-    from apmodel.strategies import enumerate_strategies
-
-    wl = saved.workload
-    if not wl.get("model"):
-        raise ValueError("the plan file records no workload model; re-plan it with `apmodel plan ... --out` to explain it")
-    cfg = load_config(wl["config"]) if wl.get("config") and Path(wl["config"]).is_file() else Config()
-    cfg = merge(cfg, model=wl["model"], device=wl.get("device", "h100"), dtype=wl.get("dtype", "bf16"),
-                gpus_per_node=wl.get("gpus_per_node", 8), mixed_precision=wl.get("mixed_precision"))
-    if progress:
-        progress.stage(f"re-tracing {wl['model']}")
-    model, inputs, loss_fn = load_workload(wl["model"], batch=wl.get("batch", 8), seq=wl.get("seq", 2048),
-                                           layers=wl.get("layers"))
-    captured = capture(model, inputs, loss_fn)
-    mesh = tuple(saved.mesh_shape)
-    saved.check_compatible(captured, mesh)
-    if progress:
-        progress.stage("enumerating strategies and building the model")
-    strategies = enumerate_strategies(captured.gm, mesh)
-    pm = placement_model(captured, strategies, make_cost(cfg, mesh), constraints=cfg.constraints,
-                           param_policy=wl.get("param_policy", "full_shard"),
-                           replicate_axes=tuple(wl.get("replicate_axes") or ()),
-                           param_memory_fraction=wl.get("param_memory_fraction"),
-                           optimizer=wl.get("optimizer") or "adamw")
-    saved.model = pm
-    return saved
-
-
 @app.command()
 def explain(
     plan_file: Path = typer.Argument(..., exists=True, dir_okay=False, help="A plan saved by `apmodel plan --out`."),
@@ -790,6 +577,8 @@ def explain(
 
 def _explain(plan_file: Path, target: str, top: int) -> None:
     from apmodel.plans import Plan
+
+    from apmodel.api import attach
 
     saved = Plan.load(plan_file)
     with _Progress(True) as progress:
@@ -931,6 +720,8 @@ def _report(plans: list[Path], out: Optional[Path], png: Optional[Path], trace: 
         return
     saved, notes = loaded[0], []
     if trace:
+        from apmodel.api import attach
+
         try:
             with _Progress(True) as progress:
                 attach(saved, progress=progress)
@@ -974,6 +765,8 @@ def _calibrate(logs: list[Path], out: Path, *, axis: int, kind: str, mesh: Optio
         if log.kind is None:
             raise ValueError(f"{p}: cannot tell the collective from the log; pass --kind")
     if mesh is not None:
+        from apmodel.workloads import parse_mesh
+
         shape = parse_mesh(mesh)
     else:
         ranks = {log.ranks for log in parsed if log.ranks}
@@ -996,6 +789,60 @@ def _calibrate(logs: list[Path], out: Path, *, axis: int, kind: str, mesh: Optio
                   f"{c.factors[0]:.3f}", f"{c.factors[-1]:.3f}", f"{min(c.factors):.3f} – {max(c.factors):.3f}")
     console.print(t)
     console.print(f"calibration saved to {out} (use it with [cost] calibration = \"{out}\")", highlight=False, markup=False)
+
+
+@app.command("calibrate-compute")
+def calibrate_compute(
+    out: Path = typer.Option(..., "--out", "-o", help="Write the fitted compute profile (JSON) here (the configuration's cost.compute_profile)."),
+    measurements_out: Optional[Path] = typer.Option(None, "--measurements-out", help="Write the kernel timings (JSON) here. Default: next to --out, NAME_kernels.json."),
+    quick: bool = typer.Option(False, "--quick", help="A few sizes per kernel class (seconds; for tests). The full set takes minutes."),
+    device_name: Optional[str] = typer.Option(None, "--device-name", help="Device the profile is for (see `apmodel devices`). Default: recognised from the GPU's name; cpu on a CPU."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads while measuring (default: torch's); a CPU profile holds for this many."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr (every kernel)."),
+) -> None:
+    """Measure kernels on this machine (its GPU if CUDA is present, else the CPU) and fit a compute profile."""
+    _setup_logging(verbose)
+    with _errors(verbose):
+        check_writable(out)
+        meas_out = measurements_out if measurements_out is not None else out.with_name(f"{out.stem}_kernels.json")
+        check_writable(meas_out, "--measurements-out")
+        if meas_out.resolve() == out.resolve():
+            raise CLIError("--measurements-out must be another file than --out")
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        import costmodels
+        from costmodels import fitting
+
+        err = Console(stderr=True)
+        with Progress(TextColumn("measuring kernels"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("measure", total=None)
+            cal = fitting.calibrate_compute(quick=quick, device_name=device_name, threads=threads,
+                                            measurements_name=meas_out.name,
+                                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+        meas_out.write_text(json.dumps(cal.measurements, indent=1) + "\n", encoding="utf-8")
+        out.write_text(cal.profile.dumps(), encoding="utf-8")
+        costmodels.compute_model(cal.profile.device, profile=str(out))  # what the planner will load
+        logger.info("wrote %s and %s", out, meas_out)
+        rep = cal.reports["eager"]
+        t = Table(title=f"Compute profile of {escape(cal.profile.device)} ({escape(cal.measurements['hardware'])}): "
+                        "fitted vs measured, eager", title_justify="left")
+        for col in ("class", "kernels", "median |pred/meas - 1|", "largest factor"):
+            t.add_column(col, justify="left" if col == "class" else "right")
+        for k, v in rep["by_class"].items():
+            t.add_row(escape(k), str(v["rows"]), f"{math.expm1(v['median_abs_log_err']):.1%}", f"{v['max_factor']:.2f}x")
+        t.add_row("all", str(rep["rows"]), f"{rep['median_abs_rel_err']:.1%}", f"{rep['max_factor']:.2f}x")
+        console = _console()
+        console.print(t)
+        notes = [f"{len(cal.measurements['skipped'])} kernels the device cannot run were skipped"] if cal.measurements["skipped"] else []
+        if cal.fit.unconstrained:
+            notes.append(f"{len(cal.fit.unconstrained)} parameters no kernel constrains kept their starting values "
+                         "(profile fit.unconstrained)")
+        for note in notes:
+            console.print(f"note: {note}", highlight=False, markup=False)
+        console.print(f"compute profile saved to {out} (executions: {', '.join(cal.profile.executions)}; "
+                      f"use it with [cost] compute_profile = \"{out}\"); kernel timings saved to {meas_out}",
+                      highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------------- devices

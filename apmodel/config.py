@@ -19,6 +19,7 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     name = "h100"         # costmodels.device() name
     dtype = "bf16"        # pricing dtype: bf16 | fp16 | fp32 | fp8
     mixed_precision = true  # fp32 master weights and gradient reductions (default: on for bf16/fp16)
+    execution = "eager"   # eager | graphs (CUDA-graph replay: no launch cost per op; GPU profiles only)
 
     [topology]
     gpus_per_node = 8
@@ -30,6 +31,7 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
 
     [cost]
     calibration = "calibration.json"           # from `apmodel calibrate`; relative to this file
+    compute_profile = "compute_profile.json"   # from `apmodel calibrate-compute`; relative to this file
     compute_model = "mypkg.costs:MyCompute"     # constructed with the DeviceSpec
     comm_model = "mypkg.costs:MyCollectives"    # constructed with the Topology
 
@@ -71,9 +73,7 @@ else:  # pragma: no cover
 
 from apmodel import constraints as C
 from apmodel import placements as pl
-from apmodel.memory import OPTIMIZER_STATE_COPIES
-
-_OPTIMIZERS = tuple(OPTIMIZER_STATE_COPIES)
+from apmodel.options import OPTIMIZERS, PARAM_POLICIES, PRICING_DTYPES, TOPOLOGY_KEYS, PlanOptions
 
 
 class ConfigError(ValueError):
@@ -97,6 +97,7 @@ class Config:
     # [device]
     device: str | None = None
     dtype: str | None = None
+    execution: str | None = None
     # [topology]
     gpus_per_node: int | None = None
     intra_GBps: float | None = None
@@ -106,6 +107,7 @@ class Config:
     nvls: bool | None = None
     # [cost]
     calibration: str | None = None
+    compute_profile: str | None = None
     compute_model: str | None = None
     comm_model: str | None = None
     # [planner]
@@ -121,8 +123,24 @@ class Config:
 
     def topology_overrides(self) -> dict[str, Any]:
         """Keyword arguments for ``costmodels.Topology`` beyond mesh, device and gpus_per_node."""
-        keys = ("intra_GBps", "inter_GBps", "intra_latency_us", "inter_latency_us", "nvls")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in TOPOLOGY_KEYS if getattr(self, k) is not None}
+
+    def plan_options(self) -> PlanOptions:
+        """The planning options this configuration sets; what it leaves unset keeps the default
+        of :class:`~apmodel.options.PlanOptions` (the one place defaults live)."""
+        values = {
+            "device": self.device, "gpus_per_node": self.gpus_per_node, "dtype": self.dtype,
+            "mixed_precision": self.mixed_precision, "compute_model": self.compute_model,
+            "comm_model": self.comm_model, "calibration": self.calibration,
+            "compute_profile": getattr(self, "compute_profile", None), "execution": getattr(self, "execution", None),
+            "topology": self.topology_overrides(), "optimizer": self.optimizer,
+            "memory_limit_bytes": None if self.memory_limit_GB is None else self.memory_limit_GB * 1e9,
+            "param_policy": self.param_policy,
+            "replicate_axes": None if self.replicate_axes is None else tuple(self.replicate_axes),
+            "param_memory_fraction": self.param_memory_fraction, "solver": self.solver,
+            "time_limit": self.time_limit, "solver_options": self.solver_options,
+        }
+        return PlanOptions(**{k: v for k, v in values.items() if v is not None})
 
 
 # section -> key -> (Config field, expected type(s), description for errors)
@@ -143,6 +161,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
         "name": ("device", (str,), "a string"),
         "dtype": ("dtype", (str,), "a string"),
         "mixed_precision": ("mixed_precision", (bool,), "true or false"),
+        "execution": ("execution", (str,), '"eager" or "graphs"'),
     },
     "topology": {
         "gpus_per_node": ("gpus_per_node", (int,), "an integer"),
@@ -154,6 +173,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
     },
     "cost": {
         "calibration": ("calibration", (str,), "a path"),
+        "compute_profile": ("compute_profile", (str,), "a path to a compute profile JSON file"),
         "compute_model": ("compute_model", (str,), 'a dotted name "package.module:Name"'),
         "comm_model": ("comm_model", (str,), 'a dotted name "package.module:Name"'),
     },
@@ -173,12 +193,13 @@ _CONSTRAINT_KEYS = {
 }
 
 
-#: Pricing dtypes (the keys of ``apmodel.api.DTYPES``; not imported to keep this module light).
-_DTYPES = ("bf16", "fp16", "fp32", "fp8")
-# "4x8", "4,8", "4×8" or "8": what ``apmodel.cli.parse_mesh`` reads
+# "4x8", "4,8", "4×8" or "8": what ``apmodel.workloads.parse_mesh`` reads
 _MESH_AXIS = re.compile(r"\s*[0-9]+\s*")
 _ON = re.compile(r"output|input(:[0-9]+)?")
 _OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
+#: Execution modes of the measured compute model (``costmodels.measured.EXECUTIONS``; not imported:
+#: this module stays free of torch).
+_EXECUTIONS = ("eager", "graphs")
 
 
 def _short(v: Any, limit: int = 80) -> str:
@@ -289,16 +310,21 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
             raise ConfigError(f"{source}: key 'planner.replicate_axes' must list non-negative integers, got {_short(cfg.replicate_axes)}")
     if cfg.mesh is not None:
         _check_mesh(source, cfg.mesh)
-    if cfg.dtype is not None and cfg.dtype not in _DTYPES:
-        raise ConfigError(f"{source}: key 'device.dtype' must be one of {', '.join(_DTYPES)}, got {_short(cfg.dtype)}")
+    if cfg.dtype is not None and cfg.dtype not in PRICING_DTYPES:
+        raise ConfigError(f"{source}: key 'device.dtype' must be one of {', '.join(PRICING_DTYPES)}, got {_short(cfg.dtype)}")
+    if cfg.execution is not None and cfg.execution not in _EXECUTIONS:
+        raise ConfigError(f"{source}: key 'device.execution' must be \"eager\" or \"graphs\", got {_short(cfg.execution)}")
+    if cfg.compute_profile is not None and not cfg.compute_profile.lower().endswith(".json"):
+        raise ConfigError(f"{source}: key 'cost.compute_profile' must be a path to a JSON file "
+                          f"(from `apmodel calibrate-compute`), got {_short(cfg.compute_profile)}")
     for key in ("compute_model", "comm_model"):
         v = getattr(cfg, key)
         if v is not None and not _OBJECT_SPEC.fullmatch(v):
             raise ConfigError(f"{source}: key 'cost.{key}' must look like \"package.module:Name\", got {_short(v)}")
-    if cfg.param_policy is not None and cfg.param_policy not in ("full_shard", "free"):
+    if cfg.param_policy is not None and cfg.param_policy not in PARAM_POLICIES:
         raise ConfigError(f"{source}: key 'planner.param_policy' must be \"full_shard\" or \"free\", got {cfg.param_policy!r}")
-    if cfg.optimizer is not None and cfg.optimizer not in _OPTIMIZERS:
-        raise ConfigError(f"{source}: key 'planner.optimizer' must be one of {', '.join(_OPTIMIZERS)}, got {_short(cfg.optimizer)}")
+    if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"{source}: key 'planner.optimizer' must be one of {', '.join(OPTIMIZERS)}, got {_short(cfg.optimizer)}")
     if cfg.memory_limit_GB is not None and not 0 < cfg.memory_limit_GB < math.inf:
         raise ConfigError(f"{source}: key 'planner.memory_limit_GB' must be a finite number > 0, got {cfg.memory_limit_GB}")
     if cfg.param_memory_fraction is not None and not 0 < cfg.param_memory_fraction <= 1:
@@ -320,6 +346,8 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
             raise ConfigError(f"{source}: key 'topology.{key}' must be a finite number >= 0, got {v}")
     if cfg.calibration is not None and base_dir is not None and not Path(cfg.calibration).is_absolute():
         cfg.calibration = str(base_dir / cfg.calibration)
+    if cfg.compute_profile is not None and base_dir is not None and not Path(cfg.compute_profile).is_absolute():
+        cfg.compute_profile = str(base_dir / cfg.compute_profile)
     return cfg
 
 

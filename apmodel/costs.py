@@ -17,13 +17,22 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import costmodels
 from apmodel import placements as pl
+from apmodel._torch_private import tree_flatten, tree_unflatten
+from apmodel.options import PlanOptions
 from apmodel.strategies import Strategy
 
 logger = logging.getLogger(__name__)
+
+#: Pricing dtypes by their option names (:data:`apmodel.options.PRICING_DTYPES`).
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
 
 #: Ops that only relabel memory; priced at 0 without asking the compute model.
 _FREE_TARGETS = {"getitem"}
@@ -268,3 +277,51 @@ class CostContext:
             return []
         itemsize = self._edge_itemsize(dtype, gradient)
         return list(costmodels.redistribution_steps(self.comm, tuple(shape), itemsize, src, dst))
+
+
+def pricing_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """The torch dtype of a pricing-dtype option (a name of :data:`DTYPES`, a dtype or None)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _cost_model(given: Any, default: Any, built_from: Any) -> Any:
+    """``given`` itself, or a dotted name / the default constructed from ``built_from``."""
+    if given is None:
+        return default(built_from)
+    if isinstance(given, str):
+        return costmodels.load_object(given)(built_from)
+    return given
+
+
+def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions) -> CostContext:
+    """The compute and communication models ``options`` ask for on a mesh.
+
+    Compute: ``options.compute_model``, else ``costmodels.compute_model(device, profile=
+    options.compute_profile, execution=options.execution)`` (the measured model where the device
+    has a profile, else the roofline). Communication: ``options.comm_model``, else the NCCL model
+    of the topology (with ``options.topology`` overrides), corrected by ``options.calibration``.
+    Mixed precision (default on for bf16/fp16): gradient reductions and master state in fp32.
+    """
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    spec = costmodels.device(options.device) if isinstance(options.device, str) else options.device
+    topo = costmodels.Topology(mesh_shape, spec, options.gpus_per_node, **options.topology)
+    if options.compute_model is None:
+        compute = costmodels.compute_model(spec, profile=options.compute_profile, execution=options.execution)
+    else:
+        compute = _cost_model(options.compute_model, None, spec)
+    comm = _cost_model(options.comm_model, costmodels.NCCLCollectives, topo)
+    if options.calibration is not None:
+        comm = costmodels.CalibratedCollectives(comm, costmodels.Calibration.load(options.calibration))
+    dtype = pricing_dtype(options.dtype)
+    mixed = options.mixed_precision
+    if mixed is None:
+        mixed = dtype in (torch.bfloat16, torch.float16)
+    full = torch.float32 if mixed else None
+    return CostContext(
+        mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=dtype, hbm_bytes=spec.hbm_GiB * 2**30,
+        reduce_dtype=full, master_dtype=full,
+    )

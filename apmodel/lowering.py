@@ -33,7 +33,7 @@ Design
   is applied at once and the value kept as a plain partial sum; a view whose local input lost the
   traced memory layout in a redistribution (attention output laid out ``[b, s, h, d]``) runs on a
   contiguous local copy; ops without a kernel on the device (the flash-attention op on CPU) run a
-  reference kernel on the local shards (:func:`_local_kernels`).
+  reference kernel on the local shards (handed in: :func:`apmodel.kernels.local_kernels`).
 
 Communication is exactly the plan's: every collective comes from one of the recorded
 redistributions, which equal :func:`planned_redistributions` (the tests check this against the
@@ -57,7 +57,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from apmodel import placements
-from apmodel._torch_private import has_sharding_rule
+from apmodel._torch_private import OpOverload, has_sharding_rule
+from apmodel.kernels import local_kernels as default_local_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ __all__ = [
     "Redistribution",
     "LoweredProgram",
     "lower",
-    "parallelize",
+    "capture_on_meta",
+    "plan_on_one_rank",
     "planned_redistributions",
     "issued_redistributions",
     "load_full_state_dict",
@@ -279,24 +281,6 @@ def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
     return [(i, prod, k) for i, (prod, k) in zip(positions, slots)]
 
 
-def _local_kernels(device: torch.device) -> dict:
-    """Replacement kernels for ops that have no kernel on ``device`` (run on local shards).
-
-    The reference models trace attention as ``aten._scaled_dot_product_flash_attention`` (it has
-    DTensor rules). It has no CPU kernel in torch 2.13, and its CUDA kernel takes only fp16 and
-    bf16: on CPU it runs the reference implementation from :mod:`apmodel.models.attention`; on
-    CUDA the real kernel for half-precision inputs and the reference for fp32 (same outputs, same
-    logsumexp, so the traced backward op pairs with either).
-    """
-    from apmodel.models.attention import CPU_REFERENCE_KERNELS, HALF_ONLY_KERNELS
-
-    if device.type == "cpu":
-        return dict(CPU_REFERENCE_KERNELS)
-    if device.type == "cuda":
-        return dict(HALF_ONLY_KERNELS)
-    return {}
-
-
 # ----------------------------------------------------------------------------------------------
 # the lowered program
 # ----------------------------------------------------------------------------------------------
@@ -306,8 +290,10 @@ class LoweredProgram:
     """The joint graph, prepared for execution on `mesh` under `plan`. Held by the parallel module
     (attribute ``_apmodel_program``); ``redistributions`` lists what the last step issued."""
 
-    def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any):
+    def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any,
+                 local_kernels: Callable[[torch.device], dict] = default_local_kernels):
         self.mesh = mesh
+        self.local_kernels = local_kernels
         self.plan = plan
         self.captured = captured
         gm: fx.GraphModule = captured.gm
@@ -389,7 +375,7 @@ class LoweredProgram:
                     pv = _tensor_vals(s.producer)[s.index]
                     if isinstance(pv, torch.Tensor):
                         _check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
-            without_rule = isinstance(n.target, torch._ops.OpOverload) and not has_sharding_rule(n.target)
+            without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
             if without_rule and not all(_all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
                 raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
             step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule)
@@ -482,7 +468,7 @@ class LoweredProgram:
         plan = copy.copy(self.plan)
         plan.fingerprint = captured.fingerprint
         try:
-            variant = LoweredProgram(self.mesh, plan, captured)
+            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels)
         except ValueError as e:
             raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
         logger.info("replayed the plan on input shapes %s", shapes)
@@ -501,7 +487,7 @@ class LoweredProgram:
     def _run(self, steps: list[_Step], env: dict, phase: str, device: torch.device) -> None:
         kernels = self._kernels.get(device)
         if kernels is None:
-            kernels = self._kernels[device] = _local_kernels(device)
+            kernels = self._kernels[device] = self.local_kernels(device)
         for s in steps:
             n = s.node
             flat = []
@@ -723,8 +709,12 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Module:
+def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
+          local_kernels: Callable[[torch.device], dict] = default_local_kernels) -> nn.Module:
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
+
+    ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
+    local shards instead (default: :func:`apmodel.kernels.local_kernels`).
 
     Changes `model` in place and returns it: parameters become DTensors with the plan's storage
     placements (on the device they were on; meta stays meta; buffers stay plain tensors holding the
@@ -746,7 +736,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any) -> nn.Mo
         )
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
-    prog = LoweredProgram(mesh, plan, captured)
+    prog = LoweredProgram(mesh, plan, captured, local_kernels)
     prog.retrace_model = _meta_twin(model)  # structure only (meta tensors): for other input shapes
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them
@@ -853,7 +843,7 @@ def _to_meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
-def _capture_for(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None, **capture_options: Any) -> Any:
+def capture_on_meta(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None, **capture_options: Any) -> Any:
     """Capture `model`'s training step on the meta device (as the planner does), whatever device the
     model and the sample inputs are on. ``capture_options``: kwargs, targets,
     allow_unused_parameters (see :func:`apmodel.capture.capture`)."""
@@ -869,7 +859,7 @@ def _capture_for(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callab
     return capture(meta_model, meta_inputs, loss_fn, **capture_options)
 
 
-def _plan_on_one_rank(solve: Callable[[], Any], mesh: DeviceMesh) -> Any:
+def plan_on_one_rank(solve: Callable[[], Any], mesh: DeviceMesh) -> Any:
     """Run `solve` on the mesh's first rank and send the plan (as JSON) to every rank of the default
     process group, so that all ranks lower the same plan (and only one pays for planning)."""
     import torch.distributed as dist
@@ -891,63 +881,3 @@ def _plan_on_one_rank(solve: Callable[[], Any], mesh: DeviceMesh) -> Any:
         box[0] = plan.to_json()
     dist.broadcast_object_list(box, src=src)
     return plan if plan is not None else Plan.from_json(box[0], "plan broadcast by rank %d" % src)
-
-
-def parallelize(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    sample_inputs: Sequence[Any],
-    *,
-    loss_fn: Callable | None = None,
-    kwargs: dict[str, Any] | None = None,
-    targets: Sequence[Any] | None = None,
-    allow_unused_parameters: bool = False,
-    input_placements: Sequence[Any] | None = None,
-    output_placements: Sequence[Any] | None = None,
-    solver: str = "trws",
-    device: str | Any = "h100",
-    constraints: Sequence[Any] = (),
-    plan: Any = None,
-    **plan_options: Any,
-) -> nn.Module:
-    """Plan `model`'s training step for `mesh` (unless `plan` is given) and lower it onto `mesh`.
-
-    Args:
-        model: the user's module, ideally on the meta device (then nothing is allocated); it is
-            changed in place and returned (see :func:`lower`).
-        mesh: the real DeviceMesh to run on; its shape is the planning mesh shape.
-        sample_inputs: the model's positional inputs of one step, global shapes.
-        loss_fn: ``loss_fn(model(*inputs, **kwargs), *targets)`` gives the scalar loss (then
-            ``forward`` returns the loss); without ``targets`` it is called as
-            ``loss_fn(output, *inputs)``; None when the model returns what is to be differentiated.
-        kwargs: the model's keyword inputs (tensors, or constants traced into the graph).
-        targets: tensors only the loss reads (labels); the returned module is then called as
-            ``module(*inputs, *targets, **kwargs)``.
-        allow_unused_parameters: plan even if a trainable parameter gets no gradient.
-        input_placements, output_placements, solver, device, constraints, plan_options: passed to
-            :func:`apmodel.plan` (``device`` names the accelerator of the cost model).
-        plan: a :class:`~apmodel.plans.Plan` (e.g. ``Plan.load(path)``): skip planning.
-
-    Returns the module, with DTensor parameters placed as planned (tied parameters stay one
-    Parameter; buffers updated in forward, such as BatchNorm statistics, are written back after
-    each step). Its ``forward`` takes inputs of exactly the traced shapes and dtypes. For a meta
-    model call ``to_empty(device=...)`` and initialise it (its ``init_weights``, or
-    :func:`load_full_state_dict`) before training.
-    """
-    captured = _capture_for(
-        model, sample_inputs, loss_fn, kwargs=kwargs, targets=targets, allow_unused_parameters=allow_unused_parameters
-    )
-    if plan is None:
-        from apmodel.api import plan as make_plan
-
-        def solve() -> Any:
-            return make_plan(
-                captured, tuple(mesh.shape), loss_fn=loss_fn, input_placements=input_placements,
-                output_placements=output_placements, solver=solver, device=device, constraints=constraints,
-                **plan_options,
-            )
-
-        plan = _plan_on_one_rank(solve, mesh)
-    elif plan_options or constraints or input_placements is not None or output_placements is not None:
-        raise TypeError("planning options given together with plan=: the plan is used as it is")
-    return lower(model, mesh, plan, captured)

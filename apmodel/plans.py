@@ -327,12 +327,8 @@ class Plan:
         neighbours held at their planned strategies), total_us, chosen. Sorted by total.
         """
         if self.model is None:
-            raise ValueError("explain needs the plan's model; plan with apmodel.plan(...) or re-attach one with apmodel.cli.attach(plan)")
+            raise ValueError("explain needs the plan's model; plan with apmodel.plan(...) or re-attach one with apmodel.attach(plan)")
         return explain(self.model, self.node_strategy, target)
-
-    def emerged(self) -> dict[str, str]:
-        """A one-line reading of each mesh axis' role (FSDP / tensor parallel / data parallel)."""
-        return describe_axes(self)
 
 
 def _json_default(o: Any) -> Any:
@@ -536,18 +532,3 @@ def _axes_without_shard_candidates(pmodel: "PlacementModel", axes: list[int]) ->
                 return left
     return left
 
-
-def describe_axes(plan: Plan) -> dict[str, str]:
-    """What each mesh axis does for the parameters of the plan, read off their placements."""
-    roles = {}
-    D = len(plan.mesh_shape)
-    for axis in range(D):
-        sharded = sum(1 for p in plan.param_placements.values() if pl.to_str(p[axis]).startswith("S"))
-        total = max(1, len(plan.param_placements))
-        gathers = plan.comm_by_collective.get(f"all_gather@axis{axis}", 0.0)
-        a2a = plan.comm_by_collective.get(f"all_to_all@axis{axis}", 0.0)
-        rs = plan.comm_by_collective.get(f"reduce_scatter@axis{axis}", 0.0)
-        ar = plan.comm_by_collective.get(f"all_reduce@axis{axis}", 0.0)
-        desc = f"params sharded {sharded}/{total}; all-gather {gathers:.0f} µs, reduce-scatter {rs:.0f} µs, all-reduce {ar:.0f} µs, all-to-all {a2a:.0f} µs"
-        roles[f"axis{axis}"] = desc
-    return roles

@@ -14,15 +14,21 @@ and a list of constraints that fix, per mesh axis,
 Everything the recipe leaves open (how the batch flows through attention, where gradients are
 reduced) is chosen by the solver, so a recipe's price is the best plan *within* the recipe.
 
-The tensor-parallel recipes know LLaMA-style names: column-parallel ``wq wk wv w1 w3`` and
-``output`` (weights ``[out, in]`` sharded on dim 0), row-parallel ``wo w2`` (dim 1), a vocabulary-
-parallel embedding (dim 0) and replicated norms. The data axes are all axes but the last, the
-tensor-parallel axis is the last (innermost, fastest) one; inputs are batch-sharded on axis 0.
+The tensor-parallel recipes read the parts of the model from its
+:class:`~apmodel.conventions.ModelConventions` (by default derived from the traced graph, see
+:func:`apmodel.conventions.derive`; for LLaMA names the same as :data:`apmodel.conventions.LLAMA`):
+column-parallel linears and the output projection (weights ``[out, in]`` sharded on dim 0, with
+their biases), row-parallel linears (dim 1; their biases kept whole), a vocabulary-parallel
+embedding (dim 0), and norms kept whole. A parameter whose split dimension does not divide by the
+tensor-parallel degree (GPT-2's vocabulary of 50257 on 2 ranks) is kept whole on that axis too,
+and the result's ``notes`` say so: Megatron would pad it, which changes the model. The data axes
+are all axes but the last, the tensor-parallel axis is the last (innermost, fastest) one; inputs
+are batch-sharded on axis 0.
 
 Recipes whose storage policy is ``free`` (DDP, HSDP, Megatron with replicated data-parallel
 parameters) hold more parameter bytes per device than the planner's default ``full_shard``
 policy allows: they lie outside its search space and are compared against a plan searched under
-the ``free`` policy as well (see :func:`compare`).
+the ``free`` policy as well (:func:`apmodel.api` does, for ``compare_recipes``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -38,15 +44,12 @@ import torch
 
 import solvers
 from apmodel import placements as pl
+from apmodel.conventions import ModelConventions, derive
+from apmodel.options import PlanOptions, make_options
+from apmodel.search import placement_model, solve_model
 from apmodel.strategies import input_slots
 
 logger = logging.getLogger(__name__)
-
-#: LLaMA-style parameter names (apmodel.models.llama3, torchtitan, Meta's reference code).
-COLUMN_PARALLEL = ("*.wq.weight", "*.wk.weight", "*.wv.weight", "*.w1.weight", "*.w3.weight", "output.weight")
-ROW_PARALLEL = ("*.wo.weight", "*.w2.weight")
-VOCAB_PARALLEL = ("tok_embeddings.weight",)
-NORMS = ("*norm.weight",)
 
 AxisSpec = Mapping[int, str]  # mesh axis -> "R" | "P" | "S(d)" | "S" (any shard)
 
@@ -87,32 +90,42 @@ class ParamRule:
     label: str = ""
 
     def apply(self, m) -> None:
-        found = _params(m, self.patterns)
-        for node, fqn in found:
-            if self.storage:
-                m.restrict(node, lambda s: _matches(_strs(s.outputs[0]), self.storage),
-                           f"recipe {self.label}: {fqn} stored {_spec_str(self.storage)}")
-            if self.use:
-                pnode = m.node_by_name[node]
-                for user in pnode.users:
-                    if user.name not in m.strategies:
-                        continue
-                    slots = [j for j, (prod, _k) in enumerate(input_slots(user)) if prod is pnode]
-                    for j in slots:
-                        m.restrict(user.name, lambda s, j=j: j < len(s.inputs) and _matches(_strs(s.inputs[j]), self.use),
-                                   f"recipe {self.label}: {fqn} used as {_spec_str(self.use)} by {user.name}")
+        for node, fqn in _params(m, self.patterns):
+            _restrict_param(m, node, fqn, self.storage, self.use, self.label)
+
+
+def _restrict_param(m, node: str, fqn: str, storage: AxisSpec, use: AxisSpec, label: str) -> None:
+    """Keep the strategies storing parameter ``fqn`` as ``storage`` and its direct readers' that
+    read it as ``use`` (per mesh axis; an empty spec leaves that side free)."""
+    if storage:
+        m.restrict(node, lambda s: _matches(_strs(s.outputs[0]), storage),
+                   f"recipe {label}: {fqn} stored {_spec_str(storage)}")
+    if use:
+        pnode = m.node_by_name[node]
+        for user in pnode.users:
+            if user.name not in m.strategies:
+                continue
+            slots = [j for j, (prod, _k) in enumerate(input_slots(user)) if prod is pnode]
+            for j in slots:
+                m.restrict(user.name, lambda s, j=j: j < len(s.inputs) and _matches(_strs(s.inputs[j]), use),
+                           f"recipe {label}: {fqn} used as {_spec_str(use)} by {user.name}")
 
 
 @dataclass(frozen=True)
 class NormOutputRule:
-    """Forward outputs of the ops that apply a norm weight placed per axis (Megatron activations)."""
+    """Forward outputs of the ops that apply a norm weight placed per axis (Megatron activations).
+    The norm weights are ``conventions.norm_weights`` (None: derived from the graph)."""
 
     spec: AxisSpec
-    patterns: tuple[str, ...] = NORMS
+    conventions: ModelConventions | None = None
     label: str = ""
 
+    def with_conventions(self, conventions: ModelConventions) -> "NormOutputRule":
+        return replace(self, conventions=conventions)
+
     def apply(self, m) -> None:
-        for node, fqn in _params(m, self.patterns):
+        conv = self.conventions or derive(m.captured)
+        for node, fqn in _params(m, conv.norm_weights):
             for user in m.node_by_name[node].users:
                 if user.name not in m.strategies or m.captured.is_backward.get(user.name, False):
                     continue
@@ -155,6 +168,78 @@ def _spec_str(spec: AxisSpec) -> str:
     return ", ".join(f"{v} on axis {a}" for a, v in sorted(spec.items()))
 
 
+#: role -> the dimension of the weight a tensor-parallel axis splits (None: kept whole)
+_TP_DIM = {"column": 0, "output": 0, "embedding": 0, "row": 1, "norm": None, "tp_replicated": None}
+
+
+@dataclass(frozen=True)
+class TensorParallelRule:
+    """Megatron's parameter layout on the last mesh axis, data parallelism on the others.
+
+    Each parameter's role comes from ``conventions`` (None: derived from the graph when applied):
+    column-parallel, output and embedding parameters are split on dim 0 over the tensor-parallel
+    axis, row-parallel ones on dim 1, norms kept whole and read whole, and so is any parameter
+    whose split dimension does not divide by the axis size (see :meth:`layout`).
+    ``tp_replicated`` parameters (biases of row-parallel layers, norm biases) are kept whole but
+    may be read as partial sums: ATen fuses a row-parallel layer's bias into its matmul
+    (``addmm``), and reading the bias as a partial sum is how Megatron's "add the bias after the
+    reduction" looks there. Unclassified parameters are left to the solver. On the data axes
+    parameters are stored ``data_storage`` ("R": replicated, DDP; "S": sharded, FSDP) and
+    gathered for use."""
+
+    data_storage: str
+    conventions: ModelConventions | None = None
+    label: str = ""
+
+    def with_conventions(self, conventions: ModelConventions) -> "TensorParallelRule":
+        return replace(self, conventions=conventions)
+
+    def layout(self, captured, mesh_shape: Sequence[int]) -> tuple[dict[str, tuple[str, int | None]], list[str]]:
+        """(FQN -> (role, split dim or None), notes) for every classified parameter; raises
+        :class:`NotApplicable` when the model has no linear layer to split."""
+        conv = self.conventions or derive(captured)
+        tp_size = int(mesh_shape[-1])
+        vals = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
+        out: dict[str, tuple[str, int | None]] = {}
+        notes: list[str] = []
+        for node, fqn in captured.param_fqn.items():
+            role = conv.role(fqn)
+            if not role:
+                continue
+            dim = _TP_DIM[role]
+            shape = tuple(getattr(vals.get(node), "shape", ()))
+            if dim is not None and (dim >= len(shape) or shape[dim] % tp_size):
+                notes.append(f"{fqn} ({role}, shape {'x'.join(map(str, shape))}) kept whole on the tensor-parallel "
+                             f"axis: dim {dim} does not divide by {tp_size}")
+                dim = None
+            out[fqn] = (role, dim)
+        if not any(role in ("column", "row") for role, _ in out.values()):
+            raise NotApplicable(f"the model has no column- or row-parallel linear layers under its conventions "
+                                f"({conv.source})")
+        return out, notes
+
+    def apply(self, m) -> None:
+        mesh = m.mesh_shape
+        tp = len(mesh) - 1
+        layout, notes = self.layout(m.captured, mesh)
+        for note in notes:
+            logger.info("recipe %s: %s", self.label, note)
+        dstore = {a: self.data_storage for a in range(tp)}
+        duse = {a: "R" for a in range(tp)}
+        for node, fqn in m.captured.param_fqn.items():
+            if fqn not in layout:
+                continue
+            role, dim = layout[fqn]
+            if dim is not None:
+                _restrict_param(m, node, fqn, {**dstore, tp: f"S({dim})"}, {**duse, tp: f"S({dim})"}, self.label)
+                continue
+            # kept whole on the tensor-parallel axis (FSDP shards even small parameters on every
+            # axis: then the policy decides the storage and the recipe only how they are read)
+            storage = _all(mesh, "R") if self.data_storage == "R" else {}
+            use = duse if role == "tp_replicated" else _all(mesh, "R")
+            _restrict_param(m, node, fqn, storage, use, self.label)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A hand-written parallelisation recipe as apmodel constraints (see the module docstring)."""
@@ -173,12 +258,17 @@ class Recipe:
         axes = mesh_shape[:-1] if self.tensor_parallel else mesh_shape
         return int(np.prod(axes)) if len(axes) else 1
 
-    def constraints(self, mesh_shape: Sequence[int]) -> list[Any]:
+    def constraints(self, mesh_shape: Sequence[int], conventions: ModelConventions | None = None) -> list[Any]:
+        """The recipe's constraints on ``mesh_shape``; rules that read the model's parts use
+        ``conventions`` (None: each derives them from the graph it is applied to)."""
         mesh_shape = tuple(mesh_shape)
         if len(mesh_shape) < self.min_axes:
             raise NotApplicable(
                 f"needs a mesh with >= {self.min_axes} axes (the batch is sharded on axis 0, tensor parallelism on the last axis)")
-        return self.make(mesh_shape)
+        rules = self.make(mesh_shape)
+        if conventions is not None:
+            rules = [r.with_conventions(conventions) if hasattr(r, "with_conventions") else r for r in rules]
+        return rules
 
 
 def _all(mesh, tok):
@@ -204,22 +294,8 @@ def _tp_rules(mesh, label: str, *, data_storage: str, sequence_parallel: bool) -
 
     ``data_storage``: "R" (DDP, classic Megatron) or "S" (FSDP on the data axes)."""
     tp = len(mesh) - 1
-    data = range(tp)
-    dstore = {a: data_storage for a in data}
-    duse = {a: "R" for a in data}
-    rules: list[Any] = [
-        ParamRule(COLUMN_PARALLEL, storage={**dstore, tp: "S(0)"}, use={**duse, tp: "S(0)"}, label=label),
-        ParamRule(ROW_PARALLEL, storage={**dstore, tp: "S(1)"}, use={**duse, tp: "S(1)"}, label=label),
-        ParamRule(VOCAB_PARALLEL, storage={**dstore, tp: "S(0)"}, use={**duse, tp: "S(0)"}, label=label),
-    ]
-    if data_storage == "R":
-        rules.append(ParamRule(NORMS, storage=_all(mesh, "R"), use=_all(mesh, "R"), label=label))
-    else:
-        # FSDP shards the (tiny) norm weights on every axis; they are gathered before use.
-        rules.append(ParamRule(NORMS, use=_all(mesh, "R"), label=label))
-    rules.append(BatchShardRule(tuple(data), label=label))
-    rules.append(NormOutputRule({tp: "S(1)" if sequence_parallel else "R"}, label=label))
-    return rules
+    return [TensorParallelRule(data_storage, label=label), BatchShardRule(tuple(range(tp)), label=label),
+            NormOutputRule({tp: "S(1)" if sequence_parallel else "R"}, label=label)]
 
 
 RECIPES: tuple[Recipe, ...] = (
@@ -274,6 +350,7 @@ class RecipeResult:
     param_bytes: float | None = None
     status: str = "ok"           # "ok" | "n/a" | "infeasible"
     reason: str = ""
+    notes: list[str] = field(default_factory=list)  # where the recipe had to depart from its letter
     seconds: float = 0.0
     plan: Any = None
 
@@ -289,17 +366,24 @@ def _input_dim(captured, dim: int) -> int | None:
     return None
 
 
-def run(recipe: Recipe, captured, strategies, cost, *, solver: str = "trws", time_limit: float | None = None,
-        solver_options: Mapping[str, Any] | None = None, itemsize: int = 2) -> RecipeResult:
-    """Price ``recipe`` on a capture: build its constrained model, solve, decode."""
-    from apmodel.api import placement_model, solve_model
+def run(recipe: Recipe, captured, strategies, cost, options: PlanOptions | None = None, *, itemsize: int = 2,
+        conventions: ModelConventions | None = None, **option_values: Any) -> RecipeResult:
+    """Price ``recipe`` on a capture: build its constrained model, solve, decode.
+
+    ``options`` (or their keywords, e.g. ``solver="highs"``) are the planning run's; the recipe
+    sets the parameter storage policy and the replicated axes itself. ``conventions``: the
+    model's parts (None: derived from ``captured``, :func:`apmodel.conventions.derive`)."""
     from apmodel.model import ConstraintConflict
 
+    options = make_options(options, **option_values)
     res = RecipeResult(recipe.name, recipe.title, recipe.param_policy)
     mesh = tuple(cost.mesh_shape)
     t0 = time.perf_counter()
     try:
-        cons = recipe.constraints(mesh)
+        cons = recipe.constraints(mesh, conventions or derive(captured))
+        for rule in cons:
+            if hasattr(rule, "layout"):
+                res.notes += rule.layout(captured, mesh)[1]
         batch = _input_dim(captured, 0)
         degree = recipe.data_degree(mesh)
         if batch is not None and batch % degree:
@@ -308,10 +392,10 @@ def run(recipe: Recipe, captured, strategies, cost, *, solver: str = "trws", tim
         res.status, res.reason = "n/a", str(e)
         return res
     try:
-        pm = placement_model(captured, strategies, cost, constraints=cons, param_policy=recipe.param_policy,
-                             replicate_axes=recipe.replicate_axes(mesh))
-        plan = solve_model(pm, solver=solver, time_limit=time_limit, solver_options=solver_options,
-                           workload={"recipe": recipe.name})
+        forced = options.replace(param_policy=recipe.param_policy, replicate_axes=tuple(recipe.replicate_axes(mesh)),
+                                 param_memory_fraction=None)
+        pm = placement_model(captured, strategies, cost, forced, constraints=cons)
+        plan = solve_model(pm, forced, workload={"recipe": recipe.name})
     except (ConstraintConflict, solvers.Infeasible) as e:
         res.status, res.reason = "infeasible", str(e)
         res.seconds = time.perf_counter() - t0
@@ -328,12 +412,4 @@ def run(recipe: Recipe, captured, strategies, cost, *, solver: str = "trws", tim
     res.seconds = time.perf_counter() - t0
     logger.info("recipe %s: %.1f µs (%.2f s)", recipe.name, plan.objective_us, res.seconds)
     return res
-
-
-def compare(captured, strategies, cost, *, solver: str = "trws", time_limit: float | None = None,
-            solver_options: Mapping[str, Any] | None = None, itemsize: int = 2,
-            recipes: Sequence[Recipe] = RECIPES) -> list[RecipeResult]:
-    """Price every recipe on one capture (strategies and cost caches are shared)."""
-    return [run(r, captured, strategies, cost, solver=solver, time_limit=time_limit,
-                solver_options=solver_options, itemsize=itemsize) for r in recipes]
 

@@ -11,7 +11,7 @@ so both show the same thing. matplotlib is imported only by :func:`write_pngs`.
 
 How a parameter is *used* (gathered for the op that computes with it, or read sharded) needs the
 graph: it is read with :func:`apmodel.roles.param_uses` when the plan has its model attached
-(``plan.model``: a plan just solved, or one re-attached with :func:`apmodel.cli.attach`). A plan
+(``plan.model``: a plan just solved, or one re-attached with :func:`apmodel.api.attach`). A plan
 read from a file alone shows storage placements only, and says so.
 """
 
@@ -52,19 +52,18 @@ _SEGMENT_COLOURS = MappingProxyType({
     "parameters": "#2f4b7c", "gradients": "#76b7b2", "optimizer state": "#edc948", "activations": "#8cd17d",
 })
 _DARK_TEXT_ROLES = frozenset({"sharded", "replicated"})
-_LAYER = re.compile(r"^(.*?layers\.\d+)\.(.+)$")
 _FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'DejaVu Sans', sans-serif"
 
 
 # ------------------------------------------------------------------------------ formatting
 def _fmt_us(x: float | None) -> str:
-    from apmodel.cli import _fmt_us as fmt  # one number format for the terminal and the page
+    from apmodel.formatting import fmt_us as fmt  # one number format for the terminal and the page
 
     return fmt(x)
 
 
 def _fmt_bytes(b: float | None) -> str:
-    from apmodel.cli import _fmt_bytes as fmt
+    from apmodel.formatting import fmt_bytes as fmt
 
     return fmt(b)
 
@@ -203,22 +202,19 @@ def _activation_role(token: str) -> str:
     return "partial" if token.startswith("P") else "replicated"
 
 
-def _split_name(fqn: str) -> tuple[str, str]:
-    """``layers.3.attention.wq.weight`` -> ``("layers.3", "attention.wq.weight")``; ("", fqn) outside layers."""
-    m = _LAYER.match(fqn)
-    return (m.group(1), m.group(2)) if m else ("", fqn)
-
-
 def _column(rel: str) -> str:
     return rel[: -len(".weight")] if rel.endswith(".weight") else rel
 
 
 def _placement_data(plan: "Plan") -> tuple[list[_Block], list[_ParamRow]]:
-    """The placement grid (layers x parameters, one stripe per axis) and the per-parameter table."""
+    """The placement grid (layers x parameters, one stripe per axis) and the per-parameter table.
+    Layers and norms come from the plan's model conventions (:func:`apmodel.conventions.for_plan`)."""
     from apmodel import placements as pl
+    from apmodel.conventions import for_plan
     from apmodel.roles import param_uses
 
     pm, ns = plan.model, plan.node_strategy
+    conventions = for_plan(plan)
     axes = range(len(plan.mesh_shape))
     groups: dict[str, dict[str, _Cell]] = {}
     table: list[_ParamRow] = []
@@ -226,7 +222,7 @@ def _placement_data(plan: "Plan") -> tuple[list[_Block], list[_ParamRow]]:
         stored = [pl.to_str(p) for p in placement]
         known = pm is not None and fqn in pm.fqn_to_node  # a tied alias has no node of its own
         uses = param_uses(pm, ns, fqn, through_views=True) if known else None
-        group, rel = _split_name(fqn)
+        group, rel = conventions.split(fqn)
         cells = groups.setdefault(group, {})
         stripes, roles = [], []
         for a in axes:
@@ -244,7 +240,7 @@ def _placement_data(plan: "Plan") -> tuple[list[_Block], list[_ParamRow]]:
         table.append(_ParamRow(fqn, shape, "".join(stored),
                                "not known" if uses is None else "; ".join(f"{n}: {''.join(p)}" for n, p in uses) or "—",
                                roles))
-        if known and rel.endswith("norm.weight"):
+        if known and conventions.is_norm_weight(fqn):
             # The norm's output shows how activations are split: batch (DP) or sequence (SP).
             out = next((ns[n].outputs[0] for n, _ in param_uses(pm, ns, fqn) if ns[n].outputs and ns[n].outputs[0] is not None), None)
             if out is not None:
@@ -331,7 +327,7 @@ def _recipe_rows(plan: "Plan", recipes: Sequence[Any], free_plan: "Plan | None")
             inside = True
         rows.append({"name": r.title, "policy": r.param_policy + ("" if inside else " *"), "objective": r.objective_us,
                      "compute": r.compute_us, "comm": r.comm_us, "bytes": r.param_bytes, "status": r.status,
-                     "reason": (r.reason or "").splitlines()[0][:300] if r.reason else ""})
+                     "reason": (r.reason or "").splitlines()[0][:300] if r.reason else "; ".join(getattr(r, "notes", ()))})
     return rows
 
 
@@ -615,7 +611,6 @@ def _gap(plan: "Plan") -> tuple[float | None, float | None]:
 
 def _summary_section(plan: "Plan", param_note: str) -> str:
     from apmodel.roles import emerged
-    from apmodel.plans import describe_axes
 
     wl, s, tm = plan.workload, plan.solver, plan.timings
     workload = [("model", wl.get("model", "—")), ("mesh", f"{_mesh_str(plan.mesh_shape)} ({math.prod(plan.mesh_shape)} devices, "
@@ -633,7 +628,7 @@ def _summary_section(plan: "Plan", param_note: str) -> str:
                                                              for k in ("nodes", "groups", "states", "edges"))),
               ("trace / build / solve / total (s)", " / ".join(f"{tm[k]:.2f}" if k in tm else "—"
                                                                for k in ("trace_s", "build_s", "solve_s", "total_s")))]
-    roles = emerged(plan) if plan.model is not None else describe_axes(plan)
+    roles = emerged(plan)  # storage placements and traffic only when the model is not attached
     axes = [(f"axis {k[4:]} ({plan.mesh_shape[int(k[4:])]})", v) for k, v in roles.items()]
     return ('<section id="summary"><h2>Workload and solver</h2><div class="grid3">'
             f"<div>{_table(('workload', ''), workload)}</div><div>{_table(('cost per step', ''), cost)}</div>"
@@ -738,7 +733,7 @@ def diff_page(a: "Plan", b: "Plan", *, names: tuple[str, str] = ("a", "b"), node
 
     Plans for different meshes or graphs are compared by parameter and node name, with a note at
     the top saying what differs (see :func:`apmodel.plans.diff`)."""
-    from apmodel.cli import _strategy_str
+    from apmodel.formatting import strategy_str as _strategy_str
     from apmodel.plans import PlanMismatch, diff
 
     notes = []

@@ -3,7 +3,8 @@
 :func:`param_uses` follows a parameter to the forward ops that compute with it and reports the
 placements they read it in; :func:`emerged` names what each mesh axis ended up doing (FSDP, tensor
 parallel, sequence parallel, data parallel, all-to-all). The CLI tables, the plan report and the
-recipe tests read plans through these two functions.
+recipe tests read plans through these two functions. Without the plan's model (a plan read from
+a file) only storage can be read: :func:`storage_roles` says that much and no more.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from apmodel import placements as pl
+from apmodel.conventions import derive
 from apmodel.strategies import input_slots
 
 #: Ops that only relabel a weight on its way to the op that computes with it.
@@ -45,24 +47,31 @@ def param_uses(pmodel: Any, node_strategy: dict[str, Any], fqn: str, *, through_
 
 
 def emerged(plan: Any) -> dict[str, str]:
-    """What each mesh axis does, read off the plan (needs ``plan.model``).
+    """What each mesh axis does, read off the plan (:func:`storage_roles` without ``plan.model``).
 
     * parameters sharded in storage but read replicated by their forward ops -> FSDP (gathered);
     * matmul weights read sharded -> tensor parallel;
     * norm outputs sharded on dim 1 (sequence of ``[b, s, d]``) -> sequence parallel;
     * norm outputs sharded on dim 0 -> data parallel (batch);
     * all-to-all traffic on the axis -> all-to-all resharding.
+
+    The norm weights are those of the model's conventions (:func:`apmodel.conventions.derive`).
     """
     pm = plan.model
+    if pm is None:
+        return storage_roles(plan)
     ns = plan.node_strategy
+    conventions = derive(pm.captured)
     roles: dict[str, str] = {}
     weights = [f for f, node in pm.fqn_to_node.items() if getattr(pm.node_by_name[node].meta.get("val"), "dim", lambda: 0)() >= 2]
     norm_outputs = []
     for fqn, node in pm.fqn_to_node.items():
-        if fqn.endswith("norm.weight"):
+        if conventions.is_norm_weight(fqn):
             for user in pm.node_by_name[node].users:
                 if user.name in ns and not pm.captured.is_backward.get(user.name, False) and ns[user.name].outputs:
                     val = user.meta.get("val")
+                    if isinstance(val, (tuple, list)):  # native_layer_norm: (output, mean, rstd)
+                        val = val[0] if val else None
                     if getattr(val, "dim", lambda: 0)() == 3 and ns[user.name].outputs[0] is not None:
                         norm_outputs.append(tuple(pl.to_str(x) for x in ns[user.name].outputs[0]))
     for axis, size in enumerate(plan.mesh_shape):
@@ -93,4 +102,24 @@ def emerged(plan: Any) -> dict[str, str]:
         if a2a > 0:
             parts.append(f"all-to-all resharding ({a2a:,.0f} µs)")
         roles[f"axis{axis}"] = "; ".join(parts) or "idle (everything replicated on this axis)"
+    return roles
+
+
+def storage_roles(plan: Any) -> dict[str, str]:
+    """What can be said of each mesh axis from a plan's storage placements and traffic alone (no
+    model attached): how many parameters are stored sharded or replicated on it, and the
+    collectives priced on it. How the parameters are *used* (FSDP gathers or tensor parallelism)
+    needs the graph, and the text says so."""
+    total = len(plan.param_placements)
+    roles: dict[str, str] = {}
+    for axis in range(len(plan.mesh_shape)):
+        tokens = [pl.to_str(p[axis]) for p in plan.param_placements.values()]
+        sharded = sum(t.startswith("S") for t in tokens)
+        replicated = sum(t == "R" for t in tokens)
+        parts = [f"parameters stored sharded {sharded}/{total}, replicated {replicated}/{total}"]
+        traffic = {k.split("@")[0]: v for k, v in plan.comm_by_collective.items() if k.endswith(f"@axis{axis}") and v > 0}
+        if traffic:
+            parts.append(", ".join(f"{kind.replace('_', '-')} {us:,.0f} µs" for kind, us in sorted(traffic.items())))
+        parts.append("how they are used (gathered or read sharded) needs the plan's model")
+        roles[f"axis{axis}"] = "; ".join(parts)
     return roles

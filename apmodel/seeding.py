@@ -47,8 +47,9 @@ import torch
 import solvers
 from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
-from apmodel.costs import CostContext
+from apmodel.costs import CostContext, build_cost_context
 from apmodel.model import PlacementModel, default_batch_placement
+from apmodel.options import DEFAULT_SEED_RADIUS, make_options
 from apmodel.strategies import Ball, Strategy, StrategyCache, enumerate_strategies
 
 __all__ = ["AxisComm", "Seed", "seed", "balls", "boundary_placements"]
@@ -58,8 +59,8 @@ logger = logging.getLogger(__name__)
 #: A node's seed: the 1-D strategy chosen for it on each mesh axis (outputs/inputs are 1-tuples).
 Seed = tuple[Strategy, ...]
 
-#: Default Hamming radius of the seeded search (paper §4.3: "default r=2").
-DEFAULT_RADIUS = 2
+#: Default Hamming radius of the seeded search (defined with the other planning options).
+DEFAULT_RADIUS = DEFAULT_SEED_RADIUS
 
 
 class AxisComm:
@@ -135,7 +136,7 @@ def seed(
     """Solve one 1-D problem per mesh axis and return every node's seed (a 1-D strategy per axis).
 
     ``cost`` is the full mesh's cost context (else built from ``cost_options`` with
-    :func:`apmodel.api.cost_context`). Boundary placements, ``param_policy`` and
+    :func:`apmodel.costs.build_cost_context`). Boundary placements, ``param_policy`` and
     ``replicate_axes`` are projected on each axis (``param_policy="free"`` and parameter budgets
     both give free 1-D parameters). ``info``, when given, receives per-axis statistics under
     ``"axes"`` (size, objective µs, solver status, groups, states, seconds).
@@ -143,9 +144,7 @@ def seed(
     mesh_shape = tuple(int(s) for s in mesh_shape)
     D = len(mesh_shape)
     if cost is None:
-        from apmodel.api import cost_context
-
-        cost = cost_context(mesh_shape, **cost_options)
+        cost = build_cost_context(mesh_shape, make_options(**cost_options))
     elif tuple(cost.mesh_shape) != mesh_shape:
         raise ValueError(f"seed: cost context is for mesh {tuple(cost.mesh_shape)}, not {mesh_shape}")
     inputs, outputs = boundary_placements(captured, mesh_shape, input_placements, output_placements)

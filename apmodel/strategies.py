@@ -145,7 +145,8 @@ class Exclusion:
         return n >= self.min_mesh_axes
 
 
-# Known-broken-in-eager strategies (torch 2.13), measured on a real 2x2 gloo mesh (DESIGN.md).
+# Known-broken-in-eager strategies (torch 2.13), measured on a real 2x2 gloo mesh
+# (docs/design.md, "Known-broken strategies").
 EXCLUDED: tuple[Exclusion, ...] = (
     Exclusion(
         op=aten.embedding.default,
@@ -295,7 +296,7 @@ def _mesh_shape(mesh: DeviceMesh | Sequence[int]) -> tuple[int, ...]:
 
 def _op_name(target: object) -> str:
     """"aten.mm.default" for an OpOverload, the function name otherwise."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, tp.OpOverload):
         return str(target)
     return getattr(target, "__name__", str(target))
 
@@ -366,7 +367,7 @@ def node_strategies(
         return [Strategy((pl,), (pl,)) for pl in cand[0]]
 
     op = node.target
-    if (ball is not None and ball.widen_inputs and ball.radius < nd and isinstance(op, torch._ops.OpOverload)
+    if (ball is not None and ball.widen_inputs and ball.radius < nd and isinstance(op, tp.OpOverload)
             and tp.rule_kind(op) == "op_strategy"):
         # A full-mesh rule offers only strategies that follow its inputs' candidates, and under
         # seeding the producers' candidates are restricted. Widening gives each input also the
@@ -392,11 +393,11 @@ def node_strategies(
     out_shapes = _out_shapes(val)
     # Only full-mesh rules look at the producers' candidate placements; single-dim rules (and the
     # replicate fallback) do not, so their key leaves them out and more nodes share one entry.
-    with_cands = isinstance(op, torch._ops.OpOverload) and tp.rule_kind(op) == "op_strategy"
+    with_cands = isinstance(op, tp.OpOverload) and tp.rule_kind(op) == "op_strategy"
     # Single-dim rules expand only the combinations in the ball. Full-mesh rules follow their
     # producers' (already restricted) candidates and are not cut further: a view or transpose
     # must be able to pass on whatever its producer may output.
-    restrict_to_ball = (ball is not None and ball.radius < nd and isinstance(op, torch._ops.OpOverload)
+    restrict_to_ball = (ball is not None and ball.radius < nd and isinstance(op, tp.OpOverload)
                         and tp.rule_kind(op) == "single_dim")
     key = (op, _freeze(args, with_cands), _freeze(kwargs, with_cands), out_shapes, ms, allow_uneven,
            partial_inputs, tuple(partial_reduce_ops), tuple(partial_input_ops), ball if restrict_to_ball else None)
@@ -412,8 +413,8 @@ def node_strategies(
     in_shapes = [tuple(_val(p).shape) if i == 0 else tuple(_val(p)[i].shape) for p, i in slots]
     result: list[Strategy] = []
     reason = None
-    if not isinstance(op, torch._ops.OpOverload) or not tp.has_sharding_rule(op):
-        reason = "no DTensor sharding rule"
+    if not isinstance(op, tp.OpOverload) or not tp.has_sharding_rule(op):
+        reason = tp.no_rule_reason(_op_name(op))
     else:
         try:
             if restrict_to_ball:
@@ -422,7 +423,7 @@ def node_strategies(
             else:
                 raw = tp.op_strategies(op, args, kwargs, val, mesh)
         except Exception as e:  # a rule that rejects these arguments: fall back to replicate
-            reason = f"DTensor rule failed ({type(e).__name__}: {e})"
+            reason = f"DTensor rule of torch {torch.__version__} failed ({type(e).__name__}: {e})"
             raw = []
         seen: set[Strategy] = set()
         for outs, ins in raw:

@@ -39,7 +39,7 @@ import solvers  # noqa: E402
 from apmodel import models  # noqa: E402
 from apmodel.api import build_model, replay_constraints, solve_model  # noqa: E402
 from apmodel.capture import capture  # noqa: E402
-from apmodel.cli import parse_mesh  # noqa: E402
+from apmodel.workloads import parse_mesh  # noqa: E402
 from apmodel.model import ConstraintConflict  # noqa: E402
 
 logger = logging.getLogger("benchmarks.planner")

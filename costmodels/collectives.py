@@ -71,7 +71,7 @@ LL_MAX_BUS_GBPS_2NODES = 39.0
 LL_MAX_BUS_GBPS_NNODES = 20.4
 #: NVLS all-reduce algorithm bandwidth as a fraction of the NVLink line rate. Published
 #: 8 x H100 NVLS all-reduce: bus bandwidth ~480 GB/s, algbw ~275 GB/s on 450 GB/s links
-#: (DESIGN.md, NVIDIA maintainers' statements): 275 / 450 = 0.61; we take 0.60.
+#: (docs/design.md, "Published figures"): 275 / 450 = 0.61; we take 0.60.
 NVLS_ALGBW_FRACTION = 0.60
 #: all-to-all goes through NCCL point-to-point (no tuner); we price it as every rank sending
 #: (n-1)/n of its buffer at the axis' ring bus bandwidth times this factor (p2p over

@@ -49,8 +49,8 @@ GPU_LAUNCH_FLOOR_US = 2.0
 CPU_LAUNCH_FLOOR_US = 5.0
 
 #: Ring (Simple protocol) bus bandwidth as a fraction of the NVLink line rate.
-#: H100: nccl-tests reach ~370 GB/s bus bandwidth on 450 GB/s NVLink 4 (DESIGN.md,
-#: NVIDIA maintainers' statements): 370 / 450 = 0.82.
+#: H100: nccl-tests reach ~370 GB/s bus bandwidth on 450 GB/s NVLink 4 (docs/design.md,
+#: "Published figures"): 370 / 450 = 0.82.
 RING_EFFICIENCY_HOPPER = 370.0 / 450.0
 #: A100: NCCL's own tuning model caps sm80 bus bandwidth at 235 GB/s (NCCL tuning.cc,
 #: "if (compCap80) busBw = std::min(busBw, 235.0f)"); NVLink 3 is 300 GB/s per direction.

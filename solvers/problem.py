@@ -240,15 +240,6 @@ class PairwiseProblem:
         p.constraints, p._rows = p._build_constraints(constraints)
         return p
 
-    def with_unary(self, unary_flat: np.ndarray, constraints: Sequence[LinearConstraint] | None = None) -> PairwiseProblem:
-        """Same edges, new flat unary vector (and optionally new constraints)."""
-        unary_flat = np.asarray(unary_flat, dtype=np.float64)
-        if unary_flat.shape != (self.n_indicators,):
-            raise ValueError(f"unary_flat must have shape ({self.n_indicators},), got {unary_flat.shape}")
-        if np.isnan(unary_flat).any() or np.isneginf(unary_flat).any():
-            raise ValueError("unary_flat contains NaN or -inf")
-        return PairwiseProblem._from_parts(self, unary_flat, self.constraints if constraints is None else constraints)
-
     # ------------------------------------------------------------------ queries
     @property
     def n_indicators(self) -> int:
@@ -280,13 +271,6 @@ class PairwiseProblem:
     def var_name(self, v: int) -> str:
         v = int(v)
         return self.names[v] if self.names else f"x{v}"
-
-    def degrees(self) -> np.ndarray:
-        deg = np.zeros(self.n_vars, dtype=np.int64)
-        for g in self.groups:
-            np.add.at(deg, g.u, 1)
-            np.add.at(deg, g.v, 1)
-        return deg
 
     def check_assignment(self, assignment) -> np.ndarray:
         x = np.asarray(assignment)

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 from typer.testing import CliRunner
 
-from apmodel.cli import JSON_KEYS, app, parse_mesh
+from apmodel.cli import JSON_KEYS, app
+from apmodel.workloads import parse_mesh
 from apmodel.config import ConfigError, load_config
 
 DATA = Path(__file__).parent / "data"
@@ -344,16 +345,16 @@ def test_console_script_errors_without_traceback(tmp_path):
 
 def test_plan_warnings_are_shown_deduplicated(monkeypatch):
     """Plan.warnings (when the Plan has them) join the recipe checks: in the table and in --json."""
-    import apmodel.cli as cli
+    import apmodel.api as api
 
-    solve = cli._solve
+    solve = api._solve
 
-    def with_warnings(pmodel, cfg, **kwargs):
-        plan = solve(pmodel, cfg, **kwargs)
+    def with_warnings(*args, **kwargs):
+        plan = solve(*args, **kwargs)
         plan.warnings = ["check [this] 'x'", "check [this] 'x'", "second"]
         return plan
 
-    monkeypatch.setattr(cli, "_solve", with_warnings)
+    monkeypatch.setattr(api, "_solve", with_warnings)
     res = invoke("plan", "--model", "test_cli:tiny_mlp", "--mesh", "2", "--json")
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert json.loads(res.stdout)["warnings"] == ["check [this] 'x'", "second"]

@@ -106,8 +106,12 @@ def test_profile_states_provenance_and_fit():
 
 def test_refit_reproduces_shipped_profile(rows):
     pytest.importorskip("scipy")
-    compute_profile = _script()
-    fitted = compute_profile.fit(compute_profile._Rows(rows), "h200", log=lambda s: None)
+    from costmodels import fitting
+
+    result = fitting.fit_profile(rows, "h200", log=lambda s: None)
+    fitted = result.profile
+    assert fitted.executions == ("eager", "graphs")      # the file has CUDA-graph timings
+    assert result.unconstrained == []                    # every parameter is fitted to data
     shipped = cm.builtin_profile("h200")
 
     def leaves(d, path=""):

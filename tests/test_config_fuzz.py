@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from apmodel import constraints as C
 from apmodel import placements as pl
-from apmodel.api import DTYPES
-from apmodel.cli import parse_mesh
+from apmodel.costs import DTYPES
+from apmodel.workloads import parse_mesh
 from apmodel.config import _SCHEMA, Config, ConfigError, load_config, parse_config, parse_config_text
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "apmodel.toml"

@@ -87,7 +87,7 @@ def test_axis_of_size_one_costs_nothing():
 
 
 def test_published_h100_nvswitch_figures(h100x8):
-    # DESIGN.md "Published figures": 8 x H100 over NVSwitch, nccl-tests all_reduce bus
+    # docs/design.md, "Published figures": 8 x H100 over NVSwitch, nccl-tests all_reduce bus
     # bandwidth ~369-370 GB/s with ring (NVLS off) and up to ~480 GB/s with NVLS.
     busbw = h100x8.bus_bandwidth_GBps("all_reduce", GiB, 0)
     assert 350.0 <= busbw <= 480.0

@@ -159,3 +159,78 @@ def test_emerged_roles_read_back_the_recipes(results_2x2):
     assert "tensor parallel" in tp["axis1"] and "sequence parallel" not in tp["axis1"]
     ddp = emerged(results_2x2["ddp"].plan)
     assert all("weights replicated" in ddp[a] and "FSDP" not in ddp[a] for a in ("axis0", "axis1"))
+
+
+# ------------------------------------------------------------------------------ GPT-2 (other names)
+@pytest.fixture(scope="module")
+def gpt2_2x2():
+    """GPT-2 small's shapes (one layer): fused qkv with biases, LayerNorm with biases, a vocabulary of
+    50257 that does not split over 2 ranks. Every recipe priced on a 2x2 mesh, plus the found plans
+    of the default and the free-storage policies."""
+    with torch.device("meta"):
+        model = build("gpt2", n_layers=1)
+    cap = capture(model, sample_inputs("gpt2", batch=8, seq=64))
+    mesh = (2, 2)
+    strategies, cost = enumerate_strategies(cap.gm, mesh), cost_context(mesh)
+    results = {r.name: R.run(r, cap, strategies, cost, solver=SOLVER) for r in R.RECIPES}
+    found = solve_model(placement_model(cap, strategies, cost), solver=SOLVER)
+    free = solve_model(placement_model(cap, strategies, cost, param_policy="free"), solver=SOLVER)
+    return cap, results, found, free
+
+
+def test_gpt2_tensor_parallel_recipes_are_priced(gpt2_2x2):
+    _, results, _, _ = gpt2_2x2
+    for name in ("megatron_tp", "megatron_tp_sp", "fsdp_tp"):
+        r = results[name]
+        assert r.status == "ok", (name, r.reason)
+        assert math.isfinite(r.objective_us) and r.objective_us > 0
+        # the vocabulary (50257) does not split over the 2 tensor-parallel ranks: kept whole, and said so
+        assert any(n.startswith("output.weight") and "does not divide by 2" in n for n in r.notes), r.notes
+        assert any(n.startswith("tok_embeddings.weight") for n in r.notes), r.notes
+    p = results["megatron_tp"].plan
+    for fqn, want in {"layers.0.attention.wqkv.weight": "RS(0)", "layers.0.attention.wqkv.bias": "RS(0)",
+                      "layers.0.attention.wo.weight": "RS(1)", "layers.0.attention.wo.bias": "RR",
+                      "layers.0.mlp.fc.weight": "RS(0)", "layers.0.mlp.fc.bias": "RS(0)",
+                      "layers.0.mlp.proj.weight": "RS(1)", "layers.0.mlp.proj.bias": "RR",
+                      "layers.0.attention_norm.weight": "RR", "layers.0.ffn_norm.bias": "RR",
+                      "output.weight": "RR", "tok_embeddings.weight": "RR"}.items():
+        assert _s(p, fqn) == want, fqn
+    assert _uses(p, "layers.0.mlp.fc.weight") == {"RS(0)"}
+    assert _uses(p, "layers.0.mlp.proj.weight") == {"RS(1)"}
+
+
+def test_gpt2_recipes_never_beat_the_searched_plans(gpt2_2x2):
+    """The honesty check: the free-storage search contains every recipe, the default search the
+    full_shard ones; neither may be more expensive than a recipe in its space."""
+    _, results, found, free = gpt2_2x2
+    priced = [r for r in results.values() if r.status == "ok"]
+    assert len(priced) == len(R.RECIPES), {r.name: r.reason for r in results.values()}
+    for r in priced:
+        assert free.objective_us <= r.objective_us * (1 + 1e-6), r.name
+        if R.within_default_space(R.get(r.name)):
+            assert found.objective_us <= r.objective_us * (1 + 1e-6), r.name
+
+
+def test_gpt2_roles_read_tensor_parallelism(gpt2_2x2):
+    from apmodel.roles import emerged
+
+    _, results, _, _ = gpt2_2x2
+    tp = emerged(results["megatron_tp"].plan)
+    assert "tensor parallel" in tp["axis1"] and "tensor parallel" not in tp["axis0"]
+    sp = emerged(results["megatron_tp_sp"].plan)
+    assert "sequence parallel" in sp["axis1"]  # GPT-2's LayerNorm outputs found through its conventions
+
+
+def test_recipes_take_given_conventions(captured, setup_2x2):
+    """Conventions that name no linear layer make the tensor-parallel recipes not applicable;
+    the LLaMA default gives the same plan as the derived conventions on a LLaMA model."""
+    from apmodel.conventions import LLAMA, ModelConventions
+
+    strategies, cost = setup_2x2
+    none = ModelConventions(column_parallel=(), row_parallel=(), source="test: nothing to split")
+    r = R.run(R.get("megatron_tp"), captured, strategies, cost, solver=SOLVER, conventions=none)
+    assert r.status == "n/a" and "nothing to split" in r.reason
+    a = R.run(R.get("megatron_tp"), captured, strategies, cost, solver=SOLVER, conventions=LLAMA)
+    b = R.run(R.get("megatron_tp"), captured, strategies, cost, solver=SOLVER)
+    assert a.plan.param_placements == b.plan.param_placements
+    assert a.objective_us == pytest.approx(b.objective_us, rel=1e-9)

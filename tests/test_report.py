@@ -181,6 +181,51 @@ def test_plan_file_alone_old_file_and_escaped_warnings(plan, tmp_path):
     assert "no per-layer costs" in doc.text
 
 
+class _HStack(torch.nn.Module):
+    """Blocks under ``h.{i}`` (GPT-2's Hugging Face naming), not ``layers.{i}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(32, 16)
+        self.h = torch.nn.ModuleList(torch.nn.ModuleDict({"ln": torch.nn.LayerNorm(16), "up": torch.nn.Linear(16, 32),
+                                                          "down": torch.nn.Linear(32, 16)}) for _ in range(3))
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens)
+        for blk in self.h:
+            x = x + blk["down"](torch.relu(blk["up"](blk["ln"](x))))
+        return self.head(x)
+
+
+def test_grid_groups_parameters_by_the_models_own_layers(tmp_path):
+    """The per-layer grid follows the model's conventions (``h.0``, ``h.1``...), with its model
+    attached and from the plan file alone; the axes' reading without the model says only what
+    storage and traffic show."""
+    from apmodel.roles import emerged
+
+    with torch.device("meta"):
+        m = _HStack()
+    tokens = torch.zeros(8, 4, dtype=torch.long, device="meta")
+    p = apmodel.plan(m, (2,), (tokens,), loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), y.flatten()), targets=(tokens,))
+    want = ["h.0", "h.1", "h.2", "model"]
+    blocks, _ = report._placement_data(p)
+    assert [label for b in blocks for label, _ in b.rows] == want
+    assert "ln out" in blocks[0].columns  # the norm's output: ln.weight is a norm weight by the conventions
+    p.save(tmp_path / "h.json")
+    alone = Plan.load(tmp_path / "h.json")
+    assert alone.model is None
+    blocks, _ = report._placement_data(alone)
+    assert [label for b in blocks for label, _ in b.rows] == want
+    roles = emerged(alone)
+    n = len(alone.param_placements)
+    sharded = sum(pl.to_str(v[0]).startswith("S") for v in alone.param_placements.values())
+    assert roles["axis0"].startswith(f"parameters stored sharded {sharded}/{n}")
+    assert "needs the plan's model" in roles["axis0"] and "FSDP" not in roles["axis0"]
+    assert "needs the plan's model" not in emerged(p)["axis0"]
+
+
 def test_recipe_comparison_section(plan):
     recipes = [RecipeResult("fsdp", "FSDP", "full_shard", objective_us=plan.objective_us * 1.25, compute_us=plan.compute_us,
                             comm_us=plan.objective_us * 1.25 - plan.compute_us, param_bytes=4096.0),

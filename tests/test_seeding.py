@@ -57,12 +57,18 @@ def test_seeded_problem_is_a_smaller_restriction_with_near_optimal_optimum(captu
     timings: dict[str, float] = {}
     pm = build_model(captured, MESH, cost=cost, timings=timings)  # seeding on by default for 3 axes
     assert timings["seeding_s"] > 0 and timings["build_s"] >= timings["seeding_s"] + timings["strategies_s"]
-    for name, strats in pm.strategies.items():
-        assert set(strats) <= set(full_pm.strategies[name]), name
+    # A restriction where the pointwise ops have single-dim rules (torch 2.13 on). torch 2.11's
+    # full-mesh pointwise rule picks the input to follow from the candidates it is given, so
+    # restricted producers can make it offer strategies the full problem lacks.
+    restriction = tp.rule_kind(aten.mul.Tensor) == "single_dim"
+    if restriction:
+        for name, strats in pm.strategies.items():
+            assert set(strats) <= set(full_pm.strategies[name]), name
     assert _count(pm) < 0.6 * _count(full_pm)  # measured 21,502 vs 42,785 (radius 2 of 3 axes)
     plan = solve_model(pm, solver="highs", timings=timings)
     assert plan.solver["status"] == "optimal" and full_plan.solver["status"] == "optimal"
-    assert plan.objective_us >= full_plan.objective_us * (1 - 1e-9)
+    if restriction:
+        assert plan.objective_us >= full_plan.objective_us * (1 - 1e-9)
     assert plan.objective_us <= full_plan.objective_us * (1 + SEEDED_GAP)
 
 
@@ -108,8 +114,10 @@ def test_balls_contain_seed_all_replicate_and_nothing_far(captured, cost):
             assert not far or allr or s.outputs[0] in ball.keep, (name, str(s))
         with_seed += any(ball.distance(s) == 0 for s in strats)
     # the seed itself is kept where it is valid on the full mesh (not always: e.g. S(0) on every
-    # axis may over-shard a small dim)
-    assert checked > 100 and with_seed > 0.7 * checked, (with_seed, checked)  # measured 127 of 149
+    # axis may over-shard a small dim); measured 127 of 149 (torch 2.13), 50 of 50 on torch 2.11,
+    # whose pointwise ops have full-mesh rules
+    assert checked > (100 if tp.rule_kind(aten.add.Tensor) == "single_dim" else 40), checked
+    assert with_seed > 0.7 * checked, (with_seed, checked)
 
 
 def test_ball_distance_counts_differing_axes():
@@ -159,6 +167,8 @@ def test_single_dim_rule_expansion_matches_torch(ms):
         (aten.silu.default, (_arg((8, 16), nd),), {}, meta(8, 16)),
         (aten.embedding.default, (_arg((64, 16), nd), _arg((8, 4), nd, torch.int64)), {}, meta(8, 4, 16)),
     ]
+    cases = [c for c in cases if tp.rule_kind(c[0]) == "single_dim"]  # torch 2.11: mm only
+    assert cases[0][0] is aten.mm.default
     for op, args, kwargs, out in cases:
         rule = tp.SingleDimRule(op, args, kwargs, out, mesh)
         assert rule.exact

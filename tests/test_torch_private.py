@@ -30,17 +30,27 @@ def test_registries_exist_and_hold_the_ops_we_use():
     regs = tp.registries()
     assert set(regs) == {"op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"}
     full, single = regs["op_strategy_funcs"], regs["op_single_dim_strategy_funcs"]
-    assert len(full) > 100 and len(single) > 500  # ~160 / ~1000 in torch 2.13
-    for op in (aten.mm.default, aten.view.default, aten.t.default, aten.sum.default, aten._log_softmax.default,
-               aten._scaled_dot_product_flash_attention.default,
-               aten._scaled_dot_product_flash_attention_backward.default,
-               aten._scaled_dot_product_efficient_attention.default,
-               aten._scaled_dot_product_efficient_attention_backward.default):
-        assert op in full, op
-    for op in (aten.mm.default, aten.add.Tensor, aten.mul.Tensor, aten.silu.default, aten.embedding.default,
-               aten.embedding_dense_backward.default, aten._fused_rms_norm.default,
-               aten._fused_rms_norm_backward.default, aten.native_layer_norm.default):
-        assert op in single, op
+    # Full-mesh / single-dim rules: torch 2.11 ~580 / 4 (mm, bmm, addmm, baddbmm); 2.13 ~160 /
+    # ~1000 (pointwise, embedding, norms moved); 2.14 and 2.15: 19 / ~1220 (all but view-like ops).
+    assert len(full) + len(single) > 500
+    used = (aten.mm.default, aten.view.default, aten.t.default, aten.sum.default, aten._log_softmax.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_backward.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_efficient_attention_backward.default,
+            aten.add.Tensor, aten.mul.Tensor, aten.silu.default, aten.embedding.default,
+            aten.embedding_dense_backward.default, aten._fused_rms_norm.default,
+            aten._fused_rms_norm_backward.default, aten.native_layer_norm.default)
+    for op in used:
+        assert op in single or op in full, op
+        assert tp.rule_kind(op) == ("single_dim" if op in single else "op_strategy"), op
+    for op in (aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default):
+        assert op in full, op  # view-like ops follow their input's placements on every release
+    assert aten.mm.default in single
+    if tp.torch_version() >= (2, 13):
+        assert aten.add.Tensor in single and aten.embedding.default in single
+    if tp.torch_version() >= (2, 14):
+        assert aten.t.default in single and aten._scaled_dot_product_flash_attention.default in single
     assert tp.rule_kind(aten.mm.default) == "single_dim"  # torch's dispatcher prefers the single-dim rule
     assert tp.rule_kind(aten.view.default) == "op_strategy"
     assert tp.has_sharding_rule(aten.add.Tensor)
@@ -81,8 +91,8 @@ def test_single_dim_lookup_mm_counts():
 def test_full_mesh_lookup_follows_all_input_candidates():
     mesh = tp.fake_mesh((4, 8))
     a = _arg((64, 32), 2)
-    got = tp.op_strategies(aten.t.default, (a,), {}, torch.empty(32, 64, device="meta"), mesh)
-    # t follows its input: one strategy per candidate placement of the input (3 x 3)
+    got = tp.op_strategies(aten.transpose.int, (a, 0, 1), {}, torch.empty(32, 64, device="meta"), mesh)
+    # transpose follows its input: one strategy per candidate placement of the input (3 x 3)
     assert len(got) == 9
     for (out,), (inp,) in got:
         flip = tuple(Shard(1 - p.dim) if isinstance(p, Shard) else p for p in inp)
@@ -175,3 +185,20 @@ def test_fake_mesh_leaves_a_real_process_group_alone():
 
 def test_planning_twice_then_gloo_init_in_one_process():
     _run_script(_PLAN_THEN_GLOO_SCRIPT)
+
+
+def test_norm_backward_pairs_statistics_with_the_input_and_replicates_the_weights():
+    # torch 2.11's full-mesh rule pairs candidates by index; every release must still offer only
+    # strategies whose mean/rstd follow the input and whose weight/bias are replicated
+    mesh = tp.fake_mesh((2, 2))
+    x, stat, w = _arg((4, 8, 16), 2), _arg((4, 8, 1), 2), _arg((16,), 2)
+    out = aten.native_layer_norm_backward.default(
+        *(torch.empty(4, 8, 16, device="meta"),) * 2, [16], *(torch.empty(4, 8, 1, device="meta"),) * 2,
+        *(torch.empty(16, device="meta"),) * 2, [True, True, True])
+    got = tp.op_strategies(aten.native_layer_norm_backward.default, (x, x, [16], stat, stat, w, w, [True, True, True]),
+                           {}, out, mesh)
+    ins = {i[1] for _, i in got}
+    assert {(Shard(0), Shard(1)), (Replicate(), Shard(0)), (Replicate(), Replicate())} <= ins
+    for _, (g, inp, mean, rstd, weight, bias) in got:
+        assert g == inp == mean == rstd and Shard(2) not in inp
+        assert weight == bias == (Replicate(), Replicate())

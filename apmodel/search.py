@@ -1,0 +1,179 @@
+"""The search stages: candidate strategies → placement model → solve → plan (and fit in memory).
+
+Each function is one step the orchestration in :mod:`apmodel.api` calls in order; the recipes
+(:mod:`apmodel.recipes`) call the last two on their own constrained models. All options come in
+one :class:`~apmodel.options.PlanOptions`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import solvers
+from apmodel import seeding as seeding_mod
+from apmodel.capture import CapturedGraph
+from apmodel.constraints import ConstraintLike, apply_all
+from apmodel.costs import CostContext
+from apmodel.memory import HBM_RESERVE_FRACTION, MemoryEstimate, OutOfMemory
+from apmodel.model import PlacementModel
+from apmodel.options import PlanOptions
+from apmodel.plans import Plan
+from apmodel.strategies import enumerate_strategies
+
+logger = logging.getLogger(__name__)
+
+
+def candidate_strategies(
+    captured: CapturedGraph,
+    cost: CostContext,
+    options: PlanOptions,
+    *,
+    mesh: Any = None,
+    timings: dict[str, float] | None = None,
+) -> tuple[dict[str, list], bool]:
+    """Candidate strategies of every node, seeded on meshes of 3+ axes (``options.seeding``).
+
+    Seeding solves one 1-D problem per mesh axis and keeps only candidates within Hamming
+    distance ``options.seed_radius`` of that seed (:mod:`apmodel.seeding`): a restriction of the
+    full space. Returns the strategies and whether seeding restricted them; ``timings`` gets
+    ``seeding_s`` and ``strategies_s``.
+    """
+    mesh_shape = tuple(cost.mesh_shape)
+    timings = timings if timings is not None else {}
+    use_seeding = len(mesh_shape) >= 3 if options.seeding is None else bool(options.seeding)
+    balls = None
+    timings["seeding_s"] = 0.0
+    if use_seeding:
+        t0 = time.perf_counter()
+        seeds = seeding_mod.seed(
+            captured, mesh_shape, cost=cost, input_placements=options.input_placements,
+            output_placements=options.output_placements, param_policy=options.param_policy,
+            replicate_axes=options.replicate_axes, merge_copies=options.merge_copies,
+            flow_coupling=options.flow_coupling,
+        )
+        balls = seeding_mod.balls(
+            seeds, captured, mesh_shape, options.seed_radius, input_placements=options.input_placements,
+            output_placements=options.output_placements, widen_inputs=options.seed_widen_inputs,
+        )
+        timings["seeding_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape, balls=balls)
+    timings["strategies_s"] = time.perf_counter() - t0
+    return strategies, balls is not None
+
+
+def placement_model(
+    captured: CapturedGraph,
+    strategies: Mapping[str, list],
+    cost: CostContext,
+    options: PlanOptions,
+    *,
+    constraints: Sequence[ConstraintLike] = (),
+) -> PlacementModel:
+    """A compiled :class:`PlacementModel` from a capture and its candidate strategies.
+
+    The strategies can be shared by several models (the free plan and each recipe priced by
+    ``apmodel plan --compare-recipes``)."""
+    pmodel = PlacementModel(
+        captured, strategies, cost,
+        input_placements=options.input_placements, output_placements=options.output_placements,
+        param_policy=options.param_policy, replicate_axes=options.replicate_axes,
+        param_memory_fraction=options.param_memory_fraction, merge_copies=options.merge_copies,
+        flow_coupling=options.flow_coupling, optimizer=options.optimizer,
+    )
+    apply_all(pmodel, constraints)
+    pmodel.compile()
+    return pmodel
+
+
+def replay_constraints(saved: Plan | str | Path) -> Callable[[PlacementModel], None]:
+    """A constraint that forces every node to its strategy in ``saved`` (to price a stale plan)."""
+    plan = saved if isinstance(saved, Plan) else Plan.load(saved)
+
+    def apply(m: PlacementModel) -> None:
+        plan.check_compatible(m.captured, m.mesh_shape, exact=False)
+        for node in m.strategies:
+            if node not in plan.node_strategy:
+                raise ValueError(f"replay: node {node!r} of this graph is not in the saved plan")
+            m.fix_strategy(node, plan.node_strategy[node], f"replay of saved plan (node {node})")
+
+    return apply
+
+
+def solve_model(
+    pmodel: PlacementModel,
+    options: PlanOptions,
+    *,
+    timings: dict[str, float] | None = None,
+    workload: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Solve a built model with ``options.solver`` and decode the plan."""
+    timings = dict(timings or {})
+    problem = pmodel.compile()
+    sol = solvers.solve(problem, backend=options.solver, time_limit=options.time_limit, **dict(options.solver_options))
+    timings["solve_s"] = sol.seconds
+    timings["total_s"] = timings.get("trace_s", 0.0) + timings.get("build_s", 0.0) + sol.seconds
+    stats = {
+        "backend": sol.backend,
+        "status": sol.status,
+        "seconds": sol.seconds,
+        "energy_us": sol.energy,
+        "lower_bound_us": sol.lower_bound,
+        "gap": sol.gap,
+    }
+    plan = Plan.from_assignment(pmodel, sol.assignment, solver=stats, timings=timings, workload=workload)
+    logger.info(
+        "plan: objective %.1f µs (compute %.1f, comm %.1f), solver %s %s in %.2f s",
+        plan.objective_us, plan.compute_us, plan.comm_us, sol.backend, sol.status, sol.seconds,
+    )
+    return plan
+
+
+def memory_limit_bytes(options: PlanOptions, pmodel: PlacementModel) -> float | None:
+    """The per-device limit a plan must fit (bytes), or None for no limit.
+
+    ``options.memory_limit_bytes``, else the device's HBM less :data:`HBM_RESERVE_FRACTION`."""
+    if options.memory_limit_bytes is not None:
+        return None if math.isinf(options.memory_limit_bytes) else float(options.memory_limit_bytes)
+    hbm = pmodel.memory.hbm_bytes
+    return None if hbm is None else hbm * (1 - HBM_RESERVE_FRACTION)
+
+
+def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None, solve: Callable[[], Plan]) -> Plan:
+    """``plan`` if its peak fits ``limit_bytes`` per device (None: no limit), else the cheapest
+    plan under a memory row (:meth:`PlacementModel.add_memory_limit`, solved by ``solve``), else
+    :class:`~apmodel.memory.OutOfMemory` saying the smallest footprint the candidates allow and
+    what dominates it."""
+    if limit_bytes is None or plan.memory.get("peak_bytes") is None or plan.memory["peak_bytes"] <= limit_bytes:
+        return plan
+    mem = plan.memory
+    transient = mem["peak_bytes"] - sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
+    logger.info(
+        "plan needs %.2f GB per device, over the %.2f GB limit: solving again with a memory row",
+        mem["peak_bytes"] / 1e9, limit_bytes / 1e9,
+    )
+    smallest = pmodel.memory.smallest({n: pmodel.allowed_mask(n) for n in pmodel.strategies}) + transient
+    if smallest > limit_bytes:
+        raise _out_of_memory(plan, limit_bytes, smallest)
+    pmodel.add_memory_limit(limit_bytes, reserved_bytes=transient)
+    try:
+        fitted = solve()
+    except solvers.Infeasible:
+        raise _out_of_memory(plan, limit_bytes, smallest) from None
+    if fitted.memory["peak_bytes"] > limit_bytes:
+        raise _out_of_memory(fitted, limit_bytes, smallest)
+    return fitted
+
+
+def _out_of_memory(plan: Plan, limit: float, smallest: float) -> OutOfMemory:
+    est = MemoryEstimate(**{k: plan.memory[k] for k in MemoryEstimate.__dataclass_fields__})
+    return OutOfMemory(
+        f"out of memory: no plan fits {limit / 1e9:.2f} GB per device (memory_limit; by default the "
+        f"device's HBM less {HBM_RESERVE_FRACTION:.0%}); the cheapest plan needs {est.peak_bytes / 1e9:.2f} GB "
+        f"({est.dominant()}), the smallest any plan can need is about {smallest / 1e9:.2f} GB: use a smaller "
+        "batch or sequence, more devices, or an optimizer with less state"
+    )

@@ -1,0 +1,127 @@
+"""What to plan: a model, its sample inputs and loss, and the mesh, as one :class:`Workload`.
+
+A workload comes from Python (``apmodel.plan(model, mesh, inputs, ...)``) or from a name
+(:func:`load_workload`): a preset of :mod:`apmodel.models` or ``package.module:factory``, a
+callable returning ``(model, sample_inputs)`` or ``(model, sample_inputs, loss_fn)``, called inside
+``torch.device("meta")`` with those of the keyword arguments ``batch``, ``seq``, ``layers`` its
+signature accepts. Without ``loss_fn`` the model's output must be the scalar loss (or take a loss
+from the model's own labels).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:  # torch is imported where a model is built: parsing a mesh stays light
+    import torch
+    import torch.nn as nn
+
+#: Workload defaults of the command line (the Python API takes the inputs it is given).
+DEFAULT_SEQ = 2048
+DEFAULT_BATCH = 8
+
+#: Largest mesh accepted: checked on the axis sizes before anything is allocated.
+MAX_MESH_AXES = 4
+MAX_MESH_DEVICES = 2**20
+
+
+class WorkloadError(ValueError):
+    """A workload cannot be built: the message names the model spec or mesh text."""
+
+
+class TraceFailed(Exception):
+    """Building or tracing the training step of a named workload failed.
+
+    ``model`` is the spec the user gave, ``what`` the step that failed; the cause is chained
+    (``__cause__``) so that front ends can describe it (data-dependent op, missing rule...)."""
+
+    def __init__(self, model: str, what: str, cause: BaseException) -> None:
+        super().__init__(f"model {model!r}: {what}: {type(cause).__name__}: {cause}")
+        self.model = model
+        self.what = what
+
+
+def parse_mesh(text: str, flag: str = "--mesh") -> tuple[int, ...]:
+    """``"4x8"`` (or ``"4,8"``, ``"8"``) -> ``(4, 8)``; 1 to 4 positive axis sizes, at most 2**20 devices."""
+    parts = text.lower().replace(",", "x").replace("×", "x").split("x")
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        raise WorkloadError(f"{flag} {text!r}: expected axis sizes joined by 'x', e.g. 8, 4x8 or 2x2x2x4") from None
+    if any(s < 1 for s in sizes):
+        raise WorkloadError(f"{flag} {text!r}: expected positive axis sizes, e.g. 4x8")
+    if len(sizes) > MAX_MESH_AXES:
+        raise WorkloadError(f"{flag} {text!r}: {len(sizes)} axes; at most {MAX_MESH_AXES} are supported, e.g. 2x2x2x4")
+    devices = math.prod(sizes)
+    if devices > MAX_MESH_DEVICES:
+        raise WorkloadError(f"{flag} {text!r}: {devices:,} devices; at most {MAX_MESH_DEVICES:,} (2**20) are supported")
+    return sizes
+
+
+@dataclass
+class Workload:
+    """One training step to plan: ``loss_fn(model(*sample_inputs, **kwargs), *targets)`` on a mesh.
+
+    ``record`` says how to build it again (``model`` spec, ``batch``, ``seq``, ``layers``) and
+    becomes part of the plan file's ``workload`` record; empty for a module given from Python
+    that is not a preset."""
+
+    model: nn.Module
+    mesh_shape: tuple[int, ...]
+    sample_inputs: tuple[Any, ...] = ()
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    kwargs: Mapping[str, Any] | None = None
+    targets: Sequence[Any] | None = None
+    allow_unused_parameters: bool = False
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.mesh_shape = tuple(int(s) for s in self.mesh_shape)
+        if not self.mesh_shape or any(s < 1 for s in self.mesh_shape):
+            raise WorkloadError(f"mesh {self.mesh_shape}: expected one or more positive axis sizes")
+
+    @property
+    def name(self) -> str:
+        return str(self.record.get("model") or type(self.model).__name__)
+
+
+def load_workload(spec: str, mesh_shape: Sequence[int], *, batch: int, seq: int, layers: int | None = None) -> Workload:
+    """The :class:`Workload` of a preset name or a ``package.module:factory`` spec, on the meta device.
+
+    A factory's module must be importable (the CLI puts the working directory on ``sys.path``);
+    an exception raised by the factory becomes :class:`TraceFailed` naming it."""
+    import torch
+
+    record = {"model": spec, "batch": batch, "seq": seq, "layers": layers}
+    if ":" in spec:
+        import costmodels  # its object loader reads "package.module:name"
+
+        factory = costmodels.load_object(spec)
+        if not callable(factory):
+            raise WorkloadError(f"model {spec!r} is not callable")
+        accepted = inspect.signature(factory).parameters
+        kwargs = {k: v for k, v in (("batch", batch), ("seq", seq), ("layers", layers))
+                  if k in accepted and v is not None}
+        try:
+            with torch.device("meta"):
+                out = factory(**kwargs)
+        except Exception as e:  # user code: say which factory failed, and how
+            raise TraceFailed(spec, "the factory raised", e) from e
+        if not isinstance(out, tuple) or len(out) not in (2, 3) or not isinstance(out[0], torch.nn.Module):
+            raise WorkloadError(f"model {spec!r} must return (model, sample_inputs) or (model, sample_inputs, "
+                                f"loss_fn), got {type(out).__name__}")
+        inputs = tuple(out[1]) if isinstance(out[1], (tuple, list)) else (out[1],)
+        return Workload(out[0], tuple(mesh_shape), inputs, out[2] if len(out) == 3 else None, record=record)
+    from apmodel import models
+
+    if spec not in models.PRESETS:
+        raise WorkloadError(f"model {spec!r} is neither a preset ({', '.join(sorted(models.PRESETS))}) "
+                            "nor 'package.module:factory'")
+    overrides = {"n_layers": layers} if layers is not None else {}
+    cfg = models.config(spec, **overrides)
+    with torch.device("meta"):
+        module = models.build(cfg)
+    return Workload(module, tuple(mesh_shape), models.sample_inputs(cfg, batch=batch, seq=seq), record=record)

@@ -1,0 +1,402 @@
+"""``apmodel calibrate-compute``: measure this machine's kernels, fit a compute profile, and check the
+fitted CPU model against kernels it was not fitted to.
+
+The CI check (:func:`test_cpu_profile_predicts_held_out_training_ops`): the quick kernel set is
+measured and fitted on this machine's CPU (one thread), then every ATen op of one forward+backward
+step of a tiny transformer (shapes that are not in the fit set) is timed with the same method and
+predicted by the fitted profile. Asserted: the median factor ``max(pred/meas, meas/pred)`` over
+the ops is at most 1.5, and at least :data:`MIN_FRACTION_WITHIN` of the ops are within 1.5x.
+Noise on a shared machine is tamed by the method itself (warm-up, interleaved passes, median of
+repeats, a robust loss in the fit). That the check can fail is shown on the same ops: the
+uncalibrated roofline model of the nominal "cpu" device misses them by far more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from typer.testing import CliRunner
+
+import costmodels as cm
+from apmodel.cli import app
+from apmodel.config import ConfigError, parse_config_text
+from costmodels import fitting
+from costmodels import kernel_timing as kt
+from costmodels import measured as ms
+
+aten = torch.ops.aten
+
+#: The held-out check: largest median factor max(pred/meas, meas/pred) over the ops...
+MAX_MEDIAN_FACTOR = 1.5
+#: ... the factor that counts as "predicted" ...
+FACTOR = 1.5
+#: ... and the least share of the ops predicted within it. Measured on this project's 2-core CI
+#: machine under load from other jobs: 80-90% (the misses: strided copies, column sums, tiny
+#: fills; see the README).
+MIN_FRACTION_WITHIN = 0.7
+#: Threads of the calibration and of the held-out timings (one: a shared 2-core machine).
+THREADS = 1
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+# ------------------------------------------------------------------------------ the profile
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> dict[str, Any]:
+    """One `apmodel calibrate-compute --quick` run on this machine (CPU without CUDA)."""
+    folder = tmp_path_factory.mktemp("calibrate")
+    out = folder / "cpu_profile.json"
+    res = CliRunner().invoke(app, ["calibrate-compute", "--quick", "--threads", str(THREADS), "--out", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return {"out": out, "measurements": folder / "cpu_profile_kernels.json", "stdout": res.stdout}
+
+
+needs_cpu_run = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU checks measure the CPU; "
+                                   "with CUDA present calibrate-compute measures the GPU")
+
+
+@needs_cpu_run
+def test_calibrate_compute_writes_a_profile_that_round_trips(calibrated):
+    out, meas_path = calibrated["out"], calibrated["measurements"]
+    assert "compute profile saved to" in calibrated["stdout"] and "matmul" in calibrated["stdout"]
+    text = out.read_text()
+    data = json.loads(text)
+    assert data["schema"] == ms.PROFILE_SCHEMA and data["device"] == "cpu"
+    assert data["executions"] == ["eager"]
+    prof = cm.ComputeProfile.load(out)
+    assert prof.dumps() == text                        # the file is exactly what the profile writes
+    assert cm.ComputeProfile.from_dict(json.loads(prof.dumps())).to_dict() == prof.to_dict()
+    # provenance: device, torch version, date, method, threads
+    prov = prof.provenance
+    assert prov["device_type"] == "cpu" and prov["device"].startswith("CPU")
+    assert prov["torch"] == torch.__version__ and prov["threads"] == THREADS
+    assert prov["measurements"] == meas_path.name and prov["kernel_set"] == "quick"
+    assert "median" in prov["method"] and "perf_counter" in prov["method"]
+    assert prov["date"][:4].isdigit() and "T" in prov["date"]
+    # the measurements file: every row priced, timed, reproducible by the fit
+    meas = ms.load_measurements(meas_path)
+    assert meas["schema"] == ms.MEASUREMENTS_SCHEMA and meas["device_type"] == "cpu"
+    rows = meas["rows"]
+    assert len(rows) == prof.fit["eager"]["rows"] >= 60
+    assert {r["op"] for r in rows} >= {"mm", "mm_tt", "bmm", "add", "copy_", "gelu", "sum", "sum_dim0", "layer_norm",
+                                       "softmax", "log_softmax", "embedding", "embedding_dense_backward",
+                                       "sdpa_flash_fwd", "sdpa_flash_fwd_plus_bwd"}
+    assert all(r["meas_us"] > 0 and ms.row_calls(r) for r in rows)
+    # the fit is a function of the measurements: refitting the file gives the profile's parameters
+    settings = fitting.settings_for("cpu", sm_count=prof.reference["sm_count"],
+                                    cache_MiB=prof.params["memory"]["l2_MiB"])
+    again = fitting.fit_profile(rows, "cpu", settings, log=lambda s: None).profile
+    assert again.to_dict()["params"] == prof.to_dict()["params"]
+    # the fit reproduces its own rows (the measurement condition: cache warm)
+    assert prof.fit["eager"]["median_abs_rel_err"] < 0.25
+
+
+@needs_cpu_run
+def test_compute_model_accepts_the_cpu_profile(calibrated, tmp_path):
+    out = calibrated["out"]
+    model = cm.compute_model("cpu", profile=str(out))
+    assert isinstance(model, cm.MeasuredCompute) and model.execution == "eager"
+    assert model.profile.matches(cm.device("cpu"))      # used as fitted, not rescaled
+    a, b = meta(256, 512), meta(512, 128)
+    t = model.time_us(aten.mm.default, (a, b), {}, meta(256, 128))
+    rate = 2 * 256 * 512 * 128 / (t * 1e-6)
+    assert 1e9 < rate < cm.device("cpu").peak_flops("fp32")     # fitted, below the nominal peak
+    # a CPU has no CUDA graphs: the profile says so, and pricing graphs is refused by name
+    with pytest.raises(cm.ProfileError, match=r"no 'graphs' timings.*eager"):
+        cm.compute_model("cpu", profile=str(out), execution="graphs")
+    # from the configuration: relative to the file, as `calibration`
+    cfg_dir = out.parent
+    cfg = parse_config_text('[cost]\ncompute_profile = "cpu_profile.json"\n[device]\nexecution = "eager"\n',
+                            str(cfg_dir / "apmodel.toml"), cfg_dir)
+    assert cfg.compute_profile == str(out) and cfg.execution == "eager"
+    assert isinstance(cm.compute_model("cpu", profile=cfg.compute_profile, execution=cfg.execution),
+                      cm.MeasuredCompute)
+
+
+# --------------------------------------------------------------------- the held-out check
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """Sizes chosen to be in none of the quick kernel set's shapes (vocabulary 300, width 96, 4 heads
+    of 24, sequence 48, batch 3)."""
+
+    def __init__(self, vocab: int = 300, dim: int = 96, heads: int = 4, layers: int = 2, seq: int = 48) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(_Block(dim, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
+def _copy(x: Any) -> Any:
+    """A tensor's copy with the same strides (outside autograd); anything else as is."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).copy_(x.detach())
+    return x
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _signature(x: Any) -> Any:
+    return (tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else x
+
+
+class _Record(TorchDispatchMode):
+    """Every distinct ATen call (op, shapes, strides, dtypes, other arguments) of what runs under it,
+    with copies of its real arguments and output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, tuple[Any, tuple, dict, Any]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        key = f"{func} {tree_map(_signature, (args, kwargs))}"
+        if key not in self.calls:
+            self.calls[key] = (func, tree_map(_copy, args), tree_map(_copy, kwargs), tree_map(_copy, out))
+        return out
+
+
+def training_step_ops() -> list[tuple[Any, tuple, dict, Any]]:
+    """The distinct ATen calls of one forward+backward step of :class:`TinyGPT` on the CPU."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    idx, targets = torch.randint(0, 300, (3, 48)), torch.randint(0, 300, (3, 48))
+    rec = _Record()
+    with rec:
+        model(idx, targets).backward()
+    return list(rec.calls.values())
+
+
+def _factory(op: Any, args: tuple, kwargs: dict):
+    return lambda: kt.runner([(op, tree_map(_copy, args), tree_map(_copy, kwargs))])
+
+
+def held_out_report(model: Any, ops: list, times_us: list[float]) -> dict[str, Any]:
+    items = []
+    for (op, args, kwargs, out), meas in zip(ops, times_us):
+        pred = model.time_us(op, tree_map(_meta, args), tree_map(_meta, kwargs), tree_map(_meta, out))
+        items.append({"op": str(op), "shapes": [tuple(t.shape) for t in ms._tensors(args)], "meas_us": meas,
+                      "pred_us": pred, "factor": max(pred / meas, meas / pred)})
+    factors = [it["factor"] for it in items]
+    return {"ops": len(items), "median_factor": statistics.median(factors),
+            "within": sum(f <= FACTOR for f in factors) / len(factors),
+            "worst": sorted(items, key=lambda it: -it["factor"])[:8], "items": items}
+
+
+@needs_cpu_run
+def test_cpu_profile_predicts_held_out_training_ops(calibrated):
+    prof = cm.load_profile(str(calibrated["out"]))
+    fitted = ms.MeasuredCompute("cpu", prof, execution="eager", cache="warm")  # timings replay one op: warm
+    ops = training_step_ops()
+    # the ops the model charges for: views and getitem are free in the model and are left out
+    ops = [c for c in ops if fitted.time_us(c[0], tree_map(_meta, c[1]), tree_map(_meta, c[2]), tree_map(_meta, c[3])) > 0]
+    assert len(ops) >= 30
+    # held out: no op's operand shapes are those of a row the profile was fitted to
+    fit_shapes = {tuple(tuple(s) for s in r["shapes"]) for r in ms.load_measurements(calibrated["measurements"])["rows"]}
+    for op, args, kwargs, out in ops:
+        assert tuple(tuple(t.shape) for t in ms._tensors(args)) not in fit_shapes, op
+    with kt.threads_set(THREADS):
+        times = kt.time_interleaved([_factory(op, a, k) for op, a, k, _ in ops], torch.device("cpu"), quick=True)
+    assert all(isinstance(t, float) and t > 0 for t in times), times
+    rep = held_out_report(fitted, ops, times)
+    worst = "\n".join(f"  {w['op']} {w['shapes']}: meas {w['meas_us']:.1f} µs, pred {w['pred_us']:.1f} µs"
+                      for w in rep["worst"])
+    summary = (f"{rep['ops']} held-out ops: median factor {rep['median_factor']:.3f}, "
+               f"{rep['within']:.0%} within {FACTOR}x; worst:\n{worst}")
+    print(summary)
+    assert rep["median_factor"] <= MAX_MEDIAN_FACTOR, summary
+    assert rep["within"] >= MIN_FRACTION_WITHIN, summary
+    # the check discriminates: the uncalibrated roofline of the nominal "cpu" spec misses the same ops
+    roofline = held_out_report(cm.RooflineCompute("cpu"), ops, times)
+    assert roofline["median_factor"] > 2 * MAX_MEDIAN_FACTOR, roofline["median_factor"]
+
+
+# ----------------------------------------------------------------------- without measuring
+def test_cpu_kernel_set_is_priced_and_stays_below_the_allocator_threshold():
+    rows = kt.kernel_rows("cpu", quick=True)
+    full = kt.kernel_rows("cpu", quick=False)
+    assert len(rows) < len(full)
+    for r in full:
+        calls = ms.row_calls(r)
+        for c in calls:
+            for t in ms._tensors(c.out):
+                assert t.numel() * t.element_size() < kt.HOST_ALLOCATOR_WARM_BYTES, ms.describe_row(r)
+    shapes = {tuple(map(tuple, r["shapes"])) for r in rows if r["op"] == "mm"}
+    assert ((256, 256), (256, 255)) in shapes and ((256, 255), (255, 256)) in shapes     # misaligned pitches
+    assert min(math.prod(r["shapes"][0]) for r in rows if r["op"] == "add") <= 1024          # the launch floor
+    # the CPU's flash-attention kernels are priced as flash attention
+    model = cm.compute_model("h200")
+    att = [r for r in rows if r["op"] == "sdpa_flash_fwd_plus_bwd"][0]
+    kinds = [model.breakdown(c.op, c.args, c.kwargs, c.out)["kind"] for c in ms.row_calls(att)]
+    assert kinds == ["attention:flash:fwd", "attention:flash:bwd"]
+    assert ms.row_harness_cpu_us(model, att) == 0.0        # timed as ATen calls, no autograd harness
+
+
+def test_materialized_calls_run_what_is_priced():
+    row = {"op": "cross_entropy_fp32", "shapes": [[8, 50]], "dtype": "float32"}
+    calls = ms.row_calls(row)
+    seq = kt.materialize(calls, torch.device("cpu"))
+    assert [op for op, _, _ in seq] == [c.op for c in calls]
+    # the log-softmax reads the upcast's output, the loss reads the log-softmax's; targets index classes
+    (_, a0, _), (_, a1, _), (_, a2, _) = seq
+    assert a2[1].dtype == torch.int64 and 0 <= int(a2[1].min()) and int(a2[1].max()) < 50
+    for (op, args, kwargs), c in zip(seq, calls):
+        for real, fake in zip(ms._tensors(args), ms._tensors(c.args)):
+            assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
+    kt.runner(seq)()
+    emb = ms.row_calls({"op": "embedding_dense_backward", "shapes": [[16, 8], [16]], "dtype": "float32",
+                        "bytes": 100 * 8 * 4 + 16 * 8 * 4 + 16 * 8})
+    (op, args, kwargs), = kt.materialize(emb, torch.device("cpu"))
+    assert args[2] == 100 and int(args[1].max()) < 100
+    assert isinstance(kt.time_us(kt.runner([(op, args, kwargs)]), torch.device("cpu"), quick=True), float)
+
+
+def _cpu_profile_dict() -> dict:
+    settings = fitting.settings_for("cpu", sm_count=1)
+    prof = cm.ComputeProfile(device="cpu", params=settings.initial, reference=settings.reference,
+                             executions=("eager",))
+    return json.loads(prof.dumps())
+
+
+def test_bad_profile_files_name_the_file_and_field(tmp_path):
+    good = _cpu_profile_dict()
+    path = tmp_path / "cpu.json"
+    cases = [
+        (lambda d: d["params"]["memory"].pop("hbm_TBps"), "params.memory.hbm_TBps"),
+        (lambda d: d["params"]["memory"]["traffic"].__setitem__("transcendental", "fast"), "params.memory.traffic.transcendental"),
+        (lambda d: d["params"]["memory"].__setitem__("softmax_single_pass_max_dim", -1), "softmax_single_pass_max_dim"),
+        (lambda d: d["params"]["attention"]["cudnn"].__setitem__("same_as", "cudnn"), "attention.cudnn.same_as"),
+        (lambda d: d["params"]["attention"].__setitem__("flash", {"same_as": "cudnn"}), "attention.flash.same_as"),
+        (lambda d: d.__setitem__("executions", ["eager", "lazy"]), "executions"),
+        (lambda d: d.__setitem__("executions", []), "executions"),
+        (lambda d: d["reference"].__setitem__("hbm_TBps", "fast"), "reference.hbm_TBps"),
+        (lambda d: d["reference"].__setitem__("sm_count", 1.5), "reference.sm_count"),
+        (lambda d: d["reference"].pop("peak_tflops"), "peak_tflops"),
+        (lambda d: d.__setitem__("schema", "apmodel.compute_profile/0"), "schema"),
+        (lambda d: d.__setitem__("provenance", "me"), "provenance"),
+    ]
+    for mutate, field in cases:
+        d = json.loads(json.dumps(good))
+        mutate(d)
+        path.write_text(json.dumps(d))
+        with pytest.raises(cm.ProfileError) as e:
+            cm.compute_model("cpu", profile=str(path))
+        assert str(path) in str(e.value) and field in str(e.value), (field, str(e.value))
+    for text, what in (("{not json", "invalid JSON"), ("[1, 2]", "JSON object")):
+        path.write_text(text)
+        with pytest.raises(cm.ProfileError, match=what) as e:
+            cm.compute_model("cpu", profile=str(path))
+        assert str(path) in str(e.value)
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        cm.compute_model("cpu", profile=str(tmp_path / "missing.json"))
+    # the good one loads; its cuDNN is flash's; graphs are refused
+    path.write_text(json.dumps(good))
+    model = cm.compute_model("cpu", profile=str(path))
+    assert model.profile.executions == ("eager",) and model._attention["cudnn"] == model._attention["flash"]
+    with pytest.raises(cm.ProfileError, match="graphs"):
+        cm.compute_model("cpu", profile=str(path), execution="graphs")
+
+
+def test_profiles_without_the_new_keys_price_as_before():
+    """The H200 profile has no transcendental factor and no single-pass limit: gelu is priced as an
+    elementwise op, softmax rows up to 1024 in one pass (as fitted)."""
+    h200 = cm.compute_model("h200")
+    x = meta(1 << 20, dtype=torch.bfloat16)
+    gelu = h200.breakdown(aten.gelu.default, (x,), {}, x)
+    add = h200.breakdown(aten.mul.Tensor, (x, 2.0), {}, x)
+    assert gelu["kind"] == "transcendental" and gelu["total_us"] == pytest.approx(add["total_us"])
+    assert h200.profile.executions == ("eager", "graphs")
+    # a CPU profile: every softmax row pays its factor, gelu its own
+    cpu = cm.compute_model("cpu", profile=_cpu_profile_dict())
+    s = meta(64, 128)
+    for op, args, kind in ((aten._softmax.default, (s, -1, False), "softmax"), (aten.gelu.default, (s,), "transcendental")):
+        b = cpu.breakdown(op, args, {}, s)
+        assert b["kind"] == kind and b["gpu_us"] == pytest.approx(cpu.memory_us(b["bytes"], cpu._traffic[kind]))
+        assert cpu._traffic[kind] > 2 * cpu._traffic["elementwise"]
+    # the same softmax row on the H200 is one pass (elementwise traffic)
+    b = h200.breakdown(aten._softmax.default, (s, -1, False), {}, s)
+    assert b["gpu_us"] == pytest.approx(h200.memory_us(b["bytes"], h200._traffic["elementwise"]))
+
+
+@pytest.mark.parametrize("text,key", [
+    ('[device]\nexecution = "lazy"\n', "device.execution"),
+    ('[device]\nexecution = true\n', "device.execution"),
+    ('[cost]\ncompute_profile = 3\n', "cost.compute_profile"),
+    ('[cost]\ncompute_profile = "h200"\n', "cost.compute_profile"),
+])
+def test_config_keys_are_validated(text, key):
+    with pytest.raises(ConfigError) as e:
+        parse_config_text(text, "apmodel.toml")
+    assert str(e.value).startswith("apmodel.toml: ") and key in str(e.value)
+
+
+def test_config_compute_profile_is_relative_to_the_file(tmp_path):
+    cfg = parse_config_text('[cost]\ncompute_profile = "profiles/cpu.json"\n', "x.toml", tmp_path)
+    assert cfg.compute_profile == str(tmp_path / "profiles" / "cpu.json") and cfg.execution is None
+    absolute = parse_config_text(f'[cost]\ncompute_profile = "{tmp_path / "p.json"}"\n', "x.toml", Path("/elsewhere"))
+    assert absolute.compute_profile == str(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--out", "no_such_dir/p.json"], "does not exist"),
+    (["--out", "p.json", "--measurements-out", "p.json"], "another file"),
+    (["--out", "p.json", "--device-name", "h100", "--quick"], "is a GPU"),
+    (["--out", "p.json", "--device-name", "tpu9", "--quick"], "tpu9"),
+])
+def test_calibrate_compute_errors_are_one_line(tmp_path, monkeypatch, args, expect):
+    if torch.cuda.is_available() and "--device-name" in args:
+        pytest.skip("device names are checked against a CPU here")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["calibrate-compute", *args])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], res.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_quick_profile_has_graph_timings(tmp_path):
+    cal = fitting.calibrate_compute(quick=True)
+    assert cal.profile.executions == ("eager", "graphs")
+    assert any("meas_graph_us" in r for r in cal.measurements["rows"])
+    assert cal.reports["eager"]["median_abs_rel_err"] < 0.25
+    path = tmp_path / "gpu.json"
+    path.write_text(cal.profile.dumps())
+    assert isinstance(cm.compute_model(cal.profile.device, profile=str(path), execution="graphs"), cm.MeasuredCompute)
