@@ -234,3 +234,22 @@ def test_recipes_take_given_conventions(captured, setup_2x2):
     b = R.run(R.get("megatron_tp"), captured, strategies, cost, solver=SOLVER)
     assert a.plan.param_placements == b.plan.param_placements
     assert a.objective_us == pytest.approx(b.objective_us, rel=1e-9)
+
+
+def test_compare_recipes_searches_the_free_storage_space():
+    """``compare_recipes`` of a default (full_shard) run searches the free-storage space too and
+    checks every recipe against it: on GPT-2 the Megatron recipes (free storage) beat the
+    full_shard plan, which is no reason for a warning, while the free-storage plan beats them all."""
+    from apmodel.api import plan_workload
+    from apmodel.options import PlanOptions
+    from apmodel.workloads import load_workload
+
+    result = plan_workload(load_workload("gpt2", (2, 2), batch=8, seq=64, layers=1), PlanOptions(solver=SOLVER),
+                           compare_recipes=True)
+    free = result.free_plan
+    assert free is not result.plan and free.workload.get("policy") == "free"
+    priced = [r for r in result.recipes if r.objective_us is not None]
+    assert {r.name for r in priced} >= {"megatron_tp", "megatron_tp_sp", "fsdp_tp"}
+    for r in priced:
+        assert free.objective_us <= r.objective_us * (1 + 1e-6), r.name
+    assert not any("cheaper than" in w for w in result.warnings), result.warnings
