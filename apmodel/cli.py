@@ -333,9 +333,11 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     mesh = parse_mesh(cfg.mesh)
     if out is not None:
         check_writable(out)
-    if cfg.calibration is not None and not Path(cfg.calibration).is_file():
-        what = "is not a file" if Path(cfg.calibration).exists() else "does not exist"
-        raise CLIError(f"calibration file {cfg.calibration!r} (key 'cost.calibration' of {cfg.source}) {what}")
+    for path, where in ((cfg.calibration, f"calibration file {cfg.calibration!r} (key 'cost.calibration' of {cfg.source})"),
+                        (cfg.compute_profile, f"compute profile {cfg.compute_profile!r} (--compute-profile or key "
+                                              f"'cost.compute_profile' of {cfg.source})")):
+        if path is not None and not Path(path).is_file():
+            raise CLIError(f"{where} {'is not a file' if Path(path).exists() else 'does not exist'}")
     if cfg.solver not in solvers.available():
         raise ValueError(f"--solver {cfg.solver!r} is not an available backend: {solvers.available()}")
     options = cfg.plan_options()
@@ -532,6 +534,8 @@ def plan(
     compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
     mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: on for bf16/fp16."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
+    compute_profile: Optional[Path] = typer.Option(None, "--compute-profile", help="Compute profile JSON (from `apmodel calibrate-compute`) for the measured compute model. Default: the device's built-in profile."),
+    execution: Optional[str] = typer.Option(None, "--execution", help="Execution mode priced by the measured compute model: eager (default; launch cost per op) or graphs (CUDA-graph replay)."),
     memory_limit_gb: Optional[float] = typer.Option(None, "--memory-limit-gb", min=0.001, help="Per-device memory limit in GB (1e9 B). Default: the device's HBM less 10%."),
     report_html: Optional[Path] = typer.Option(None, "--report", help="Also write a one-page, self-contained HTML report of the plan here."),
     png: Optional[Path] = typer.Option(None, "--png", help="Also write the report's figures as PNGs into this directory (needs matplotlib)."),
@@ -543,7 +547,8 @@ def plan(
         cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
                              batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
                              param_policy=param_policy, optimizer=optimizer, memory_limit_GB=memory_limit_gb,
-                             mixed_precision=mixed_precision)
+                             mixed_precision=mixed_precision, execution=execution,
+                             compute_profile=None if compute_profile is None else str(compute_profile))
         if cfg.optimizer is not None and cfg.optimizer not in ("adamw", "adam", "sgd", "sgd-nomomentum", "none"):
             raise CLIError(f"--optimizer {cfg.optimizer!r}: expected adamw, sgd, sgd-nomomentum or none")
         if cfg.param_policy not in ("full_shard", "free"):

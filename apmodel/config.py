@@ -132,7 +132,7 @@ class Config:
             "device": self.device, "gpus_per_node": self.gpus_per_node, "dtype": self.dtype,
             "mixed_precision": self.mixed_precision, "compute_model": self.compute_model,
             "comm_model": self.comm_model, "calibration": self.calibration,
-            "compute_profile": getattr(self, "compute_profile", None), "execution": getattr(self, "execution", None),
+            "compute_profile": self.compute_profile, "execution": self.execution,
             "topology": self.topology_overrides(), "optimizer": self.optimizer,
             "memory_limit_bytes": None if self.memory_limit_GB is None else self.memory_limit_GB * 1e9,
             "param_policy": self.param_policy,

@@ -122,3 +122,19 @@ def test_the_cli_holds_no_pipeline_stage():
             names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "apmodel" else [node.module]
             imported.update(names)
     assert imported <= CLI_ALLOWED, sorted(imported - CLI_ALLOWED)
+
+
+def test_execution_mode_and_compute_profile_flags_reach_the_compute_model(tmp_path):
+    """--execution graphs removes the per-op launch cost of the measured h200 model (a smaller
+    compute time); a missing --compute-profile is one named error line before any tracing."""
+    def compute_us(*flags: str) -> float:
+        res = CliRunner().invoke(app, ["plan", "--model", "test_cli:tiny_mlp", "--mesh", "2", "--device", "h200",
+                                       "--json", *flags])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)["compute_us"]
+
+    eager, graphs = compute_us(), compute_us("--execution", "graphs")
+    assert 0 < graphs < eager
+    res = CliRunner().invoke(app, ["plan", "--model", "test_cli:tiny_mlp", "--mesh", "2",
+                                   "--compute-profile", str(tmp_path / "missing.json")])
+    assert res.exit_code == 2 and "compute profile" in res.output and "does not exist" in res.output
