@@ -1,0 +1,120 @@
+"""Reading placements and the joint graph for lowering: placement tokens, argument trees,
+the tensor inputs of a node and its planned strategy."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from apmodel import placements
+
+#: One placement per mesh axis.
+Placements = tuple[Placement, ...]
+
+
+def _token(p: Placement) -> str:
+    """One placement as its token in the shared vocabulary ("R", "S(d)", "P"; DTensor's masked and
+    norm partials are partial sums: "P")."""
+    return placements.to_str(p)
+
+
+def _tokens(pl: Sequence[Placement]) -> tuple[str, ...]:
+    return tuple(_token(p) for p in pl)
+
+
+def _fmt(pl: Sequence[Placement] | None) -> str:
+    return "None" if pl is None else "".join(_tokens(pl))
+
+
+def _all_replicated(pl: Sequence[Placement]) -> bool:
+    return all(isinstance(p, Replicate) for p in pl)
+
+
+def _comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """True when going from src to dst needs no collective (only local chunking)."""
+    return all(
+        _token(s) == _token(d) or (isinstance(s, Replicate) and isinstance(d, Shard))
+        for s, d in zip(src, dst)
+    )
+
+
+def _flatten(obj: Any) -> tuple[list, Any]:
+    """Leaves of nested tuples/lists/dicts (FX's immutable ones included) and a spec to rebuild them
+    with :func:`_unflatten` (lists and tuples come back as tuples' and lists' plain types)."""
+    leaves: list = []
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, (tuple, list)):
+            return (list if isinstance(o, list) else tuple, [walk(x) for x in o])
+        if isinstance(o, dict):
+            return (dict, [(k, walk(v)) for k, v in o.items()])
+        leaves.append(o)
+        return None
+
+    return leaves, walk(obj)
+
+
+def _unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+    it = iter(leaves)
+
+    def build(sp: Any) -> Any:
+        if sp is None:
+            return next(it)
+        kind, items = sp
+        if kind is dict:
+            return {k: build(v) for k, v in items}
+        return kind(build(x) for x in items)
+
+    return build(spec)
+
+
+def _tensor_vals(node: fx.Node) -> list:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return list(v)
+    return [v]
+
+
+def _check_even(name: str, shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int]) -> None:
+    for d, size in enumerate(shape):
+        ways = 1
+        for axis, p in enumerate(pl):
+            if isinstance(p, Shard) and p.dim == d:
+                ways *= mesh_shape[axis]
+        if ways > 1 and int(size) % ways:
+            raise ValueError(
+                f"plan shards node {name!r} dim {d} (size {size}) {ways} ways ({_fmt(pl)} on mesh "
+                f"{tuple(mesh_shape)}): uneven shards are not supported by lowering"
+            )
+
+
+def _node_strategy(plan: Any, node: fx.Node):
+    try:
+        return plan.node_strategy[node.name]
+    except KeyError:
+        raise ValueError(f"plan has no strategy for graph node {node.name!r} ({node.target})") from None
+
+
+def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
+    """(leaf position in the flattened (args, kwargs), producer, producer output index) for each
+    input slot of ``node``, in the order of :func:`apmodel.strategies.input_slots` (the order of a
+    strategy's ``inputs``)."""
+    from apmodel.strategies import input_slots
+
+    slots = input_slots(node)
+    if node.target is operator.getitem and slots and slots[0][1] == int(node.args[1]) and isinstance(
+        slots[0][0].meta.get("val"), (tuple, list)
+    ):
+        return [(0, slots[0][0], slots[0][1])]
+    flat, _ = _flatten((node.args, node.kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(positions) != len(slots):
+        raise ValueError(f"node {node.name!r} ({node.target}): cannot match its {len(slots)} input slots to its arguments")
+    return [(i, prod, k) for i, (prod, k) in zip(positions, slots)]

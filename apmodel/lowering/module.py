@@ -1,0 +1,213 @@
+"""Module surgery: parameters become DTensors, the class runs the planned step; plus capturing
+on meta for any model and planning on one rank of a process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from apmodel.kernels import local_kernels as default_local_kernels
+from apmodel.lowering.autograd import _FromGlobal, _JointStep
+from apmodel.lowering.graph import _fmt, _tokens
+from apmodel.lowering.program import LoweredProgram
+from apmodel.lowering.records import planned_redistributions
+
+logger = logging.getLogger(__name__)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# module construction
+# ----------------------------------------------------------------------------------------------
+
+
+def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = fqn.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    old = getattr(owner, leaf)
+    owner.register_parameter(leaf, nn.Parameter(value, requires_grad=old.requires_grad))
+
+
+def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    traced: LoweredProgram = self._apmodel_program
+    sig = traced.signature
+    inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
+    prog = traced.for_inputs(inputs)  # the plan as traced, or replayed on these shapes
+    dinputs = []
+    for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
+        pl = prog.storage[node]
+        if isinstance(x, DTensor):
+            x = prog._redistribute(x, pl, node.name, sig.name(i), 0, "input")
+        elif x.requires_grad:
+            x = _FromGlobal.apply(x, prog.mesh, pl)
+        else:  # the global tensor, identical on every rank: keep the local chunk, no communication
+            x = distribute_tensor(x, prog.mesh, pl, src_data_rank=None)
+        dinputs.append(x)
+    values: list = []
+    device = None
+    for n in prog.params:
+        fqn = prog.captured.param_fqn[n.name]
+        v = self.get_parameter(fqn)
+        if not isinstance(v, DTensor) or _tokens(v.placements) != _tokens(prog.storage[n]):
+            raise ValueError(f"parameter {fqn!r} must be a DTensor placed {_fmt(prog.storage[n])}, got {type(v).__name__}")
+        if device is None:
+            device = v.to_local().device
+        values.append(v)
+    for n in prog.buffers:  # plain tensors holding the global value (see lower): wrap, no communication
+        fqn = prog.captured.buffer_fqn[n.name]
+        v = self.get_buffer(fqn)
+        pl = prog.storage[n]
+        if isinstance(v, DTensor):
+            v = prog._redistribute(v, pl, n.name, fqn, 0, "input")
+        elif all(isinstance(p, Replicate) for p in pl):
+            v = DTensor.from_local(v, prog.mesh, pl, run_check=False)
+        else:
+            v = distribute_tensor(v, prog.mesh, pl, src_data_rank=None)
+        values.append(v)
+    if device is None:
+        device = dinputs[0].to_local().device if dinputs else torch.device(prog.mesh.device_type)
+    prog.redistributions = traced.redistributions = []
+    prog.new_buffer_values = {}
+    keep = torch.is_grad_enabled() and any(v.requires_grad for v in values + dinputs)
+    out = _JointStep.apply(prog, device, keep, *values, *dinputs)
+    with torch.no_grad():  # buffer updates of the step (replicated: the local value is the global one)
+        for fqn, new in prog.new_buffer_values.items():
+            self.get_buffer(fqn).copy_(new)
+    prog.new_buffer_values = {}
+    return out
+
+
+def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
+          local_kernels: Callable[[torch.device], dict] = default_local_kernels) -> nn.Module:
+    """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
+
+    ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
+    local shards instead (default: :func:`apmodel.kernels.local_kernels`).
+
+    Changes `model` in place and returns it: parameters become DTensors with the plan's storage
+    placements (on the device they were on; meta stays meta; buffers stay plain tensors holding the
+    global value), and its class becomes a subclass
+    of the user's class whose ``forward(*inputs)`` runs the planned joint graph and returns the traced
+    output (the loss when the graph was captured with a loss function) as a DTensor.
+
+    Raises ValueError for a mesh of the wrong shape, a plan made for another graph (fingerprint), a
+    plan with uneven shards, or a plan inconsistent with the graph.
+    """
+    from apmodel.plans import PlanMismatch
+
+    if tuple(mesh.shape) != tuple(plan.mesh_shape):
+        raise PlanMismatch(f"mesh shape {tuple(mesh.shape)} differs from the plan's mesh shape {tuple(plan.mesh_shape)}")
+    if plan.fingerprint != captured.fingerprint:
+        raise PlanMismatch(
+            f"the model's graph (fingerprint {captured.fingerprint[:12]}) does not match the plan's "
+            f"(fingerprint {plan.fingerprint[:12]}): re-plan for this model and these sample inputs"
+        )
+    if getattr(model, "_apmodel_program", None) is not None:
+        raise ValueError(f"{type(model).__name__} has already been parallelized")
+    prog = LoweredProgram(mesh, plan, captured, local_kernels)
+    prog.retrace_model = _meta_twin(model)  # structure only (meta tensors): for other input shapes
+    # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
+    # tables, ...) stay plain tensors with the global value, so the user's init code can fill them
+    # as usual; each step wraps them at their planned placement (the planner keeps them replicated).
+    for n in prog.params:
+        fqn = captured.param_fqn[n.name]
+        with torch.no_grad():
+            dt = distribute_tensor(model.get_parameter(fqn).detach(), mesh, prog.storage[n], src_data_rank=None)
+        _set_parameter(model, fqn, dt)
+        for tied in captured.tied_params.get(n.name, ()):  # tied weights stay one Parameter
+            owner_name, _, leaf = tied.rpartition(".")
+            (model.get_submodule(owner_name) if owner_name else model).register_parameter(leaf, model.get_parameter(fqn))
+    cls = type(model)
+    new_cls = type(f"Parallel{cls.__name__}", (cls,), {"forward": _parallel_forward, "__module__": cls.__module__})
+    model.__class__ = new_cls
+    model._apmodel_program = prog
+    logger.info(
+        "lowered %s on mesh %s: %d forward + %d backward nodes, %d planned redistributions",
+        cls.__name__, tuple(mesh.shape), len(prog.fwd_steps), len(prog.bwd_steps), len(planned_redistributions(plan, captured)),
+    )
+    return model
+
+
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy full (global, unsharded) tensors, identical on every rank, into a parallelized model's
+    DTensor parameters and buffers: each rank keeps its own chunk; no communication. Use after
+    ``to_empty`` to load single-device weights (e.g. a reference model's ``state_dict()``)."""
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    missing = [k for k in own if k not in state_dict]
+    if missing:
+        raise ValueError(f"state_dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for k, t in own.items():
+            src = state_dict[k]
+            if tuple(src.shape) != tuple(t.shape):
+                raise ValueError(f"{k!r}: state_dict shape {tuple(src.shape)} != model shape {tuple(t.shape)}")
+            if isinstance(t, DTensor):
+                chunk = distribute_tensor(src.detach().to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+                t.to_local().copy_(chunk.to_local())
+            else:
+                t.copy_(src)
+
+
+def _meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are empty meta tensors (for tracing; costs no
+    memory): the module structure is deep-copied, tensors are not."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def capture_on_meta(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None, **capture_options: Any) -> Any:
+    """Capture `model`'s training step on the meta device (as the planner does), whatever device the
+    model and the sample inputs are on. ``capture_options``: kwargs, targets,
+    allow_unused_parameters (see :func:`apmodel.capture.capture`)."""
+    from apmodel.capture import capture  # lazy: tracing machinery is heavy to import
+
+    on_meta = all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+    meta_model = model if on_meta else _meta_twin(model)
+    if capture_options.get("kwargs") is not None:
+        capture_options["kwargs"] = {k: _to_meta(v) for k, v in capture_options["kwargs"].items()}
+    if capture_options.get("targets") is not None:
+        capture_options["targets"] = tuple(_to_meta(x) for x in capture_options["targets"])
+    meta_inputs = tuple(_to_meta(x) for x in sample_inputs)
+    return capture(meta_model, meta_inputs, loss_fn, **capture_options)
+
+
+def plan_on_one_rank(solve: Callable[[], Any], mesh: DeviceMesh) -> Any:
+    """Run `solve` on the mesh's first rank and send the plan (as JSON) to every rank of the default
+    process group, so that all ranks lower the same plan (and only one pays for planning)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return solve()
+    from apmodel.plans import Plan
+
+    if dist.get_world_size() != mesh.size():
+        raise ValueError(
+            f"parallelize plans on one rank and broadcasts over the default process group, which has "
+            f"{dist.get_world_size()} ranks; the mesh has {mesh.size()}: plan yourself and pass plan="
+        )
+    src = int(mesh.mesh.flatten()[0])
+    box: list = [None]
+    plan = None
+    if dist.get_rank() == src:
+        plan = solve()
+        box[0] = plan.to_json()
+    dist.broadcast_object_list(box, src=src)
+    return plan if plan is not None else Plan.from_json(box[0], "plan broadcast by rank %d" % src)

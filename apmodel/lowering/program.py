@@ -1,0 +1,417 @@
+"""The interpreter: a plan's joint graph prepared for one mesh and run node by node over DTensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+
+from apmodel._torch_private import OpOverload, has_sharding_rule
+from apmodel.kernels import local_kernels as default_local_kernels
+from apmodel.lowering.graph import (
+    Placements,
+    _all_replicated,
+    _check_even,
+    _comm_free,
+    _flatten,
+    _fmt,
+    _node_strategy,
+    _tensor_leaves,
+    _tensor_vals,
+    _tokens,
+    _unflatten,
+)
+from apmodel.lowering.records import Redistribution
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass
+class _Slot:
+    leaf: int  # position in the flattened (args, kwargs) of the node
+    producer: fx.Node
+    index: int  # output index of producer (getitem index), else 0
+    dst: Placements | None
+
+
+@dataclass
+class _Step:
+    node: fx.Node
+    target: Callable
+    spec: Any  # structure of (args, kwargs), see _flatten
+    leaves: list  # constants, _Ref(node) or _DEVICE markers
+    slots: list[_Slot]
+    outputs: tuple  # planned output placements (one per tensor output, None for non-tensors)
+    is_getitem: bool
+    is_factory: bool
+    without_rule: bool = False  # no DTensor rule: planned replicated, run on the local (= global) tensors
+    last_use: list[fx.Node] = field(default_factory=list)  # values to free after this step
+
+
+_DEVICE = object()  # marks a device argument (traced as meta), replaced by the runtime device
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Marks an argument that is the value of another graph node."""
+
+    node: fx.Node
+
+# Views whose local input may have lost the traced memory layout after a redistribution.
+_VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
+def _plain_partials(x: DTensor) -> DTensor:
+    """Turn DTensor's masked partials (embedding over a vocabulary-sharded table: each rank holds
+    rows looked up with out-of-range ids that must be zeroed before the sum) into plain partial
+    sums by applying the mask now, locally. The masked placement carries one-shot state (the mask is
+    released after its first reduction), so a value redistributed twice (two consumers, or forward
+    and backward) would otherwise fail."""
+    if not any(hasattr(p, "mask_buffer") for p in x.placements):
+        return x
+    local = x.to_local().clone()
+    new: list[Placement] = []
+    for p in x.placements:
+        if hasattr(p, "mask_buffer"):
+            if p.mask_buffer.data is None:
+                raise RuntimeError("masked partial value without its mask (already reduced?)")
+            p.mask_buffer.apply_mask(local)
+            new.append(Partial(p.reduce_op))
+        else:
+            new.append(p)
+    return DTensor.from_local(local, x.device_mesh, new, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _contiguous(x: Any) -> Any:
+    """`x` with a contiguous local tensor (DTensor's own ``contiguous`` looks at the global strides,
+    which may claim contiguity the local shard lacks)."""
+    if isinstance(x, DTensor) and not x.to_local().is_contiguous():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+
+
+
+
+# ----------------------------------------------------------------------------------------------
+# plan validation
+# ----------------------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
+
+
+# ----------------------------------------------------------------------------------------------
+# the lowered program
+# ----------------------------------------------------------------------------------------------
+
+
+class LoweredProgram:
+    """The joint graph, prepared for execution on `mesh` under `plan`. Held by the parallel module
+    (attribute ``_apmodel_program``); ``redistributions`` lists what the last step issued."""
+
+    def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any,
+                 local_kernels: Callable[[torch.device], dict] = default_local_kernels):
+        self.mesh = mesh
+        self.local_kernels = local_kernels
+        self.plan = plan
+        self.captured = captured
+        gm: fx.GraphModule = captured.gm
+        roles = captured.roles
+        mesh_shape = tuple(mesh.shape)
+        self.placeholders: list[fx.Node] = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.params = [n for n in self.placeholders if roles.get(n.name) == "param"]
+        self.buffers = [n for n in self.placeholders if roles.get(n.name) == "buffer"]
+        self.inputs = sorted(
+            (n for n in self.placeholders if roles.get(n.name) == "input"),
+            key=lambda n: captured.input_index[n.name],
+        )
+        self.tangents = [n for n in self.placeholders if roles.get(n.name) == "tangent"]
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        out_args = [a for a in _flatten(out_node.args[0])[0] if isinstance(a, fx.Node)]
+        self.fwd_outputs = [a for a in out_args if roles.get(a.name) == "output"]
+        self.output_tangent = {
+            o: next(t for t in self.tangents if t.name == captured.output_tangent[o.name])
+            for o in self.fwd_outputs
+            if o.name in captured.output_tangent
+        }
+        by_name = {n.name: n for n in gm.graph.nodes}
+        self.param_grad = {p: by_name[captured.param_grad[p.name]] for p in self.params if p.name in captured.param_grad}
+        self.input_grad = {by_name[i]: by_name[g] for i, g in captured.input_grad.items()}
+        self.buffer_update = {by_name[b]: by_name[u] for b, u in captured.buffer_update.items()}
+        self.signature = captured.signature
+
+        # storage placements of params (must be R/S) and buffers, checked against the node strategy
+        self.storage: dict[fx.Node, Placements] = {}
+        for n in self.params + self.buffers + self.inputs + self.tangents:
+            strat = _node_strategy(plan, n)
+            pl = tuple(strat.outputs[0])
+            if len(pl) != len(mesh_shape):
+                raise ValueError(f"placement {_fmt(pl)} of {n.name!r} has {len(pl)} entries, mesh has {len(mesh_shape)} axes")
+            if n in self.params:
+                fqn = captured.param_fqn[n.name]
+                planned = plan.param_placements.get(fqn) if hasattr(plan, "param_placements") else None
+                if planned is not None and _tokens(planned) != _tokens(pl):
+                    raise ValueError(
+                        f"plan stores parameter {fqn!r} as {_fmt(planned)} but its graph node "
+                        f"{n.name!r} is planned as {_fmt(pl)}"
+                    )
+                if any(isinstance(p, Partial) for p in pl):
+                    raise ValueError(f"plan stores parameter {fqn!r} as partial ({_fmt(pl)}); storage must be R or S(d)")
+            self.storage[n] = pl
+
+        # steps
+        is_bwd = captured.is_backward
+        self.fwd_steps: list[_Step] = []
+        self.bwd_steps: list[_Step] = []
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            strat = _node_strategy(plan, n)
+            flat, spec = _flatten((n.args, n.kwargs))
+            leaves: list = []
+            for a in flat:
+                if isinstance(a, fx.Node):
+                    leaves.append(_Ref(a))
+                elif isinstance(a, torch.device):
+                    leaves.append(_DEVICE)
+                else:
+                    leaves.append(a)
+            tl = _tensor_leaves(n)
+            ins = tuple(strat.inputs) if strat.inputs is not None else ()
+            if len(ins) != len(tl):
+                raise ValueError(
+                    f"plan strategy for node {n.name!r} ({n.target}) has {len(ins)} input placements, "
+                    f"the node has {len(tl)} tensor arguments"
+                )
+            is_getitem = n.target is operator.getitem
+            slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst)) for (leaf, prod, k), dst in zip(tl, ins)]
+            outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
+            for v, pl in zip(_tensor_vals(n), outs):
+                if isinstance(v, torch.Tensor) and pl is not None:
+                    _check_even(n.name, v.shape, pl, mesh_shape)
+            for s in slots:
+                if s.dst is not None:
+                    pv = _tensor_vals(s.producer)[s.index]
+                    if isinstance(pv, torch.Tensor):
+                        _check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
+            without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
+            if without_rule and not all(_all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
+                raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
+            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule)
+            (self.bwd_steps if is_bwd.get(n.name, False) else self.fwd_steps).append(step)
+        for n in self.storage:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                _check_even(n.name, v.shape, self.storage[n], mesh_shape)
+
+        # values the backward reads from the forward
+        fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
+        self.saved: list[fx.Node] = []
+        seen = set()
+        for s in self.bwd_steps:
+            for a in s.node.all_input_nodes:
+                if a in fwd_set and a not in seen:
+                    seen.add(a)
+                    self.saved.append(a)
+        for o in list(self.fwd_outputs) + list(self.buffer_update.values()):
+            seen.add(o)
+        for p, g in list(self.param_grad.items()) + list(self.input_grad.items()):
+            if g in fwd_set:  # gradient computed without the tangent (rare); keep it
+                seen.add(g)
+                self.saved.append(g)
+        self._plan_frees(self.fwd_steps, keep=seen)
+        self._plan_frees(self.bwd_steps, keep=set(self.param_grad.values()) | set(self.input_grad.values()))
+        self.redistributions: list[Redistribution] = []
+        self.new_buffer_values: dict[str, torch.Tensor] = {}
+        """buffer FQN -> its value after the last forward (global, replicated), to write back"""
+        self.retrace_model: nn.Module | None = None
+        """a meta copy of the user's model, to trace the step again for other input shapes"""
+        self.variants: dict[tuple, LoweredProgram] = {}
+        """the plan replayed on other input shapes, by the inputs' shapes"""
+        self._kernels: dict[torch.device, dict] = {}
+
+    @staticmethod
+    def _plan_frees(steps: list[_Step], keep: set) -> None:
+        last: dict[fx.Node, int] = {}
+        for i, s in enumerate(steps):
+            for a in s.node.all_input_nodes:
+                last[a] = i
+        for a, i in last.items():
+            if a not in keep:
+                steps[i].last_use.append(a)
+
+    # -------------------------------------------------------------------------------------------
+
+    def for_inputs(self, inputs: Sequence[Any]) -> "LoweredProgram":
+        """This program, or the plan replayed on the shapes of ``inputs`` (traced once per shape).
+
+        Same dtypes are required. A new batch (or sequence) size re-traces the step on the meta
+        device, checks that the graph has the plan's structure (same nodes and ops) and lowers the
+        plan's node strategies on it; a size the plan's shardings cannot divide raises a
+        ValueError naming the input, the node and the mesh axes."""
+        sig = self.signature
+        shapes = []
+        for i, (node, x) in enumerate(zip(self.inputs, inputs)):
+            want = node.meta["val"]
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {sig.name(i)} must be a tensor, got {type(x).__name__}")
+            if x.dtype != want.dtype or x.dim() != want.dim():
+                raise ValueError(
+                    f"input {sig.name(i)} has shape {tuple(x.shape)} and dtype {x.dtype}; the plan was made for "
+                    f"shape {tuple(want.shape)} and dtype {want.dtype} (re-plan for another dtype or rank)"
+                )
+            shapes.append(tuple(x.shape))
+        key = tuple(shapes)
+        if all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs)):
+            return self
+        variant = self.variants.get(key)
+        if variant is None:
+            variant = self.variants[key] = self._replay_on(inputs)
+        return variant
+
+    def _replay_on(self, inputs: Sequence[Any]) -> "LoweredProgram":
+        from apmodel.capture import capture
+        from apmodel.plans import PlanMismatch, structure_fingerprint
+
+        if self.retrace_model is None:
+            raise ValueError("this program cannot be traced again (made without lower()); re-plan for new shapes")
+        sig = self.signature
+        shapes = ", ".join(f"{sig.name(i)} {tuple(x.shape)}" for i, x in enumerate(inputs))
+        args, kwargs, targets = sig.split([torch.empty(x.shape, dtype=x.dtype, device="meta") for x in inputs])
+        try:
+            captured = capture(self.retrace_model, args, kwargs=kwargs, targets=targets, **self.captured.trace_options)
+        except Exception as e:  # the user's model rejects these shapes (mismatched batch, too long, ...)
+            raise ValueError(f"the step cannot be traced at input shapes {shapes}: {type(e).__name__}: {e}") from e
+        if structure_fingerprint(captured) != structure_fingerprint(self.captured):
+            raise PlanMismatch(f"at input shapes {shapes} the model traces to another graph; re-plan for these shapes")
+        plan = copy.copy(self.plan)
+        plan.fingerprint = captured.fingerprint
+        try:
+            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels)
+        except ValueError as e:
+            raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
+        logger.info("replayed the plan on input shapes %s", shapes)
+        return variant
+
+    def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str) -> DTensor:
+        if not isinstance(x, DTensor):
+            raise TypeError(f"argument {producer!r} of node {consumer!r} is a {type(x).__name__}, expected a DTensor")
+        if _tokens(x.placements) == _tokens(dst):
+            return x
+        self.redistributions.append(
+            Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype)
+        )
+        return x.redistribute(self.mesh, dst)
+
+    def _run(self, steps: list[_Step], env: dict, phase: str, device: torch.device) -> None:
+        kernels = self._kernels.get(device)
+        if kernels is None:
+            kernels = self._kernels[device] = self.local_kernels(device)
+        for s in steps:
+            n = s.node
+            flat = []
+            for leaf in s.leaves:
+                if type(leaf) is _Ref:
+                    flat.append(env[leaf.node])
+                elif leaf is _DEVICE:
+                    flat.append(device)
+                else:
+                    flat.append(leaf)
+            if s.is_getitem:
+                slot = s.slots[0] if s.slots else None
+                val = flat[0][flat[1]]
+                if slot is not None and slot.dst is not None and isinstance(val, DTensor):
+                    val = self._redistribute(val, slot.dst, n.name, slot.producer.name, slot.index, phase)
+                env[n] = val
+            else:
+                for slot in s.slots:
+                    if slot.dst is not None:
+                        flat[slot.leaf] = self._redistribute(flat[slot.leaf], slot.dst, n.name, slot.producer.name, slot.index, phase)
+                kernel = kernels.get(s.target, s.target if s.without_rule else None)
+                try:
+                    if kernel is not None:
+                        out = self._run_local(s, kernel, flat)
+                    else:
+                        args, kwargs = _unflatten(flat, s.spec)
+                        try:
+                            out = s.target(*args, **kwargs)
+                        except RuntimeError as e:
+                            if s.target not in _VIEW_OPS or "view size is not compatible" not in str(e):
+                                raise
+                            # The traced graph relied on a producer's memory layout (e.g. attention
+                            # output laid out [b, s, h, d]) that a redistribution does not keep:
+                            # functional graph, so a copy is as good as a view here (local, no comm).
+                            args, kwargs = _unflatten([_contiguous(x) for x in flat], s.spec)
+                            out = s.target(*args, **kwargs)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"DTensor failed to run node {n.name!r} ({s.target}) with input placements "
+                        f"{[_fmt(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}"
+                    ) from e
+                env[n] = self._place_outputs(s, out)
+            for a in s.last_use:
+                env.pop(a, None)
+
+    def _run_local(self, s: _Step, kernel: Callable, flat: list) -> Any:
+        """Run `kernel` on the local shards (inputs already at the planned placements) and wrap its
+        tensor outputs as DTensors with the planned output placements and the traced global shapes."""
+        local = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
+        args, kwargs = _unflatten(local, s.spec)
+        out = kernel(*args, **kwargs)
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        vals = _tensor_vals(s.node)
+        R = tuple(Replicate() for _ in self.mesh.shape)
+        for i, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                pl = s.outputs[i] if i < len(s.outputs) and s.outputs[i] is not None else R
+                v = vals[i] if i < len(vals) else None
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) and pl is not R else None
+                stride = tuple(v.stride()) if shape is not None else None
+                outs[i] = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape, stride=stride)
+        return outs[0] if single else tuple(outs)
+
+    def _place_outputs(self, s: _Step, out: Any) -> Any:
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        R = tuple(Replicate() for _ in self.mesh.shape)
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                continue
+            pl = s.outputs[i] if i < len(s.outputs) else None
+            if not isinstance(o, DTensor):  # factory: global value on every rank -> local chunk
+                pl = R if pl is None else pl
+                if any(isinstance(p, Partial) for p in pl):
+                    raise RuntimeError(f"node {s.node.name!r} ({s.target}): a factory cannot be planned as partial ({_fmt(pl)})")
+                outs[i] = distribute_tensor(o, self.mesh, pl, src_data_rank=None)
+                continue
+            o = _plain_partials(o)
+            outs[i] = o
+            if pl is None:
+                continue
+            if _tokens(o.placements) != _tokens(pl):
+                if not _comm_free(o.placements, pl):
+                    raise RuntimeError(
+                        f"node {s.node.name!r} ({s.target}): DTensor produced placement {_fmt(o.placements)}, "
+                        f"the plan expects {_fmt(pl)} (inputs {[_fmt(sl.dst) for sl in s.slots]})"
+                    )
+                outs[i] = o.redistribute(self.mesh, pl)
+        return outs[0] if single else tuple(outs) if isinstance(out, tuple) else outs

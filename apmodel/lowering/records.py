@@ -1,0 +1,105 @@
+"""Redistribution records: what a lowered step issued, and what its plan says it should.
+
+The tests hold the two lists equal (by kind and mesh axis) against the collectives seen at dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from apmodel.lowering.graph import _tensor_leaves, _tensor_vals, _tokens
+
+# ----------------------------------------------------------------------------------------------
+# placement helpers
+# ----------------------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
+
+
+
+
+# ----------------------------------------------------------------------------------------------
+# records
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """One redistribution of one tensor: `producer`'s output (index `index`) moved from `src` to `dst`
+    placements before `consumer` runs. `phase` is "forward", "backward" or "input" (call-time
+    conversion of a user input). Shapes are global."""
+
+    consumer: str
+    producer: str
+    index: int
+    phase: str
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    gradient: bool = False
+    """it moves a parameter gradient (priced in the reduce dtype under mixed precision)"""
+
+    @property
+    def key(self) -> tuple:
+        """Identity used to compare issued with planned redistributions."""
+        return (self.consumer, self.producer, self.index, self.src, self.dst)
+
+
+
+
+def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
+    """The redistributions one training step issues under `plan`, read off the plan alone: for every
+    node input whose planned placement differs from its producer's planned output placement, plus
+    forward outputs whose planned placement differs from the required one (that of their tangent)
+    and parameter / input gradients whose planned placement differs from the storage placement."""
+    gm = captured.gm
+    out: list[Redistribution] = []
+    is_bwd = captured.is_backward
+    chain = captured.param_gradient_chain()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        strat = plan.node_strategy[n.name]
+        for (leaf, prod, idx), dst in zip(_tensor_leaves(n), strat.inputs):
+            src = plan.node_strategy[prod.name].outputs[idx]
+            if dst is None or src is None:
+                continue
+            val = _tensor_vals(prod)[idx]
+            if _tokens(src) != _tokens(dst):
+                out.append(Redistribution(n.name, prod.name, idx, "backward" if is_bwd.get(n.name) else "forward",
+                                          _tokens(src), _tokens(dst), tuple(val.shape), val.dtype,
+                                          gradient=prod.name in chain and n.name in chain))
+    by_name = {n.name: n for n in gm.graph.nodes}
+    # Boundary moves: a forward output to its required (tangent) placement, each gradient to its
+    # parameter's storage placement or its input's placement.
+    boundary = [(f"output:{o}", o, t, "forward") for o, t in captured.output_tangent.items()]
+    boundary += [(f"grad:{captured.param_fqn[p]}", g, p, "backward") for p, g in captured.param_grad.items()]
+    boundary += [(f"grad:input{captured.input_index[i]}", g, i, "backward") for i, g in captured.input_grad.items()]
+    boundary += [(f"buffer:{captured.buffer_fqn[b]}", u, b, "forward") for b, u in captured.buffer_update.items()]
+    for label, producer, target, phase in boundary:
+        src, dst = plan.node_strategy[producer].outputs[0], plan.node_strategy[target].outputs[0]
+        if _tokens(src) != _tokens(dst):
+            val = by_name[producer].meta["val"]
+            out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape), val.dtype,
+                                      gradient=label.startswith("grad:") and target in captured.param_fqn))
+    return out
+
+
+def issued_redistributions(module: nn.Module) -> list[Redistribution]:
+    """The redistributions the parallel `module` issued in its last step (forward, and backward if
+    it ran), in order; compare with :func:`planned_redistributions`."""
+    prog = getattr(module, "_apmodel_program", None)
+    if prog is None:
+        raise TypeError(f"{type(module).__name__} was not made by apmodel.parallelize / lower")
+    return list(prog.redistributions)
