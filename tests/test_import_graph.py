@@ -1,0 +1,86 @@
+"""The import graph inside ``apmodel``: no cycles (counting imports inside functions), the CLI and
+the API on top, lowering the last stage (it imports no orchestration and no reference model)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import apmodel
+
+ROOT = Path(apmodel.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("apmodel",) + path.with_suffix("").relative_to(ROOT).parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the apmodel modules it imports anywhere in its source (TYPE_CHECKING included)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = ([f"{node.module}.{a.name}" for a in node.names] if node.module == "apmodel"
+                           else [node.module])
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                while t not in mods and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t in mods and t.startswith("apmodel") and t != name:
+                    found.add(t)
+        graph[name] = found
+    graph["apmodel"] = set()  # the package itself only maps public names to modules, lazily
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    state: dict[str, int] = {}
+    found: list[list[str]] = []
+
+    def visit(u: str, stack: list[str]) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                found.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                visit(v, stack)
+        stack.pop()
+        state[u] = 2
+
+    for u in sorted(graph):
+        if u not in state:
+            visit(u, [])
+    return found
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert len(graph) > 30
+    assert _cycles(graph) == []
+
+
+def test_a_cycle_would_be_found():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_orchestration_is_on_top_and_lowering_is_last():
+    graph = import_graph()
+    importers = {m for m, deps in graph.items() if "apmodel.cli" in deps}
+    assert importers == set(), importers
+    assert {m for m, deps in graph.items() if "apmodel.api" in deps} == {"apmodel.cli"}
+    lowering = {m: deps for m, deps in graph.items() if m.startswith("apmodel.lowering")}
+    assert len(lowering) >= 5
+    forbidden = {"apmodel.api", "apmodel.cli", "apmodel.search", "apmodel.recipes", "apmodel.report"}
+    for module, deps in lowering.items():
+        assert not deps & forbidden, (module, deps & forbidden)
+        assert not any(d.startswith("apmodel.models") for d in deps), (module, deps)
