@@ -264,12 +264,13 @@ def _compare_recipes(result: PlanResult, pmodel: PlacementModel, cost: CostConte
     options, captured, found = result.options, result.captured, result.plan
     strategies = pmodel.strategies
     default_space = options.param_policy == "full_shard" and not options.replicate_axes \
-        and options.param_memory_fraction is None
+        and options.param_memory_fraction is None and options.param_budget_ratio is None
     if options.param_policy == "free" and not options.replicate_axes and options.param_memory_fraction is None:
         free = found  # this run already searched the free-storage space, which contains every recipe
     else:
         progress.stage(f"solving with {options.solver} under the free parameter-storage policy")
-        free_options = options.replace(param_policy="free", replicate_axes=(), param_memory_fraction=None)
+        free_options = options.replace(param_policy="free", replicate_axes=(), param_memory_fraction=None,
+                                       param_budget_ratio=None)
         free = search.solve_model(search.placement_model(captured, strategies, cost, free_options,
                                                          constraints=constraints), free_options,
                                   workload={"policy": "free"})

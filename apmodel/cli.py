@@ -530,6 +530,7 @@ def plan(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan (JSON) here."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of tables."),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0.001, help="Solver time limit per solve, seconds."),
+    param_budget_ratio: Optional[float] = typer.Option(None, "--param-budget-ratio", min=1e-9, max=1.0, help="Storage budget 'high' of the AutoParallel paper: mean local/global ratio over parameter tensors (instead of --param-policy)."),
     param_policy: Optional[str] = typer.Option(None, "--param-policy", help="Parameter storage: full_shard (default) or free."),
     compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
     mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: on for bf16/fp16."),
@@ -546,7 +547,7 @@ def plan(
     with _errors(verbose), _cwd_importable():
         cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
                              batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
-                             param_policy=param_policy, optimizer=optimizer, memory_limit_GB=memory_limit_gb,
+                             param_policy=param_policy, param_budget_ratio=param_budget_ratio, optimizer=optimizer, memory_limit_GB=memory_limit_gb,
                              mixed_precision=mixed_precision, execution=execution,
                              compute_profile=None if compute_profile is None else str(compute_profile))
         if cfg.optimizer is not None and cfg.optimizer not in ("adamw", "adam", "sgd", "sgd-nomomentum", "none"):

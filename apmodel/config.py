@@ -39,6 +39,7 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     param_policy = "full_shard"   # or "free"
     replicate_axes = []           # mesh axes on which parameters stay replicated (HSDP)
     param_memory_fraction = 0.25  # optional per-device parameter budget (instead of full_shard)
+    param_budget_ratio = 0.125    # or the paper's storage budget "high": mean local/global ratio per tensor
     optimizer = "adamw"           # optimizer state in the memory model: adamw | sgd | none
     memory_limit_GB = 70.0        # per-device memory limit (default: the device's HBM less 10%)
 
@@ -114,6 +115,7 @@ class Config:
     param_policy: str | None = None
     replicate_axes: list[int] | None = None
     param_memory_fraction: float | None = None
+    param_budget_ratio: float | None = None
     optimizer: str | None = None
     memory_limit_GB: float | None = None
     mixed_precision: bool | None = None
@@ -137,7 +139,8 @@ class Config:
             "memory_limit_bytes": None if self.memory_limit_GB is None else self.memory_limit_GB * 1e9,
             "param_policy": self.param_policy,
             "replicate_axes": None if self.replicate_axes is None else tuple(self.replicate_axes),
-            "param_memory_fraction": self.param_memory_fraction, "solver": self.solver,
+            "param_memory_fraction": self.param_memory_fraction, "param_budget_ratio": self.param_budget_ratio,
+            "solver": self.solver,
             "time_limit": self.time_limit, "solver_options": self.solver_options,
         }
         return PlanOptions(**{k: v for k, v in values.items() if v is not None})
@@ -181,6 +184,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
         "param_policy": ("param_policy", (str,), '"full_shard" or "free"'),
         "replicate_axes": ("replicate_axes", (list,), "a list of mesh axes"),
         "param_memory_fraction": ("param_memory_fraction", (int, float), "a number in (0, 1]"),
+        "param_budget_ratio": ("param_budget_ratio", (int, float), "a number in (0, 1]"),
         "optimizer": ("optimizer", (str,), '"adamw" or "sgd"'),
         "memory_limit_GB": ("memory_limit_GB", (int, float), "a number of GB (1e9 bytes) per device"),
     },
@@ -327,8 +331,13 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
         raise ConfigError(f"{source}: key 'planner.optimizer' must be one of {', '.join(OPTIMIZERS)}, got {_short(cfg.optimizer)}")
     if cfg.memory_limit_GB is not None and not 0 < cfg.memory_limit_GB < math.inf:
         raise ConfigError(f"{source}: key 'planner.memory_limit_GB' must be a finite number > 0, got {cfg.memory_limit_GB}")
-    if cfg.param_memory_fraction is not None and not 0 < cfg.param_memory_fraction <= 1:
-        raise ConfigError(f"{source}: key 'planner.param_memory_fraction' must be in (0, 1], got {cfg.param_memory_fraction!r}")
+    for key in ("param_memory_fraction", "param_budget_ratio"):
+        v = getattr(cfg, key)
+        if v is not None and not 0 < v <= 1:
+            raise ConfigError(f"{source}: key 'planner.{key}' must be in (0, 1], got {v!r}")
+    if cfg.param_memory_fraction is not None and cfg.param_budget_ratio is not None:
+        raise ConfigError(f"{source}: keys 'planner.param_memory_fraction' and 'planner.param_budget_ratio' are two "
+                          "storage budgets: give one")
     for key in ("seq", "batch", "layers", "gpus_per_node"):
         v = getattr(cfg, key)
         if v is not None and v < 1:

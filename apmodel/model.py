@@ -115,6 +115,10 @@ class PlacementModel:
         replicate_axes: mesh axes on which parameters are replicated (DDP/HSDP axes).
         param_memory_fraction: if given, a linear budget row: total per-device parameter bytes
             ≤ fraction × total parameter bytes (instead of the ``full_shard`` restriction).
+        param_budget_ratio: if given, the AutoParallel paper's storage budget ``high`` (Appendix
+            C): the average over parameter tensors of their local / global element ratio ≤ the
+            ratio (instead of the ``full_shard`` restriction; 1/world size forces full sharding,
+            1 allows any storage).
         merge_copies, flow_coupling: clustering switches (see :mod:`apmodel.clustering`).
         optimizer: the optimizer whose state the memory model counts (``"adamw"``, ``"sgd"``, ...;
             :mod:`apmodel.memory`); the device capacity comes from ``cost.hbm_bytes``.
@@ -131,6 +135,7 @@ class PlacementModel:
         param_policy: str = "full_shard",
         replicate_axes: Sequence[int] = (),
         param_memory_fraction: float | None = None,
+        param_budget_ratio: float | None = None,
         merge_copies: bool = True,
         flow_coupling: bool = True,
         optimizer: str = "adamw",
@@ -170,8 +175,12 @@ class PlacementModel:
         for a in self.replicate_axes:
             if not 0 <= a < len(self.mesh_shape):
                 raise ValueError(f"replicate_axes: axis {a} is not an axis of mesh {self.mesh_shape}")
+        if param_memory_fraction is not None and param_budget_ratio is not None:
+            raise ValueError("param_memory_fraction and param_budget_ratio are two storage budgets: give one")
         if param_memory_fraction is not None:
-            self._add_param_budget(float(param_memory_fraction))
+            self._add_param_budget(float(param_memory_fraction), per_tensor=False)
+        elif param_budget_ratio is not None:
+            self._add_param_budget(float(param_budget_ratio), per_tensor=True)
         elif param_policy == "full_shard":
             self._apply_full_shard()
         self.memory = MemoryModel(
@@ -291,20 +300,25 @@ class PlacementModel:
             best = factors[ok].max()
             self.restrict(node, ok & (factors == best), f"policy: parameter {fqn} fully sharded (factor {best})")
 
-    def _add_param_budget(self, fraction: float) -> None:
+    def _add_param_budget(self, fraction: float, *, per_tensor: bool) -> None:
+        """Storage budget row: Σ weight × local/global ≤ fraction × Σ weight over parameters, the
+        weight being each tensor's element count (a byte budget) or 1 (``per_tensor``: the
+        paper's average storage ratio)."""
+        name = "param_budget_ratio" if per_tensor else "param_memory_fraction"
         if not 0 < fraction <= 1:
-            raise ValueError(f"param_memory_fraction must be in (0, 1], got {fraction}")
+            raise ValueError(f"{name} must be in (0, 1], got {fraction}")
         terms = []
         total = 0.0
         for node, fqn in self.captured.param_fqn.items():
-            numel = _tensor_value(self.node_by_name[node].meta["val"], 0).numel()
+            numel = 1 if per_tensor else _tensor_value(self.node_by_name[node].meta["val"], 0).numel()
             total += numel
             for i, s in enumerate(self.strategies[node]):
                 if any(pl.to_str(p).startswith("P") for p in s.outputs[0]):
                     continue
                 terms.append((node, i, numel / self._param_shard_factor(s)))
             self.restrict(node, lambda s: not any(pl.to_str(p).startswith("P") for p in s.outputs[0]), f"policy: parameter {fqn} not partial")
-        self.linear_rows.append(("param_memory_budget", terms, "<=", fraction * total))
+        self.linear_rows.append(("param_budget_ratio" if per_tensor else "param_memory_budget", terms, "<=",
+                                 fraction * total))
 
     def add_memory_limit(self, limit_bytes: float, *, reserved_bytes: float = 0.0) -> None:
         """Per-device memory row: parameters, gradients, optimizer state and saved activations

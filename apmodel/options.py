@@ -66,7 +66,9 @@ class PlanOptions:
     Search space:
         param_policy: ``"full_shard"`` (parameters stored fully sharded) or ``"free"``.
         replicate_axes: mesh axes on which parameters stay replicated (HSDP).
-        param_memory_fraction: per-device parameter budget, a fraction of the model.
+        param_memory_fraction: per-device parameter budget, a fraction of the model's bytes.
+        param_budget_ratio: the paper's storage budget ``high``: the average local/global ratio
+            over parameter tensors (Appendix C); instead of ``param_policy``.
         merge_copies / flow_coupling: model reductions (see :class:`~apmodel.model.PlacementModel`).
         seeding: split-dimension seeding (``None``: on for meshes of 3+ axes), ``seed_radius``,
             ``seed_widen_inputs`` (see :mod:`apmodel.seeding`).
@@ -93,6 +95,7 @@ class PlanOptions:
     param_policy: ParamPolicy = "full_shard"
     replicate_axes: tuple[int, ...] = ()
     param_memory_fraction: float | None = None
+    param_budget_ratio: float | None = None
     merge_copies: bool = True
     flow_coupling: bool = True
     seeding: bool | None = None
@@ -122,8 +125,12 @@ class PlanOptions:
             raise OptionsError(f"replicate_axes {list(self.replicate_axes)}: mesh axes are >= 0")
         if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
             raise OptionsError(f"memory_limit must be a positive number of bytes, got {self.memory_limit_bytes!r}")
-        if self.param_memory_fraction is not None and not 0 < self.param_memory_fraction <= 1:
-            raise OptionsError(f"param_memory_fraction must be in (0, 1], got {self.param_memory_fraction!r}")
+        for name in ("param_memory_fraction", "param_budget_ratio"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise OptionsError(f"{name} must be in (0, 1], got {value!r}")
+        if self.param_memory_fraction is not None and self.param_budget_ratio is not None:
+            raise OptionsError("param_memory_fraction and param_budget_ratio are two storage budgets: give one")
         if self.time_limit is not None and not 0 < self.time_limit < math.inf:
             raise OptionsError(f"time_limit must be a finite number of seconds > 0, got {self.time_limit!r}")
         if self.gpus_per_node < 1:

@@ -393,7 +393,7 @@ def run(recipe: Recipe, captured, strategies, cost, options: PlanOptions | None 
         return res
     try:
         forced = options.replace(param_policy=recipe.param_policy, replicate_axes=tuple(recipe.replicate_axes(mesh)),
-                                 param_memory_fraction=None)
+                                 param_memory_fraction=None, param_budget_ratio=None)
         pm = placement_model(captured, strategies, cost, forced, constraints=cons)
         plan = solve_model(pm, forced, workload={"recipe": recipe.name})
     except (ConstraintConflict, solvers.Infeasible) as e:

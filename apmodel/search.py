@@ -82,7 +82,8 @@ def placement_model(
         captured, strategies, cost,
         input_placements=options.input_placements, output_placements=options.output_placements,
         param_policy=options.param_policy, replicate_axes=options.replicate_axes,
-        param_memory_fraction=options.param_memory_fraction, merge_copies=options.merge_copies,
+        param_memory_fraction=options.param_memory_fraction, param_budget_ratio=options.param_budget_ratio,
+        merge_copies=options.merge_copies,
         flow_coupling=options.flow_coupling, optimizer=options.optimizer,
     )
     apply_all(pmodel, constraints)
