@@ -50,9 +50,9 @@ GH100_L2_MIB = 50.0
 GH100_SXM_SM_COUNT = 132
 #: CTA tile sizes tried for the matmul tile-quantisation term (cuBLAS Hopper kernels use 64-256).
 TILE_GRID = (64, 128, 256)
-#: Blocking sizes tried on a CPU: 1 (no quantisation) and multiples of the AVX2 / AVX-512 SGEMM
+#: Blocking sizes tried on a CPU: 1 (no quantisation) and a multiple of the AVX2 / AVX-512 SGEMM
 #: micro-kernel widths (8 / 16 fp32 lanes per vector register).
-CPU_TILE_GRID = (1, 16, 64)
+CPU_TILE_GRID = (1, 16)
 #: Starting matmul rate of a CPU, as a fraction of its nominal spec peak (assumption: eager
 #: single-op GEMMs of the sizes measured reach a few percent of a nominal socket peak; the fit
 #: moves it, in log space, within :data:`CPU_LOG_RANGE`).
@@ -65,6 +65,8 @@ CPU_TRAFFIC_BOUNDS = (0.25, 64.0)
 #: Residual (in ln(pred/meas)) beyond which a CPU fit weighs a row linearly, not quadratically
 #: (soft_l1 loss): a kernel slowed by another process on a shared machine pulls less.
 CPU_LOSS_SCALE = 0.1
+#: Relative tolerance at which a CPU fit stops (cost and parameters): far below the timings' noise.
+CPU_FIT_TOL = 1e-5
 #: Per-core L2 cache assumed when the OS does not say (MiB; recent x86 server cores have 1-2 MiB).
 DEFAULT_CPU_L2_MIB = 1.0
 
@@ -193,6 +195,9 @@ class FitSettings:
     #: (outliers weigh linearly beyond ``f_scale``: a noisy shared CPU)
     loss: str = "linear"
     f_scale: float = 1.0
+    #: scipy ``least_squares`` stopping tolerances on the cost and the parameters (its defaults for
+    #: the H200; looser for a CPU, whose timings are noisier than that)
+    tol: float = 1e-8
 
 
 def reference_of(device: str | DeviceSpec, sm_count: int = GH100_SXM_SM_COUNT) -> dict[str, Any]:
@@ -236,7 +241,7 @@ def settings_for(device: str | DeviceSpec, *, sm_count: int | None = None,
         initial = cpu_initial_params(spec, DEFAULT_CPU_L2_MIB if cache_MiB is None else cache_MiB)
         return FitSettings(initial=initial, reference=reference_of(spec, sm_count or 1),
                            bounds=_cpu_bounds(initial), tile_grid=CPU_TILE_GRID,
-                           loss="soft_l1", f_scale=CPU_LOSS_SCALE)
+                           loss="soft_l1", f_scale=CPU_LOSS_SCALE, tol=CPU_FIT_TOL)
     reference = reference_of(spec, sm_count or GH100_SXM_SM_COUNT)
     initial = initial_params()
     h200 = ms.ComputeProfile(device="h200", params=initial, reference=reference_of("h200"))
@@ -325,7 +330,7 @@ class GroupFit:
 
 def fit_group(params: dict, reference: Mapping[str, Any], device: str | DeviceSpec, data: Rows, group: str,
               graph_weight: float = 1.0, bounds: Mapping[str, tuple[float, float]] | None = None,
-              loss: str = "linear", f_scale: float = 1.0) -> GroupFit:
+              loss: str = "linear", f_scale: float = 1.0, tol: float = 1e-8) -> GroupFit:
     """Least-squares fit of one group's parameters on its rows. ``bounds`` overrides the (lower,
     upper) bounds of some parameters; parameters the profile does not have (a backend that is
     ``same_as`` another) are left out."""
@@ -355,7 +360,7 @@ def fit_group(params: dict, reference: Mapping[str, Any], device: str | DeviceSp
     x0 = np.clip(encode(params), lo + 1e-9, hi - 1e-9)
     sol = least_squares(lambda x: _residuals(decode(x), reference, spec_dev, data, idx, graph_idx, graph_weight),
                         x0, bounds=(lo, hi), method="trf", diff_step=1e-4, x_scale=1.0, max_nfev=400,
-                        loss=loss, f_scale=f_scale)
+                        loss=loss, f_scale=f_scale, ftol=tol, xtol=tol)
     jac = np.asarray(sol.jac)
     unconstrained = [path for j, (path, *_) in enumerate(spec) if not np.any(jac[:, j])]
     return GroupFit(decode(sol.x), float(sol.cost), len(idx) + len(graph_idx), unconstrained)
@@ -397,7 +402,7 @@ def fit_profile(rows: Rows | Sequence[Mapping[str, Any]], device: str | DeviceSp
 
     def run(group: str, p: dict, bounds: Mapping[str, tuple[float, float]]) -> GroupFit:
         return fit_group(p, reference, spec, data, group, bounds=bounds, loss=settings.loss,
-                         f_scale=settings.f_scale)
+                         f_scale=settings.f_scale, tol=settings.tol)
 
     for group in GROUP_ORDER:
         if group != "matmul":
@@ -573,3 +578,25 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
 def utc_now() -> str:
     """The current UTC time, ISO 8601 to the second (recorded as a measurement's date)."""
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+# ----------------------------------------------------------------------------------------
+# Held-out checks
+# ----------------------------------------------------------------------------------------
+def prediction_report(model: Any, calls: Sequence[ms.Call], measured_us: Sequence[float],
+                      factor: float = 1.5, worst: int = 10) -> dict[str, Any]:
+    """Predicted (``model.time_us`` of each meta call) against measured µs: per call the factor
+    ``max(pred/meas, meas/pred)``; overall the median factor, the largest, and the share of calls
+    within ``factor``."""
+    items = []
+    for c, meas in zip(calls, measured_us):
+        pred = float(model.time_us(c.op, c.args, c.kwargs, c.out))
+        items.append({"op": str(c.op), "shapes": [list(t.shape) for t in ms._tensors(c.args)],
+                      "meas_us": float(meas), "pred_us": pred,
+                      "factor": max(pred / meas, meas / pred) if pred > 0 else math.inf})
+    if not items:
+        return {"ops": 0}
+    factors = sorted(it["factor"] for it in items)
+    return {"ops": len(items), "median_factor": ms._median(factors), "max_factor": factors[-1],
+            "within": sum(f <= factor for f in factors) / len(factors), "factor": factor,
+            "worst": sorted(items, key=lambda it: -it["factor"])[:worst], "items": items}

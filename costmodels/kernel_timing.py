@@ -12,9 +12,11 @@ dtype) with a few bf16 matmuls and conversions.
 Every row is run as the ATen calls :func:`~costmodels.measured.row_calls` prices, on real tensors
 (:func:`materialize`), so what is timed is exactly what is predicted. The method
 (:data:`METHOD`, :func:`time_interleaved`): a few passes over the whole set, in each a warm-up per
-kernel, then repeats of back-to-back calls; a kernel's time is the median over its repeats of
-the mean time per call, timed with ``torch.cuda.Event`` on CUDA and ``time.perf_counter_ns`` on
-a CPU (garbage collection paused, host allocator warmed). On CUDA the small elementwise rows
+kernel, then repeats of back-to-back calls and their median time per call; a kernel's time is
+the smallest of its per-pass medians (load from other processes only adds time). Timed with
+``torch.cuda.Event`` on CUDA and ``time.perf_counter_ns`` on a CPU (garbage collection paused,
+host allocator warmed; with one thread, repeats during which the thread was descheduled are
+discarded, see :data:`UNDISTURBED_CPU_SHARE`). On CUDA the small elementwise rows
 are also replayed from a CUDA graph (``meas_graph_us``).
 """
 from __future__ import annotations
@@ -28,31 +30,39 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
+from torch.utils._pytree import tree_map
 
 from . import measured as ms
 from .hardware import DeviceSpec, device as _device
 
 logger = logging.getLogger(__name__)
 
-#: Timing of a kernel set: this many passes over all its kernels (interleaved, so that a burst
-#: of load from another process hits a kernel in one pass, not in all its samples)...
+#: Timing of a kernel set: this many passes over all its kernels, interleaved; a kernel's time
+#: is the smallest of its per-pass medians, so that a burst of load from another process (which
+#: only ever adds time) must last through every pass of a kernel to bias it...
 PASSES = 3
 #: ... in each pass, per kernel, a warm-up of at least this many seconds and calls...
 WARMUP_S = 0.01
 WARMUP_MIN_CALLS = 3
-#: ... then this many repeats of back-to-back calls, each about this long (at least one call).
-#: A kernel's time is the median over all its repeats (PASSES x REPEATS samples).
+#: ... then this many repeats of back-to-back calls, each about this long (at least one call),
+#: of which the pass keeps the median.
 REPEATS = 5
 REPEAT_S = 0.005
 #: The same for ``quick`` (tests): shorter.
-QUICK_WARMUP_S = 0.004
+QUICK_WARMUP_S = 0.002
 QUICK_REPEATS = 3
-QUICK_REPEAT_S = 0.002
+QUICK_REPEAT_S = 0.0015
 #: Most calls in one repeat (tiny kernels would otherwise need millions).
 MAX_CALLS_PER_REPEAT = 20_000
+#: On a CPU with one intra-op thread (the kernel runs on the calling thread): a repeat whose
+#: thread CPU time is below this share of its wall time was descheduled for another process, and
+#: is discarded and run again, up to MAX_ATTEMPTS x REPEATS times. A kernel with no undisturbed
+#: repeat (longer than a scheduler slice on a loaded machine) takes its repeats' thread CPU time.
+UNDISTURBED_CPU_SHARE = 0.9
+MAX_ATTEMPTS = 4
 #: Calls captured in one CUDA graph for ``meas_graph_us`` (as in the H200 file: "captured 20x").
 GRAPH_CALLS = 20
 #: Elementwise row ops replayed from a CUDA graph, up to this many elements (the H200 file's
@@ -76,8 +86,8 @@ CUDA_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100_sxm"), ("A100", "a100_80gb
 
 METHOD = ("ATen calls of each row run back to back on real tensors; {passes} interleaved passes over the "
           "kernel set, in each a warm-up of >= {warmup_ms:g} ms and >= {warmup_calls} calls, then {repeats} "
-          "repeats of ~{repeat_ms:g} ms of back-to-back calls (at least one); a kernel's time is the median "
-          "over its {samples} repeats of the mean time per call, timed with {clock}")
+          "repeats of ~{repeat_ms:g} ms of back-to-back calls (at least one) and the median of their mean "
+          "time per call; a kernel's time is the smallest of its {passes} per-pass medians; timed with {clock}")
 
 
 def method_text(device_type: str, quick: bool) -> str:
@@ -85,12 +95,13 @@ def method_text(device_type: str, quick: bool) -> str:
     clock = ("torch.cuda.Event (elapsed_time between events around the calls, then synchronize); "
              f"meas_graph_us: the same calls captured {GRAPH_CALLS}x in a CUDA graph and replayed (first pass)"
              if device_type == "cuda" else
-             "time.perf_counter_ns, garbage collection paused, after warming the host allocator")
-    repeats = QUICK_REPEATS if quick else REPEATS
+             "time.perf_counter_ns, garbage collection paused, after warming the host allocator; with one "
+             f"thread, a repeat whose thread CPU time is under {UNDISTURBED_CPU_SHARE:.0%} of its wall time "
+             f"(descheduled for another process) is discarded and run again (up to {MAX_ATTEMPTS}x; a kernel "
+             "never undisturbed takes its thread CPU time)")
     return METHOD.format(passes=PASSES, warmup_ms=1e3 * (QUICK_WARMUP_S if quick else WARMUP_S),
-                         warmup_calls=WARMUP_MIN_CALLS, repeats=repeats,
-                         repeat_ms=1e3 * (QUICK_REPEAT_S if quick else REPEAT_S), samples=PASSES * repeats,
-                         clock=clock)
+                         warmup_calls=WARMUP_MIN_CALLS, repeats=QUICK_REPEATS if quick else REPEATS,
+                         repeat_ms=1e3 * (QUICK_REPEAT_S if quick else REPEAT_S), clock=clock)
 
 
 # ----------------------------------------------------------------------------------------
@@ -217,7 +228,7 @@ def _cpu_rows(quick: bool) -> list[dict[str, Any]]:
             ((1000, 64, 16), (5000, 128, 512), (16000, 256, 2048), (30000, 256, 8192)):
         rows.append({"op": "embedding", "shapes": [[vocab, dim], [tokens]], "dtype": f32})
         rows.append(_embedding_backward_row(vocab, dim, tokens, f32))
-    att = ((1, 2, 16, 16), (1, 4, 128, 32), (2, 8, 256, 64)) if quick else \
+    att = ((1, 2, 16, 16), (1, 4, 128, 32), (2, 4, 128, 64)) if quick else \
         ((1, 2, 16, 16), (1, 4, 128, 32), (2, 8, 256, 64), (1, 8, 512, 128), (4, 4, 1024, 64))
     for shape in att:
         for kind in ("sdpa_flash_fwd", "sdpa_flash_fwd_plus_bwd"):
@@ -371,12 +382,27 @@ def time_samples_us(run: Callable[[], None], dev: torch.device, *, quick: bool =
                 end.record()
                 end.synchronize()
                 samples.append(start.elapsed_time(end) * 1e3 / calls)
-        else:
+        elif torch.get_num_threads() > 1:
             for _ in range(repeats):
                 t = time.perf_counter_ns()
                 for _ in range(calls):
                     run()
                 samples.append((time.perf_counter_ns() - t) / 1e3 / calls)
+        else:
+            cpu_only: list[float] = []
+            for _ in range(MAX_ATTEMPTS * repeats):
+                c, t = time.thread_time_ns(), time.perf_counter_ns()
+                for _ in range(calls):
+                    run()
+                wall, cpu = time.perf_counter_ns() - t, time.thread_time_ns() - c
+                if cpu >= UNDISTURBED_CPU_SHARE * wall:
+                    samples.append(wall / 1e3 / calls)
+                    if len(samples) == repeats:
+                        break
+                else:
+                    cpu_only.append(cpu / 1e3 / calls)
+            if not samples:
+                samples = cpu_only
     finally:
         if gc_enabled:
             gc.enable()
@@ -384,11 +410,9 @@ def time_samples_us(run: Callable[[], None], dev: torch.device, *, quick: bool =
 
 
 def time_us(run: Callable[[], None], dev: torch.device, *, quick: bool = False) -> float:
-    """Median over :data:`PASSES` passes of :func:`time_samples_us` (one kernel, not interleaved)."""
-    samples: list[float] = []
-    for _ in range(PASSES):
-        samples += time_samples_us(run, dev, quick=quick)
-    return float(statistics.median(samples))
+    """The smallest over :data:`PASSES` passes of the median of :func:`time_samples_us` (one
+    kernel, passes back to back: :func:`time_interleaved` is the robust form)."""
+    return min(float(statistics.median(time_samples_us(run, dev, quick=quick))) for _ in range(PASSES))
 
 
 def time_graph_us(run: Callable[[], None], dev: torch.device, *, quick: bool = False) -> float:
@@ -416,10 +440,11 @@ def time_interleaved(factories: Sequence[Callable[[], Callable[[], None]]], dev:
                      quick: bool = False, progress: Callable[[int, int], None] | None = None,
                      ) -> list[float | BaseException]:
     """Time several kernels with the same method, interleaved: :data:`PASSES` passes, each builds
-    every kernel's ``run = factory()`` (fresh tensors) and takes :func:`time_samples_us` of it.
-    Returns each kernel's median (µs), or the error its factory or run raised (from
-    :data:`SKIP_ERRORS`; the kernel is left out of later passes). On a CPU the host allocator
-    is warmed first (:func:`warm_host_allocator`). ``progress(done, total)`` after each step."""
+    every kernel's ``run = factory()`` (fresh tensors) and takes the median of
+    :func:`time_samples_us` of it. Returns each kernel's smallest per-pass median (µs), or the
+    error its factory or run raised (from :data:`SKIP_ERRORS`; the kernel is left out of later
+    passes). On a CPU the host allocator is warmed first (:func:`warm_host_allocator`).
+    ``progress(done, total)`` after each step."""
     if dev.type == "cpu":
         warm_host_allocator()
     samples: list[list[float]] = [[] for _ in factories]
@@ -430,7 +455,7 @@ def time_interleaved(factories: Sequence[Callable[[], Callable[[], None]]], dev:
             if errors[i] is None:
                 try:
                     run = factory()
-                    samples[i] += time_samples_us(run, dev, quick=quick)
+                    samples[i].append(float(statistics.median(time_samples_us(run, dev, quick=quick))))
                     del run
                 except SKIP_ERRORS as e:
                     errors[i] = e
@@ -439,7 +464,7 @@ def time_interleaved(factories: Sequence[Callable[[], Callable[[], None]]], dev:
             done += 1
             if progress is not None:
                 progress(done, total)
-    return [e if e is not None else float(statistics.median(ss)) for ss, e in zip(samples, errors)]
+    return [e if e is not None else min(ss) for ss, e in zip(samples, errors)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -540,3 +565,72 @@ def measurements_document(rows: Sequence[Mapping[str, Any]], skipped: Sequence[M
         "skipped": list(skipped),
         "rows": [dict(r) for r in rows],
     }
+
+
+# ----------------------------------------------------------------------------------------
+# Recorded calls: the ATen ops a real step runs (held-out checks of a fitted profile)
+# ----------------------------------------------------------------------------------------
+class RecordedCall(NamedTuple):
+    """One ATen call recorded while a step ran: the op and copies of its real arguments and output."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    out: Any
+
+    def on_meta(self) -> ms.Call:
+        """The call on meta tensors of the same shapes, strides and dtypes (what a model prices)."""
+        return ms.Call(self.op, tree_map(_to_meta, self.args), tree_map(_to_meta, self.kwargs),
+                       tree_map(_to_meta, self.out))
+
+    def runner(self) -> Callable[[], None]:
+        """A function that runs the call on fresh copies of its arguments."""
+        return runner([(self.op, tree_map(_copy_tensor, self.args), tree_map(_copy_tensor, self.kwargs))])
+
+
+def _copy_tensor(x: Any) -> Any:
+    """A tensor's copy with the same strides, outside autograd; anything else as is."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x.detach())
+    return x
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    return x
+
+
+def _signature(x: Any) -> Any:
+    return (tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else x
+
+
+def record_aten_calls(step: Callable[[], Any]) -> list[RecordedCall]:
+    """Run ``step`` and return its distinct ATen calls (by op, shapes, strides, dtypes and other
+    arguments), in first-call order, with copies of their real arguments and outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: dict[str, RecordedCall] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            key = f"{func} {tree_map(_signature, (args, kwargs))}"
+            if key not in calls:
+                calls[key] = RecordedCall(func, tree_map(_copy_tensor, args), tree_map(_copy_tensor, kwargs),
+                                          tree_map(_copy_tensor, out))
+            return out
+
+    with Record():
+        step()
+    return list(calls.values())
+
+
+def time_recorded(calls: Sequence[RecordedCall], dev: torch.device, *, quick: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> list[float | BaseException]:
+    """Time recorded calls with the kernel-set method (:func:`time_interleaved`; fresh copies of
+    the arguments in every pass)."""
+    return time_interleaved([c.runner for c in calls], dev, quick=quick, progress=progress)

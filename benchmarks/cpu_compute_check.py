@@ -1,0 +1,174 @@
+"""Check a CPU compute profile against kernels it was not fitted to: the ATen ops of a training step.
+
+    python benchmarks/cpu_compute_check.py --quick            # calibrate (quick set) here, then check
+    python benchmarks/cpu_compute_check.py                    # the full kernel set (minutes)
+    python benchmarks/cpu_compute_check.py --profile cpu.json # check a profile from `apmodel calibrate-compute`
+    python benchmarks/cpu_compute_check.py --quick --json -   # only the JSON report on stdout
+
+Without ``--profile`` the kernel set is measured and fitted first (what ``apmodel calibrate-compute``
+does, :func:`costmodels.fitting.calibrate_compute`). Then one forward+backward step of a tiny
+transformer (:class:`TinyGPT`: vocabulary 300, width 96, 4 heads of 24, sequence 48, batch 3, two
+layers; none of its operand shapes is a row of the kernel set) runs on the CPU under a recording
+dispatch mode; each distinct ATen call the model charges for (views are free) is timed with the
+kernel set's method (:func:`costmodels.kernel_timing.time_recorded`) and predicted by the
+profile with ``cache="warm"`` (the timings replay one op on the same buffers). The report: the
+median and largest factor ``max(pred/meas, meas/pred)``, the share within 1.5x, the worst ops,
+and the same numbers for the uncalibrated roofline of the nominal ``cpu`` device.
+``tests/test_calibrate_compute.py`` asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+# This folder has a costmodels.py; make sure "import costmodels" finds the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import costmodels as cm  # noqa: E402
+from costmodels import fitting  # noqa: E402
+from costmodels import kernel_timing as kt  # noqa: E402
+from costmodels import measured as ms  # noqa: E402
+
+#: Factor within which an op counts as predicted.
+FACTOR = 1.5
+#: Threads of the check (and of the calibration it runs): one, so that a shared machine's other
+#: jobs slow it less.
+DEFAULT_THREADS = 1
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A two-layer GPT: token and position embeddings, pre-norm blocks (causal SDPA, GELU MLP),
+    a final norm, an untied head and the cross-entropy loss."""
+
+    def __init__(self, vocab: int = 300, dim: int = 96, heads: int = 4, layers: int = 2, seq: int = 48) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(_Block(dim, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
+def training_step(batch: int = 3, seq: int = 48, vocab: int = 300, seed: int = 0) -> Callable[[], None]:
+    """One forward+backward step of :class:`TinyGPT` on the CPU (a function to record)."""
+    torch.manual_seed(seed)
+    model = TinyGPT(vocab=vocab, seq=seq)
+    idx, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    return lambda: model(idx, targets).backward()
+
+
+def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREADS, quick: bool = True,
+             fit_rows: Sequence[dict] | None = None) -> dict[str, Any]:
+    """Time the ATen calls of :func:`training_step` on this CPU and compare them with ``profile``'s
+    predictions (eager, cache warm) and the nominal roofline's. ``fit_rows``: the rows the profile
+    was fitted to; calls whose operand shapes match one are reported (``in_fit_set``)."""
+    fitted = ms.MeasuredCompute("cpu", profile, execution="eager", cache="warm")
+    recorded = kt.record_aten_calls(training_step())
+    calls = [c for c in recorded if fitted.time_us(*c.on_meta()) > 0]   # views and getitem are free
+    fit_shapes = {tuple(tuple(s) for s in r["shapes"]) for r in fit_rows or ()}
+    overlap = [str(c.op) for c in calls
+               if tuple(tuple(t.shape) for t in ms._tensors(c.args)) in fit_shapes]
+    with kt.threads_set(threads) as n_threads:
+        times = kt.time_recorded(calls, torch.device("cpu"), quick=quick)
+    bad = [(str(c.op), t) for c, t in zip(calls, times) if not isinstance(t, float)]
+    if bad:
+        raise RuntimeError(f"could not time {bad[0][0]}: {bad[0][1]}")
+    metas = [c.on_meta() for c in calls]
+    return {
+        "recorded": len(recorded), "threads": n_threads, "in_fit_set": overlap,
+        "fitted": fitting.prediction_report(fitted, metas, times, FACTOR),
+        "roofline": fitting.prediction_report(cm.RooflineCompute("cpu"), metas, times, FACTOR),
+    }
+
+
+def _print_report(rep: dict[str, Any], worst: int) -> None:
+    f, r = rep["fitted"], rep["roofline"]
+    print(f"\nheld out: {f['ops']} distinct ATen ops of a TinyGPT training step (of {rep['recorded']} recorded; "
+          f"views are free), {rep['threads']} thread(s)")
+    print(f"  fitted profile:    median factor {f['median_factor']:.2f}, largest {f['max_factor']:.2f}x, "
+          f"{f['within']:.0%} within {FACTOR}x")
+    print(f"  nominal roofline:  median factor {r['median_factor']:.2f}, largest {r['max_factor']:.2f}x, "
+          f"{r['within']:.0%} within {FACTOR}x")
+    print(f"  worst {worst} (fitted):")
+    print(f"  {'op':<58} {'meas µs':>9} {'pred µs':>9} {'factor':>7}")
+    for w in f["worst"][:worst]:
+        name = w["op"].replace("aten.", "").replace(".default", "") + " " + "x".join(
+            "[" + ",".join(map(str, s)) + "]" for s in w["shapes"])
+        print(f"  {name[:58]:<58} {w['meas_us']:>9.1f} {w['pred_us']:>9.1f} {w['factor']:>7.2f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default=None, help="a CPU profile JSON to check (default: calibrate here first)")
+    ap.add_argument("--quick", action="store_true", help="the quick kernel set and timing (seconds)")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="CPU threads (default 1)")
+    ap.add_argument("--worst", type=int, default=10, help="worst ops to list")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="write the JSON report to PATH; '-' prints only the JSON on stdout")
+    args = ap.parse_args(argv)
+    quiet = args.json == "-"
+    say = (lambda s: print(s, file=sys.stderr)) if quiet else print
+    if torch.cuda.is_available() and args.profile is None:
+        raise SystemExit("CUDA is present: calibrate-compute would measure the GPU; pass a CPU --profile")
+    fit_rows = None
+    result: dict[str, Any] = {}
+    if args.profile is None:
+        cal = fitting.calibrate_compute(quick=args.quick, threads=args.threads, log=say)
+        profile, fit_rows = cal.profile, cal.measurements["rows"]
+        rep = cal.reports["eager"]
+        say(f"\ncpu profile ({cal.measurements['hardware']}, {'quick' if args.quick else 'full'} set): "
+            f"{rep['rows']} kernels, median |pred/meas-1| = {rep['median_abs_rel_err']:.1%}, "
+            f"largest factor {rep['max_factor']:.2f}x")
+        result["calibration"] = {"hardware": cal.measurements["hardware"], "kernel_set": cal.measurements["kernel_set"],
+                                 "fit": fitting.summary(rep)}
+    else:
+        profile = ms.load_profile(args.profile)
+    rep = held_out(profile, threads=args.threads, quick=args.quick, fit_rows=fit_rows)
+    if not quiet:
+        _print_report(rep, args.worst)
+    keep = ("ops", "median_factor", "max_factor", "within", "factor")
+    result["held_out"] = {
+        "recorded": rep["recorded"], "threads": rep["threads"], "in_fit_set": rep["in_fit_set"],
+        "fitted": {**{k: rep["fitted"][k] for k in keep}, "items": rep["fitted"]["items"]},
+        "roofline": {k: rep["roofline"][k] for k in keep},
+    }
+    if args.json == "-":
+        print(json.dumps(result, indent=1))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        say(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
