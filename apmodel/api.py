@@ -25,6 +25,7 @@ import torch.nn as nn
 import solvers
 from apmodel import search
 from apmodel.capture import CapturedGraph, capture
+from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
 from apmodel.costs import DTYPES, CostContext, build_cost_context
 from apmodel.model import ConstraintConflict, PlacementModel
@@ -77,6 +78,15 @@ class PlanResult:
     free_plan: Plan | None = None
     """the plan under the free storage policy (contains every recipe), when recipes were priced"""
     free_plan_param_bytes: float | None = None
+    memory_limit_bytes: float | None = None
+    """the per-device limit plans were held to (None: no limit)"""
+
+    def fits(self, plan: Plan | None) -> bool | None:
+        """Whether ``plan``'s peak memory fits :attr:`memory_limit_bytes` (None when unknown)."""
+        peak = None if plan is None else plan.memory.get("peak_bytes")
+        if peak is None:
+            return None
+        return self.memory_limit_bytes is None or peak <= self.memory_limit_bytes
 
 
 # -------------------------------------------------------------------------------- building
@@ -113,7 +123,13 @@ def solve_model(
     return search.solve_model(pmodel, make_options(options, **option_values), timings=timings, workload=workload)
 
 
-def _capture(workload: Workload | CapturedGraph) -> CapturedGraph:
+def _capture(workload: Workload | CapturedGraph, ac: str = "none") -> CapturedGraph:
+    """The workload's traced step, rewritten for activation checkpointing ``ac``
+    (:func:`apmodel.checkpointing.checkpoint`; a graph the caller checkpointed is kept as it is)."""
+    return checkpoint(_trace_workload(workload), ac)
+
+
+def _trace_workload(workload: Workload | CapturedGraph) -> CapturedGraph:
     if isinstance(workload, CapturedGraph):
         return workload
     if isinstance(workload.model, CapturedGraph):
@@ -194,7 +210,7 @@ def build_model(
     timings = timings if timings is not None else {}
     workload = model if isinstance(model, CapturedGraph) else Workload(
         model, mesh_shape, tuple(sample_inputs), loss_fn, kwargs, targets, allow_unused_parameters)
-    captured = _capture(workload)
+    captured = _capture(workload, opts.ac)
     timings["trace_s"] = captured.trace_s
     cost = cost or build_cost_context(mesh_shape, opts)
     return _build(captured, opts, cost, constraints, timings, progress or LogProgress(), mesh)
@@ -235,7 +251,9 @@ def plan_workload(
         constraints.append(replay_constraints(replay))
     timings: dict[str, float] = {}
     progress.stage(f"tracing {workload.name}")
-    captured = _capture(workload)
+    captured = _capture(workload, options.ac)
+    if policy_of(captured) != options.ac:  # a graph the caller checkpointed: its plan records that policy
+        options = options.replace(ac=policy_of(captured))
     timings["trace_s"] = captured.trace_s
     progress.done(f"traced {len(captured.gm.graph.nodes)} nodes in {captured.trace_s:.1f} s")
     cost = build_cost_context(workload.mesh_shape, options)
@@ -244,13 +262,13 @@ def plan_workload(
           "mesh": list(workload.mesh_shape), **options.to_record(), **dict(record or {})}
     progress.stage(f"solving with {options.solver}")
     found = _solve(pmodel, options, timings, wl)
-    found = fit_in_memory(pmodel, found, search.memory_limit_bytes(options, pmodel),
-                          lambda: _solve(pmodel, options, timings, wl))
+    limit = search.memory_limit_bytes(options, pmodel)
+    found = fit_in_memory(pmodel, found, limit, lambda: _solve(pmodel, options, timings, wl))
     progress.done(f"solved ({found.solver.get('status')}) in {found.timings['solve_s']:.1f} s: "
                   f"{found.objective_us:,.1f} µs")
     itemsize = options.dtype_bytes
     result = PlanResult(found, captured, options, R.param_bytes_per_device(found, captured, itemsize),
-                        warnings=list(dict.fromkeys(found.warnings or [])))
+                        warnings=list(dict.fromkeys(found.warnings or [])), memory_limit_bytes=limit)
     if compare_recipes:
         _compare_recipes(result, pmodel, cost, constraints, itemsize, progress)
     return result
@@ -361,7 +379,7 @@ def attach(saved: Plan, *, progress: Progress | None = None) -> Plan:
     mesh = tuple(saved.mesh_shape)
     workload = load_workload(record["model"], mesh, batch=record.get("batch", 8), seq=record.get("seq", 2048),
                              layers=record.get("layers"))
-    captured = _capture(workload)
+    captured = _capture(workload, options.ac)
     saved.check_compatible(captured, mesh)
     progress.stage("enumerating strategies and building the model")
     strategies = enumerate_strategies(captured.gm, mesh)
@@ -415,6 +433,7 @@ def parallelize(
     )
     if plan is None:
         opts = make_options(options, **option_values)
+        captured = checkpoint(captured, opts.ac)  # the lowered graph is the one planned
 
         def solve() -> Plan:
             return plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan  # type: ignore[arg-type]
@@ -422,4 +441,6 @@ def parallelize(
         plan = lowering.plan_on_one_rank(solve, mesh)
     elif option_values or options is not None or constraints:
         raise TypeError("planning options given together with plan=: the plan is used as it is")
+    else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with
+        captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
     return lowering.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels)

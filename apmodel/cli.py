@@ -398,13 +398,16 @@ def plan_json(result, cfg) -> dict[str, Any]:
         "emerged": emerged(plan),
         "warnings": list(result.warnings),
         "memory": dict(plan.memory),
+        "memory_limit_bytes": result.memory_limit_bytes,
     }
     if result.recipes is not None:
         data["recipes"] = {r.name: r.objective_us for r in result.recipes}
         data["recipes_detail"] = {
             r.name: {"status": r.status, "reason": r.reason, "param_policy": r.param_policy,
                      "objective_us": r.objective_us, "compute_us": r.compute_us, "comm_us": r.comm_us,
-                     "param_bytes_per_device": r.param_bytes}
+                     "param_bytes_per_device": r.param_bytes,
+                     "peak_bytes": None if r.plan is None else r.plan.memory.get("peak_bytes"),
+                     "fits_memory": result.fits(r.plan)}
             for r in result.recipes
         }
         data["free_policy_objective_us"] = result.free_plan.objective_us
@@ -487,30 +490,40 @@ def _print_recipes(result, cfg, console: Console) -> None:
     plan = result.plan
     base = plan.objective_us
     t = Table(title="Found plan versus hand-written recipes (same cost model, same solver)", title_justify="left")
-    for col in ("plan", "param storage", "objective µs", "compute µs", "comm µs", "params/device", "vs found"):
+    for col in ("plan", "param storage", "objective µs", "compute µs", "comm µs", "params/device", "peak memory",
+                "vs found"):
         t.add_column(col, justify="left" if col in ("plan", "param storage") else "right")
+
+    def peak(p) -> Text:
+        """Peak memory per device, red and marked when it does not fit the limit."""
+        fits = result.fits(p)
+        text = _fmt_bytes(None if p is None else p.memory.get("peak_bytes"))
+        return Text(text + (" (over)" if fits is False else ""), style="red" if fits is False else "")
 
     def pct(x: float) -> str:
         return f"{100 * (x - base) / base:+.1f}%"
 
     t.add_row("[bold]apmodel (found)[/]", cfg.param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
-              _fmt_us(plan.comm_us), _fmt_bytes(result.param_bytes), "0.0%")
+              _fmt_us(plan.comm_us), _fmt_bytes(result.param_bytes), peak(plan), "0.0%")
     ff = result.free_plan
     if ff is not plan:
         t.add_row("apmodel (free storage)", "free", _fmt_us(ff.objective_us), _fmt_us(ff.compute_us),
-                  _fmt_us(ff.comm_us), _fmt_bytes(result.free_plan_param_bytes), pct(ff.objective_us))
+                  _fmt_us(ff.comm_us), _fmt_bytes(result.free_plan_param_bytes), peak(ff), pct(ff.objective_us))
     notes = []
     for r in result.recipes:
         policy = r.param_policy + ("" if R.within_default_space(R.get(r.name)) else " *")
         if r.objective_us is None:
-            t.add_row(r.title, policy, Text(r.status, style="yellow"), "", "", "", "")
+            t.add_row(r.title, policy, Text(r.status, style="yellow"), "", "", "", "", "")
             notes.append(f"{r.name}: {r.status} — {r.reason.splitlines()[0][:300]}")
             continue
         t.add_row(r.title, policy, _fmt_us(r.objective_us), _fmt_us(r.compute_us), _fmt_us(r.comm_us),
-                  _fmt_bytes(r.param_bytes), pct(r.objective_us))
+                  _fmt_bytes(r.param_bytes), peak(r.plan), pct(r.objective_us))
     console.print(t)
     console.print("* outside the default search space (parameters not fully sharded: more bytes per device); "
                   "compared with the free-storage plan, which contains every recipe.", style="dim", highlight=False)
+    if result.memory_limit_bytes is not None:
+        console.print(f"peak memory per device against the limit of {_fmt_bytes(result.memory_limit_bytes)} "
+                      "(--memory-limit-gb; default HBM less 10%); (over): does not fit.", style="dim", highlight=False)
     for n in notes:
         console.print(f"  {n}", style="dim", highlight=False, markup=False)
 
@@ -535,6 +548,7 @@ def plan(
     compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
     mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: on for bf16/fp16."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
+    ac: Optional[str] = typer.Option(None, "--ac", help="Activation checkpointing: none (default), selective (save matmul and attention outputs, recompute the rest of each layer), full (recompute each layer from its input). Priced and lowered."),
     compute_profile: Optional[Path] = typer.Option(None, "--compute-profile", help="Compute profile JSON (from `apmodel calibrate-compute`) for the measured compute model. Default: the device's built-in profile."),
     execution: Optional[str] = typer.Option(None, "--execution", help="Execution mode priced by the measured compute model: eager (default; launch cost per op) or graphs (CUDA-graph replay)."),
     memory_limit_gb: Optional[float] = typer.Option(None, "--memory-limit-gb", min=0.001, help="Per-device memory limit in GB (1e9 B). Default: the device's HBM less 10%."),
@@ -547,7 +561,7 @@ def plan(
     with _errors(verbose), _cwd_importable():
         cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
                              batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
-                             param_policy=param_policy, param_budget_ratio=param_budget_ratio, optimizer=optimizer, memory_limit_GB=memory_limit_gb,
+                             param_policy=param_policy, param_budget_ratio=param_budget_ratio, optimizer=optimizer, ac=ac, memory_limit_GB=memory_limit_gb,
                              mixed_precision=mixed_precision, execution=execution,
                              compute_profile=None if compute_profile is None else str(compute_profile))
         if cfg.optimizer is not None and cfg.optimizer not in ("adamw", "adam", "sgd", "sgd-nomomentum", "none"):

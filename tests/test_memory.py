@@ -112,3 +112,31 @@ def test_mixed_precision_reduces_gradients_and_keeps_masters_in_fp32():
     assert off.objective_us < on.objective_us <= same.objective_us + 1e-6
     default = apmodel.plan(captured, (8,), compute_model=roofline)  # bf16 pricing: mixed precision on
     assert default.objective_us == pytest.approx(on.objective_us)
+
+
+def test_compare_recipes_marks_what_does_not_fit():
+    """`--compare-recipes` reports each recipe's peak memory and whether it fits the limit: with a
+    limit between the found plan's peak and DDP's (parameters replicated), DDP is marked over."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from apmodel.cli import app
+
+    args = ["plan", "--model", "llama3-debug", "--layers", "1", "--mesh", "2x2", "--seq", "64", "--batch", "8",
+            "--compare-recipes", "--json"]
+    first = json.loads(CliRunner().invoke(app, args).stdout)
+    found, ddp = first["memory"]["peak_bytes"], first["recipes_detail"]["ddp"]["peak_bytes"]
+    assert ddp > found > 0
+    limit_gb = (found + ddp) / 2 / 1e9
+    res = CliRunner().invoke(app, [*args, "--memory-limit-gb", f"{limit_gb:.9f}"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["memory_limit_bytes"] == pytest.approx(limit_gb * 1e9)
+    detail = data["recipes_detail"]
+    assert detail["ddp"]["fits_memory"] is False
+    for name, r in detail.items():
+        if r["peak_bytes"] is not None:
+            assert r["fits_memory"] == (r["peak_bytes"] <= limit_gb * 1e9), name
+    table = CliRunner().invoke(app, [a for a in args if a != "--json"] + ["--memory-limit-gb", f"{limit_gb:.9f}"])
+    assert "(over)" in table.stdout
