@@ -283,7 +283,8 @@ def _compare_recipes(result: PlanResult, pmodel: PlacementModel, cost: CostConte
     strategies = pmodel.strategies
     default_space = options.param_policy == "full_shard" and not options.replicate_axes \
         and options.param_memory_fraction is None and options.param_budget_ratio is None
-    if options.param_policy == "free" and not options.replicate_axes and options.param_memory_fraction is None:
+    if options.param_policy == "free" and not options.replicate_axes and options.param_memory_fraction is None \
+            and options.param_budget_ratio is None:
         free = found  # this run already searched the free-storage space, which contains every recipe
     else:
         progress.stage(f"solving with {options.solver} under the free parameter-storage policy")
