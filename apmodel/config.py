@@ -41,6 +41,7 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     param_memory_fraction = 0.25  # optional per-device parameter budget (instead of full_shard)
     param_budget_ratio = 0.125    # or the paper's storage budget "high": mean local/global ratio per tensor
     optimizer = "adamw"           # optimizer state in the memory model: adamw | sgd | none
+    ac = "selective"              # activation checkpointing: none (default) | selective | full
     memory_limit_GB = 70.0        # per-device memory limit (default: the device's HBM less 10%)
 
     [[constraints]]
@@ -74,7 +75,7 @@ else:  # pragma: no cover
 
 from apmodel import constraints as C
 from apmodel import placements as pl
-from apmodel.options import OPTIMIZERS, PARAM_POLICIES, PRICING_DTYPES, TOPOLOGY_KEYS, PlanOptions
+from apmodel.options import AC_POLICIES, OPTIMIZERS, PARAM_POLICIES, PRICING_DTYPES, TOPOLOGY_KEYS, PlanOptions
 
 
 class ConfigError(ValueError):
@@ -117,6 +118,7 @@ class Config:
     param_memory_fraction: float | None = None
     param_budget_ratio: float | None = None
     optimizer: str | None = None
+    ac: str | None = None
     memory_limit_GB: float | None = None
     mixed_precision: bool | None = None
     # [[constraints]]
@@ -135,7 +137,7 @@ class Config:
             "mixed_precision": self.mixed_precision, "compute_model": self.compute_model,
             "comm_model": self.comm_model, "calibration": self.calibration,
             "compute_profile": self.compute_profile, "execution": self.execution,
-            "topology": self.topology_overrides(), "optimizer": self.optimizer,
+            "topology": self.topology_overrides(), "optimizer": self.optimizer, "ac": self.ac,
             "memory_limit_bytes": None if self.memory_limit_GB is None else self.memory_limit_GB * 1e9,
             "param_policy": self.param_policy,
             "replicate_axes": None if self.replicate_axes is None else tuple(self.replicate_axes),
@@ -186,6 +188,7 @@ _SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
         "param_memory_fraction": ("param_memory_fraction", (int, float), "a number in (0, 1]"),
         "param_budget_ratio": ("param_budget_ratio", (int, float), "a number in (0, 1]"),
         "optimizer": ("optimizer", (str,), '"adamw" or "sgd"'),
+        "ac": ("ac", (str,), '"none", "selective" or "full"'),
         "memory_limit_GB": ("memory_limit_GB", (int, float), "a number of GB (1e9 bytes) per device"),
     },
 }
@@ -329,6 +332,8 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
         raise ConfigError(f"{source}: key 'planner.param_policy' must be \"full_shard\" or \"free\", got {cfg.param_policy!r}")
     if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
         raise ConfigError(f"{source}: key 'planner.optimizer' must be one of {', '.join(OPTIMIZERS)}, got {_short(cfg.optimizer)}")
+    if cfg.ac is not None and cfg.ac not in AC_POLICIES:
+        raise ConfigError(f"{source}: key 'planner.ac' must be one of {', '.join(AC_POLICIES)}, got {_short(cfg.ac)}")
     if cfg.memory_limit_GB is not None and not 0 < cfg.memory_limit_GB < math.inf:
         raise ConfigError(f"{source}: key 'planner.memory_limit_GB' must be a finite number > 0, got {cfg.memory_limit_GB}")
     for key in ("param_memory_fraction", "param_budget_ratio"):

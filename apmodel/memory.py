@@ -6,7 +6,7 @@ Per device, for a plan (one strategy per node):
 * **parameters**: each parameter at its storage placement (local elements × bytes per element of
   the master dtype under mixed precision, else as priced; tied parameters once);
 * **gradients**: one per trainable parameter, at the parameter's placement (the plan reduces each
-  gradient to its parameter's placement, see :mod:`apmodel.model`);
+  gradient to its parameter's placement, see :mod:`apmodel.placement_model`);
 * **optimizer state**: :data:`OPTIMIZER_STATE_COPIES` copies of each trainable parameter's
   local elements, in the same dtype (``torch.optim`` allocates its moments like the parameter);
 * **activations**: the forward values the backward reads (what autograd saves), at their
@@ -66,14 +66,22 @@ class MemoryEstimate:
     def to_json(self) -> dict[str, float | None]:
         return {k: (None if v is None else int(round(v))) for k, v in asdict(self).items()}
 
-    def dominant(self) -> str:
-        """The largest component, as ``"activations 61.2 GB"``."""
-        parts = {
+    def _parts(self) -> dict[str, float]:
+        return {
             "parameters": self.params_bytes, "gradients": self.grads_bytes,
             "optimizer state": self.optimizer_bytes, "activations": self.activations_bytes,
         }
-        name = max(parts, key=parts.__getitem__)
-        return f"{name} {parts[name] / 1e9:.2f} GB"
+
+    def dominant_kind(self) -> str:
+        """The name of the largest component: ``"parameters"``, ``"gradients"``, ``"optimizer
+        state"`` or ``"activations"`` (activation checkpointing shrinks the last)."""
+        parts = self._parts()
+        return max(parts, key=parts.__getitem__)
+
+    def dominant(self) -> str:
+        """The largest component, as ``"activations 61.2 GB"``."""
+        name = self.dominant_kind()
+        return f"{name} {self._parts()[name] / 1e9:.2f} GB"
 
 
 def _value(node: fx.Node, index: int = 0) -> torch.Tensor | None:

@@ -20,11 +20,14 @@ from typing import Any, Literal, Mapping, Sequence, get_args
 
 ParamPolicy = Literal["full_shard", "free"]
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-nomomentum", "none"]
+#: Activation checkpointing policies (:mod:`apmodel.checkpointing`).
+ACPolicy = Literal["none", "selective", "full"]
 Execution = Literal["eager", "graphs"]
 PricingDtype = Literal["bf16", "fp16", "fp32", "fp8"]
 
 PARAM_POLICIES: tuple[str, ...] = get_args(ParamPolicy)
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+AC_POLICIES: tuple[str, ...] = get_args(ACPolicy)
 EXECUTIONS: tuple[str, ...] = get_args(Execution)
 PRICING_DTYPES: tuple[str, ...] = get_args(PricingDtype)
 #: Bytes per element of each pricing dtype (``torch.<dtype>.itemsize``; fp8 is e4m3).
@@ -60,6 +63,10 @@ class PlanOptions:
         calibration: a collective calibration JSON (``apmodel calibrate``).
         topology: overrides of the topology (:data:`TOPOLOGY_KEYS`).
         optimizer: optimizer state in the memory model.
+        ac: activation checkpointing: ``"none"``, ``"selective"`` (matmul and attention outputs
+            saved, the rest of each layer recomputed in backward) or ``"full"`` (each layer
+            recomputed from its input); the recomputation is priced, the saved activations shrink
+            (:mod:`apmodel.checkpointing`).
         memory_limit_bytes: per-device memory limit (``None``: the device's HBM less a reserve;
             ``math.inf``: no limit).
 
@@ -69,7 +76,7 @@ class PlanOptions:
         param_memory_fraction: per-device parameter budget, a fraction of the model's bytes.
         param_budget_ratio: the paper's storage budget ``high``: the average local/global ratio
             over parameter tensors (Appendix C); instead of ``param_policy``.
-        merge_copies / flow_coupling: model reductions (see :class:`~apmodel.model.PlacementModel`).
+        merge_copies / flow_coupling: model reductions (see :class:`~apmodel.placement_model.PlacementModel`).
         seeding: split-dimension seeding (``None``: on for meshes of 3+ axes), ``seed_radius``,
             ``seed_widen_inputs`` (see :mod:`apmodel.seeding`).
         input_placements / output_placements: fixed placements of the step's inputs / outputs.
@@ -90,6 +97,7 @@ class PlanOptions:
     calibration: str | None = None
     topology: Mapping[str, Any] = field(default_factory=dict)
     optimizer: Optimizer = "adamw"
+    ac: ACPolicy = "none"
     memory_limit_bytes: float | None = None
     # search space
     param_policy: ParamPolicy = "full_shard"
@@ -115,6 +123,8 @@ class PlanOptions:
         set_(self, "solver_options", dict(self.solver_options))
         if self.param_policy not in PARAM_POLICIES:
             raise OptionsError(f"param_policy {self.param_policy!r}: expected one of {', '.join(PARAM_POLICIES)}")
+        if self.ac not in AC_POLICIES:
+            raise OptionsError(f"ac {self.ac!r}: expected one of {', '.join(AC_POLICIES)}")
         if self.optimizer not in OPTIMIZERS:
             raise OptionsError(f"optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
         if self.execution not in EXECUTIONS:
