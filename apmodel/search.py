@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import solvers
 from apmodel import seeding as seeding_mod
 from apmodel.capture import CapturedGraph
+from apmodel.checkpointing import policy_of
 from apmodel.constraints import ConstraintLike, apply_all
 from apmodel.costs import CostContext
 from apmodel.memory import HBM_RESERVE_FRACTION, MemoryEstimate, OutOfMemory
@@ -158,23 +159,28 @@ def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None,
         mem["peak_bytes"] / 1e9, limit_bytes / 1e9,
     )
     smallest = pmodel.memory.smallest({n: pmodel.allowed_mask(n) for n in pmodel.strategies}) + transient
+    ac = policy_of(pmodel.captured)
     if smallest > limit_bytes:
-        raise _out_of_memory(plan, limit_bytes, smallest)
+        raise _out_of_memory(plan, limit_bytes, smallest, ac)
     pmodel.add_memory_limit(limit_bytes, reserved_bytes=transient)
     try:
         fitted = solve()
     except solvers.Infeasible:
-        raise _out_of_memory(plan, limit_bytes, smallest) from None
+        raise _out_of_memory(plan, limit_bytes, smallest, ac) from None
     if fitted.memory["peak_bytes"] > limit_bytes:
-        raise _out_of_memory(fitted, limit_bytes, smallest)
+        raise _out_of_memory(fitted, limit_bytes, smallest, ac)
     return fitted
 
 
-def _out_of_memory(plan: Plan, limit: float, smallest: float) -> OutOfMemory:
+def _out_of_memory(plan: Plan, limit: float, smallest: float, ac: str = "none") -> OutOfMemory:
     est = MemoryEstimate(**{k: plan.memory[k] for k in MemoryEstimate.__dataclass_fields__})
+    stronger = {"none": "selective", "selective": "full"}.get(ac)
+    checkpointing = ""
+    if est.dominant_kind() == "activations" and stronger is not None:
+        checkpointing = f"activation checkpointing (--ac {stronger}; ac={stronger!r} in Python), "
     return OutOfMemory(
         f"out of memory: no plan fits {limit / 1e9:.2f} GB per device (memory_limit; by default the "
         f"device's HBM less {HBM_RESERVE_FRACTION:.0%}); the cheapest plan needs {est.peak_bytes / 1e9:.2f} GB "
-        f"({est.dominant()}), the smallest any plan can need is about {smallest / 1e9:.2f} GB: use a smaller "
-        "batch or sequence, more devices, or an optimizer with less state"
+        f"({est.dominant()}), the smallest any plan can need is about {smallest / 1e9:.2f} GB: use "
+        f"{checkpointing}a smaller batch or sequence, more devices, or an optimizer with less state"
     )
