@@ -27,8 +27,8 @@ from apmodel import search
 from apmodel.capture import CapturedGraph, capture
 from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
-from apmodel.costs import DTYPES, CostContext, build_cost_context
-from apmodel.model import ConstraintConflict, PlacementModel
+from apmodel.pricing import DTYPES, CostContext, build_cost_context
+from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.options import PlanOptions, make_options
 from apmodel.plans import Plan
 from apmodel.search import fit_in_memory, replay_constraints
@@ -93,7 +93,7 @@ class PlanResult:
 def cost_context(mesh_shape: Sequence[int], options: PlanOptions | None = None, **option_values: Any) -> CostContext:
     """The cost models of ``options`` (or of the option keywords: ``device``, ``dtype``,
     ``compute_model``, ``comm_model``, ``calibration``, ``mixed_precision``, ...) on a mesh.
-    See :func:`apmodel.costs.build_cost_context`."""
+    See :func:`apmodel.pricing.build_cost_context`."""
     return build_cost_context(mesh_shape, make_options(options, **option_values))
 
 

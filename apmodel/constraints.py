@@ -1,4 +1,4 @@
-"""User constraints, written in Python, applied to a :class:`~apmodel.model.PlacementModel`.
+"""User constraints, written in Python, applied to a :class:`~apmodel.placement_model.PlacementModel`.
 
 A constraint is any object with ``apply(model)`` (or a plain callable taking the model). The
 built-ins select parameters by FQN glob (``"layers.*.attention.wo.weight"``) or graph nodes by name
@@ -11,7 +11,7 @@ glob, and fix or forbid placements, or add a linear row over placement indicator
     ])
 
 Every constraint carries a name; a set of constraints that leaves some node without a strategy
-raises :class:`~apmodel.model.ConstraintConflict` naming the constraints involved.
+raises :class:`~apmodel.placement_model.ConstraintConflict` naming the constraints involved.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
 
 if TYPE_CHECKING:
-    from apmodel.model import PlacementModel
+    from apmodel.placement_model import PlacementModel
 
 
 @runtime_checkable

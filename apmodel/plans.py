@@ -25,7 +25,7 @@ from apmodel.strategies import Strategy
 
 if TYPE_CHECKING:
     from apmodel.capture import CapturedGraph
-    from apmodel.model import PlacementModel
+    from apmodel.placement_model import PlacementModel
 
 logger = logging.getLogger(__name__)
 

@@ -373,7 +373,7 @@ def run(recipe: Recipe, captured, strategies, cost, options: PlanOptions | None 
     ``options`` (or their keywords, e.g. ``solver="highs"``) are the planning run's; the recipe
     sets the parameter storage policy and the replicated axes itself. ``conventions``: the
     model's parts (None: derived from ``captured``, :func:`apmodel.conventions.derive`)."""
-    from apmodel.model import ConstraintConflict
+    from apmodel.placement_model import ConstraintConflict
 
     options = make_options(options, **option_values)
     res = RecipeResult(recipe.name, recipe.title, recipe.param_policy)

@@ -47,8 +47,8 @@ import torch
 import solvers
 from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
-from apmodel.costs import CostContext, build_cost_context
-from apmodel.model import PlacementModel, default_batch_placement
+from apmodel.pricing import CostContext, build_cost_context
+from apmodel.placement_model import PlacementModel, default_batch_placement
 from apmodel.options import DEFAULT_SEED_RADIUS, make_options
 from apmodel.strategies import Ball, Strategy, StrategyCache, enumerate_strategies
 
@@ -136,7 +136,7 @@ def seed(
     """Solve one 1-D problem per mesh axis and return every node's seed (a 1-D strategy per axis).
 
     ``cost`` is the full mesh's cost context (else built from ``cost_options`` with
-    :func:`apmodel.costs.build_cost_context`). Boundary placements, ``param_policy`` and
+    :func:`apmodel.pricing.build_cost_context`). Boundary placements, ``param_policy`` and
     ``replicate_axes`` are projected on each axis (``param_policy="free"`` and parameter budgets
     both give free 1-D parameters). ``info``, when given, receives per-axis statistics under
     ``"axes"`` (size, objective µs, solver status, groups, states, seconds).

@@ -40,7 +40,7 @@ from apmodel import models  # noqa: E402
 from apmodel.api import build_model, replay_constraints, solve_model  # noqa: E402
 from apmodel.capture import capture  # noqa: E402
 from apmodel.workloads import parse_mesh  # noqa: E402
-from apmodel.model import ConstraintConflict  # noqa: E402
+from apmodel.placement_model import ConstraintConflict  # noqa: E402
 
 logger = logging.getLogger("benchmarks.planner")
 

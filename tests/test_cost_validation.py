@@ -13,7 +13,7 @@ import torch
 import apmodel
 import costmodels as cm
 from apmodel.capture import capture
-from apmodel.costs import CheckedComm, CostContext, CostModelError
+from apmodel.pricing import CheckedComm, CostContext, CostModelError
 from apmodel.models import build, config, sample_inputs
 
 MESH = (4,)

@@ -243,7 +243,7 @@ def test_cost_context_matrix_spreads_block_prices():
     import numpy as np
     import torch
 
-    from apmodel.costs import CostContext
+    from apmodel.pricing import CostContext
 
     mesh = (2, 4)
     comm = cm.NCCLCollectives(cm.Topology(mesh, "h100"))

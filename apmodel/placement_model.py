@@ -42,7 +42,7 @@ import solvers
 from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
 from apmodel.clustering import Grouping, cluster, local_signature
-from apmodel.costs import CostContext
+from apmodel.pricing import CostContext
 from apmodel.memory import MemoryModel
 from apmodel.strategies import Strategy, input_slots
 
