@@ -18,9 +18,9 @@ from apmodel import seeding as seeding_mod
 from apmodel.capture import CapturedGraph
 from apmodel.checkpointing import policy_of
 from apmodel.constraints import ConstraintLike, apply_all
-from apmodel.costs import CostContext
+from apmodel.pricing import CostContext
 from apmodel.memory import HBM_RESERVE_FRACTION, MemoryEstimate, OutOfMemory
-from apmodel.model import PlacementModel
+from apmodel.placement_model import PlacementModel
 from apmodel.options import PlanOptions
 from apmodel.plans import Plan
 from apmodel.strategies import enumerate_strategies
