@@ -538,7 +538,7 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
         raise RuntimeError("no kernel could be measured on this device")
     doc = kt.measurements_document(measured, skipped, dev, spec, quick=quick, threads=n_threads)
     sm_count = kt.parallel_units(dev, n_threads)
-    cache = kt.cpu_cache_MiB(level=2) if dev.type == "cpu" else None
+    cache = kt.cache_MiB(dev)
     settings = settings_for(spec, sm_count=sm_count, cache_MiB=cache)
     say(f"fitting a profile to {len(measured)} kernels")
     result = fit_profile(measured, spec, settings, log=lambda s: logger.debug("%s", s))
@@ -558,7 +558,7 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
             "reference": f"costmodels.device({spec.name!r}) (costmodels/hardware.py); sm_count: "
                          + ("CPU threads of the measurement" if dev.type == "cpu" else "the GPU's multiprocessor count"),
             "memory.l2_MiB": (f"L2 cache size from /sys/devices/system/cpu (fallback: {DEFAULT_CPU_L2_MIB:g} MiB)"
-                              if dev.type == "cpu" else "the H200 start value (GH100 L2) unless the GPU is another"),
+                              if dev.type == "cpu" else "torch.cuda.get_device_properties().L2_cache_size"),
         },
     }
     if dev.type == "cpu":

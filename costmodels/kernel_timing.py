@@ -156,6 +156,15 @@ def cpu_cache_MiB(level: int = 2) -> float | None:
     return None
 
 
+def cache_MiB(dev: torch.device) -> float | None:
+    """The cache a profile's ``l2_MiB`` describes on ``dev`` (MiB): a GPU's L2, a CPU's per-core
+    L2 (:func:`cpu_cache_MiB`); None when unknown."""
+    if dev.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)
+        return size / 2**20 if size else None
+    return cpu_cache_MiB(level=2)
+
+
 def warm_host_allocator() -> None:
     """Allocate and free :data:`HOST_ALLOCATOR_WARM_BYTES` on the host, so that later CPU blocks
     below that size come from the heap, as in a training loop's steady state (see the constant)."""
