@@ -79,6 +79,32 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
 
 
+def _signature(x: Any) -> Any:
+    return (tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else x
+
+
+def record_aten_calls(step: Callable[[], Any]) -> list[kt.RecordedCall]:
+    """Run ``step`` and return its distinct ATen calls (by op, shapes, strides, dtypes and other
+    arguments), in first-call order, with copies of their real arguments and outputs. (A dispatch
+    mode is private torch API: it is used here, in a script, not in the packages.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: dict[str, kt.RecordedCall] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            key = f"{func} {kt.map_tensors(_signature, (args, kwargs))}"
+            if key not in calls:
+                calls[key] = kt.RecordedCall.copied(func, args, kwargs, out)
+            return out
+
+    with Record():
+        step()
+    return list(calls.values())
+
+
 def training_step(batch: int = 3, seq: int = 48, vocab: int = 300, seed: int = 0) -> Callable[[], None]:
     """One forward+backward step of :class:`TinyGPT` on the CPU (a function to record)."""
     torch.manual_seed(seed)
@@ -93,7 +119,7 @@ def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREAD
     predictions (eager, cache warm) and the nominal roofline's. ``fit_rows``: the rows the profile
     was fitted to; calls whose operand shapes match one are reported (``in_fit_set``)."""
     fitted = ms.MeasuredCompute("cpu", profile, execution="eager", cache="warm")
-    recorded = kt.record_aten_calls(training_step())
+    recorded = record_aten_calls(training_step())
     calls = [c for c in recorded if fitted.time_us(*c.on_meta()) > 0]   # views and getitem are free
     fit_shapes = {tuple(tuple(s) for s in r["shapes"]) for r in fit_rows or ()}
     overlap = [str(c.op) for c in calls

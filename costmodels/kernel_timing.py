@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
-from torch.utils._pytree import tree_map
 
 from . import measured as ms
 from .hardware import DeviceSpec, device as _device
@@ -579,32 +578,24 @@ def measurements_document(rows: Sequence[Mapping[str, Any]], skipped: Sequence[M
 # ----------------------------------------------------------------------------------------
 # Recorded calls: the ATen ops a real step runs (held-out checks of a fitted profile)
 # ----------------------------------------------------------------------------------------
-class RecordedCall(NamedTuple):
-    """One ATen call recorded while a step ran: the op and copies of its real arguments and output."""
-
-    op: Any
-    args: tuple
-    kwargs: dict
-    out: Any
-
-    def on_meta(self) -> ms.Call:
-        """The call on meta tensors of the same shapes, strides and dtypes (what a model prices)."""
-        return ms.Call(self.op, tree_map(_to_meta, self.args), tree_map(_to_meta, self.kwargs),
-                       tree_map(_to_meta, self.out))
-
-    def runner(self) -> Callable[[], None]:
-        """A function that runs the call on fresh copies of its arguments."""
-        return runner([(self.op, tree_map(_copy_tensor, self.args), tree_map(_copy_tensor, self.kwargs))])
+def map_tensors(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``x`` with ``fn`` applied to every leaf of its (nested) tuples, lists and dicts."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(map_tensors(fn, y) for y in x)
+    if isinstance(x, dict):
+        return {k: map_tensors(fn, v) for k, v in x.items()}
+    return fn(x)
 
 
-def _copy_tensor(x: Any) -> Any:
+def copy_tensor(x: Any) -> Any:
     """A tensor's copy with the same strides, outside autograd; anything else as is."""
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x.detach())
     return x
 
 
-def _to_meta(x: Any) -> Any:
+def to_meta(x: Any) -> Any:
+    """A meta tensor of ``x``'s shape, strides and dtype (a device: meta); anything else as is."""
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     if isinstance(x, torch.device):
@@ -612,30 +603,28 @@ def _to_meta(x: Any) -> Any:
     return x
 
 
-def _signature(x: Any) -> Any:
-    return (tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else x
+class RecordedCall(NamedTuple):
+    """One ATen call recorded while a step ran: the op and copies of its real arguments and output
+    (see ``benchmarks/cpu_compute_check.py``, which records them with a dispatch mode)."""
 
+    op: Any
+    args: tuple
+    kwargs: dict
+    out: Any
 
-def record_aten_calls(step: Callable[[], Any]) -> list[RecordedCall]:
-    """Run ``step`` and return its distinct ATen calls (by op, shapes, strides, dtypes and other
-    arguments), in first-call order, with copies of their real arguments and outputs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    @classmethod
+    def copied(cls, op: Any, args: tuple, kwargs: dict, out: Any) -> "RecordedCall":
+        """The call with copies of its tensors (the originals may change later in the step)."""
+        return cls(op, map_tensors(copy_tensor, args), map_tensors(copy_tensor, kwargs), map_tensors(copy_tensor, out))
 
-    calls: dict[str, RecordedCall] = {}
+    def on_meta(self) -> ms.Call:
+        """The call on meta tensors of the same shapes, strides and dtypes (what a model prices)."""
+        return ms.Call(self.op, map_tensors(to_meta, self.args), map_tensors(to_meta, self.kwargs),
+                       map_tensors(to_meta, self.out))
 
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            key = f"{func} {tree_map(_signature, (args, kwargs))}"
-            if key not in calls:
-                calls[key] = RecordedCall(func, tree_map(_copy_tensor, args), tree_map(_copy_tensor, kwargs),
-                                          tree_map(_copy_tensor, out))
-            return out
-
-    with Record():
-        step()
-    return list(calls.values())
+    def runner(self) -> Callable[[], None]:
+        """A function that runs the call on fresh copies of its arguments."""
+        return runner([(self.op, map_tensors(copy_tensor, self.args), map_tensors(copy_tensor, self.kwargs))])
 
 
 def time_recorded(calls: Sequence[RecordedCall], dev: torch.device, *, quick: bool = False,
