@@ -195,8 +195,8 @@ def threads_set(threads: int | None) -> Iterator[int]:
 # ----------------------------------------------------------------------------------------
 # Kernel sets
 # ----------------------------------------------------------------------------------------
-def _mm(m: int, k: int, n: int, dtype: str = "float32", op: str = "mm") -> dict[str, Any]:
-    return {"op": op, "shapes": [[m, k], [k, n]], "dtype": dtype}
+def _mm(m: int, k: int, n: int, dtype: str = "float32") -> dict[str, Any]:
+    return {"op": "mm", "shapes": [[m, k], [k, n]], "dtype": dtype}
 
 
 def _cpu_rows(quick: bool) -> list[dict[str, Any]]:
