@@ -6,6 +6,7 @@ If a torch upgrade moves or changes these, this file says what broke.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -202,3 +203,20 @@ def test_norm_backward_pairs_statistics_with_the_input_and_replicates_the_weight
     for _, (g, inp, mean, rstd, weight, bias) in got:
         assert g == inp == mean == rstd and Shard(2) not in inp
         assert weight == bias == (Replicate(), Replicate())
+
+
+def test_a_missing_torch_feature_names_the_release_and_the_piece():
+    with pytest.raises(tp.MissingTorchFeature, match=re.escape(f"torch {torch.__version__} has no torch.nope.thing (the piece)")):
+        tp._torch_feature("torch.nope", "thing", "the piece")
+    assert tp.ParamAOTInput.__name__ == "ParamAOTInput"  # resolved on first use
+    with pytest.raises(AttributeError):
+        tp.no_such_name  # noqa: B018
+    assert tp.torch_version() >= (2, 11)
+    assert torch.__version__ in tp.no_rule_reason(aten.convolution.default)
+
+
+def test_data_dependent_errors_are_recognised():
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    assert tp.is_data_dependent_error(GuardOnDataDependentSymNode(None, "u0 > 0"))
+    assert not tp.is_data_dependent_error(RuntimeError("shape mismatch"))
