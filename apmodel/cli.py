@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import json
 import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
@@ -463,10 +461,12 @@ def print_plan(result, cfg, console: Console) -> None:
     for col in ("parameter", "shape", "stored", "used as", "bytes/device"):
         t.add_column(col, justify="right" if col == "bytes/device" else "left")
     itemsize = _itemsize(cfg.dtype)
+    tied = {alias: node for node, aliases in pm.captured.tied_params.items() for alias in aliases}
     for fqn in layer0:
-        val = pm.node_by_name[pm.fqn_to_node[fqn]].meta["val"]
+        node = pm.fqn_to_node.get(fqn) or tied[fqn]  # a tied alias is read through its parameter's node
+        val = pm.node_by_name[node].meta["val"]
         stored = plan.param_placements[fqn]
-        uses = sorted({"".join(u[1]) for u in param_uses(pm, plan.node_strategy, fqn)})
+        uses = sorted({"".join(u[1]) for u in param_uses(pm, plan.node_strategy, pm.captured.param_fqn[node])})
         local = pl.local_shape(tuple(val.shape), stored, mesh)
         t.add_row(fqn, "x".join(map(str, val.shape)), pl.tuple_to_str(stored), ", ".join(uses) or "—",
                   _fmt_bytes(math.prod(local) * itemsize))

@@ -10,7 +10,6 @@ plans travel to the workers as JSON files.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
