@@ -26,6 +26,7 @@ Surface:
 - :func:`composite_autograd_on_meta` – context in which tracing on the meta device differentiates
   every CompositeImplicitAutograd op (``F.cross_entropy``, dropout, ``var``) as eager PyTorch does.
 - :func:`fused_attention_on_meta` – context in which SDPA traces on meta as the fused flash op.
+- :func:`library_sees_tracing` – context in which ``torch.compiler.is_compiling()`` says a trace is running.
 - :func:`without_redistribute_costs` – context in which torch's own redistribution pricing
   (unused by apmodel, 85% of enumeration time) is skipped.
 
@@ -91,6 +92,7 @@ __all__ = [
     "TangentAOTInput",
     "composite_autograd_on_meta",
     "fused_attention_on_meta",
+    "library_sees_tracing",
     "without_redistribute_costs",
     "fake_mesh",
     "has_sharding_rule",
@@ -394,16 +396,16 @@ def composite_autograd_on_meta() -> Iterator[int]:
 
 def _flash_fits(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, enable_gqa: bool) -> bool:
     """Whether flash attention's kernel takes this SDPA call: meta tensors of rank 4, no mask, no
-    dropout, equal head counts and head dims."""
+    dropout, equal head dims, and equal head counts (with ``enable_gqa``: key/value head counts
+    equal and dividing the query's, as the CUDA kernel takes grouped-query heads)."""
     tensors = (query, key, value)
-    return (
-        all(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.dim() == 4 for t in tensors)
-        and attn_mask is None
-        and not dropout_p
-        and not enable_gqa
-        and query.shape[1] == key.shape[1] == value.shape[1]
-        and query.shape[-1] == key.shape[-1] == value.shape[-1]
-    )
+    if not (all(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.dim() == 4 for t in tensors)
+            and attn_mask is None and not dropout_p
+            and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.shape[1] == value.shape[1]):
+        return False
+    if enable_gqa:
+        return key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0
+    return query.shape[1] == key.shape[1]
 
 
 def _sdpa_as_flash_on_meta(
@@ -421,12 +423,38 @@ def _sdpa_as_flash_on_meta(
 
     if _flash_fits(query, key, value, attn_mask, dropout_p, enable_gqa):
         flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+        if query.shape[1] != key.shape[1]:  # grouped-query heads: SDPA's repeat_interleave of key/value heads
+            groups = query.shape[1] // key.shape[1]
+            b, h, s, d = key.shape
+            key, value = (t.unsqueeze(2).expand(b, h, groups, s, d).reshape(b, h * groups, s, d) for t in (key, value))
         return flash(query, key, value, 0.0, is_causal, False, scale=scale)[0]
     # torch's own decomposition (the C++ CompositeImplicitAutograd kernel: the math path on meta)
     return torch.ops.aten.scaled_dot_product_attention.default._op_dk(
         DispatchKey.CompositeImplicitAutograd, query, key, value, attn_mask, dropout_p, is_causal,
         scale=scale, enable_gqa=enable_gqa,
     )
+
+
+@contextlib.contextmanager
+def library_sees_tracing() -> Iterator[None]:
+    """While inside, ``torch.compiler.is_compiling()`` is True, as during ``torch.compile`` and
+    ``torch.export``'s non-strict tracing (which sets the same private flag, ``_is_compiling_flag``).
+
+    Libraries read it to skip value-dependent host checks a trace cannot make (Hugging Face
+    transformers' packed-sequence and padding checks call ``.all()`` on a tensor unless it says
+    so), and take their trace-safe path instead. apmodel's capture is such a trace. Restored on
+    exit; a release without the flag raises :class:`MissingTorchFeature`. Not thread-safe."""
+    import torch.compiler as compiler
+
+    if not hasattr(compiler, "_is_compiling_flag"):
+        raise MissingTorchFeature(f"torch {torch.__version__} has no torch.compiler._is_compiling_flag "
+                                  "(what torch.compiler.is_compiling() reads)")
+    previous = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = previous
 
 
 @contextlib.contextmanager

@@ -324,6 +324,7 @@ def _trace(
         export_joint,
         fused_attention_on_meta,
         is_data_dependent_error,
+        library_sees_tracing,
     )
 
     modules = _ModuleStack(module)
@@ -331,6 +332,7 @@ def _trace(
         with contextlib.ExitStack() as stack:
             stack.enter_context(composite_autograd_on_meta())
             stack.enter_context(fused_attention_on_meta())
+            stack.enter_context(library_sees_tracing())  # libraries skip value-dependent checks, as under export
             return export_joint(stack, module, inputs, functionalize=functionalize)
     except Exception as e:
         if not is_data_dependent_error(e):
