@@ -15,20 +15,23 @@ Three ways to get one:
   ``tok_embeddings``, ``output``), exactly what the recipes assumed before conventions existed;
 * :func:`derive` from a captured graph (:class:`~apmodel.capture.CapturedGraph`), by **data flow**:
   the layer pattern is the repeated numbered container the parameter names spell
-  (:func:`layer_pattern_from_names`); a linear weight is a 2-D parameter that a matmul reads
-  transposed (``x @ W.T``, PyTorch's ``[out, in]`` layout); inside one layer, a linear whose output
+  (:func:`layer_pattern_from_names`); a linear weight is a 2-D parameter that a matmul reads,
+  transposed (``x @ W.T``, PyTorch's ``[out, in]`` layout) or not (``x @ W``, the ``[in, out]``
+  layout of Hugging Face's ``Conv1D``, listed in ``in_out``); inside one layer, a linear whose output
   reaches another linear's input (through attention, activations, splits...; the walk stops at
   norms, at graph inputs and at the layer's edge) is column-parallel, and a linear fed by others
   whose own output reaches none is row-parallel.  Norm parameters are those an ATen norm op reads
   or whose module's class name ends in ``Norm`` (a name heuristic, for hand-written RMSNorms);
   embeddings are read by ``aten.embedding``; linear weights outside the layers are output
-  projections.  Biases follow their linear (column-parallel) or are kept whole (row-parallel);
+  projections.  Where an output projection exists, only the tables and projections of its
+  vocabulary count (a position table or an LM head's hidden-to-hidden transform is left
+  unclassified).  Biases follow their linear (column-parallel) or are kept whole (row-parallel);
 * :func:`from_module` from an ``nn.Module`` without tracing: the layer container from the module
   tree, and the column/row split by **name heuristics** (:data:`ROW_PARALLEL_NAMES`), for when no
   graph is at hand.
 
-Weights stored ``[in, out]`` (e.g. Hugging Face's ``Conv1D``) and stacked expert weights
-(``[experts, in, out]``) are left unclassified: the recipes leave them to the solver.
+Stacked expert weights (``[experts, in, out]``) are left unclassified: the recipes leave them to
+the solver.
 """
 
 from __future__ import annotations
@@ -92,7 +95,9 @@ class ModelConventions:
     ``output`` (column-parallel output projection, dim 0), ``norm_weights`` (norm scales: the
     ops applying them produce the activations sequence parallelism splits), ``tp_replicated``
     (kept whole on a tensor-parallel axis: norm biases, biases of row-parallel layers).
-    ``source`` says where the conventions came from.
+    ``in_out``: weights among those stored ``[in, out]`` (Hugging Face's ``Conv1D``), whose
+    column/row split dimensions are swapped (:meth:`split_dim`). ``source`` says where the
+    conventions came from.
     """
 
     layer_pattern: str | None = "*layers.{i}."
@@ -103,9 +108,11 @@ class ModelConventions:
     output: tuple[str, ...] = ("output.weight",)
     tp_replicated: tuple[str, ...] = ()
     source: str = "LLaMA names (apmodel.models.llama3, torchtitan)"
+    in_out: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("norm_weights", "column_parallel", "row_parallel", "embedding", "output", "tp_replicated"):
+        for name in ("norm_weights", "column_parallel", "row_parallel", "embedding", "output", "tp_replicated",
+                     "in_out"):
             value = getattr(self, name)
             if isinstance(value, str):
                 raise TypeError(f"ModelConventions.{name} must be a sequence of glob patterns, got the string {value!r}")
@@ -157,6 +164,16 @@ class ModelConventions:
     def is_norm_weight(self, fqn: str) -> bool:
         return _glob_any(fqn, self.norm_weights)
 
+    def split_dim(self, fqn: str, ndim: int = 2) -> int | None:
+        """The dimension tensor parallelism splits a parameter of ``ndim`` dimensions on: the output
+        dimension of column-parallel linears and of the output projection, the vocabulary of an
+        embedding, the input dimension of row-parallel linears (dim 0 of ``[out, in]`` or dim 1;
+        swapped for an ``in_out`` weight); None when its role keeps it whole or it has none."""
+        dim = {"column": 0, "output": 0, "embedding": 0, "row": 1}.get(self.role(fqn))
+        if dim is not None and ndim == 2 and _glob_any(fqn, self.in_out):
+            dim = 1 - dim
+        return dim
+
     def roles(self, fqns: Iterable[str]) -> dict[str, str]:
         """FQN -> role for every parameter (``""`` when unclassified)."""
         return {f: self.role(f) for f in fqns}
@@ -165,7 +182,7 @@ class ModelConventions:
         return {"layer_pattern": self.layer_pattern, "norm_weights": list(self.norm_weights),
                 "column_parallel": list(self.column_parallel), "row_parallel": list(self.row_parallel),
                 "embedding": list(self.embedding), "output": list(self.output),
-                "tp_replicated": list(self.tp_replicated), "source": self.source}
+                "tp_replicated": list(self.tp_replicated), "in_out": list(self.in_out), "source": self.source}
 
 
 #: The LLaMA default (today's behaviour of the recipes, report and roles).
@@ -234,6 +251,7 @@ class _Linear:
     weight: str                      # FQN
     matmul: "fx.Node"
     activations: list["fx.Node"]     # the matmul's non-weight tensor operands
+    in_out: bool = False             # stored [in, out] (read x @ W), not PyTorch's [out, in]
     bias: str | None = None
     feeds: set[str] = field(default_factory=set)   # weights of linears this one's output reaches
     fed_by: set[str] = field(default_factory=set)
@@ -322,11 +340,11 @@ def derive(captured: "CapturedGraph") -> ModelConventions:
                 embeddings.add(fqn)
             elif op in _MATMUL_OPS and ndim == 2 and fqn not in linears:
                 weight_slot = {"mm": 1, "matmul": 1, "addmm": 2, "linear": 1}.get(op)
-                if weight_slot is None or slots != [weight_slot] or swapped == (op == "linear"):
-                    continue  # not x @ W.T with W [out, in]
+                if weight_slot is None or slots != [weight_slot]:
+                    continue  # not x @ W.T (W [out, in]) nor x @ W (W [in, out])
                 acts = [a for j, a in enumerate(user.args) if j != weight_slot and hasattr(a, "op")
                         and not (op == "addmm" and j == 0) and not (op == "linear" and j == 2)]
-                lin = linears[fqn] = _Linear(fqn, user, acts)
+                lin = linears[fqn] = _Linear(fqn, user, acts, in_out=swapped == (op == "linear"))
                 matmul_of[user.name] = fqn
                 bias_arg = user.args[0] if op == "addmm" else (user.args[2] if op == "linear" and len(user.args) > 2 else None)
                 if bias_arg is not None and getattr(bias_arg, "op", None) == "placeholder" and bias_arg.name in fqn_of:
@@ -367,11 +385,22 @@ def derive(captured: "CapturedGraph") -> ModelConventions:
                 continue
             frontier.extend(node.all_input_nodes)
 
-    column, row, output, replicated = [], [], [], []
+    # the vocabulary: rows of the embedding tables that output projections produce (when any do)
+    shapes = {fqn: tuple(getattr(nodes[p].meta.get("val"), "shape", ())) for p, fqn in fqn_of.items()}
+    out_width = {f: shapes[f][0 if not lin.in_out else -1] for f, lin in linears.items()
+                 if not layer_conv.layer_of(f) and shapes[f]}
+    vocab = set(out_width.values()) & {shapes[f][0] for f in embeddings if shapes[f]}
+    vocab = {max(vocab)} if vocab else vocab  # the widest: a position table may match a hidden size
+    if vocab:  # position tables and hidden-to-hidden transforms outside the layers are neither
+        embeddings = {f for f in embeddings if shapes[f] and shapes[f][0] in vocab}
+    column, row, output, replicated, in_out = [], [], [], [], []
     for lin in linears.values():
         bias = [lin.bias] if lin.bias else []
+        if lin.in_out:
+            in_out.append(lin.weight)
         if not layer_conv.layer_of(lin.weight):
-            output += [lin.weight, *bias]
+            if not vocab or out_width.get(lin.weight) in vocab:
+                output += [lin.weight, *bias]
         elif lin.feeds:
             column += [lin.weight, *bias]
         elif lin.fed_by:
@@ -391,7 +420,8 @@ def derive(captured: "CapturedGraph") -> ModelConventions:
     conv = ModelConventions(
         layer_pattern=layer_conv.layer_pattern, norm_weights=globs(norm_w), column_parallel=globs(column),
         row_parallel=globs(row), embedding=globs(sorted(embeddings)), output=globs(output),
-        tp_replicated=globs(replicated), source="derived from the traced graph (module paths and data flow)")
+        tp_replicated=globs(replicated), in_out=globs(in_out),
+        source="derived from the traced graph (module paths and data flow)")
     logger.debug("conventions derived: %s", conv.to_dict())
     return conv
 
@@ -415,7 +445,9 @@ def from_module(module: "nn.Module") -> ModelConventions:
     Inside a layer, an ``nn.Linear`` named in :data:`ROW_PARALLEL_NAMES` (or ``dense`` under a
     module named ``output``, BERT's naming) is row-parallel, one named in :data:`ROUTER_NAMES`
     is left alone, every other one is column-parallel; ``nn.MultiheadAttention``'s packed
-    ``in_proj_weight`` is column-parallel and its ``out_proj`` row-parallel.  Outside the layers,
+    ``in_proj_weight`` is column-parallel and its ``out_proj`` row-parallel (a module of class
+    ``Conv1D``, Hugging Face's linear layer stored ``[in, out]``, counts as an ``nn.Linear``, its
+    weight in ``in_out``).  Outside the layers,
     ``nn.Embedding`` weights are embeddings (those whose size is an output projection's width, the
     vocabulary, when any is: position tables are left alone) and ``nn.Linear`` weights output
     projections.
@@ -439,7 +471,7 @@ def from_module(module: "nn.Module") -> ModelConventions:
     pattern = None if container is None else f"{container}.{{i}}." if container else "{i}."
     layer_conv = ModelConventions(layer_pattern=pattern)
 
-    column, row, norm_w, replicated, embedding, output = [], [], [], [], [], []
+    column, row, norm_w, replicated, embedding, output, in_out = [], [], [], [], [], [], []
     outside = [(p, m) for p, m in module.named_modules() if not layer_conv.layer_of(p)]
     out_features = {m.out_features for _, m in outside if isinstance(m, nn.Linear)}
     tables = [m.num_embeddings for _, m in outside if isinstance(m, nn.Embedding)]
@@ -460,9 +492,11 @@ def from_module(module: "nn.Module") -> ModelConventions:
         elif isinstance(mod, nn.MultiheadAttention):
             column += [f for f in own if f.rsplit(".", 1)[-1] in ("in_proj_weight", "in_proj_bias", "q_proj_weight",
                                                                  "k_proj_weight", "v_proj_weight")]
-        elif isinstance(mod, nn.Linear):
+        elif isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
             bias = [f for f in own if f.endswith(".bias")]
             weight = [f for f in own if f.endswith(".weight")]
+            if not isinstance(mod, nn.Linear):  # Hugging Face's Conv1D: a linear layer stored [in, out]
+                in_out += weight
             if not in_layer:
                 output += own
             elif name in ROUTER_NAMES:
@@ -480,5 +514,6 @@ def from_module(module: "nn.Module") -> ModelConventions:
         embedding=_unique(_generalise(layer_conv, f) for f in embedding),
         output=_unique(_generalise(layer_conv, f) for f in output),
         tp_replicated=_unique(_generalise(layer_conv, f) for f in replicated),
+        in_out=_unique(_generalise(layer_conv, f) for f in in_out),
         source="derived from the module tree (layer container) and layer names (heuristics)")
     return conv

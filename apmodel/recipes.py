@@ -18,7 +18,8 @@ The tensor-parallel recipes read the parts of the model from its
 :class:`~apmodel.conventions.ModelConventions` (by default derived from the traced graph, see
 :func:`apmodel.conventions.derive`; for LLaMA names the same as :data:`apmodel.conventions.LLAMA`):
 column-parallel linears and the output projection (weights ``[out, in]`` sharded on dim 0, with
-their biases), row-parallel linears (dim 1; their biases kept whole), a vocabulary-parallel
+their biases), row-parallel linears (dim 1; their biases kept whole; the dimensions swap for
+weights stored ``[in, out]``, Hugging Face's ``Conv1D``), a vocabulary-parallel
 embedding (dim 0), and norms kept whole. A parameter whose split dimension does not divide by the
 tensor-parallel degree (GPT-2's vocabulary of 50257 on 2 ranks) is kept whole on that axis too,
 and the result's ``notes`` say so: Megatron would pad it, which changes the model. The data axes
@@ -206,13 +207,17 @@ class TensorParallelRule:
             role = conv.role(fqn)
             if not role:
                 continue
-            dim = _TP_DIM[role]
             shape = tuple(getattr(vals.get(node), "shape", ()))
+            dim = conv.split_dim(fqn, len(shape))  # _TP_DIM, swapped for weights stored [in, out]
             if dim is not None and (dim >= len(shape) or shape[dim] % tp_size):
                 notes.append(f"{fqn} ({role}, shape {'x'.join(map(str, shape))}) kept whole on the tensor-parallel "
                              f"axis: dim {dim} does not divide by {tp_size}")
                 dim = None
             out[fqn] = (role, dim)
+        for fqn in sorted(_fused_bias_weights(captured, out)):
+            notes.append(f"{fqn} (row, read by a matmul that adds a bias kept whole) stored split on the tensor-"
+                         "parallel axis, its use left to the solver: the fused bias would have to be read as a "
+                         "partial sum, and apmodel prices no Replicate -> Partial")
         if not any(role in ("column", "row") for role, _ in out.values()):
             raise NotApplicable(f"the model has no column- or row-parallel linear layers under its conventions "
                                 f"({conv.source})")
@@ -226,18 +231,42 @@ class TensorParallelRule:
             logger.info("recipe %s: %s", self.label, note)
         dstore = {a: self.data_storage for a in range(tp)}
         duse = {a: "R" for a in range(tp)}
+        fused = _fused_bias_weights(m.captured, layout)
         for node, fqn in m.captured.param_fqn.items():
             if fqn not in layout:
                 continue
             role, dim = layout[fqn]
             if dim is not None:
-                _restrict_param(m, node, fqn, {**dstore, tp: f"S({dim})"}, {**duse, tp: f"S({dim})"}, self.label)
+                use = duse if fqn in fused else {**duse, tp: f"S({dim})"}
+                _restrict_param(m, node, fqn, {**dstore, tp: f"S({dim})"}, use, self.label)
                 continue
             # kept whole on the tensor-parallel axis (FSDP shards even small parameters on every
             # axis: then the policy decides the storage and the recipe only how they are read)
             storage = _all(mesh, "R") if self.data_storage == "R" else {}
             use = duse if role == "tp_replicated" else _all(mesh, "R")
             _restrict_param(m, node, fqn, storage, use, self.label)
+
+
+def _fused_bias_weights(captured, layout: Mapping[str, tuple[str, int | None]]) -> set[str]:
+    """Split row-parallel weights read directly by an op that also reads a ``tp_replicated``
+    parameter (``addmm(bias, x, W)`` with W stored ``[in, out]``, Hugging Face's ``Conv1D``).
+
+    Their partial-sum output needs the bias as a partial sum too, which a replicated bias only
+    becomes by Replicate -> Partial, a transition apmodel does not price (see
+    ``costmodels.redistribution``); the recipe then fixes their storage only, as it does in effect
+    for ``[out, in]`` weights, whose direct reader is the transpose."""
+    fqn_of = captured.param_fqn
+    nodes = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    out: set[str] = set()
+    for node, fqn in fqn_of.items():
+        role, dim = layout.get(fqn, ("", None))
+        if role != "row" or dim is None:
+            continue
+        for user in nodes[node].users:
+            others = [a for a in user.all_input_nodes if a.name in fqn_of and a.name != node]
+            if any(layout.get(fqn_of[a.name], ("", None))[0] == "tp_replicated" for a in others):
+                out.add(fqn)
+    return out
 
 
 @dataclass(frozen=True)
