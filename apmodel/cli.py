@@ -325,7 +325,8 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     from apmodel.workloads import parse_mesh
 
     if cfg.model is None:
-        raise ValueError("no model: give --model (a preset or package.module:factory) or [workload] model in --config")
+        raise ValueError("no model: give --model (a preset, package.module:factory or hf:NAME) or [workload] model "
+                         "in --config")
     if cfg.mesh is None:
         raise ValueError("no mesh: give --mesh (e.g. 4x8) or [workload] mesh in --config")
     mesh = parse_mesh(cfg.mesh)
@@ -530,7 +531,7 @@ def _print_recipes(result, cfg, console: Console) -> None:
 
 @app.command()
 def plan(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Preset (llama3-8b, llama3-debug, gpt2, moe-debug, ...) or package.module:factory returning (model, sample_inputs[, loss_fn])."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Preset (llama3-8b, llama3-debug, gpt2, moe-debug, ...), package.module:factory returning (model, sample_inputs[, loss_fn]), or a Hugging Face model built from its config: hf:gpt2-medium, hf:bert-base, hf:llama-2-7b, ... or hf:/path/to/config.json (needs pip install -e '.[hf]')."),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape, axis sizes joined by 'x': 8, 4x8, 4x2x4, 2x2x2x4."),
     device: Optional[str] = typer.Option(None, "--device", help="Target device of the cost model (see `apmodel devices`). Default: h100."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="GPUs per node (which mesh axes cross nodes). Default: 8."),

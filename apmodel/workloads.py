@@ -89,12 +89,22 @@ class Workload:
 
 
 def load_workload(spec: str, mesh_shape: Sequence[int], *, batch: int, seq: int, layers: int | None = None) -> Workload:
-    """The :class:`Workload` of a preset name or a ``package.module:factory`` spec, on the meta device.
+    """The :class:`Workload` of a preset name, a ``package.module:factory`` spec or an ``hf:`` spec
+    (a Hugging Face model from its config, :mod:`apmodel.hf`), on the meta device.
 
     A factory's module must be importable (the CLI puts the working directory on ``sys.path``);
     an exception raised by the factory becomes :class:`TraceFailed` naming it."""
     import torch
 
+    if spec.startswith("hf:"):  # a Hugging Face model from its config (apmodel.hf)
+        from apmodel import hf
+
+        try:
+            step = hf.training_step(spec, batch=batch, seq=seq, layers=layers)
+        except hf.HFSpecError as e:
+            raise WorkloadError(str(e)) from None
+        return Workload(step.model, tuple(mesh_shape), step.sample_inputs, step.loss_fn, kwargs=step.kwargs,
+                        record={"model": spec, "batch": batch, "seq": step.seq, "layers": layers})
     record = {"model": spec, "batch": batch, "seq": seq, "layers": layers}
     if ":" in spec:
         import costmodels  # its object loader reads "package.module:name"
