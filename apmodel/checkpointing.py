@@ -24,9 +24,9 @@ recomputes too). The price is graph size: for LLaMA-3 8B about 40 more nodes per
 ``selective`` (7,351 -> 8,631) and 69 under ``full`` (9,559), which clustering folds into 70 and
 111 more decision variables (435 -> 505 / 546 groups).
 
-Not handled here: a lowered module replaying its plan at other input shapes traces the step again
-(:meth:`apmodel.lowering.LoweredProgram.for_inputs`) without this rewrite, so a checkpointed plan
-replayed at new shapes is refused as a structure mismatch (re-plan at those shapes instead).
+A lowered module replaying its plan at other input shapes traces the step again
+(:meth:`apmodel.lowering.LoweredProgram.for_inputs`) and rewrites it with the plan's policy
+(:func:`policy_of` the planned graph) before comparing structures.
 
 Policies (``PlanOptions.ac``), applied per *region*: the repeated blocks of the model (``layers.N``,
 found from the parameter names with :func:`apmodel.conventions.layer_pattern_from_names` and read

@@ -53,6 +53,8 @@ def plan_dir(tmp_path_factory) -> Path:
     for case in ZOO:
         plan = apmodel.plan(_capture(case), MESH, device="h100")
         plan.save(out / f"{case.name}.json")
+    # the replay test also runs a plan made with activation checkpointing
+    apmodel.plan(_capture(CASES["tied_lm"]), MESH, device="h100", ac="selective").save(out / "tied_lm-selective.json")
     return out
 
 
@@ -257,11 +259,13 @@ def test_plan_before_process_group_then_train_matches_one_device():
             assert abs(got - want) <= LOSS_RTOL * abs(want), (got, want)
 
 
-def _other_shapes_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
+def _other_shapes_worker(rank: int, world: int, plan_dir: str, ac: str) -> dict[str, Any]:
     """The lowered module replays its plan on other batch and sequence sizes; the losses equal one
-    device's, and a batch the plan cannot divide is refused with a clear error."""
+    device's, and a batch the plan cannot divide is refused with a clear error. With activation
+    checkpointing the step traced at the new shapes is checkpointed the same way."""
     import torch.distributed as dist
 
+    from apmodel.checkpointing import checkpoint
     from apmodel.lowering import load_full_state_dict, lower
 
     mesh = dist.init_device_mesh("cpu", MESH)
@@ -271,7 +275,8 @@ def _other_shapes_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]
     full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     with torch.device("meta"):
         model = case.build()
-    model = lower(model, mesh, Plan.load(Path(plan_dir) / "tied_lm.json"), _capture(case))
+    name = "tied_lm.json" if ac == "none" else f"tied_lm-{ac}.json"
+    model = lower(model, mesh, Plan.load(Path(plan_dir) / name), checkpoint(_capture(case), ac))
     model.to_empty(device="cpu")
     load_full_state_dict(model, full)
     g = torch.Generator().manual_seed(11)
@@ -298,8 +303,9 @@ def _other_shapes_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]
 
 
 @pytest.mark.slow
-def test_lowered_module_replays_its_plan_on_other_batch_and_sequence_sizes(plan_dir):
-    r = run_distributed(_other_shapes_worker, 4, str(plan_dir), timeout_s=600)[0]
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_lowered_module_replays_its_plan_on_other_batch_and_sequence_sizes(plan_dir, ac):
+    r = run_distributed(_other_shapes_worker, 4, str(plan_dir), ac, timeout_s=600)[0]
     for got, want in zip(r["losses"], r["ref_losses"]):
         assert abs(got - want) <= LOSS_RTOL * abs(want), (got, want)
     assert r["grad_err"] < 1e-5  # gradients accumulated over the four batches
@@ -344,7 +350,8 @@ def _compile_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
     full = case.build().state_dict()
     with torch.device("meta"):
         model = case.build()
-    model = lower(model, mesh, Plan.load(Path(plan_dir) / "tied_lm.json"), _capture(case))
+    name = "tied_lm.json" if ac == "none" else f"tied_lm-{ac}.json"
+    model = lower(model, mesh, Plan.load(Path(plan_dir) / name), checkpoint(_capture(case), ac))
     model.to_empty(device="cpu")
     load_full_state_dict(model, full)
     eager = model(*args, *targets)

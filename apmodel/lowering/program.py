@@ -289,6 +289,7 @@ class LoweredProgram:
 
     def _replay_on(self, inputs: Sequence[Any]) -> "LoweredProgram":
         from apmodel.capture import capture
+        from apmodel.checkpointing import checkpoint, policy_of
         from apmodel.plans import PlanMismatch, structure_fingerprint
 
         if self.retrace_model is None:
@@ -300,6 +301,7 @@ class LoweredProgram:
             captured = capture(self.retrace_model, args, kwargs=kwargs, targets=targets, **self.captured.trace_options)
         except Exception as e:  # the user's model rejects these shapes (mismatched batch, too long, ...)
             raise ValueError(f"the step cannot be traced at input shapes {shapes}: {type(e).__name__}: {e}") from e
+        captured = checkpoint(captured, policy_of(self.captured))  # the plan's activation checkpointing
         if structure_fingerprint(captured) != structure_fingerprint(self.captured):
             raise PlanMismatch(f"at input shapes {shapes} the model traces to another graph; re-plan for these shapes")
         plan = copy.copy(self.plan)
