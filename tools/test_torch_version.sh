@@ -35,9 +35,12 @@ py=$venv/bin/python
 log "installing torch==$version"
 PIP_CONSTRAINT=/dev/null "$py" -m pip install -q "torch==$version" || { log "torch==$version did not install"; exit 1; }
 log "installing $repo[test]"
-"$py" -m pip install -q -e "$repo[test]" || { log "pip install -e '$repo[test]' failed"; exit 1; }
+# torch stays pinned here too: a capped configuration would otherwise swap it for the cap's release
+PIP_CONSTRAINT=/dev/null "$py" -m pip install -q -e "$repo[test]" "torch==$version" \
+    || { log "pip install -e '$repo[test]' failed"; exit 1; }
 installed=$("$py" -c 'import torch; print(torch.__version__)')
 log "torch $installed in $venv"
+[[ $installed == "$version" || $installed == "$version"+* ]] || { log "expected torch $version, found $installed"; exit 1; }
 
 log "running the test suite"
 suite_log=$venv/suite.log
