@@ -388,7 +388,7 @@ def plan_json(result, cfg) -> dict[str, Any]:
         "compute_us": plan.compute_us,
         "comm_us": plan.comm_us,
         "param_placements": {k: pl.tuple_to_str(v) for k, v in plan.param_placements.items()},
-        "seq": cfg.seq,
+        "seq": plan.workload.get("seq", cfg.seq),  # as planned (an hf: model caps it at its position table)
         "batch": cfg.batch,
         "dtype": cfg.dtype,
         "layers": cfg.layers,
@@ -420,7 +420,8 @@ def print_plan(result, cfg, console: Console) -> None:
 
     plan = result.plan
     mesh = tuple(plan.mesh_shape)
-    console.print(f"[bold]apmodel plan[/]: {escape(str(cfg.model))} (seq {cfg.seq}, batch {cfg.batch}"
+    seq = plan.workload.get("seq", cfg.seq)  # as planned (an hf: model caps it at its position table)
+    console.print(f"[bold]apmodel plan[/]: {escape(str(cfg.model))} (seq {seq}, batch {cfg.batch}"
                   f"{f', {cfg.layers} layers' if cfg.layers else ''}) on mesh {'x'.join(map(str, mesh))} "
                   f"of {cfg.device}, priced in {cfg.dtype}", highlight=False)
 

@@ -199,6 +199,19 @@ def test_cli_names_the_spec_in_one_error_line():
     assert len(lines) == 1 and lines[0].startswith("error: model 'hf:nonesuch': unknown Hugging Face model")
 
 
+def test_cli_plans_a_config_file_and_reports_the_sequence_planned(configs):
+    from typer.testing import CliRunner
+
+    from apmodel.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--model", configs["gpt2"], "--mesh", "2x2", "--batch", "8",
+                                      "--seq", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["model"] == configs["gpt2"] and data["seq"] == 32  # capped at n_positions
+    assert data["param_placements"]["lm_head.weight"] == data["param_placements"]["transformer.wte.weight"]
+
+
 # ------------------------------------------------------------------------------ lowering
 GPT2_TINY = TINY["gpt2"]
 
