@@ -5,7 +5,6 @@ import importlib.util
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -318,15 +317,19 @@ def test_profile_round_trip_and_validation(tmp_path):
         prof.params["memory"]["hbm_TBps"] = 1.0
 
 
-def test_cached_call_is_fast(h200):
+def test_repeated_calls_are_priced_once(h200, monkeypatch):
+    """The planner prices the same op call thousands of times: the second call is a cache hit
+    (counted, not timed: wall-clock limits do not belong in unit tests on a shared machine)."""
     a, b, out = meta(4096, 1024, dtype=torch.float32), meta(1024, 4096, dtype=torch.float32), meta(4096, 4096, dtype=torch.float32)
+    calls = []
+    inner = h200.price
+    monkeypatch.setattr(h200, "price", lambda *args, **kw: calls.append(1) or inner(*args, **kw))
     first = h200.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16)
-    n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        h200.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16)
-    assert (time.perf_counter() - t0) / n * 1e6 < 20.0
-    assert h200.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16) == first
+    for _ in range(100):
+        assert h200.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16) == first
+    assert len(calls) == 1
+    h200.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.float32)  # another dtype: another key
+    assert len(calls) == 2
     # strides are part of the key: a transposed operand can change the price
     at = meta(1024, 4096, dtype=torch.float32).t()
     assert math.isfinite(h200.time_us(aten.mm.default, (at, b), {}, out, dtype=torch.bfloat16))

@@ -1,7 +1,6 @@
 """Roofline compute model on local meta tensors."""
 
 import operator
-import time
 
 import pytest
 import torch
@@ -120,19 +119,19 @@ def test_flops_of_matmul_family_attention_and_conv(h100):
     assert h100.flops(aten.convolution.default, args, {}, out) == 2 * 8 * 128 * 56 * 56 * 64 * 9
 
 
-def test_cached_call_is_fast(h100):
+def test_repeated_calls_are_priced_once(h100, monkeypatch):
+    """The planner prices the same op call thousands of times: the second call is a cache hit
+    (counted, not timed: wall-clock limits do not belong in unit tests on a shared machine)."""
     a, b, out = meta(4096, 1024, dtype=torch.float32), meta(1024, 4096, dtype=torch.float32), meta(4096, 4096, dtype=torch.float32)
+    calls = []
+    inner = h100._price
+    monkeypatch.setattr(h100, "_price", lambda *args, **kw: calls.append(1) or inner(*args, **kw))
     first = h100.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16)
-    n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        h100.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16)
-    per_call_us = (time.perf_counter() - t0) / n * 1e6
-    assert per_call_us < 20.0
-    assert h100.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16) == first
-    # a different shape is a different entry
-    assert h100.time_us(aten.mm.default, (a, meta(1024, 8, dtype=torch.float32)), {},
-                        meta(4096, 8, dtype=torch.float32), dtype=torch.bfloat16) < first
+    for _ in range(100):
+        assert h100.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.bfloat16) == first
+    assert len(calls) == 1
+    h100.time_us(aten.mm.default, (a, b), {}, out, dtype=torch.float32)  # another dtype: another key
+    assert len(calls) == 2
 
 
 def test_devices_rank_sensibly():
