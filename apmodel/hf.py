@@ -215,7 +215,7 @@ def config_from_spec(spec: str) -> tuple[Any, str]:
     name = spec[len(HF_PREFIX):].strip()
     if not name:
         raise HFSpecError(f"model {spec!r}: give a model after hf:, one of {', '.join(PRESETS)} "
-                            "or a path to a config.json")
+                          "or a path to a config.json")
     try:
         transformers = _transformers()
     except HFUnavailable as e:
@@ -225,7 +225,7 @@ def config_from_spec(spec: str) -> tuple[Any, str]:
         return transformers.AutoConfig.for_model(preset.model_type, **dict(preset.sizes)), preset.head
     if not _looks_like_path(name):
         raise HFSpecError(f"model {spec!r}: unknown Hugging Face model {name!r}; known: {', '.join(PRESETS)}; "
-                            "or hf:/path/to/config.json")
+                          "or hf:/path/to/config.json")
     path = Path(name).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -242,7 +242,7 @@ def config_from_spec(spec: str) -> tuple[Any, str]:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError, TypeError) as e:
         raise HFSpecError(f"model {spec!r}: config file {str(path)!r}: transformers "
-                            f"{transformers.__version__} cannot build model_type {model_type!r} ({e})") from None
+                          f"{transformers.__version__} cannot build model_type {model_type!r} ({e})") from None
     return config, _head_of(config, spec)
 
 
@@ -264,7 +264,7 @@ def _head_of(config: Any, spec: str) -> str:
     if causal:
         return "causal"
     raise HFSpecError(f"model {spec!r}: model_type {config.model_type!r} has no causal-LM or masked-LM head "
-                        "in transformers (only language models are supported)")
+                      "in transformers (only language models are supported)")
 
 
 # ------------------------------------------------------------------------------ building
@@ -293,7 +293,7 @@ def _model_class(transformers: Any, config: Any, head: str) -> Any:
     name = names.get(config.model_type)
     if name is None or not hasattr(transformers, name):
         raise HFSpecError(f"model_type {config.model_type!r} has no {head}-LM class in transformers "
-                            f"{transformers.__version__}")
+                          f"{transformers.__version__}")
     return getattr(transformers, name)
 
 
@@ -323,6 +323,8 @@ def build(config: Any, head: str = "causal", *, layers: int | None = None) -> nn
         model = cls(config)
     finally:
         torch.set_default_dtype(previous)
+    if getattr(model, "loss_type", "") is None:  # a class name HF cannot map to a loss (GPT2LMHeadModel)
+        model.loss_type = "ForCausalLM" if head == "causal" else "ForMaskedLM"  # what it falls back to, said
     model.train()
     return model
 
