@@ -350,8 +350,7 @@ def _compile_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
     full = case.build().state_dict()
     with torch.device("meta"):
         model = case.build()
-    name = "tied_lm.json" if ac == "none" else f"tied_lm-{ac}.json"
-    model = lower(model, mesh, Plan.load(Path(plan_dir) / name), checkpoint(_capture(case), ac))
+    model = lower(model, mesh, Plan.load(Path(plan_dir) / "tied_lm.json"), _capture(case))
     model.to_empty(device="cpu")
     load_full_state_dict(model, full)
     eager = model(*args, *targets)
