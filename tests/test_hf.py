@@ -213,39 +213,41 @@ def test_cli_plans_a_config_file_and_reports_the_sequence_planned(configs):
 
 
 # ------------------------------------------------------------------------------ lowering
-GPT2_TINY = TINY["gpt2"]
+#: One decoder with tied weights (GPT-2, causal LM) and one encoder (BERT, masked LM).
+LOWERED = {"gpt2": "causal", "bert": "masked"}
 
 
-def _gpt2_config() -> Any:
+def _tiny_config(family: str) -> Any:
     import transformers
 
-    cfg = dict(GPT2_TINY)
+    cfg = dict(TINY[family])
     return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
-def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, GPT2_TINY["vocab_size"], (8, 16), generator=generator)
+def _batch(family: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, TINY[family]["vocab_size"], (8, 16), generator=generator)
     return ids, ids.clone()
 
 
-def _meta_capture():
+def _meta_capture(family: str):
     with torch.device("meta"):
-        model = hf.build(_gpt2_config())
-    ids, labels = _batch(torch.Generator().manual_seed(7))
+        model = hf.build(_tiny_config(family), LOWERED[family])
+    ids, labels = _batch(family, torch.Generator().manual_seed(7))
     return model, capture(model, (ids.to("meta"),), hf.hf_loss, kwargs={"labels": labels.to("meta")})
 
 
-def _train_worker(rank: int, world: int, plan_path: str) -> dict[str, Any]:
+def _train_worker(rank: int, world: int, plan_path: str, family: str) -> dict[str, Any]:
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from apmodel.lowering import load_full_state_dict, lower
     from apmodel.plans import Plan
 
     mesh = dist.init_device_mesh("cpu", MESH)
     torch.manual_seed(0)
-    ref = hf.build(_gpt2_config())
+    ref = hf.build(_tiny_config(family), LOWERED[family])
     full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
-    model, captured = _meta_capture()
+    model, captured = _meta_capture(family)
     model = lower(model, mesh, Plan.load(plan_path), captured)
     model.to_empty(device="cpu")
     load_full_state_dict(model, full)
@@ -254,7 +256,7 @@ def _train_worker(rank: int, world: int, plan_path: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(11)
     losses, ref_losses = [], []
     for _ in range(STEPS):
-        ids, labels = _batch(g)
+        ids, labels = _batch(family, g)
         opt.zero_grad()
         loss = model(ids, labels=labels)
         loss.backward()
@@ -265,21 +267,21 @@ def _train_worker(rank: int, world: int, plan_path: str) -> dict[str, Any]:
         ref_opt.step()
         losses.append(loss.full_tensor().item())
         ref_losses.append(ref_loss.item())
-    from torch.distributed.tensor import DTensor
-
     state = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
     err = max((state[k].double() - v.double()).abs().max().item() for k, v in ref.state_dict().items() if k in state)
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     return {"losses": losses, "ref_losses": ref_losses, "state_err": err,
-            "tied": model.lm_head.weight is model.transformer.wte.weight}
+            "tied": out is not None and out.weight is inp.weight}
 
 
 @pytest.mark.slow
-def test_tiny_gpt2_trains_like_one_device_on_a_gloo_mesh(tmp_path):
-    _, captured = _meta_capture()
+@pytest.mark.parametrize("family", sorted(LOWERED))
+def test_tiny_model_trains_like_one_device_on_a_gloo_mesh(tmp_path, family):
+    _, captured = _meta_capture(family)
     plan = apmodel.plan(captured, MESH, device="h100")
-    plan.save(tmp_path / "gpt2.json")
-    r = run_distributed(_train_worker, 4, str(tmp_path / "gpt2.json"), timeout_s=300)[0]
+    plan.save(tmp_path / f"{family}.json")
+    r = run_distributed(_train_worker, 4, str(tmp_path / f"{family}.json"), family, timeout_s=300)[0]
     for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
         assert abs(got - want) <= LOSS_RTOL * abs(want), (step, got, want)
     assert r["state_err"] < 1e-4
-    assert r["tied"]
+    assert r["tied"]  # both tie their word embeddings to the LM head, and the tie survives lowering
