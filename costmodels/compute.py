@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -75,25 +75,8 @@ class RooflineCompute:
         """Roofline time in µs of ``op`` on local (per-device) meta tensors."""
         if op is operator.getitem:
             return 0.0
-        key_parts: list[Any] = [op, dtype]
-        _flatten_key(args, key_parts)
-        if kwargs:
-            for k in sorted(kwargs):
-                key_parts.append(k)
-                _flatten_key(kwargs[k], key_parts)
-        key_parts.append("->")
-        _flatten_key(out, key_parts)
-        try:
-            key = tuple(key_parts)
-            hit = self._cache.get(key)
-        except TypeError:  # unhashable non-tensor argument
-            key, hit = None, None
-        if hit is not None:
-            return hit
-        t = self._price(op, args, kwargs or {}, out, dtype)
-        if key is not None:
-            self._cache[key] = t
-        return t
+        key = call_key(op, args, kwargs, out, dtype)
+        return memoized_time_us(self._cache, key, lambda: self._price(op, args, kwargs or {}, out, dtype))
 
     def flops(self, op: Any, args: tuple, kwargs: dict | None, out: Any) -> int:
         """FLOPs by torch's flop counter (0 when the op is not registered)."""
@@ -178,19 +161,52 @@ def _collect(x: Any, out: list) -> None:
             _collect(y, out)
 
 
-def _flatten_key(x: Any, parts: list) -> None:
+def _flatten_key(x: Any, parts: list, layout: bool) -> None:
     if isinstance(x, torch.Tensor):
         parts.append(x.shape)
         parts.append(x.dtype)
+        if layout:
+            if x.dim() >= 2 and not x.is_contiguous():
+                parts.append(x.stride())
+            if x.storage_offset():
+                parts.append(("off", x.storage_offset()))
     elif isinstance(x, (tuple, list)):
         parts.append(len(x))
         for y in x:
-            _flatten_key(y, parts)
+            _flatten_key(y, parts, layout)
     elif isinstance(x, dict):
         for k in sorted(x):
             parts.append(k)
-            _flatten_key(x[k], parts)
+            _flatten_key(x[k], parts, layout)
     elif isinstance(x, (torch.SymInt, torch.SymFloat)):
         parts.append(str(x))
     else:
         parts.append(x)
+
+
+def call_key(op: Any, args: tuple, kwargs: dict | None, out: Any, dtype: torch.dtype | None, *,
+             layout: bool = False) -> tuple:
+    """The cache key of one priced call: op, pricing dtype, argument and output shapes and dtypes,
+    non-tensor arguments; with ``layout`` also strides and storage offsets (for models whose price
+    depends on the memory layout)."""
+    parts: list[Any] = [op, dtype]
+    _flatten_key(args, parts, layout)
+    if kwargs:
+        for k in sorted(kwargs):
+            parts.append(k)
+            _flatten_key(kwargs[k], parts, layout)
+    parts.append("->")
+    _flatten_key(out, parts, layout)
+    return tuple(parts)
+
+
+def memoized_time_us(cache: dict, key: tuple, price: Callable[[], float]) -> float:
+    """``cache[key]``, priced by ``price()`` on a miss; an unhashable key (a non-tensor argument
+    that cannot be hashed) is priced every time."""
+    try:
+        hit = cache.get(key)
+    except TypeError:
+        return price()
+    if hit is None:
+        hit = cache[key] = price()
+    return hit

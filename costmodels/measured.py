@@ -62,7 +62,7 @@ from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.utils.flop_counter import flop_registry
 
 from .compute import GATHER_OPS as _ROOFLINE_GATHER_OPS
-from .compute import VIEW_OPS, RooflineCompute, _DTYPE_KEY, _op_name, _tensors
+from .compute import VIEW_OPS, RooflineCompute, _DTYPE_KEY, _op_name, _tensors, call_key, memoized_time_us
 from .hardware import DeviceSpec, device as _device
 
 logger = logging.getLogger(__name__)
@@ -620,25 +620,8 @@ class MeasuredCompute:
         """Time in µs of ``op`` on local (per-device) meta tensors, in this model's execution mode."""
         if op is operator.getitem:
             return 0.0
-        parts: list[Any] = [op, dtype]
-        _key(args, parts)
-        if kwargs:
-            for k in sorted(kwargs):
-                parts.append(k)
-                _key(kwargs[k], parts)
-        parts.append("->")
-        _key(out, parts)
-        try:
-            key: tuple | None = tuple(parts)
-            hit = self._cache.get(key)  # type: ignore[arg-type]
-        except TypeError:  # unhashable non-tensor argument
-            key, hit = None, None
-        if hit is not None:
-            return hit
-        t = self.combine(self.price(op, args, kwargs or {}, out, dtype))
-        if key is not None:
-            self._cache[key] = t
-        return t
+        key = call_key(op, args, kwargs, out, dtype, layout=True)  # a matmul's price depends on its strides
+        return memoized_time_us(self._cache, key, lambda: self.combine(self.price(op, args, kwargs or {}, out, dtype)))
 
     def combine(self, price: Price) -> float:
         """Time (µs) of one priced op in this model's execution mode."""
@@ -971,28 +954,6 @@ def _softmax_row(name: str, args: tuple, ins: list[torch.Tensor]) -> int:
     if x.dim() == 0:
         return 1
     return int(x.shape[dim])
-
-
-def _key(x: Any, parts: list) -> None:
-    if isinstance(x, torch.Tensor):
-        parts.append(x.shape)
-        parts.append(x.dtype)
-        if x.dim() >= 2 and not x.is_contiguous():
-            parts.append(x.stride())
-        if x.storage_offset():
-            parts.append(("off", x.storage_offset()))
-    elif isinstance(x, (tuple, list)):
-        parts.append(len(x))
-        for y in x:
-            _key(y, parts)
-    elif isinstance(x, dict):
-        for k in sorted(x):
-            parts.append(k)
-            _key(x[k], parts)
-    elif isinstance(x, (torch.SymInt, torch.SymFloat)):
-        parts.append(str(x))
-    else:
-        parts.append(x)
 
 
 # ----------------------------------------------------------------------------------------
