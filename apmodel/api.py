@@ -349,9 +349,7 @@ def plan(
     if memory_limit is not None:
         option_values["memory_limit_bytes"] = memory_limit
     opts = make_options(options, **option_values)
-    target = model if isinstance(model, CapturedGraph) else model
-    wl = Workload(target, tuple(mesh_shape), tuple(sample_inputs), loss_fn, kwargs, targets,  # type: ignore[arg-type]
-                  allow_unused_parameters)
+    wl = Workload(model, tuple(mesh_shape), tuple(sample_inputs), loss_fn, kwargs, targets, allow_unused_parameters)
     return plan_workload(wl, opts, constraints=constraints, replay=replay, record=workload, progress=progress).plan
 
 
@@ -437,7 +435,7 @@ def parallelize(
         captured = checkpoint(captured, opts.ac)  # the lowered graph is the one planned
 
         def solve() -> Plan:
-            return plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan  # type: ignore[arg-type]
+            return plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan
 
         plan = lowering.plan_on_one_rank(solve, mesh)
     elif option_values or options is not None or constraints:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # torch is imported where a model is built: parsing a mesh st
     import torch
     import torch.nn as nn
 
+    from apmodel.capture import CapturedGraph
+
 #: Workload defaults of the command line (the Python API takes the inputs it is given).
 DEFAULT_SEQ = 2048
 DEFAULT_BATCH = 8
@@ -67,9 +69,10 @@ class Workload:
 
     ``record`` says how to build it again (``model`` spec, ``batch``, ``seq``, ``layers``) and
     becomes part of the plan file's ``workload`` record; empty for a module given from Python
-    that is not a preset."""
+    that is not a preset. ``model`` may also be a step already traced (a ``CapturedGraph``), whose
+    inputs and loss it holds."""
 
-    model: nn.Module
+    model: nn.Module | CapturedGraph
     mesh_shape: tuple[int, ...]
     sample_inputs: tuple[Any, ...] = ()
     loss_fn: Callable[..., torch.Tensor] | None = None
@@ -85,7 +88,9 @@ class Workload:
 
     @property
     def name(self) -> str:
-        return str(self.record.get("model") or type(self.model).__name__)
+        traced = getattr(self.model, "workload", None)  # a CapturedGraph of a preset knows its name
+        preset = traced.get("model") if isinstance(traced, dict) else None
+        return str(self.record.get("model") or preset or type(self.model).__name__)
 
 
 def load_workload(spec: str, mesh_shape: Sequence[int], *, batch: int, seq: int, layers: int | None = None) -> Workload:
