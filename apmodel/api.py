@@ -29,7 +29,7 @@ from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
 from apmodel.pricing import DTYPES, CostContext, build_cost_context
 from apmodel.placement_model import ConstraintConflict, PlacementModel
-from apmodel.options import PlanOptions, make_options
+from apmodel.options import PlanOptions, make_options, run_precision_of
 from apmodel.plans import Plan
 from apmodel.search import fit_in_memory, replay_constraints
 from apmodel.workloads import TraceFailed, Workload
@@ -123,18 +123,25 @@ def solve_model(
     return search.solve_model(pmodel, make_options(options, **option_values), timings=timings, workload=workload)
 
 
-def _capture(workload: Workload | CapturedGraph, ac: str = "none") -> CapturedGraph:
-    """The workload's traced step, rewritten for activation checkpointing ``ac``
-    (:func:`apmodel.checkpointing.checkpoint`; a graph the caller checkpointed is kept as it is)."""
-    return checkpoint(_trace_workload(workload), ac)
+def _capture(workload: Workload | CapturedGraph, options: PlanOptions) -> CapturedGraph:
+    """The workload's traced step (at the param dtype when the plan runs in mixed precision),
+    rewritten for activation checkpointing ``options.ac`` (:func:`apmodel.checkpointing.checkpoint`;
+    a graph the caller traced or checkpointed is kept as it is)."""
+    return checkpoint(_trace_workload(workload, options.run_precision), options.ac)
 
 
-def _trace_workload(workload: Workload | CapturedGraph) -> CapturedGraph:
+def _trace_workload(workload: Workload | CapturedGraph, precision: tuple[str, str] | None) -> CapturedGraph:
     if isinstance(workload, CapturedGraph):
         return workload
     if isinstance(workload.model, CapturedGraph):
         return workload.model
     try:
+        if precision is not None:  # traced as it runs: bf16 parameters and inputs (see lowering.capture_on_meta)
+            from apmodel import lowering
+
+            return lowering.capture_on_meta(
+                workload.model, workload.sample_inputs, workload.loss_fn, param_dtype=DTYPES[precision[0]],
+                kwargs=workload.kwargs, targets=workload.targets, allow_unused_parameters=workload.allow_unused_parameters)
         return capture(workload.model, workload.sample_inputs, workload.loss_fn, kwargs=workload.kwargs,
                        targets=workload.targets, allow_unused_parameters=workload.allow_unused_parameters)
     except Exception as e:
@@ -210,9 +217,9 @@ def build_model(
     timings = timings if timings is not None else {}
     workload = model if isinstance(model, CapturedGraph) else Workload(
         model, mesh_shape, tuple(sample_inputs), loss_fn, kwargs, targets, allow_unused_parameters)
-    captured = _capture(workload, opts.ac)
+    captured = _capture(workload, opts)
     timings["trace_s"] = captured.trace_s
-    cost = cost or build_cost_context(mesh_shape, opts)
+    cost = cost or build_cost_context(mesh_shape, opts, captured)
     return _build(captured, opts, cost, constraints, timings, progress or LogProgress(), mesh)
 
 
@@ -251,12 +258,12 @@ def plan_workload(
         constraints.append(replay_constraints(replay))
     timings: dict[str, float] = {}
     progress.stage(f"tracing {workload.name}")
-    captured = _capture(workload, options.ac)
+    captured = _capture(workload, options)
     if policy_of(captured) != options.ac:  # a graph the caller checkpointed: its plan records that policy
         options = options.replace(ac=policy_of(captured))
     timings["trace_s"] = captured.trace_s
     progress.done(f"traced {len(captured.gm.graph.nodes)} nodes in {captured.trace_s:.1f} s")
-    cost = build_cost_context(workload.mesh_shape, options)
+    cost = build_cost_context(workload.mesh_shape, options, captured)
     pmodel = _build(captured, options, cost, constraints, timings, progress)
     wl = {**captured.workload, **{k: v for k, v in workload.record.items() if v is not None},
           "mesh": list(workload.mesh_shape), **options.to_record(), **dict(record or {})}
@@ -378,11 +385,11 @@ def attach(saved: Plan, *, progress: Progress | None = None) -> Plan:
     mesh = tuple(saved.mesh_shape)
     workload = load_workload(record["model"], mesh, batch=record.get("batch", 8), seq=record.get("seq", 2048),
                              layers=record.get("layers"))
-    captured = _capture(workload, options.ac)
+    captured = _capture(workload, options)
     saved.check_compatible(captured, mesh)
     progress.stage("enumerating strategies and building the model")
     strategies = enumerate_strategies(captured.gm, mesh)
-    saved.model = search.placement_model(captured, strategies, build_cost_context(mesh, options), options,
+    saved.model = search.placement_model(captured, strategies, build_cost_context(mesh, options, captured), options,
                                          constraints=user_constraints)
     return saved
 
@@ -427,19 +434,26 @@ def parallelize(
     """
     from apmodel import kernels, lowering
 
-    captured = lowering.capture_on_meta(
-        model, sample_inputs, loss_fn, kwargs=kwargs, targets=targets, allow_unused_parameters=allow_unused_parameters
-    )
     if plan is None:
         opts = make_options(options, **option_values)
+        precision = opts.run_precision
+    elif option_values or options is not None or constraints:
+        raise TypeError("planning options given together with plan=: the plan is used as it is")
+    else:
+        precision = run_precision_of(plan.workload)
+    # Mixed precision: traced as it runs (bf16 parameters and inputs), so the graph holds the casts
+    # the model's code makes at that dtype; the parameters themselves stay in the model's dtype.
+    captured = lowering.capture_on_meta(
+        model, sample_inputs, loss_fn, kwargs=kwargs, targets=targets, allow_unused_parameters=allow_unused_parameters,
+        param_dtype=None if precision is None else DTYPES[precision[0]],
+    )
+    if plan is None:
         captured = checkpoint(captured, opts.ac)  # the lowered graph is the one planned
 
         def solve() -> Plan:
             return plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan
 
         plan = lowering.plan_on_one_rank(solve, mesh)
-    elif option_values or options is not None or constraints:
-        raise TypeError("planning options given together with plan=: the plan is used as it is")
     else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with
         captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
     return lowering.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels)

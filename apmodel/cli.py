@@ -548,7 +548,7 @@ def plan(
     param_budget_ratio: Optional[float] = typer.Option(None, "--param-budget-ratio", min=1e-9, max=1.0, help="Storage budget 'high' of the AutoParallel paper: mean local/global ratio over parameter tensors (instead of --param-policy)."),
     param_policy: Optional[str] = typer.Option(None, "--param-policy", help="Parameter storage: full_shard (default) or free."),
     compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
-    mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: on for bf16/fp16."),
+    mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: priced so for bf16/fp16; given, the step is also traced and run (parallelize) so."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
     ac: Optional[str] = typer.Option(None, "--ac", help="Activation checkpointing: none (default), selective (save matmul and attention outputs, recompute the rest of each layer), full (recompute each layer from its input). Priced and lowered."),
     compute_profile: Optional[Path] = typer.Option(None, "--compute-profile", help="Compute profile JSON (from `apmodel calibrate-compute`) for the measured compute model. Default: the device's built-in profile."),

@@ -18,7 +18,7 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     [device]
     name = "h100"         # costmodels.device() name
     dtype = "bf16"        # pricing dtype: bf16 | fp16 | fp32 | fp8
-    mixed_precision = true  # fp32 master weights and gradient reductions (default: on for bf16/fp16)
+    mixed_precision = true  # fp32 master weights and gradient reductions (default: priced so for bf16/fp16; set: also traced and run so)
     execution = "eager"   # eager | graphs (CUDA-graph replay: no launch cost per op; GPU profiles only)
 
     [topology]

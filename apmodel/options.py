@@ -41,6 +41,18 @@ TOPOLOGY_KEYS = ("intra_GBps", "inter_GBps", "intra_latency_us", "inter_latency_
 DEFAULT_SEED_RADIUS = 2
 
 
+#: Param dtypes a mixed-precision step can compute in (the reduce dtype is always fp32).
+MIXED_PARAM_DTYPES = ("bf16", "fp16")
+
+
+def run_precision_of(record: Mapping[str, Any]) -> tuple[str, str] | None:
+    """:attr:`PlanOptions.run_precision` of a plan file's ``workload`` record."""
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(record.get("dtype"), record.get("dtype"))  # torch names
+    if record.get("mixed_precision") is True and dtype in MIXED_PARAM_DTYPES:
+        return (str(dtype), "fp32")
+    return None
+
+
 class OptionsError(ValueError):
     """An option has a value the planner cannot use; the message names the option."""
 
@@ -54,7 +66,10 @@ class PlanOptions:
         gpus_per_node: devices per node: which mesh axes cross the network.
         dtype: pricing dtype of compute and parameter gathers.
         mixed_precision: fp32 master parameters, gradients, optimizer state and gradient
-            reductions beside ``dtype`` compute (``None``: on for bf16/fp16).
+            reductions beside ``dtype`` compute. ``None`` (default): priced so for bf16/fp16, and
+            :func:`apmodel.parallelize` runs the step in the model's own dtype; ``True`` or a
+            pair ``(param dtype, reduce dtype)`` such as ``("bf16", "fp32")`` (which sets
+            ``dtype``): priced so and run so (see :attr:`run_precision`); ``False``: off.
         compute_model / comm_model: replacements (an object, or ``"package.module:Name"``
             constructed with the device spec / topology); ``None``: the device's defaults.
         compute_profile: a compute profile JSON (``apmodel calibrate-compute``) for the
@@ -89,7 +104,7 @@ class PlanOptions:
     device: Any = "h100"
     gpus_per_node: int = 8
     dtype: PricingDtype | Any = "bf16"
-    mixed_precision: bool | None = None
+    mixed_precision: bool | tuple[str, str] | None = None
     compute_model: Any = None
     comm_model: Any = None
     compute_profile: str | None = None
@@ -121,6 +136,17 @@ class PlanOptions:
         set_(self, "replicate_axes", tuple(int(a) for a in self.replicate_axes))
         set_(self, "topology", dict(self.topology))
         set_(self, "solver_options", dict(self.solver_options))
+        if isinstance(self.mixed_precision, (tuple, list)):  # ("bf16", "fp32"): FSDP2's policy pair
+            pair = tuple(self.mixed_precision)
+            if len(pair) != 2 or pair[0] not in MIXED_PARAM_DTYPES or pair[1] != "fp32":
+                raise OptionsError(
+                    f"mixed_precision {self.mixed_precision!r}: expected (param dtype, reduce dtype) with the param "
+                    f"dtype one of {', '.join(MIXED_PARAM_DTYPES)} and the reduce dtype 'fp32'"
+                )
+            set_(self, "dtype", pair[0])
+            set_(self, "mixed_precision", True)
+        elif self.mixed_precision is not None and not isinstance(self.mixed_precision, bool):
+            raise OptionsError(f"mixed_precision {self.mixed_precision!r}: expected true, false or a pair ('bf16', 'fp32')")
         if self.param_policy not in PARAM_POLICIES:
             raise OptionsError(f"param_policy {self.param_policy!r}: expected one of {', '.join(PARAM_POLICIES)}")
         if self.ac not in AC_POLICIES:
@@ -161,6 +187,15 @@ class PlanOptions:
         outside = [a for a in self.replicate_axes if a >= len(mesh_shape)]
         if outside:
             raise OptionsError(f"replicate_axes {list(self.replicate_axes)} name an axis outside mesh {tuple(mesh_shape)}")
+
+    @property
+    def run_precision(self) -> tuple[str, str] | None:
+        """``(param dtype, reduce dtype)`` a lowered step runs in: parameters kept in their own
+        (master) dtype are cast to the param dtype for compute (their all-gathers carry it),
+        parameter gradients are cast to the reduce dtype before they are reduced. Set only when
+        ``mixed_precision`` is asked for explicitly (``True`` or a pair) with a bf16/fp16 ``dtype``;
+        ``None``: the step runs in the model's dtype."""
+        return run_precision_of(self.to_record())
 
     @property
     def dtype_bytes(self) -> int:

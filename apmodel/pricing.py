@@ -297,14 +297,23 @@ def _cost_model(given: Any, default: Any, built_from: Any) -> Any:
     return given
 
 
-def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions) -> CostContext:
+def _traced_at(captured: Any, param_dtype: torch.dtype) -> bool:
+    """Whether ``captured``'s floating parameters were traced in ``param_dtype``."""
+    dtypes = {n.meta["val"].dtype for n in captured.gm.graph.nodes
+              if captured.roles.get(n.name) == "param" and n.meta["val"].is_floating_point()}
+    return dtypes == {param_dtype}
+
+
+def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured: Any = None) -> CostContext:
     """The compute and communication models ``options`` ask for on a mesh.
 
     Compute: ``options.compute_model``, else ``costmodels.compute_model(device, profile=
     options.compute_profile, execution=options.execution)`` (the measured model where the device
     has a profile, else the roofline). Communication: ``options.comm_model``, else the NCCL model
     of the topology (with ``options.topology`` overrides), corrected by ``options.calibration``.
-    Mixed precision (default on for bf16/fp16): gradient reductions and master state in fp32.
+    Mixed precision (default on for bf16/fp16): gradient reductions and master state in fp32;
+    run as well as priced (``options.run_precision``) and ``captured`` traced at the param dtype
+    (as :func:`apmodel.api.plan` traces it then): tensors are priced in their traced dtypes.
     """
     mesh_shape = tuple(int(s) for s in mesh_shape)
     spec = costmodels.device(options.device) if isinstance(options.device, str) else options.device
@@ -321,6 +330,8 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions) -> CostC
     if mixed is None:
         mixed = dtype in (torch.bfloat16, torch.float16)
     full = torch.float32 if mixed else None
+    if options.run_precision is not None and captured is not None and _traced_at(captured, DTYPES[options.run_precision[0]]):
+        dtype = None  # traced at the param dtype with the model's own casts: price each tensor as traced
     return CostContext(
         mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=dtype, hbm_bytes=spec.hbm_GiB * 2**30,
         reduce_dtype=full, master_dtype=full,

@@ -13,8 +13,11 @@ import os
 import pickle
 import tempfile
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 #: Modules the forkserver imports once, so that forked workers start warm.
 PRELOAD = ["torch", "torch.distributed.tensor", "apmodel.lowering", "apmodel.capture", "apmodel.plans",
@@ -90,3 +93,55 @@ def run_distributed(
         if errors:
             raise RuntimeError("distributed test failed\n" + "\n".join(errors))
         return results
+
+
+# ------------------------------------------------------------------------------------------------
+# collectives: what a step dispatched against what its plan predicts
+
+
+class CollectiveRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every functional collective dispatched, as ``(kind, process group name, dtype)``
+    in ``.calls``."""
+
+    KINDS = {
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce",
+        "all_to_all_single": "all_to_all",
+        "shard_dim_alltoall": "all_to_all",
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str, torch.dtype | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = self.KINDS.get(func._overloadpacket.__name__)
+        if kind is not None and func.namespace in ("_c10d_functional", "c10d_functional", "_dtensor"):
+            values = list(args) + list((kwargs or {}).values())
+            group = [a for a in values if isinstance(a, str)]
+            tensor = next((a for a in values if isinstance(a, torch.Tensor)), None)
+            self.calls.append((kind, group[-1] if group else "?", None if tensor is None else tensor.dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def predicted_collectives(redists: list, mesh_shape: tuple[int, ...], with_dtype: bool = True) -> Counter:
+    """The collectives (``(kind, mesh axis[, dtype])`` -> count) that the redistributions
+    ``redists`` decompose into, as the cost model prices them."""
+    import costmodels
+
+    comm = costmodels.NCCLCollectives(costmodels.Topology(mesh_shape=mesh_shape, device=costmodels.device("h100"), gpus_per_node=8))
+    out: Counter = Counter()
+    for r in redists:
+        itemsize = torch.empty((), dtype=r.dtype).element_size()
+        for kind, axis, _nbytes, _us in costmodels.redistribution_steps(comm, r.global_shape, itemsize, r.src, r.dst):
+            out[(kind, axis, r.dtype) if with_dtype else (kind, axis)] += 1
+    return out
+
+
+def gloo_view(c: Counter) -> Counter:
+    """gloo has no all-to-all: DTensor falls back to all-gather + local chunk on the same axis."""
+    out: Counter = Counter()
+    for key, n in c.items():
+        out[("all_gather" if key[0] == "all_to_all" else key[0], *key[1:])] += n
+    return out

@@ -37,7 +37,7 @@ from apmodel.models import build, config, sample_inputs
 from apmodel.plans import Plan
 from apmodel.strategies import input_slots
 
-from _dist_utils import run_distributed
+from _dist_utils import CollectiveRecorder, gloo_view, predicted_collectives, run_distributed
 
 CFG = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=16)
 BATCH, SEQ = 4, 12  # 48 tokens: no weight dimension equals batch x seq (recipes tell activations by it)
@@ -171,49 +171,6 @@ def make_plans(out_dir: Path) -> dict[str, Plan]:
 # what the workers run
 
 
-class _CollectiveRecorder(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every functional collective dispatched, as (kind, process group name)."""
-
-    _KINDS = {
-        "all_gather_into_tensor": "all_gather",
-        "reduce_scatter_tensor": "reduce_scatter",
-        "all_reduce": "all_reduce",
-        "all_to_all_single": "all_to_all",
-        "shard_dim_alltoall": "all_to_all",
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, str]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = self._KINDS.get(func._overloadpacket.__name__)
-        if kind is not None and func.namespace in ("_c10d_functional", "c10d_functional", "_dtensor"):
-            group = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, str)]
-            self.calls.append((kind, group[-1] if group else "?"))
-        return func(*args, **(kwargs or {}))
-
-
-def _predicted_steps(redists: list[Redistribution], mesh_shape: tuple[int, ...]) -> Counter:
-    import costmodels
-
-    comm = costmodels.NCCLCollectives(costmodels.Topology(mesh_shape=mesh_shape, device=costmodels.device("h100"), gpus_per_node=8))
-    out: Counter = Counter()
-    for r in redists:
-        itemsize = torch.empty((), dtype=r.dtype).element_size()
-        for kind, axis, _nbytes, _us in costmodels.redistribution_steps(comm, r.global_shape, itemsize, r.src, r.dst):
-            out[(kind, axis)] += 1
-    return out
-
-
-def _gloo_view(c: Counter) -> Counter:
-    """gloo has no all-to-all: DTensor falls back to all-gather + local chunk on the same axis."""
-    out: Counter = Counter()
-    for (kind, axis), n in c.items():
-        out[("all_gather" if kind == "all_to_all" else kind, axis)] += n
-    return out
-
-
 def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str, Any]:
     import time
 
@@ -250,7 +207,7 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
             for k, p in model.named_parameters()
         )
 
-        rec = _CollectiveRecorder()
+        rec = CollectiveRecorder()
         with rec:
             loss = model(tokens, targets)
             loss.backward()
@@ -273,9 +230,9 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         r["issued_keys"] = sorted(map(repr, Counter(x.key for x in issued).items()))
         r["planned_keys"] = sorted(map(repr, Counter(x.key for x in planned).items()))
         axis_of = {mesh.get_group(a).group_name: a for a in range(len(mesh_shape))}
-        r["dispatched"] = dict(Counter((k, axis_of.get(g, g)) for k, g in rec.calls))
-        r["predicted"] = dict(_gloo_view(_predicted_steps(planned, mesh_shape)))
-        r["plan_kinds"] = sorted({k for k, _ in _predicted_steps(planned, mesh_shape)})
+        r["dispatched"] = dict(Counter((k, axis_of.get(g, g)) for k, g, _dtype in rec.calls))
+        r["predicted"] = dict(gloo_view(predicted_collectives(planned, mesh_shape, with_dtype=False)))
+        r["plan_kinds"] = sorted({k for k, _ in predicted_collectives(planned, mesh_shape, with_dtype=False)})
 
         r["seconds"] = time.perf_counter() - t0
         if name not in TRAINED:

@@ -40,6 +40,11 @@ class _JointStep(torch.autograd.Function):
         ph = prog.params + prog.buffers + prog.inputs
         for n, v in zip(ph, values):
             env[n] = v
+        ctx.param_dtypes = [v.dtype for v in values[: len(prog.params)]]
+        if prog.param_dtype is not None:  # mixed precision: compute with a down-cast of the master shards
+            for n, v in zip(prog.params, values):
+                if v.is_floating_point():
+                    env[n] = v.to(prog.param_dtype)
         prog._run(prog.fwd_steps, env, "forward", device)
         for b, u in prog.buffer_update.items():  # BatchNorm running statistics and the like
             fqn = prog.captured.buffer_fqn[b.name]
@@ -71,13 +76,14 @@ class _JointStep(torch.autograd.Function):
             env[t] = prog._redistribute(g, prog.storage[t], t.name, "<incoming grad>", 0, "backward")
         prog._run(prog.bwd_steps, env, "backward", ctx.device)
         result: list = [None, None, None]
-        for p in prog.params:
+        for p, master_dtype in zip(prog.params, ctx.param_dtypes):
             g = prog.param_grad.get(p)
             if g is None:
                 result.append(None)
                 continue
-            val = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0, "backward")
-            result.append(val)
+            val = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
+                                     "backward", gradient=True)
+            result.append(val.to(master_dtype))  # mixed precision: the gradient of the fp32 master
         result.extend([None] * len(prog.buffers))
         for i in prog.inputs:
             g = prog.input_grad.get(i)

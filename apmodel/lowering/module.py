@@ -39,6 +39,8 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     traced: LoweredProgram = self._apmodel_program
     sig = traced.signature
     inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
+    if traced.param_dtype is not None:  # mixed precision: floating inputs compute in the param dtype (as FSDP2)
+        inputs = [x.to(traced.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     prog = traced.for_inputs(inputs)  # the plan as traced, or replayed on these shapes
     dinputs = []
     for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
@@ -112,7 +114,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
     prog = LoweredProgram(mesh, plan, captured, local_kernels)
-    prog.retrace_model = _meta_twin(model)  # structure only (meta tensors): for other input shapes
+    prog.retrace_model = _meta_twin(model, prog.param_dtype)  # structure only (meta tensors): for other input shapes
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them
     # as usual; each step wraps them at their planned placement (the planner keeps them replicated).
@@ -158,34 +160,45 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
                 t.copy_(src)
 
 
-def _meta_twin(model: nn.Module) -> nn.Module:
+def _meta_twin(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of `model` whose parameters and buffers are empty meta tensors (for tracing; costs no
-    memory): the module structure is deep-copied, tensors are not."""
+    memory): the module structure is deep-copied, tensors are not. ``param_dtype``: floating
+    parameters (not buffers) take this dtype, as a mixed-precision step computes with them."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
 
 
-def _to_meta(x: Any) -> Any:
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+def _to_meta(x: Any, float_dtype: torch.dtype | None = None) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if float_dtype is not None and x.is_floating_point():
+        return x.to("meta", dtype=float_dtype)
+    return x.to("meta")
 
 
-def capture_on_meta(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None, **capture_options: Any) -> Any:
+def capture_on_meta(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Callable | None, *,
+                    param_dtype: torch.dtype | None = None, **capture_options: Any) -> Any:
     """Capture `model`'s training step on the meta device (as the planner does), whatever device the
     model and the sample inputs are on. ``capture_options``: kwargs, targets,
-    allow_unused_parameters (see :func:`apmodel.capture.capture`)."""
+    allow_unused_parameters (see :func:`apmodel.capture.capture`).
+
+    ``param_dtype`` (mixed precision): the step is traced with floating parameters and floating
+    inputs in this dtype, as the lowered step computes (buffers keep theirs), so that the casts
+    the model's code makes at that dtype (norms computed in fp32, ...) are in the graph."""
     from apmodel.capture import capture  # lazy: tracing machinery is heavy to import
 
     on_meta = all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
-    meta_model = model if on_meta else _meta_twin(model)
+    meta_model = model if on_meta and param_dtype is None else _meta_twin(model, param_dtype)
     if capture_options.get("kwargs") is not None:
-        capture_options["kwargs"] = {k: _to_meta(v) for k, v in capture_options["kwargs"].items()}
+        capture_options["kwargs"] = {k: _to_meta(v, param_dtype) for k, v in capture_options["kwargs"].items()}
     if capture_options.get("targets") is not None:
-        capture_options["targets"] = tuple(_to_meta(x) for x in capture_options["targets"])
-    meta_inputs = tuple(_to_meta(x) for x in sample_inputs)
+        capture_options["targets"] = tuple(_to_meta(x, param_dtype) for x in capture_options["targets"])
+    meta_inputs = tuple(_to_meta(x, param_dtype) for x in sample_inputs)
     return capture(meta_model, meta_inputs, loss_fn, **capture_options)
 
 

@@ -32,6 +32,8 @@ from apmodel.lowering.graph import (
     _unflatten,
 )
 from apmodel.lowering.records import Redistribution
+from apmodel.options import run_precision_of
+from apmodel.pricing import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class _Slot:
     producer: fx.Node
     index: int  # output index of producer (getitem index), else 0
     dst: Placements | None
+    gradient: bool = False  # a parameter gradient on its way to the parameter (reduced in the reduce dtype)
 
 
 @dataclass
@@ -157,6 +160,19 @@ class LoweredProgram:
         self.input_grad = {by_name[i]: by_name[g] for i, g in captured.input_grad.items()}
         self.buffer_update = {by_name[b]: by_name[u] for b, u in captured.buffer_update.items()}
         self.signature = captured.signature
+        precision = run_precision_of(getattr(plan, "workload", None) or {})
+        self.param_dtype: torch.dtype | None = None
+        """mixed precision: floating parameters are cast to this dtype for compute (None: as stored)"""
+        self.reduce_dtype: torch.dtype | None = None
+        """mixed precision: parameter gradients are cast to this dtype before they are reduced"""
+        if precision is not None:
+            self.param_dtype, self.reduce_dtype = (DTYPES[name] for name in precision)
+            traced = {n.meta["val"].dtype for n in self.params if n.meta["val"].is_floating_point()}
+            if traced - {self.param_dtype}:
+                raise ValueError(
+                    f"the plan runs in mixed precision ({precision[0]} compute, {precision[1]} reductions) but its "
+                    f"graph has {sorted(map(str, traced))} parameters: capture with param_dtype={self.param_dtype}"
+                )
 
         # storage placements of params (must be R/S) and buffers, checked against the node strategy
         self.storage: dict[fx.Node, Placements] = {}
@@ -179,6 +195,7 @@ class LoweredProgram:
 
         # steps
         is_bwd = captured.is_backward
+        chain = captured.param_gradient_chain()
         self.fwd_steps: list[_Step] = []
         self.bwd_steps: list[_Step] = []
         for n in gm.graph.nodes:
@@ -202,7 +219,8 @@ class LoweredProgram:
                     f"the node has {len(tl)} tensor arguments"
                 )
             is_getitem = n.target is operator.getitem
-            slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst)) for (leaf, prod, k), dst in zip(tl, ins)]
+            slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
+                     for (leaf, prod, k), dst in zip(tl, ins)]
             outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
             for v, pl in zip(_tensor_vals(n), outs):
                 if isinstance(v, torch.Tensor) and pl is not None:
@@ -313,13 +331,19 @@ class LoweredProgram:
         logger.info("replayed the plan on input shapes %s", shapes)
         return variant
 
-    def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str) -> DTensor:
+    def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str,
+                      gradient: bool = False) -> DTensor:
+        """`x` moved to `dst` (recorded); ``gradient``: a parameter gradient, cast to the reduce
+        dtype first under mixed precision (the cast is local and happens only when it moves)."""
         if not isinstance(x, DTensor):
             raise TypeError(f"argument {producer!r} of node {consumer!r} is a {type(x).__name__}, expected a DTensor")
         if _tokens(x.placements) == _tokens(dst):
             return x
+        if gradient and self.reduce_dtype is not None and x.is_floating_point():
+            x = x.to(self.reduce_dtype)
         self.redistributions.append(
-            Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype)
+            Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype,
+                           gradient=gradient)
         )
         return x.redistribute(self.mesh, dst)
 
@@ -341,12 +365,13 @@ class LoweredProgram:
                 slot = s.slots[0] if s.slots else None
                 val = flat[0][flat[1]]
                 if slot is not None and slot.dst is not None and isinstance(val, DTensor):
-                    val = self._redistribute(val, slot.dst, n.name, slot.producer.name, slot.index, phase)
+                    val = self._redistribute(val, slot.dst, n.name, slot.producer.name, slot.index, phase, slot.gradient)
                 env[n] = val
             else:
                 for slot in s.slots:
                     if slot.dst is not None:
-                        flat[slot.leaf] = self._redistribute(flat[slot.leaf], slot.dst, n.name, slot.producer.name, slot.index, phase)
+                        flat[slot.leaf] = self._redistribute(flat[slot.leaf], slot.dst, n.name, slot.producer.name,
+                                                             slot.index, phase, slot.gradient)
                 kernel = kernels.get(s.target, s.target if s.without_rule else None)
                 try:
                     if kernel is not None:

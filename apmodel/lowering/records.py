@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 
 from apmodel.lowering.graph import _tensor_leaves, _tensor_vals, _tokens
+from apmodel.options import run_precision_of
+from apmodel.pricing import DTYPES
 
 # ----------------------------------------------------------------------------------------------
 # placement helpers
@@ -66,6 +68,12 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
     gm = captured.gm
     out: list[Redistribution] = []
     is_bwd = captured.is_backward
+    precision = run_precision_of(getattr(plan, "workload", None) or {})
+    reduce_dtype = DTYPES[precision[1]] if precision is not None else None
+
+    def moved_dtype(val: torch.Tensor, gradient: bool) -> torch.dtype:  # gradients move in the reduce dtype
+        return reduce_dtype if gradient and reduce_dtype is not None and val.is_floating_point() else val.dtype
+
     chain = captured.param_gradient_chain()
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -77,9 +85,10 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
                 continue
             val = _tensor_vals(prod)[idx]
             if _tokens(src) != _tokens(dst):
+                gradient = prod.name in chain and n.name in chain
                 out.append(Redistribution(n.name, prod.name, idx, "backward" if is_bwd.get(n.name) else "forward",
-                                          _tokens(src), _tokens(dst), tuple(val.shape), val.dtype,
-                                          gradient=prod.name in chain and n.name in chain))
+                                          _tokens(src), _tokens(dst), tuple(val.shape), moved_dtype(val, gradient),
+                                          gradient=gradient))
     by_name = {n.name: n for n in gm.graph.nodes}
     # Boundary moves: a forward output to its required (tangent) placement, each gradient to its
     # parameter's storage placement or its input's placement.
@@ -91,8 +100,9 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
         src, dst = plan.node_strategy[producer].outputs[0], plan.node_strategy[target].outputs[0]
         if _tokens(src) != _tokens(dst):
             val = by_name[producer].meta["val"]
-            out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape), val.dtype,
-                                      gradient=label.startswith("grad:") and target in captured.param_fqn))
+            gradient = label.startswith("grad:") and target in captured.param_fqn
+            out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape),
+                                      moved_dtype(val, gradient), gradient=gradient))
     return out
 
 

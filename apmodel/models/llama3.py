@@ -70,10 +70,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on ``x: [batch, seq, heads, head_dim]`` with ``cos, sin: [seq, head_dim]``.
-    Real-valued (no complex tensors, which DTensor handles poorly)."""
+    Real-valued (no complex tensors, which DTensor handles poorly). Computed in the tables' dtype
+    (fp32) and returned in ``x``'s (a no-op when both are fp32: no node in the graph)."""
     cos = cos[None, :, None, :]
     sin = sin[None, :, None, :]
-    return x * cos + _rotate_half(x) * sin
+    return (x * cos + _rotate_half(x) * sin).type_as(x)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,195 @@
+"""Mixed precision as it runs: fp32 master parameters, bf16 compute and gathers, fp32 gradient
+reductions (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+
+The truth is one process running the same policy in eager PyTorch: each step computes with a bf16
+copy of the fp32 master model (buffers and integer inputs as they are), and the bf16 gradients,
+cast to fp32, update the masters. The parallel run on a 2x2 gloo mesh must give the same losses
+(rel 1e-3: its partial sums are rounded to bf16 in other places), keep fp32 parameters and
+gradients, and issue exactly the planned collectives, each in its planned dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import apmodel
+from apmodel.lowering import issued_redistributions, load_full_state_dict, planned_redistributions
+from apmodel.models import build, config
+from apmodel.capture import capture
+from apmodel.lowering import lower
+from apmodel.models import sample_inputs
+from apmodel.options import OptionsError, PlanOptions
+from apmodel.plans import Plan, PlanMismatch
+
+from _dist_utils import CollectiveRecorder, gloo_view, predicted_collectives, run_distributed
+
+MESH = (2, 2)
+STEPS = 3
+LOSS_RTOL = 1e-3
+TINY = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=16)
+BATCH, SEQ = 8, 16
+
+
+def _tiny_llama(device: str) -> nn.Module:
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = build(config("llama3-debug", **TINY))
+    if device != "meta":
+        model.init_weights()
+    return model
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return (torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g),
+            torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g))
+
+
+def _reference_losses(tokens: torch.Tensor, targets: torch.Tensor, mixed: bool = True) -> list[float]:
+    """One process, the same policy: bf16 compute copy per step, fp32 masters and AdamW
+    (``mixed=False``: plain fp32 training)."""
+    master = _tiny_llama("cpu")
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        work = copy.deepcopy(master)
+        for p in work.parameters():
+            p.data = p.data.to(torch.bfloat16 if mixed else torch.float32)
+        loss = work(tokens, targets)
+        loss.backward()
+        for p, q in zip(master.parameters(), work.parameters()):
+            p.grad = q.grad.float()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    mesh = dist.init_device_mesh("cpu", MESH)
+    tokens, targets = _tokens()
+    ref = _tiny_llama("cpu")
+    full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+    model = apmodel.parallelize(_tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
+                                mixed_precision=("bf16", "fp32"))
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, full)
+    prog = model._apmodel_program
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, dispatched, issued = [], Counter(), []
+    axis_of = {mesh.get_group(a).group_name: a for a in range(len(MESH))}
+    for step in range(STEPS):
+        recorder = CollectiveRecorder()
+        with recorder:
+            loss = model(tokens, targets)
+            loss.backward()
+        if step == 0:
+            dispatched = Counter((k, axis_of.get(g, g), str(d)) for k, g, d in recorder.calls)
+            issued = issued_redistributions(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().full_tensor()))
+    # the plan as a file: parallelize(plan=...) traces at the plan's precision again and runs it
+    again = apmodel.parallelize(_tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
+                                plan=Plan.from_json(prog.plan.to_json(), "test"))
+    again.to_empty(device="cpu")
+    load_full_state_dict(again, full)
+    replayed_loss = float(again(tokens, targets).detach().full_tensor())
+    planned = planned_redistributions(prog.plan, prog.captured)
+    predicted = gloo_view(predicted_collectives(planned, MESH))
+    return {
+        "losses": losses,
+        "replayed_loss": replayed_loss,
+        "loss_dtype": str(loss.dtype),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "workload": prog.plan.workload,
+        "dispatched": dict(dispatched),
+        "predicted": {(k, a, str(d)): n for (k, a, d), n in predicted.items()},
+        "issued": sorted((r.key, str(r.dtype), r.gradient) for r in issued),
+        "planned": sorted((r.key, str(r.dtype), r.gradient) for r in planned),
+        "param_gathers": sorted({str(r.dtype) for r in issued if r.phase == "forward" and r.producer in
+                                 {n.name for n in prog.params}}),
+        "gradient_moves": sorted({str(r.dtype) for r in issued if r.gradient}),
+    }
+
+
+@pytest.fixture(scope="module")
+def dist_results() -> dict[str, Any]:
+    per_rank = run_distributed(_worker, 4, timeout_s=600)
+    for r in per_rank[1:]:
+        assert r["losses"] == per_rank[0]["losses"]
+    return per_rank[0]
+
+
+@pytest.mark.slow
+def test_mixed_precision_training_matches_the_same_policy_on_one_device(dist_results):
+    ref = _reference_losses(*_tokens())
+    for step, (a, b) in enumerate(zip(dist_results["losses"], ref)):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
+    # The tolerance alone would pass fp32 training too (bf16 moves these losses by ~1e-4 here):
+    # the run must track the bf16 policy more closely than fp32 training.
+    fp32 = _reference_losses(*_tokens(), mixed=False)
+    to_mixed = sum(abs(a - b) for a, b in zip(dist_results["losses"], ref))
+    to_fp32 = sum(abs(a - b) for a, b in zip(dist_results["losses"], fp32))
+    assert to_mixed < 0.5 * to_fp32, (dist_results["losses"], ref, fp32)
+    assert dist_results["loss_dtype"] == "torch.float32"  # the reference loss upcasts bf16 logits
+    assert dist_results["param_dtypes"] == ["torch.float32"]  # fp32 masters
+    assert dist_results["workload"]["mixed_precision"] is True and dist_results["workload"]["dtype"] == "bf16"
+    assert dist_results["replayed_loss"] == dist_results["losses"][0]  # the saved plan runs the same step
+
+
+@pytest.mark.slow
+def test_collectives_carry_the_planned_dtypes(dist_results):
+    assert dist_results["issued"] == dist_results["planned"]
+    assert dist_results["dispatched"] == dist_results["predicted"]
+    assert dist_results["param_gathers"] == ["torch.bfloat16"]  # gathered after the down-cast
+    assert dist_results["gradient_moves"] == ["torch.float32"]  # reduced in fp32
+
+
+def test_mixed_precision_pair_sets_the_pricing_dtype():
+    opts = PlanOptions(mixed_precision=("fp16", "fp32"))
+    assert (opts.dtype, opts.mixed_precision, opts.run_precision) == ("fp16", True, ("fp16", "fp32"))
+    assert PlanOptions().run_precision is None  # auto: priced mixed, run in the model's dtype
+    assert PlanOptions(mixed_precision=True).run_precision == ("bf16", "fp32")
+    assert PlanOptions(dtype="fp32", mixed_precision=True).run_precision is None
+    with pytest.raises(OptionsError, match="reduce dtype 'fp32'"):
+        PlanOptions(mixed_precision=("bf16", "bf16"))
+    with pytest.raises(OptionsError, match="mixed_precision"):
+        PlanOptions(mixed_precision="yes")
+
+
+def test_a_mixed_precision_plan_is_traced_and_priced_as_it_runs():
+    """Asked for explicitly, mixed precision traces the step with bf16 parameters (the model's own
+    casts, such as the fp32 loss, become graph nodes) and prices tensors in their traced dtypes;
+    such a plan refuses to lower onto a step traced in fp32."""
+    cfg = config("llama3-debug", **TINY)
+    with torch.device("meta"):
+        model = build(cfg)
+    inputs = sample_inputs(cfg, BATCH, SEQ, device="meta")
+    mixed = apmodel.plan(model, (2, 2), inputs, mixed_precision=("bf16", "fp32"))
+    auto = apmodel.plan(model, (2, 2), inputs)  # priced mixed, traced and run in the model's dtype
+    fp32_graph = capture(model, inputs)
+    assert mixed.fingerprint != auto.fingerprint == fp32_graph.fingerprint
+    assert mixed.workload["mixed_precision"] is True and auto.workload["mixed_precision"] is None
+    # fp32 values the model computes on purpose (the loss on upcast logits) are priced as fp32
+    assert mixed.memory["activations_bytes"] > auto.memory["activations_bytes"]
+    assert mixed.memory["params_bytes"] == auto.memory["params_bytes"]  # fp32 masters either way
+    with torch.device("meta"):
+        target = build(cfg)
+    with pytest.raises((ValueError, PlanMismatch), match="fingerprint"):
+        lower(target, _FakeMesh((2, 2)), mixed, fp32_graph)
+
+
+class _FakeMesh:
+    """Just the shape: lowering refuses a mismatched plan before it touches the mesh."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
