@@ -22,7 +22,6 @@ from apmodel.lowering.records import planned_redistributions
 logger = logging.getLogger(__name__)
 
 
-
 # ----------------------------------------------------------------------------------------------
 # module construction
 # ----------------------------------------------------------------------------------------------
@@ -135,8 +134,6 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
         cls.__name__, tuple(mesh.shape), len(prog.fwd_steps), len(prog.bwd_steps), len(planned_redistributions(plan, captured)),
     )
     return model
-
-
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -38,7 +38,6 @@ from apmodel.pricing import DTYPES
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Slot:
     leaf: int  # position in the flattened (args, kwargs) of the node
@@ -102,23 +101,6 @@ def _contiguous(x: Any) -> Any:
     if isinstance(x, DTensor) and not x.to_local().is_contiguous():
         return x.clone(memory_format=torch.contiguous_format)
     return x
-
-
-
-
-
-
-# ----------------------------------------------------------------------------------------------
-# plan validation
-# ----------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,21 +16,6 @@ from apmodel.options import run_precision_of
 from apmodel.pricing import DTYPES
 
 # ----------------------------------------------------------------------------------------------
-# placement helpers
-# ----------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-# ----------------------------------------------------------------------------------------------
 # records
 # ----------------------------------------------------------------------------------------------
 
@@ -56,8 +41,6 @@ class Redistribution:
     def key(self) -> tuple:
         """Identity used to compare issued with planned redistributions."""
         return (self.consumer, self.producer, self.index, self.src, self.dst)
-
-
 
 
 def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
