@@ -3,6 +3,12 @@
     python benchmarks/planner.py                                   # full: 32 layers, 4 meshes
     python benchmarks/planner.py --layers 2 --meshes 8,4x8 --backends trws,highs --time-limit 60
     python benchmarks/planner.py --json planner.json --no-replan
+    python benchmarks/planner.py --no-scalability --no-replan              # end to end only
+
+Table 0 (end to end): ``apmodel.plan`` on the preset as a user runs it, per mesh (``--e2e-meshes``)
+and variant (``--e2e-variants``: defaults; bf16/fp32 mixed precision traced as it runs with
+selective activation checkpointing; seeding off): trace, build, solve and total seconds, objective
+and the solver's certified gap.
 
 Table 1 (scalability): the model is traced once; for each mesh the placement model is built once
 (strategies + clustering + pricing) and solved by each backend (``solvers.solve`` on
@@ -39,7 +45,9 @@ import solvers  # noqa: E402
 from apmodel import models  # noqa: E402
 from apmodel.api import build_model, replay_constraints, solve_model  # noqa: E402
 from apmodel.capture import capture  # noqa: E402
-from apmodel.workloads import parse_mesh  # noqa: E402
+from apmodel.api import plan_workload  # noqa: E402
+from apmodel.options import PlanOptions  # noqa: E402
+from apmodel.workloads import load_workload, parse_mesh  # noqa: E402
 from apmodel.placement_model import ConstraintConflict  # noqa: E402
 
 logger = logging.getLogger("benchmarks.planner")
@@ -129,6 +137,41 @@ def scalability(args, console: Console) -> list[dict[str, Any]]:
     return rows
 
 
+#: End-to-end variants: name -> planning options beyond the defaults.
+E2E_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "mixed+selective": {"mixed_precision": ("bf16", "fp32"), "ac": "selective"},
+    "unseeded": {"seeding": False},
+}
+
+
+def end_to_end(args, console: Console) -> list[dict[str, Any]]:
+    """``apmodel.plan`` as a user runs it (``plan_workload`` on the preset: trace, build, solve,
+    memory fit), per mesh and variant; ``total_s`` is what the CLI reports."""
+    rows: list[dict[str, Any]] = []
+    for mesh in args.e2e_meshes:
+        for variant in args.e2e_variants:
+            options = PlanOptions(device=args.device, gpus_per_node=args.gpus_per_node, time_limit=args.time_limit,
+                                  **E2E_VARIANTS[variant])
+            t0 = time.perf_counter()
+            with _quiet_stdout():
+                result = plan_workload(load_workload(args.model, mesh, batch=args.batch, seq=args.seq, layers=args.layers),
+                                       options)
+            found = result.plan
+            row = {"mesh": list(mesh), "variant": variant, "wall_s": time.perf_counter() - t0,
+                   **{k: found.timings.get(k) for k in ("trace_s", "build_s", "solve_s", "total_s")},
+                   "objective_us": found.objective_us, "lower_bound_us": found.solver.get("lower_bound_us"),
+                   "status": found.solver.get("status"), "nodes": len(result.captured.gm.graph.nodes),
+                   "peak_bytes": found.memory.get("peak_bytes")}
+            bound = row["lower_bound_us"]
+            row["gap"] = None if bound is None or not math.isfinite(bound) else (row["objective_us"] - bound) / row["objective_us"]
+            rows.append(row)
+            console.print(f"  end to end {'x'.join(map(str, mesh))} {variant}: {row['objective_us']:,.1f} µs in "
+                          f"{row['total_s']:.1f} s (trace {row['trace_s']:.1f}, build {row['build_s']:.1f}, "
+                          f"solve {row['solve_s']:.1f})", highlight=False)
+    return rows
+
+
 def replanning(args, console: Console) -> list[dict[str, Any]]:
     mesh = args.replan_mesh
     max_seq = max([args.seq, *args.replan_seqs])
@@ -180,6 +223,16 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
                   "—" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.2f}%")
     if result["scalability"]:
         console.print(t)
+    if result.get("end_to_end"):
+        t = Table(title="End to end (apmodel.plan as the CLI runs it; total_s as reported)", title_justify="left")
+        for col in ("mesh", "variant", "nodes", "trace s", "build s", "solve s", "total s", "objective µs", "gap", "status", "peak GB"):
+            t.add_column(col, justify="left" if col in ("mesh", "variant", "status") else "right")
+        for r in result["end_to_end"]:
+            t.add_row("x".join(map(str, r["mesh"])), r["variant"], f"{r['nodes']:,}", _f(r["trace_s"]), _f(r["build_s"]),
+                      _f(r["solve_s"]), _f(r["total_s"]), _f(r["objective_us"]),
+                      "—" if r["gap"] is None else f"{100 * r['gap']:.2f}%", str(r["status"]),
+                      _f(None if r["peak_bytes"] is None else r["peak_bytes"] / 1e9, ".2f"))
+        console.print(t)
     if result.get("replanning"):
         t = Table(title=f"Replanning: the seq-{a['seq']} plan replayed at longer sequences vs a fresh plan "
                         f"(mesh {a['replan_mesh']}, {a['replan_backend']})", title_justify="left")
@@ -209,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--replan-backend", default="trws")
     p.add_argument("--no-replan", dest="replan", action="store_false")
     p.add_argument("--no-scalability", dest="scalability", action="store_false")
+    p.add_argument("--e2e-meshes", default="8,4x8", help="meshes of the end-to-end table ('' for none)")
+    p.add_argument("--e2e-variants", default="default,mixed+selective",
+                   help=f"comma-separated variants of the end-to-end table: {', '.join(E2E_VARIANTS)}")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -220,6 +276,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(f"backends {unknown} are not available: {solvers.available()}")
     args.replan_seqs = [int(s) for s in args.replan_seqs.split(",") if s]
     args.replan_mesh = parse_mesh(args.replan_mesh)
+    args.e2e_meshes = [parse_mesh(m) for m in args.e2e_meshes.split(",") if m]
+    args.e2e_variants = [v for v in args.e2e_variants.split(",") if v]
+    unknown = [v for v in args.e2e_variants if v not in E2E_VARIANTS]
+    if unknown:
+        p.error(f"end-to-end variants {unknown} are not among {list(E2E_VARIANTS)}")
     console = Console(width=160) if not Console().is_terminal else Console()
     result: dict[str, Any] = {
         "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "json"},
@@ -227,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     result["args"]["meshes"] = [list(m) for m in args.meshes]
     result["args"]["replan_mesh"] = "x".join(map(str, args.replan_mesh))
+    result["args"]["e2e_meshes"] = [list(m) for m in args.e2e_meshes]
+    result["end_to_end"] = end_to_end(args, console)
     result["scalability"] = scalability(args, console) if args.scalability else []
     result["replanning"] = replanning(args, console) if args.replan else []
     print_tables(result, console)
