@@ -21,7 +21,6 @@ parameter's storage placement pays the reduce-scatter or all-reduce that puts it
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -78,26 +77,34 @@ def local_signature(node: fx.Node, role: str | None, is_backward: bool) -> Hasha
     )
 
 
-def _digest(obj: Hashable) -> str:
-    return hashlib.blake2b(repr(obj).encode(), digest_size=12).hexdigest()
-
-
 def refined_hashes(
     nodes: Sequence[fx.Node],
     signatures: Mapping[str, Hashable],
     rounds: int | None = None,
 ) -> dict[str, str]:
-    """Weisfeiler-Lehman refinement of ``signatures`` over the graph's producer/user edges."""
+    """Weisfeiler-Lehman refinement of ``signatures`` over the graph's producer/user edges.
+
+    Each distinct value gets a class number (signatures compared by their ``repr``, so ``1`` and
+    ``1.0`` differ; later rounds by tuples of class numbers): two nodes share a class exactly when
+    a digest of the same values would agree, without hash collisions and without serialising
+    every node's neighbourhood each round. Returns the final class of each node as a string."""
+    if rounds is None:
+        rounds = DEFAULT_ROUNDS
     names = {n.name for n in nodes}
-    hashes = {n.name: _digest(signatures[n.name]) for n in nodes}
+    classes: dict[Hashable, int] = {}
+    hashes = {n.name: classes.setdefault(repr(signatures[n.name]), len(classes)) for n in nodes}
+    inputs = {n.name: [p.name for p in n.all_input_nodes if p.name in names] for n in nodes}
+    users = {n.name: [u.name for u in n.users if u.name in names] for n in nodes}
     for _ in range(rounds):
-        updated = {}
-        for n in nodes:
-            producers = tuple(hashes[p.name] for p in n.all_input_nodes if p.name in names)
-            users = tuple(sorted(hashes[u.name] for u in n.users if u.name in names))
-            updated[n.name] = _digest((hashes[n.name], producers, users))
-        hashes = updated
-    return hashes
+        classes = {}
+        hashes = {
+            name: classes.setdefault(
+                (hashes[name], tuple([hashes[p] for p in inputs[name]]), tuple(sorted([hashes[u] for u in users[name]]))),
+                len(classes),
+            )
+            for name in hashes
+        }
+    return {name: str(c) for name, c in hashes.items()}
 
 
 class UnionFind:

@@ -155,11 +155,17 @@ class PlacementModel:
             raise ValueError(f"no strategies given for nodes {missing[:5]}{'...' if len(missing) > 5 else ''}")
         # Intern equal strategy lists into one list object, so that identity (cheap) can key the
         # clustering and the cost memos.
+        # A list object seen before (enumerate_strategies shares one per memo entry) is looked
+        # up by identity, without hashing its strategies again.
         interned: dict[tuple, list[Strategy]] = {}
+        by_id: dict[int, tuple[Sequence[Strategy], list[Strategy]]] = {}
         self.strategies: dict[str, list[Strategy]] = {}
         for n in self.nodes:
             strats = strategies[n.name]
-            self.strategies[n.name] = interned.setdefault(tuple(strats), list(strats))
+            seen = by_id.get(id(strats))
+            if seen is None or seen[0] is not strats:
+                seen = by_id[id(strats)] = (strats, interned.setdefault(tuple(strats), list(strats)))
+            self.strategies[n.name] = seen[1]
         for name, strats in self.strategies.items():
             if not strats:
                 raise ValueError(f"node {name!r} ({self.node_by_name[name].target}) has no candidate strategy")

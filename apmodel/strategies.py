@@ -167,6 +167,8 @@ class StrategyCache:
     warned: set[str] = field(default_factory=set)
     unsupported: dict[str, int] = field(default_factory=dict)  # op name -> number of replicate-only nodes
     fallback_keys: set[tuple] = field(default_factory=set)  # memo keys whose entry is the replicate fallback
+    #: (id of a producer's strategy list, output index) -> (that list, its distinct output placements)
+    outputs: dict[tuple[int, int], tuple[Sequence[Strategy], tuple[Placements, ...]]] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
 
@@ -208,6 +210,17 @@ def input_slots(node: fx.Node) -> list[tuple[fx.Node, int]]:
     visit(node.args)
     visit(node.kwargs)
     return slots
+
+
+def _distinct_outputs(cache: StrategyCache, producer_strategies: Sequence[Strategy], idx: int) -> tuple[Placements, ...]:
+    """:func:`_out_placement`, memoised by the identity of the producer's list (the lists of
+    :func:`enumerate_strategies` are shared by the nodes of one memo entry); the memo holds the
+    list, so its id is not reused while the entry lives."""
+    entry = cache.outputs.get((id(producer_strategies), idx))
+    if entry is None or entry[0] is not producer_strategies:
+        entry = (producer_strategies, _out_placement(producer_strategies, idx))
+        cache.outputs[(id(producer_strategies), idx)] = entry
+    return entry[1]
 
 
 def _out_placement(producer_strategies: Sequence[Strategy], idx: int) -> tuple[Placements, ...]:
@@ -328,8 +341,27 @@ def node_strategies(
     combinations inside the ball instead of the whole product over the mesh axes. Returns a
     non-empty list; the output node returns [].
     """
+    return list(_node_strategies(
+        node, mesh, producer_strategies, allow_uneven=allow_uneven, partial_inputs=partial_inputs,
+        partial_reduce_ops=partial_reduce_ops, partial_input_ops=partial_input_ops, cache=cache, ball=ball,
+    ))
+
+
+def _node_strategies(
+    node: fx.Node,
+    mesh: DeviceMesh | Sequence[int],
+    producer_strategies: dict[str, Sequence[Strategy]],
+    *,
+    allow_uneven: bool = False,
+    partial_inputs: bool = True,
+    partial_reduce_ops: Sequence[str] = ("sum", "avg"),
+    partial_input_ops: Sequence[str] = ("sum",),
+    cache: StrategyCache | None = None,
+    ball: Ball | None = None,
+) -> tuple[Strategy, ...]:
+    """:func:`node_strategies` as the memo's tuple (shared by every node of one entry)."""
     if node.op == "output":
-        return []
+        return ()
     if not isinstance(mesh, DeviceMesh):
         mesh = fake_mesh(mesh)
     ms = _mesh_shape(mesh)
@@ -339,7 +371,7 @@ def node_strategies(
 
     if node.op == "placeholder":
         if not _is_tensor(val):
-            return [Strategy((None,), ())]
+            return (Strategy((None,), ()),)
         key = ("placeholder", tuple(val.shape), ms, allow_uneven, ball)
         hit = cache.memo.get(key)
         if hit is None:
@@ -349,14 +381,14 @@ def node_strategies(
             if not hit:  # unreachable: all-Replicate always passes
                 raise AssertionError(f"placeholder {node.name}: no placement")
             cache.memo[key] = hit
-        return list(hit)
+        return hit
 
     if node.op != "call_function":
         raise ValueError(f"node {node.name}: unsupported FX op kind {node.op!r} (expected placeholder/call_function/output)")
 
     slots = input_slots(node)
     try:
-        cand = [_out_placement(producer_strategies[p.name], i) for p, i in slots]
+        cand = [_distinct_outputs(cache, producer_strategies[p.name], i) for p, i in slots]
     except KeyError as e:
         raise ValueError(f"node {node.name}: no strategies given for its producer {e.args[0]!r}") from None
     for (p, i), c in zip(slots, cand):
@@ -364,7 +396,7 @@ def node_strategies(
             raise ValueError(f"node {node.name}: producer {p.name} output {i} has no candidate placement")
 
     if node.target is operator.getitem and slots and slots[0][1] >= 0 and isinstance(_val(slots[0][0]), (tuple, list)):
-        return [Strategy((pl,), (pl,)) for pl in cand[0]]
+        return tuple(Strategy((pl,), (pl,)) for pl in cand[0])
 
     op = node.target
     if (ball is not None and ball.widen_inputs and ball.radius < nd and isinstance(op, tp.OpOverload)
@@ -407,7 +439,7 @@ def node_strategies(
         if key in cache.fallback_keys:
             name = _op_name(op)
             cache.unsupported[name] = cache.unsupported.get(name, 0) + 1
-        return list(hit)
+        return hit
     cache.misses += 1
 
     in_shapes = [tuple(_val(p).shape) if i == 0 else tuple(_val(p)[i].shape) for p, i in slots]
@@ -450,7 +482,7 @@ def node_strategies(
         result = [_replicate_only(out_shapes, len(slots), nd)]
         cache.fallback_keys.add(key)
     cache.memo[key] = tuple(result)
-    return result
+    return cache.memo[key]
 
 
 def _slot_shape(producer: fx.Node, index: int) -> tuple[int, ...]:
@@ -588,7 +620,8 @@ def enumerate_strategies(
     Nodes whose op, arguments, shapes and producers' candidate placements coincide (repeated
     layers) share one enumeration through ``cache``. Options as in :func:`node_strategies`;
     ``balls`` restricts nodes to a Hamming ball around their seed (:mod:`apmodel.seeding`).
-    Logs the time taken and the unsupported ops at INFO.
+    The nodes of one memo entry get one list object (do not change the lists in place). Logs the
+    time taken and the unsupported ops at INFO.
     """
     if not isinstance(mesh, DeviceMesh):
         mesh = fake_mesh(mesh)
@@ -597,12 +630,19 @@ def enumerate_strategies(
     out: dict[str, list[Strategy]] = {}
     t0 = time.perf_counter()
     with tp.without_redistribute_costs(), _progress(progress, len(nodes), "strategies") as advance:
+        # one list per memo entry, shared by its nodes (the copies of a layer): the list's
+        # identity then keys the distinct outputs of a producer and the model's interning
+        shared: dict[int, tuple[tuple[Strategy, ...], list[Strategy]]] = {}
         for n in nodes:
-            out[n.name] = node_strategies(
+            found = _node_strategies(
                 n, mesh, out, allow_uneven=allow_uneven, partial_inputs=partial_inputs,
                 partial_reduce_ops=partial_reduce_ops, partial_input_ops=partial_input_ops, cache=cache,
                 ball=balls.get(n.name) if balls is not None else None,
             )
+            entry = shared.get(id(found))
+            if entry is None or entry[0] is not found:
+                entry = shared[id(found)] = (found, list(found))
+            out[n.name] = entry[1]
             advance()
     dt = time.perf_counter() - t0
     logger.info(
