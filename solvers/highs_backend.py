@@ -9,7 +9,7 @@ import numpy as np
 
 from .marginal import build_marginal_model
 from .problem import PairwiseProblem
-from .solution import BackendResult, Infeasible, SolverError, TimeLimitReached
+from .solution import BackendResult, Infeasible, SolverError, TimeLimitReached, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,9 @@ def _lp_first(problem: PairwiseProblem, model, highspy, time_limit, threads):
     The marginal-polytope relaxation is often tight on placement problems: when the rounded LP
     solution (argmax per variable) is feasible and its energy equals the LP optimum (relative
     ``LP_CERTIFY_GAP``), it is a certified optimum and the MIP is skipped.  Returns
-    ``(x_or_None, lp_bound_or_None, seconds)``; ``x`` is also returned (with bound None) as a
-    finite-energy warm start when the rounding is feasible but not certified.
+    ``(x_or_None, certified_bound_or_None, lp_optimum_or_None, seconds)``; ``x`` is also returned
+    (with certified bound None) as a finite-energy warm start when the rounding is feasible but not
+    certified; the LP optimum (when the LP was solved) is a lower bound on the optimum either way.
     """
     t0 = time.perf_counter()
     h = _new_highs(highspy)
@@ -65,24 +66,38 @@ def _lp_first(problem: PairwiseProblem, model, highspy, time_limit, threads):
     _pass(h, highspy, model, integral=False)
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None, None, time.perf_counter() - t0
+        return None, None, None, time.perf_counter() - t0
     lp = float(h.getInfo().objective_function_value)
     x = model.assignment_from_columns(problem, np.asarray(h.getSolution().col_value))
     e = problem.energy(x)
     if not np.isfinite(e) or problem.violated_constraints(x, tol=1e-9):
-        return None, None, time.perf_counter() - t0
+        return None, None, lp, time.perf_counter() - t0
     if e - lp <= LP_CERTIFY_GAP * max(1.0, abs(e)):
-        return x, min(lp, e), time.perf_counter() - t0
-    return x, None, time.perf_counter() - t0
+        return x, min(lp, e), lp, time.perf_counter() - t0
+    return x, None, lp, time.perf_counter() - t0
 
 
 LP_TIME_SHARE = 0.5  # at most this share of a time limit goes to the LP relaxation stage
 LP_CERTIFY_GAP = 1e-9  # relative gap between a rounded LP solution's energy and the LP optimum that certifies it
+FALLBACK_TIME_SHARE = 0.5  # with a time limit: at most this share of what the LP stage left goes to TRW-S
+MIP_MIN_S = 0.01  # with a time limit: skip the MIP when less than this is left and a plan is known
+
+
+def _fallback_trws(problem: PairwiseProblem, time_limit: float) -> BackendResult | None:
+    """TRW-S (no polish) within ``time_limit``: a plan and a bound for a time-limited HiGHS, or None
+    when TRW-S cannot take the problem or finds no assignment of finite energy."""
+    from .trws import solve_trws
+
+    try:
+        return solve_trws(problem, time_limit=max(1e-3, time_limit), polish=False)
+    except (Unsupported, Infeasible, SolverError) as err:
+        log.info("highs: no TRW-S fallback plan (%s)", err)
+        return None
 
 
 def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mip_rel_gap: float | None = None,
                 warm_start=None, compress: bool = True, threads: int | None = None,
-                options: dict | None = None, lp_first: bool = True) -> BackendResult:
+                options: dict | None = None, lp_first: bool = True, fallback: bool = True) -> BackendResult:
     """Solve exactly with HiGHS.
 
     ``lp_first``: first solve the LP relaxation by dual simplex without presolve (fast on these
@@ -90,7 +105,14 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
     otherwise the rounding warm-starts the MIP.  ``mip_rel_gap``: relative gap at which HiGHS
     stops (HiGHS default 1e-4 when None).  ``warm_start``: a complete assignment passed to HiGHS
     as a starting solution.  ``options``: further raw HiGHS options (MIP stage).  Returns HiGHS'
-    dual bound as ``lower_bound``.
+    dual bound as ``lower_bound`` (or a larger proven one: the LP optimum, TRW-S' bound).
+
+    ``fallback``: with a time limit, when the LP stage does not certify an optimum, run TRW-S
+    (without polish) on at most ``FALLBACK_TIME_SHARE`` of the time left before the MIP; its plan
+    warm-starts the MIP (when better than ``warm_start`` / the LP rounding) and its bound counts.
+    The result is the best plan known, with status ``"time_limit"`` when the MIP stopped there:
+    a time limit never raises while any feasible plan is known (the warm start, the LP rounding,
+    TRW-S's).  :class:`TimeLimitReached` is raised only when none is.
     """
     import highspy
 
@@ -99,19 +121,47 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
     build_s = time.perf_counter() - t0
     a = model.matrix
     stats = {"build_s": build_s, "cols": model.n_cols, "rows": int(a.shape[0]), "nnz": int(a.nnz)}
+    bounds: list[float] = []  # proven lower bounds from every stage
+    candidates: list[tuple[np.ndarray, str]] = []  # feasible plans known besides the MIP's
+    if warm_start is not None:
+        warm_start = problem.check_assignment(warm_start)
+        candidates.append((warm_start, "warm start"))
     if lp_first:
         lp_limit = None if time_limit is None else LP_TIME_SHARE * time_limit
-        x_lp, lp_bound, lp_s = _lp_first(problem, model, highspy, lp_limit, threads)
+        x_lp, lp_bound, lp_opt, lp_s = _lp_first(problem, model, highspy, lp_limit, threads)
         stats["lp_s"] = lp_s
         if lp_bound is not None:
             stats.update(model_status="Optimal (LP relaxation integral)", mip_nodes=0)
             log.info("highs: %d cols %d rows, LP relaxation certified optimal, %.3fs total", model.n_cols,
                      a.shape[0], time.perf_counter() - t0)
             return BackendResult(x_lp, lower_bound=lp_bound, status="optimal", info=stats)
-        if warm_start is None and x_lp is not None:
-            warm_start = x_lp
-        if time_limit is not None:
-            time_limit = time_limit - (time.perf_counter() - t0)
+        if lp_opt is not None and np.isfinite(lp_opt):
+            bounds.append(lp_opt)
+        if x_lp is not None:
+            candidates.append((x_lp, "LP rounding"))
+            if warm_start is None:
+                warm_start = x_lp
+    if fallback and time_limit is not None:
+        left = time_limit - (time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        fb = _fallback_trws(problem, FALLBACK_TIME_SHARE * left)
+        stats["fallback_s"] = time.perf_counter() - t1
+        if fb is not None:
+            candidates.append((fb.assignment, "TRW-S"))
+            if fb.lower_bound is not None:
+                bounds.append(float(fb.lower_bound))
+            stats["fallback_energy"] = problem.energy(fb.assignment)
+            if warm_start is None or stats["fallback_energy"] < problem.energy(warm_start):
+                warm_start = fb.assignment
+    if time_limit is not None:
+        time_limit = time_limit - (time.perf_counter() - t0)
+        if time_limit <= MIP_MIN_S and candidates:  # no time left for the MIP: the best plan known
+            x, source = min(((c, n) for c, n in candidates if not problem.violated_constraints(c, tol=1e-9)),
+                            key=lambda t: problem.energy(t[0]), default=(None, None))
+            if x is not None:
+                stats.update(model_status="Time limit reached (before the MIP)", mip_nodes=0, plan_from=source)
+                return BackendResult(x, lower_bound=max(bounds) if bounds else None, status="time_limit",
+                                     info=stats)
     h = _new_highs(highspy)
     if mip_rel_gap is not None:
         h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
@@ -134,18 +184,29 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
         names = tuple(c.name for c in problem.constraints)
         raise Infeasible(f"HiGHS proved that no assignment has finite energy and satisfies the constraints {list(names)}",
                          constraints=names)
-    has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    if not has_sol:
-        error = TimeLimitReached if ms == M.kTimeLimit else SolverError
-        raise error(f"HiGHS stopped with status {stats['model_status']!r} and no feasible assignment")
-    x = model.assignment_from_columns(problem, np.asarray(h.getSolution().col_value))
-    bound = float(info.mip_dual_bound)
-    if not np.isfinite(bound):
-        bound = None
     if ms == M.kOptimal:
         st = "optimal"
     elif ms in (M.kTimeLimit, M.kInterrupt, M.kIterationLimit, M.kSolutionLimit):
         st = "time_limit"
     else:
         st = "feasible"
+    x, source = None, "HiGHS"
+    if info.primal_solution_status == 2:  # kSolutionStatusFeasible
+        x = model.assignment_from_columns(problem, np.asarray(h.getSolution().col_value))
+        dual = float(info.mip_dual_bound)
+        if np.isfinite(dual):
+            bounds.append(dual)
+    best_e = np.inf if x is None else problem.energy(x)
+    for cand, name in candidates:  # the best plan known (the MIP may not have used the warm start)
+        e = problem.energy(cand)
+        if e < best_e and not problem.violated_constraints(cand, tol=1e-9):
+            x, best_e, source = cand, e, name
+    if x is None:
+        error = TimeLimitReached if ms == M.kTimeLimit else SolverError
+        raise error(f"HiGHS stopped with status {stats['model_status']!r} and no feasible assignment")
+    if source != "HiGHS":
+        stats["plan_from"] = source
+        log.info("highs: the %s plan (energy %.6g) is the best known (MIP status %s)", source, best_e,
+                 stats["model_status"])
+    bound = max(bounds) if bounds else None
     return BackendResult(x, lower_bound=bound, status=st, info=stats)

@@ -52,6 +52,9 @@ BOUND_EVERY = 2  # after the first PATIENCE sweeps, compute the bound every this
 STALL_GAP = 1e-3  # relative: also stop when the gap is below this and the energy has not improved for
 ENERGY_PATIENCE = 10  # this many sweeps
 LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
+POLISH_GAP = 1e-3  # relative: above this certified gap, polish exactly (solvers.polish) within the time limit
+POLISH_MIN_S = 10.0  # without a time limit, the polish may take max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)
+POLISH_FACTOR = 2.0
 COMPRESS_RATIO = 0.5  # use class-compressed messages when they shrink the cost block at least this much
 
 
@@ -400,6 +403,18 @@ class TRWS:
             total += float(te.min(axis=(1, 2)).sum())
         return total
 
+    def margins(self) -> np.ndarray:
+        """Per flat indicator: how far the state's reparametrised unary is above its variable's minimum.
+
+        Small margins mark the states the dual considers (near-)optimal; :mod:`solvers.polish`
+        restricts an exact solve to them."""
+        theta = self.unary + self.msum_lo + self.msum_hi
+        offs = self.p.offsets[:-1]
+        if not self.p.n_vars:
+            return theta
+        vmin = np.minimum.reduceat(theta, offs)
+        return theta - np.repeat(vmin, self.p.n_states)
+
     def internal_energy(self, x: np.ndarray) -> float:
         """Energy with the internal unary; forbidden pairs count +inf."""
         e = float(self.unary[self.p.offsets[:-1] + x].sum())
@@ -460,7 +475,7 @@ def _budget_row(p: PairwiseProblem):
 
 def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max_iter: int = DEFAULT_MAX_ITER,
                tol: float = DEFAULT_TOL, stall_gap: float = STALL_GAP, order=None, local_search: bool = True,
-               star_hubs: int = 16) -> BackendResult:
+               star_hubs: int = 16, polish: bool = True, polish_gap: float = POLISH_GAP) -> BackendResult:
     """TRW-S + local search.
 
     Stops after ``max_iter`` forward+backward sweeps, at ``time_limit`` seconds, when the relative
@@ -468,7 +483,10 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
     is ``<= stall_gap`` and the best energy has not improved for ENERGY_PATIENCE sweeps.
     ``order``: variable processing order (default: index order; a topological order of the
     planner's graph gives long monotonic chains).  ``star_hubs``: how many highest-degree
-    variables get a star-block search.
+    variables get a star-block search.  ``polish``: when the certified gap is above ``polish_gap``,
+    solve the near-optimal states of the final reparametrisation exactly with HiGHS, widening
+    them while the gap stays above ``polish_gap`` (:func:`solvers.polish.polish`), within the
+    time limit (without one: ``max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)``).
     """
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + float(time_limit)
@@ -486,14 +504,23 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
         if ls is not None and x is not None and e - lb > tol * max(1.0, abs(e)):  # not already proven optimal
             x = ls.improve(x, deadline)
         bound = lb
+        margins = tr.margins()
     else:
         name, w, rhs = budget
-        x, bound, it_total = _lagrangian(tr, ls, w, rhs, max_iter, tol, deadline, info, stall_gap)
+        x, bound, it_total, margins = _lagrangian(tr, ls, w, rhs, max_iter, tol, deadline, info, stall_gap)
         info["iterations"] = it_total
         if x is None:
             raise Infeasible(f"trws found no assignment satisfying constraint {name!r} (not proven infeasible)",
                              constraints=(name,), proven=False)
     e_true = p.energy(x)
+    if polish and np.isfinite(e_true) and np.isfinite(bound) and e_true - bound > polish_gap * max(1.0, abs(e_true)):
+        from .polish import polish as run_polish
+
+        info["trws_seconds"] = time.perf_counter() - t0
+        pdl = deadline if deadline is not None else (
+            time.perf_counter() + max(POLISH_MIN_S, POLISH_FACTOR * info["trws_seconds"]))
+        x, bound = run_polish(p, x, bound, margins, pdl, polish_gap, info)
+        e_true = p.energy(x)
     if not np.isfinite(e_true):
         if bound > finite_cap:
             raise Infeasible("no assignment has finite energy (TRW-S lower bound exceeds every finite energy)",
@@ -511,15 +538,16 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
 
 def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max_iter: int, tol: float,
                 deadline: float | None, info: dict, stall_gap: float):
-    """min E(x) + lam * (w.x - rhs) over lam >= 0 by bisection; best feasible x and the best dual bound."""
+    """min E(x) + lam * (w.x - rhs) over lam >= 0 by bisection: the best feasible x, the best dual bound,
+    the sweeps run and the margins (:meth:`TRWS.margins`) of the run that gave the best x."""
     p = tr.p
     base = p.unary_flat.copy()
     offs = p.offsets[:-1]
     tol_c = 1e-9 * max(1.0, abs(rhs))
-    best_x, best_e, best_bound, its = None, np.inf, -np.inf, 0
+    best_x, best_e, best_bound, its, best_marg = None, np.inf, -np.inf, 0, None
 
     def evaluate(lam: float):
-        nonlocal best_x, best_e, best_bound, its
+        nonlocal best_x, best_e, best_bound, its, best_marg
         tr.set_unary(base + lam * w)
         x, _, lb, it = tr.run(max_iter, tol, deadline, None, stall_gap=stall_gap)
         its += it
@@ -531,12 +559,12 @@ def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max
             lhs = float(w[offs + x].sum())
         e = p.energy(x)
         if lhs <= rhs + tol_c and np.isfinite(e) and e < best_e:
-            best_e, best_x = e, x.copy()
+            best_e, best_x, best_marg = e, x.copy(), tr.margins()
         return raw_feasible  # the bisection follows the relaxation's own solution
 
     if evaluate(0.0):
         info["lagrange_multiplier"] = 0.0
-        return best_x, best_bound, its
+        return best_x, best_bound, its, best_marg
     wscale = float(np.abs(w).max(initial=0.0)) or 1.0
     lam_hi = tr.scale / wscale / max(1, p.n_vars) * 1e-2
     lam_lo = 0.0
@@ -557,4 +585,4 @@ def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max
             lam_lo = mid
     tr.set_unary(base)
     info["lagrange_multiplier"] = lam_hi
-    return best_x, best_bound, its
+    return best_x, best_bound, its, best_marg

@@ -634,3 +634,64 @@ def test_pgmpy_honours_time_limit(caplog):
         with caplog.at_level("WARNING", logger="solvers.pgmpy_backend"):
             raw = pgmpy_backend.solve_pgmpy(p, time_limit=1e-9, init_iter=20)
     assert raw.status == "feasible" and "cannot honour time_limit" in caplog.text
+
+
+# ---------------------------------------------------------------- issue 17: gaps closed, time limits never raise
+# Seeds of random_problem (max_vars=9, max_states=4, p_edge=0.5, p_inf=0.0; layouts) whose LP relaxation
+# is not tight: plain TRW-S certifies a gap above 0.1% whatever it decodes (its bound is at most the LP's).
+GAP_SEEDS = [(668, 0), (697, 0), (1049, 0), (2718, 3)]
+
+
+@pytest.mark.parametrize("seed,layouts", GAP_SEEDS)
+def test_default_trws_closes_a_certified_gap(seed, layouts):
+    p = random_problem(seed, max_vars=9, max_states=4, p_edge=0.5, p_inf=0.0, layouts=layouts)
+    ref = brute_or_none(p)
+    plain = solvers.solve(p, "trws", polish=False)
+    assert plain.gap > 1e-3 and plain.energy > ref.energy + 1e-3 * abs(ref.energy)  # the case the polish is for
+    sol = solvers.solve(p, "trws")  # the default: polish on
+    assert sol.energy == pytest.approx(ref.energy, abs=TOL)
+    assert sol.gap <= 1e-3 and sol.lower_bound <= ref.energy + TOL
+    assert sol.info["polish_stages"]  # the polish ran (energies in info refer to the reduced problem)
+
+
+def test_polish_solves_the_near_optimal_states_first():
+    """Margins that single out the optimum (ties broken wrongly elsewhere): the first, restricted stage
+    finds it; a restricted stage never raises the bound."""
+    from solvers.polish import STAGES, polish
+
+    p = _grid_problem(3, 3, seed=2)
+    ref = brute_or_none(p)
+    x0 = (ref.assignment + 1) % p.n_states  # a feasible, worse assignment
+    margins = np.ones(p.n_indicators)
+    margins[p.offsets[:-1] + ref.assignment] = 0.0
+    info = {}
+    x, bound = polish(p, x0, ref.energy - 1e-6, margins, None, 1e-3, info)
+    assert p.energy(x) == pytest.approx(ref.energy, abs=TOL) and bound == ref.energy - 1e-6
+    assert [s["margin"] for s in info["polish_stages"]] == [STAGES[0]]
+    assert info["polish_stages"][0]["states"] == 2 * p.n_vars
+    # a lower bound that leaves a gap: the stages widen to the whole problem, whose HiGHS bound counts
+    x, bound = polish(p, x0, ref.energy - 10.0, margins, None, 1e-3, info)
+    assert p.energy(x) == pytest.approx(ref.energy, abs=TOL) and bound == pytest.approx(ref.energy, abs=1e-3)
+    assert info["polish_stages"][-1]["margin"] == np.inf
+
+
+@pytest.mark.parametrize("mip_runs", [False, True])
+def test_highs_time_limit_returns_the_best_plan_known(mip_runs):
+    """A time limit far too short for HiGHS: a feasible plan (TRW-S's when HiGHS has none) with its gap,
+    status time_limit, a valid bound; never TimeLimitReached while a plan is known."""
+    from solvers import highs_backend
+
+    p = _grid_problem(7, 4, seed=1)
+    exact = solvers.solve(p, "highs")
+    with pytest.MonkeyPatch.context() as mp:
+        if mip_runs:  # even with (almost) no time left, run the MIP: it stops at its limit
+            mp.setattr(highs_backend, "MIP_MIN_S", -1.0)
+        sol = solvers.solve(p, "highs", time_limit=1e-3)
+    assert np.isfinite(sol.energy) and sol.energy >= exact.energy - TOL
+    assert sol.status == "time_limit" and sol.gap is not None and sol.gap >= 0
+    assert sol.lower_bound <= exact.energy + TOL
+    if not mip_runs:
+        assert sol.info["plan_from"] == "TRW-S"
+    # an explicit warm start is a known plan too, without the TRW-S fallback
+    sol = solvers.solve(p, "highs", time_limit=1e-3, fallback=False, warm_start=exact.assignment)
+    assert sol.energy == pytest.approx(exact.energy, abs=TOL)
