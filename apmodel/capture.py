@@ -589,9 +589,7 @@ class _Template:
         # runs of equal tags; each run of layer segments must read 0, 1, 2 or 2, 1, 0
         self.parts: list[tuple[str, Any]] = []  # ("outside", nodes) | ("layers", ascending, [nodes of layer 0, 1, 2])
         self.where: dict[fx.Node, tuple[int, int]] = {}  # layer node -> (part, position)
-        self.out_tags = [self._desc_layer(d) for d in out.meta.get("desc", ())]
-        if len(self.out_tags) != len(out.args[0]):
-            raise _NotStampable("output descriptors")
+        self.out_tags = self._output_tags(tag)
         self._split(self.nodes[:-1], [tag[n] for n in self.nodes[:-1]], nodes=True)
         self.out_parts = self._split(list(range(len(self.out_tags))), self.out_tags, nodes=False)
         # name numbering: each node's gap to the node of the same base before it
@@ -604,6 +602,32 @@ class _Template:
                 raise _NotStampable(f"node names not in order at {n.name}")
             last[base] = num
             self.gap[n] = (base, gap)
+
+    def _output_tags(self, tag: dict[fx.Node, int | None]) -> list[int | None]:
+        """The layer of each returned value. The outputs end with one gradient per graph input
+        (not the tangents), in input order, None for inputs without one (buffers, integer
+        inputs; AOTAutograd gives those no descriptor): they take their input's layer."""
+        from apmodel._torch_private import GradAOTOutput, TangentAOTInput
+
+        descs = list(self.out.meta.get("desc", ()))
+        if len(descs) != len(self.out.args[0]):
+            raise _NotStampable("output descriptors")
+        primals = [n for n in self.nodes if n.op == "placeholder" and not isinstance(n.meta.get("desc"), TangentAOTInput)]
+        start = len(descs) - len(primals)
+        if start < 0:
+            raise _NotStampable("fewer outputs than gradients")
+        tags: list[int | None] = []
+        for e, d in enumerate(descs):
+            if e >= start:
+                primal = primals[e - start]
+                if d is not None and not (isinstance(d, GradAOTOutput) and d.grad_of == primal.meta.get("desc")):
+                    raise _NotStampable(f"output {e} is not the gradient of {primal.name}")
+                tags.append(tag[primal])
+            elif d is None:
+                raise _NotStampable(f"output {e} has no descriptor")
+            else:
+                tags.append(self._desc_layer(d))
+        return tags
 
     def _desc_layer(self, desc: Any) -> int | None:
         target = _desc_target(desc)

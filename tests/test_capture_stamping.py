@@ -162,3 +162,57 @@ def test_small_or_unequal_stacks_are_not_stamped():
         model = _Stack(8)
     model.layers[3] = nn.Sequential(nn.Linear(16, 16))
     assert capture_module._repeated_stack(model) is None
+
+
+class _NormLayer(nn.Module):
+    """A layer with a buffer updated in place (BatchNorm's running statistics): traced with
+    functionalization, the update is a graph output per layer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.norm = nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.relu(self.lin(x)))
+
+
+class _NormStack(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.layers = nn.Sequential(*(_NormLayer(16) for _ in range(n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.proj(x)).square().mean()
+
+
+@pytest.mark.parametrize("functionalize", [None, True])
+def test_buffer_updates_and_functionalized_traces_are_stamped(functionalize, monkeypatch, caplog):
+    with torch.device("meta"):
+        model = _NormStack(7)
+    x = torch.empty(8, 16, device="meta")
+    with caplog.at_level("INFO", logger="apmodel.capture"):
+        a = capture(model, (x,), functionalize=functionalize)
+    assert "stamped the others" in caplog.text
+    assert len(a.buffer_update) == 7 * 3  # running mean, running var, batches tracked per layer
+    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    assert_same_capture(a, capture(model, (x,), functionalize=functionalize))
+
+
+@pytest.mark.parametrize("spec", ["hf:gpt2", "hf:llama-2-7b", "hf:bert-base"])
+def test_hugging_face_stacks_are_stamped(spec, monkeypatch, caplog):
+    pytest.importorskip("transformers")
+    from apmodel.workloads import load_workload
+
+    wl = load_workload(spec, (2,), batch=B, seq=S, layers=6)
+
+    def trace() -> CapturedGraph:
+        return capture(wl.model, wl.sample_inputs, wl.loss_fn, kwargs=wl.kwargs, targets=wl.targets,
+                       allow_unused_parameters=wl.allow_unused_parameters)
+
+    with caplog.at_level("INFO", logger="apmodel.capture"):
+        stamped = trace()
+    assert "stamped the others" in caplog.text  # six layers: stamped at the default threshold
+    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    assert_same_capture(stamped, trace())
