@@ -522,6 +522,10 @@ class _ForwardRecord(torch.overrides.TorchFunctionMode):
             return tuple((k, self._describe(v)) for k, v in value.items())
         if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
             return value
+        if isinstance(value, slice):
+            return ("slice", self._describe(value.start), self._describe(value.stop), self._describe(value.step))
+        if isinstance(value, (torch.layout, torch.memory_format)) or value is Ellipsis:
+            return repr(value)
         return type(value).__qualname__
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

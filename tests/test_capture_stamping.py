@@ -216,3 +216,32 @@ def test_hugging_face_stacks_are_stamped(spec, monkeypatch, caplog):
     assert "stamped the others" in caplog.text  # six layers: stamped at the default threshold
     monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
     assert_same_capture(stamped, trace())
+
+
+class _Windowed(nn.Module):
+    """Identical layers that read a window of their input whose size depends on the layer's index
+    (set after construction, as a config-driven model would): visible only in a slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.window = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros_like(x)
+        y[:, : self.window] = self.lin(x)[:, : self.window]
+        return x + y
+
+
+@pytest.mark.parametrize("window", [16, 8])
+def test_layers_differing_in_a_slice_are_traced(window, monkeypatch, caplog):
+    with torch.device("meta"):
+        model = _Stack(8)
+        model.layers = nn.ModuleList(_Windowed() for _ in range(8))
+    model.layers[6].window = window
+    x = torch.empty(4, 16, device="meta")
+    with caplog.at_level("INFO", logger="apmodel.capture"):
+        a = capture(model, (x,))
+    assert ("stamped the others" in caplog.text) == (window == 16)
+    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    assert_same_capture(a, capture(model, (x,)))
