@@ -53,8 +53,8 @@ STALL_GAP = 1e-3  # relative: also stop when the gap is below this and the energ
 ENERGY_PATIENCE = 10  # this many sweeps
 LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
 POLISH_GAP = 1e-3  # relative: above this certified gap, polish exactly (solvers.polish) within the time limit
-POLISH_MIN_S = 10.0  # without a time limit, the polish may take max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)
-POLISH_FACTOR = 2.0
+POLISH_MIN_S = 5.0  # without a time limit, the polish may take max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)
+POLISH_FACTOR = 1.0
 COMPRESS_RATIO = 0.5  # use class-compressed messages when they shrink the cost block at least this much
 
 
