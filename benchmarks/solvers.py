@@ -2,6 +2,7 @@
 
     python benchmarks/solvers.py [--json out.json] [--repeats 3] [--sizes small,large,planner]
     python benchmarks/solvers.py --npz saved/*.npz      # planner problems saved as .npz (see load_npz)
+    python benchmarks/solvers.py --backends trws:polish=false,trws,highs   # backend options after a colon
 
 Instances imitate the planner's problems: every state of a variable has a *layout* (one of a few
 ways a tensor can be split); an edge costs 0 when the two layouts agree and an edge-scaled
@@ -134,6 +135,20 @@ def load_npz(path: Path) -> solvers.PairwiseProblem:
                                    [(int(uv[k, 0]), int(uv[k, 1]), z[f"e{k}"]) for k in range(len(uv))])
 
 
+def parse_backend(spec: str) -> tuple[str, dict]:
+    """``"trws:polish=false,max_iter=50"`` -> ``("trws", {"polish": False, "max_iter": 50})`` (values as JSON
+    where they parse, else strings)."""
+    name, _, rest = spec.partition(":")
+    opts = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    return name, opts
+
+
 def run(sizes: list[str], repeats: int, backends: list[str], highs_time_limit: float,
         npz: list[Path] = (), reduce: bool = True) -> list[dict]:
     rows = []
@@ -149,18 +164,20 @@ def run(sizes: list[str], repeats: int, backends: list[str], highs_time_limit: f
         n, s = prob.n_vars, int(prob.n_states.max())
         build_s = time.perf_counter() - t0
         ref = None
-        for backend in backends:
+        for spec in backends:
+            backend, extra = parse_backend(spec)
             times, sol = [], None
             reps = repeats if backend != "highs" or name == "small" else 1
             opts = {"time_limit": highs_time_limit} if backend in ("highs", "cvxpy") else {}
             opts["reduce"] = reduce
+            opts.update(extra)
             for _ in range(reps):
                 sol = solvers.solve(prob, backend, **opts)
                 times.append(sol.seconds)
-            if backend == "highs":
+            if spec == "highs":
                 ref = sol
             rows.append({"instance": name, "vars": n, "states": s, "edges": prob.n_edges, "build_s": build_s,
-                         "backend": backend, "seconds": statistics.median(times), "repeats": reps,
+                         "backend": spec, "seconds": statistics.median(times), "repeats": reps,
                          "energy": sol.energy, "bound": sol.lower_bound, "status": sol.status})
         for r in rows:
             if r["instance"] == name:
@@ -174,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="small,large,planner", help="synthetic sizes ('' for none)")
     ap.add_argument("--npz", type=Path, nargs="*", default=[], help="saved planner problems (.npz) to add")
-    ap.add_argument("--backends", default="highs,trws")
+    ap.add_argument("--backends", default="highs,trws",
+                    help="comma-separated; options after a colon, ';'-separated: trws:polish=false;max_iter=50")
     ap.add_argument("--no-reduce", action="store_true", help="skip the exact reductions (solvers.reduce)")
     ap.add_argument("--highs-time-limit", type=float, default=300.0)
     args = ap.parse_args(argv)
