@@ -26,8 +26,9 @@ REL_EPS = 1e-12  # an improvement must exceed this fraction of the energy scale
 class _Subset:
     vars: np.ndarray
     unary_pad: np.ndarray  # (n, w), +inf padding
-    u_side: list  # per group: (edge ids, row positions) for edges whose u is in the subset
-    v_side: list
+    sides: list  # (group index, u side, v side) for the groups with an edge touching the subset; a side is
+    # (edge ids, row positions) of the edges whose u (v) is in the subset
+    touching: list | None = None  # stars only: (group index, edge ids) of every edge with an end in the star
 
 
 def _greedy_colouring(n: int, adj_ptr: np.ndarray, adj: np.ndarray) -> np.ndarray:
@@ -76,24 +77,48 @@ class LocalSearch:
         idx = p.offsets[vars_][:, None] + np.arange(w)[None, :]
         valid = np.arange(w)[None, :] < n[:, None]
         upad = np.where(valid, self.unary[np.where(valid, idx, 0)], np.inf)
-        u_side, v_side = [], []
-        for g in p.groups:
+        sides = []
+        for gi, g in enumerate(p.groups):
             eu = np.flatnonzero(pos[g.u] >= 0)
             ev = np.flatnonzero(pos[g.v] >= 0)
-            u_side.append((eu, pos[g.u[eu]]))
-            v_side.append((ev, pos[g.v[ev]]))
-        return _Subset(vars_, upad, u_side, v_side)
+            if len(eu) or len(ev):
+                sides.append((gi, (eu, pos[g.u[eu]]), (ev, pos[g.v[ev]])))
+        return _Subset(vars_, upad, sides)
 
     def scores(self, x: np.ndarray, s: _Subset) -> np.ndarray:
         """(n, w) cost of each state of each subset variable given the others' states in x."""
         sc = s.unary_pad.copy()
-        for g, c, (eu, ru), (ev, rv) in zip(self.p.groups, self.costs, s.u_side, s.v_side):
+        groups, costs = self.p.groups, self.costs
+        for gi, (eu, ru), (ev, rv) in s.sides:
+            g, c = groups[gi], costs[gi]
             a, b = g.shape
             if len(eu):
                 np.add.at(sc, (ru[:, None], np.arange(a)[None, :]), c[eu, :, x[g.v[eu]]])
             if len(ev):
                 np.add.at(sc, (rv[:, None], np.arange(b)[None, :]), c[ev, x[g.u[ev]], :])
         return sc
+
+    def _star(self, h: int) -> _Subset:
+        s = self._stars.get(h)
+        if s is None:
+            s = self._subset(self.adj[self.adj_ptr[h] : self.adj_ptr[h + 1]])
+            inside = np.zeros(self.p.n_vars, dtype=bool)
+            inside[s.vars] = True
+            inside[h] = True
+            s.touching = [(gi, e) for gi, g in enumerate(self.p.groups)
+                          if len(e := np.flatnonzero(inside[g.u] | inside[g.v]))]
+            self._stars[h] = s
+        return s
+
+    def _star_energy(self, y: np.ndarray, h: int, s: _Subset) -> float:
+        """The terms of the energy that touch the star of ``h`` (the rest does not change in a star move)."""
+        offs = self.p.offsets
+        e = float(self.unary[offs[s.vars] + y[s.vars]].sum()) + float(self.unary[offs[h] + y[h]])
+        groups, costs = self.p.groups, self.costs
+        for gi, idx in s.touching:
+            g = groups[gi]
+            e += float(costs[gi][idx, y[g.u[idx]], y[g.v[idx]]].sum())
+        return e
 
     def energy(self, x: np.ndarray) -> float:
         e = float(self.unary[self.p.offsets[:-1] + x].sum())
@@ -138,14 +163,11 @@ class LocalSearch:
     def star(self, x: np.ndarray, deadline: float | None) -> bool:
         p = self.p
         improved = False
-        e_cur = self.energy(x)
         for h in self.hubs:
             if deadline is not None and time.perf_counter() > deadline:
                 break
-            if h not in self._stars:
-                self._stars[h] = self._subset(self.adj[self.adj_ptr[h] : self.adj_ptr[h + 1]])
-            s = self._stars[h]
-            best_e, best_x = e_cur, None
+            s = self._star(h)
+            best_e, best_x = self._star_energy(x, h, s), None
             hu = self.unary[p.offsets[h] : p.offsets[h + 1]]
             for st in np.flatnonzero(hu < self.big):  # every allowed state
                 if st == x[h]:
@@ -156,12 +178,11 @@ class LocalSearch:
                     y[s.vars] = self.scores(y, s).argmin(axis=1)
                 if self.budget is not None and self._lhs(y) > self.budget[1] + 1e-9 * max(1.0, abs(self.budget[1])):
                     continue
-                e = self.energy(y)
+                e = self._star_energy(y, h, s)
                 if e < best_e - self.eps:
                     best_e, best_x = e, y
             if best_x is not None:
                 x[:] = best_x
-                e_cur = best_e
                 improved = True
         return improved
 
