@@ -593,6 +593,7 @@ class _Template:
         # runs of equal tags; each run of layer segments must read 0, 1, 2 or 2, 1, 0
         self.parts: list[tuple[str, Any]] = []  # ("outside", nodes) | ("layers", ascending, [nodes of layer 0, 1, 2])
         self.where: dict[fx.Node, tuple[int, int]] = {}  # layer node -> (part, position)
+        self.first_differs: set[int] = set()  # parts whose first layer does not match the others
         self.out_tags = self._output_tags(tag)
         self._split(self.nodes[:-1], [tag[n] for n in self.nodes[:-1]], nodes=True)
         self.out_parts = self._split(list(range(len(self.out_tags))), self.out_tags, nodes=False)
@@ -659,17 +660,32 @@ class _Template:
             runs = [g[1] for g in group]
             if order[0] != 0:
                 runs = runs[::-1]
-            if len({len(r) for r in runs}) != 1:
-                raise _NotStampable(f"layer runs of lengths {[len(r) for r in runs]}")
+            # the middle and the last layer must match node for node; the first may differ (its
+            # input needs no gradient) as long as no other layer reads it (see stamp)
+            first_matches = self._alike(runs[0], runs[1], nodes)
+            if not self._alike(runs[1], runs[2], nodes) or not (first_matches or nodes):
+                raise _NotStampable(f"layer runs differ (lengths {[len(r) for r in runs]})")
             if nodes:
-                for p, same in enumerate(zip(*runs)):
-                    if len({(n.op, n.target if n.op != "placeholder" else None, _split_name(n.name)[0]) for n in same}) != 1:
-                        raise _NotStampable(f"layers differ at {[n.name for n in same]}")
-                    for layer_nodes in same:
-                        self.where[layer_nodes] = (len(parts), p)
+                for run in runs:
+                    for p, node in enumerate(run):
+                        self.where[node] = (len(parts), p)
+                if not first_matches:
+                    self.first_differs.add(len(parts))
             parts.append(("layers", order[0] == 0, runs))
             i += self.k
         return parts
+
+    @staticmethod
+    def _alike(a: list, b: list, nodes: bool) -> bool:
+        if len(a) != len(b):
+            return False
+        if not nodes:
+            return True
+        return all(
+            x.op == y.op and (x.op == "placeholder" or x.target == y.target)
+            and _split_name(x.name)[0] == _split_name(y.name)[0]
+            for x, y in zip(a, b)
+        )
 
     def _role(self, j: int, n: int) -> int:
         """The template layer that layer ``j`` of ``n`` is a copy of."""
@@ -699,6 +715,8 @@ class _Template:
             if self._role(ja, n) != ta and ta != 1 and self._role(ja, n) != 1:
                 raise _NotStampable(f"{a.name} read from layer {ja}")
             part, p = self.where[a]
+            if part in self.first_differs and (ta == 0) != (self._role(ja, n) == 0):
+                raise _NotStampable(f"{a.name}: the first layer differs from the others and is read across layers")
             return copies[(part, p, ja)]
 
         def emit(x: fx.Node, i: int | None, j: int | None) -> fx.Node:

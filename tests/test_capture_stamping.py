@@ -245,3 +245,31 @@ def test_layers_differing_in_a_slice_are_traced(window, monkeypatch, caplog):
     assert ("stamped the others" in caplog.text) == (window == 16)
     monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
     assert_same_capture(a, capture(model, (x,)))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("layers", [6, 9])
+def test_a_first_layer_without_input_gradient_is_stamped(layers, monkeypatch, caplog):
+    """The model is the stack (an ``nn.Sequential``), and its first layer reads the raw input, so
+    its backward has no input gradient and is shorter than the others': stamped all the same."""
+    with torch.device("meta"):
+        model = nn.Sequential(*(_Block() for _ in range(layers)))
+    x, y = torch.empty(4, 16, device="meta"), torch.empty(4, 16, device="meta")
+
+    def loss(out, target):
+        return ((out - target) ** 2).mean()
+
+    with caplog.at_level("INFO", logger="apmodel.capture"):
+        a = capture(model, (x,), loss, targets=(y,))
+    assert "stamped the others" in caplog.text
+    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    assert_same_capture(a, capture(model, (x,), loss, targets=(y,)))
