@@ -92,8 +92,9 @@ class PlanOptions:
         param_budget_ratio: the paper's storage budget ``high``: the average local/global ratio
             over parameter tensors (Appendix C); instead of ``param_policy``.
         merge_copies / flow_coupling: model reductions (see :class:`~apmodel.placement_model.PlacementModel`).
-        seeding: split-dimension seeding (``None``: on for meshes of 3+ axes), ``seed_radius``,
-            ``seed_widen_inputs`` (see :mod:`apmodel.seeding`).
+        seeding: split-dimension seeding (``None``: on for meshes of 3+ axes), ``seed_radius``
+            (``None``: :meth:`seed_radius_for` the mesh), ``seed_widen_inputs`` (see
+            :mod:`apmodel.seeding`).
         input_placements / output_placements: fixed placements of the step's inputs / outputs.
 
     Solving:
@@ -122,7 +123,7 @@ class PlanOptions:
     merge_copies: bool = True
     flow_coupling: bool = True
     seeding: bool | None = None
-    seed_radius: int = DEFAULT_SEED_RADIUS
+    seed_radius: int | None = None
     seed_widen_inputs: bool = False
     input_placements: Sequence[Any] | None = None
     output_placements: Sequence[Any] | None = None
@@ -157,6 +158,8 @@ class PlanOptions:
             raise OptionsError(f"execution {self.execution!r}: expected one of {', '.join(EXECUTIONS)}")
         if isinstance(self.dtype, str) and self.dtype not in PRICING_DTYPES:
             raise OptionsError(f"dtype {self.dtype!r} is not one of {sorted(PRICING_DTYPES)}")
+        if self.seed_radius is not None and self.seed_radius < 0:
+            raise OptionsError(f"seed_radius must be >= 0, got {self.seed_radius!r}")
         if any(a < 0 for a in self.replicate_axes):
             raise OptionsError(f"replicate_axes {list(self.replicate_axes)}: mesh axes are >= 0")
         if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
@@ -187,6 +190,13 @@ class PlanOptions:
         outside = [a for a in self.replicate_axes if a >= len(mesh_shape)]
         if outside:
             raise OptionsError(f"replicate_axes {list(self.replicate_axes)} name an axis outside mesh {tuple(mesh_shape)}")
+
+    def seed_radius_for(self, n_axes: int) -> int:
+        """The Hamming radius of the seeded search on a mesh of ``n_axes`` axes: ``seed_radius``,
+        else the paper's 2 on 3 axes and ``n_axes - 1`` beyond. Measured on LLaMA-3 8B, mesh
+        (2,2,2,4), seq 2048, batch 8: radius 2 stops 2.3% above the unseeded optimum (213.9K vs
+        209.0K µs), radius 3 reaches it (TRW-S gap 2e-9) in a third of the unseeded time."""
+        return self.seed_radius if self.seed_radius is not None else max(DEFAULT_SEED_RADIUS, n_axes - 1)
 
     @property
     def run_precision(self) -> tuple[str, str] | None:

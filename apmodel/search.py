@@ -39,7 +39,7 @@ def candidate_strategies(
     """Candidate strategies of every node, seeded on meshes of 3+ axes (``options.seeding``).
 
     Seeding solves one 1-D problem per mesh axis and keeps only candidates within Hamming
-    distance ``options.seed_radius`` of that seed (:mod:`apmodel.seeding`): a restriction of the
+    distance ``options.seed_radius_for(mesh)`` of that seed (:mod:`apmodel.seeding`): a restriction of the
     full space. Returns the strategies and whether seeding restricted them; ``timings`` gets
     ``seeding_s`` and ``strategies_s``.
     """
@@ -57,7 +57,7 @@ def candidate_strategies(
             flow_coupling=options.flow_coupling,
         )
         balls = seeding_mod.balls(
-            seeds, captured, mesh_shape, options.seed_radius, input_placements=options.input_placements,
+            seeds, captured, mesh_shape, options.seed_radius_for(len(mesh_shape)), input_placements=options.input_placements,
             output_placements=options.output_placements, widen_inputs=options.seed_widen_inputs,
         )
         timings["seeding_s"] = time.perf_counter() - t0

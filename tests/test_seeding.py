@@ -82,6 +82,15 @@ def test_radius_equal_to_mesh_rank_gives_the_full_problem(captured, cost, full):
     assert plan.objective_us == pytest.approx(full_plan.objective_us, rel=1e-9)
 
 
+def test_default_radius_is_the_papers_on_three_axes_and_one_less_than_the_rank_beyond():
+    from apmodel.options import OptionsError, PlanOptions
+
+    assert [PlanOptions().seed_radius_for(d) for d in (1, 2, 3, 4)] == [2, 2, 2, 3]
+    assert PlanOptions(seed_radius=1).seed_radius_for(4) == 1
+    with pytest.raises(OptionsError, match="seed_radius"):
+        PlanOptions(seed_radius=-1)
+
+
 def test_one_exact_1d_problem_per_axis(captured, cost):
     info: dict = {}
     seeds = seeding.seed(captured, MESH, cost=cost, info=info)
