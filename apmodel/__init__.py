@@ -36,6 +36,8 @@ _EXPORTS = {
     "Workload": "apmodel.workloads",
     "plan_workload": "apmodel.api",
     "attach": "apmodel.api",
+    "local_map": "apmodel.regions",
+    "LocalRegion": "apmodel.regions",
 }
 
 __all__ = sorted(_EXPORTS)

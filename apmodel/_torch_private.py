@@ -74,6 +74,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "OpOverload",
+    "overload_packet",
     "tree_flatten",
     "tree_unflatten",
     "MissingTorchFeature",
@@ -190,6 +191,11 @@ def op_schema(target: object) -> Any:
     """The ``torch._C.FunctionSchema`` of an operator (an OpOverload, a higher-order op), None
     for a plain Python callable."""
     return getattr(target, "_schema", None)
+
+
+def overload_packet(op: Any) -> Any:
+    """The ``OpOverloadPacket`` an operator overload belongs to (``torch.ops.ns.name``), else None."""
+    return getattr(op, "_overloadpacket", None)
 
 
 def overload_name(op: OpOverload) -> str:

@@ -21,6 +21,7 @@ import torch.fx as fx
 import costmodels
 from apmodel import placements as pl
 from apmodel._torch_private import tree_flatten, tree_unflatten
+from apmodel.regions import is_backward, region_of
 from apmodel.options import PlanOptions
 from apmodel.strategies import Strategy
 
@@ -208,7 +209,11 @@ class CostContext:
                     outs.append(o)
             call_args, call_kwargs = tree_unflatten(args, spec)
             out = tree_unflatten(outs, out_spec)
-            value = self.compute.time_us(node.target, tuple(call_args), dict(call_kwargs), out, dtype=self.dtype)
+            region = region_of(node.target)
+            if region is not None:  # a local_map region: the ops it runs, at these local shapes
+                value = region.time_us(self.compute, call_args, backward=is_backward(node.target), dtype=self.dtype)
+            else:
+                value = self.compute.time_us(node.target, tuple(call_args), dict(call_kwargs), out, dtype=self.dtype)
             try:
                 us = float(value)
             except (TypeError, ValueError):
