@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
-import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from apmodel import placements as pl
+from apmodel.clustering import local_signature
 from apmodel.strategies import Strategy
 
 if TYPE_CHECKING:
@@ -350,21 +350,6 @@ def structure_fingerprint(captured: "CapturedGraph") -> str:
     return h.hexdigest()
 
 
-def _call_signature(node: fx.Node) -> tuple:
-    """What a node's compute price depends on besides its strategy: the op, every argument (tensor
-    arguments by shape and dtype) and the output's shapes and dtypes."""
-
-    def describe(x: Any) -> Any:
-        v = x.meta.get("val") if isinstance(x, fx.Node) else x
-        if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), str(v.dtype))
-        return v if not isinstance(x, fx.Node) else repr(type(v))
-
-    args = fx.node.map_aggregate((node.args, node.kwargs), describe)
-    out = fx.node.map_aggregate(node.meta.get("val"), describe)
-    return (node.target, repr(args), repr(out))
-
-
 def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> dict[str, Any]:
     """Objective of ``node_strategy`` under ``pmodel``'s costs, broken down (all in µs)."""
     cost = pmodel.cost
@@ -373,7 +358,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     compute_memo: dict[Any, float] = {}
     for n in pmodel.nodes:
         s = node_strategy[n.name]
-        key = (_call_signature(n), s)
+        key = (local_signature(n, None, False), s)  # op, arguments, shapes and dtypes
         c = compute_memo.get(key)
         if c is None:
             c = compute_memo[key] = float(cost.compute_vector(n, [s])[0])
