@@ -259,7 +259,7 @@ def _register(region: LocalRegion) -> None:
     fwd = torch.library.custom_op(f"{NAMESPACE}::{region.name}", forward, mutates_args=(), schema=fwd_schema)
     bwd = torch.library.custom_op(f"{NAMESPACE}::{region.name}_backward", backward_op, mutates_args=(), schema=bwd_schema)
     fwd.register_fake(forward)  # shapes by running the function on fake tensors
-    bwd.register_fake(lambda *xs: xs[n_out] if n_in == 1 else tuple(torch.empty_like(x) for x in xs[n_out:]))
+    bwd.register_fake(lambda *xs: torch.empty_like(xs[n_out]) if n_in == 1 else tuple(torch.empty_like(x) for x in xs[n_out:]))
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.save_for_backward(*inputs)

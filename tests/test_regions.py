@@ -157,3 +157,6 @@ def test_a_region_trains_on_a_2x2_mesh_as_the_inline_model_on_one_device():
     ref = _train(_net(False, "cpu"), lambda m: loss_fn(m(_batch()[0]), _batch()[1]))
     for step, (a, b) in enumerate(zip(got["losses"], ref)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
+    # the region model itself on one device (its backward operator outside DTensor) trains the same
+    alone = _train(_net(True, "cpu"), lambda m: loss_fn(m(_batch()[0]), _batch()[1]))
+    assert alone == pytest.approx(ref, rel=1e-6)
