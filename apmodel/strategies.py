@@ -318,33 +318,18 @@ def node_strategies(
     node: fx.Node,
     mesh: DeviceMesh | Sequence[int],
     producer_strategies: dict[str, Sequence[Strategy]],
-    *,
-    allow_uneven: bool = False,
-    partial_inputs: bool = True,
-    partial_reduce_ops: Sequence[str] = ("sum", "avg"),
-    partial_input_ops: Sequence[str] = ("sum",),
-    cache: StrategyCache | None = None,
-    ball: Ball | None = None,
+    **options: Any,
 ) -> list[Strategy]:
-    """Candidate strategies of one node.
+    """Candidate strategies of one node (a new list; see :func:`_node_strategies` for the
+    options ``allow_uneven``, ``partial_inputs``, ``partial_reduce_ops``, ``partial_input_ops``,
+    ``cache`` and ``ball``).
 
     ``producer_strategies`` maps the name of every producer of ``node`` (see :func:`input_slots`)
     to its candidate strategies; each input slot's candidate placements are the distinct output
     placements of its producer. ``mesh`` is a DeviceMesh (or a mesh shape, for which a planning
-    mesh is made). ``partial_inputs=False`` drops strategies that consume a Partial input (e.g. the
-    single-dim mm rule's P x R -> P), which shrinks the search space. ``partial_reduce_ops`` are the
-    Partial reductions kept (DTensor's mean gives Partial("avg"), amax Partial("max")); the default
-    keeps sums and means, the "P" and "P(avg)" of the costmodels vocabulary (a batch-sharded
-    mean loss is a partial mean); ``partial_input_ops`` are the Partial reductions a strategy may
-    consume (default: sums only). ``ball`` (split-dimension seeding)
-    keeps only the strategies inside it; single-dim rules then expand only the per-axis
-    combinations inside the ball instead of the whole product over the mesh axes. Returns a
-    non-empty list; the output node returns [].
+    mesh is made). Returns a non-empty list; the output node returns [].
     """
-    return list(_node_strategies(
-        node, mesh, producer_strategies, allow_uneven=allow_uneven, partial_inputs=partial_inputs,
-        partial_reduce_ops=partial_reduce_ops, partial_input_ops=partial_input_ops, cache=cache, ball=ball,
-    ))
+    return list(_node_strategies(node, mesh, producer_strategies, **options))
 
 
 def _node_strategies(
@@ -359,7 +344,17 @@ def _node_strategies(
     cache: StrategyCache | None = None,
     ball: Ball | None = None,
 ) -> tuple[Strategy, ...]:
-    """:func:`node_strategies` as the memo's tuple (shared by every node of one entry)."""
+    """:func:`node_strategies` as the memo's tuple (shared by every node of one entry).
+
+    ``partial_inputs=False`` drops strategies that consume a Partial input (e.g. the single-dim
+    mm rule's P x R -> P), which shrinks the search space. ``partial_reduce_ops`` are the Partial
+    reductions kept (DTensor's mean gives Partial("avg"), amax Partial("max")); the default keeps
+    sums and means, the "P" and "P(avg)" of the costmodels vocabulary (a batch-sharded mean loss
+    is a partial mean); ``partial_input_ops`` are the Partial reductions a strategy may consume
+    (default: sums only). ``ball`` (split-dimension seeding) keeps only the strategies inside it;
+    single-dim rules then expand only the per-axis combinations inside the ball instead of the
+    whole product over the mesh axes.
+    """
     if node.op == "output":
         return ()
     if not isinstance(mesh, DeviceMesh):

@@ -32,6 +32,7 @@ from apmodel.options import OptionsError, PlanOptions
 from apmodel.plans import Plan
 
 from _dist_utils import run_distributed
+from _tiny import fixed_tokens, tiny_llama
 
 LLAMA = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256, max_seq_len=64)
 BATCH, SEQ = 4, 64
@@ -296,8 +297,6 @@ def test_cli_ac_flag_and_config_key(tmp_path):
 MESH = (2, 2)
 STEPS = 3
 LOSS_RTOL = 1e-5
-TINY = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=16)
-TINY_BATCH, TINY_SEQ = 8, 16
 #: The tiny model's plans replicate most compute; this run forces the recomputed norms, activations
 #: and residual adds batch-sharded (their forward stays as planned), so recomputation on shards runs.
 SHARDED_RECOMPUTE = [apmodel.fix(f"{op}*{RECOMPUTE_SUFFIX}", "S(0)S(0)") for op in ("mul", "silu", "add")]
@@ -329,21 +328,6 @@ class BNNet(nn.Module):
         return self.head(x)
 
 
-def _tiny_llama(device: str) -> nn.Module:
-    with torch.device(device):
-        torch.manual_seed(0)
-        model = build(config("llama3-debug", **TINY))
-    if device != "meta":
-        model.init_weights()
-    return model
-
-
-def _fixed_tokens() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, TINY["vocab_size"], (TINY_BATCH, TINY_SEQ), generator=g)
-    return tokens, torch.randint(0, TINY["vocab_size"], (TINY_BATCH, TINY_SEQ), generator=g)
-
-
 def _bn_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -369,11 +353,11 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
     mesh = dist.init_device_mesh("cpu", MESH)
     results: dict[str, Any] = {}
-    tokens, targets = _fixed_tokens()
-    ref = _tiny_llama("cpu")
+    tokens, targets = fixed_tokens()
+    ref = tiny_llama("cpu")
     full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
     for run, options in RUNS.items():
-        model = apmodel.parallelize(_tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")), **options)
+        model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")), **options)
         model.to_empty(device="cpu")
         load_full_state_dict(model, full)
         prog = model._apmodel_program
@@ -386,7 +370,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             "fingerprint": prog.plan.fingerprint,
             "sharded_copies": len(sharded),
         }
-    results["ref_losses"] = _train(_tiny_llama("cpu"), lambda m: m(tokens, targets))
+    results["ref_losses"] = _train(tiny_llama("cpu"), lambda m: m(tokens, targets))
 
     # BatchNorm in checkpointed layers: statistics updated once per step, as on one device
     x, y = _bn_batch()

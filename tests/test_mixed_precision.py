@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 
 import apmodel
 from apmodel.lowering import issued_redistributions, load_full_state_dict, planned_redistributions
@@ -28,33 +27,18 @@ from apmodel.options import OptionsError, PlanOptions
 from apmodel.plans import Plan, PlanMismatch
 
 from _dist_utils import CollectiveRecorder, gloo_view, predicted_collectives, run_distributed
+from _tiny import TINY, TINY_BATCH, TINY_SEQ, fixed_tokens, tiny_llama
 
 MESH = (2, 2)
 STEPS = 3
 LOSS_RTOL = 1e-3
-TINY = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=16)
-BATCH, SEQ = 8, 16
-
-
-def _tiny_llama(device: str) -> nn.Module:
-    with torch.device(device):
-        torch.manual_seed(0)
-        model = build(config("llama3-debug", **TINY))
-    if device != "meta":
-        model.init_weights()
-    return model
-
-
-def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return (torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g),
-            torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g))
+BATCH, SEQ = TINY_BATCH, TINY_SEQ
 
 
 def _reference_losses(tokens: torch.Tensor, targets: torch.Tensor, mixed: bool = True) -> list[float]:
     """One process, the same policy: bf16 compute copy per step, fp32 masters and AdamW
     (``mixed=False``: plain fp32 training)."""
-    master = _tiny_llama("cpu")
+    master = tiny_llama("cpu")
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
     losses = []
     for _ in range(STEPS):
@@ -75,10 +59,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     mesh = dist.init_device_mesh("cpu", MESH)
-    tokens, targets = _tokens()
-    ref = _tiny_llama("cpu")
+    tokens, targets = fixed_tokens()
+    ref = tiny_llama("cpu")
     full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
-    model = apmodel.parallelize(_tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
+    model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
                                 mixed_precision=("bf16", "fp32"))
     model.to_empty(device="cpu")
     load_full_state_dict(model, full)
@@ -98,7 +82,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         opt.zero_grad()
         losses.append(float(loss.detach().full_tensor()))
     # the plan as a file: parallelize(plan=...) traces at the plan's precision again and runs it
-    again = apmodel.parallelize(_tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
+    again = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
                                 plan=Plan.from_json(prog.plan.to_json(), "test"))
     again.to_empty(device="cpu")
     load_full_state_dict(again, full)
@@ -131,12 +115,12 @@ def dist_results() -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_mixed_precision_training_matches_the_same_policy_on_one_device(dist_results):
-    ref = _reference_losses(*_tokens())
+    ref = _reference_losses(*fixed_tokens())
     for step, (a, b) in enumerate(zip(dist_results["losses"], ref)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
     # The tolerance alone would pass fp32 training too (bf16 moves these losses by ~1e-4 here):
     # the run must track the bf16 policy more closely than fp32 training.
-    fp32 = _reference_losses(*_tokens(), mixed=False)
+    fp32 = _reference_losses(*fixed_tokens(), mixed=False)
     to_mixed = sum(abs(a - b) for a, b in zip(dist_results["losses"], ref))
     to_fp32 = sum(abs(a - b) for a, b in zip(dist_results["losses"], fp32))
     assert to_mixed < 0.5 * to_fp32, (dist_results["losses"], ref, fp32)
@@ -206,3 +190,13 @@ def test_one_op_at_two_dtypes_is_two_prices():
         model = build(cfg)
     found = apmodel.plan(model, (2,), sample_inputs(cfg, 8, 512, device="meta"), mixed_precision=True)
     assert found.objective_us == pytest.approx(found.solver["energy_us"], rel=1e-9)
+
+
+if __name__ == "__main__":  # the numbers the README quotes: python tests/test_mixed_precision.py
+    parallel = run_distributed(_worker, 4, timeout_s=600)[0]["losses"]
+    policy, fp32 = _reference_losses(*fixed_tokens()), _reference_losses(*fixed_tokens(), mixed=False)
+    print("2x2 gloo, mixed:        ", parallel)
+    print("one process, same policy:", policy)
+    print("one process, fp32:       ", fp32)
+    print("relative to the policy:  ", [abs(a - b) / b for a, b in zip(parallel, policy)])
+    print("fp32 relative to policy: ", [abs(a - b) / b for a, b in zip(fp32, policy)])
