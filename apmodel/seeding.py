@@ -43,6 +43,7 @@ enumeration when they conflict with the restricted candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Mapping, Sequence
@@ -163,7 +164,8 @@ def seed(
         if k not in enumerated:
             enumerated[k] = enumerate_strategies(captured.gm, (k,), cache=cache, progress=False)
         t_enum = time.perf_counter() - t0
-        axis_cost = CostContext(mesh_shape=(k,), compute=cost.compute, comm=AxisComm(cost.comm, a), dtype=cost.dtype)
+        # the full context's pricing (dtype, mixed-precision reductions, HBM) on this axis alone
+        axis_cost = dataclasses.replace(cost, mesh_shape=(k,), comm=AxisComm(cost.comm, a))
         pm = PlacementModel(
             captured,
             enumerated[k],
