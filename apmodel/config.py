@@ -75,7 +75,7 @@ else:  # pragma: no cover
 
 from apmodel import constraints as C
 from apmodel import placements as pl
-from apmodel.options import AC_POLICIES, OPTIMIZERS, PARAM_POLICIES, PRICING_DTYPES, TOPOLOGY_KEYS, PlanOptions
+from apmodel.options import TOPOLOGY_KEYS, OptionsError, PlanOptions
 
 
 class ConfigError(ValueError):
@@ -193,6 +193,12 @@ _SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
     },
 }
 
+#: PlanOptions field -> the TOML key that sets it (for the options' own error messages).
+_TOML_KEYS: dict[str, str] = {
+    **{attr: f"{section}.{key}" for section, keys in _SCHEMA.items() for key, (attr, _, _) in keys.items()},
+    "memory_limit_bytes": "planner.memory_limit_GB",
+}
+
 _CONSTRAINT_KEYS = {
     "fix": {"fix", "placement", "on", "name"},
     "forbid": {"forbid", "placement", "on", "name"},
@@ -204,9 +210,6 @@ _CONSTRAINT_KEYS = {
 _MESH_AXIS = re.compile(r"\s*[0-9]+\s*")
 _ON = re.compile(r"output|input(:[0-9]+)?")
 _OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
-#: Execution modes of the measured compute model (``costmodels.measured.EXECUTIONS``; not imported:
-#: this module stays free of torch).
-_EXECUTIONS = ("eager", "graphs")
 
 
 def _short(v: Any, limit: int = 80) -> str:
@@ -317,10 +320,6 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
             raise ConfigError(f"{source}: key 'planner.replicate_axes' must list non-negative integers, got {_short(cfg.replicate_axes)}")
     if cfg.mesh is not None:
         _check_mesh(source, cfg.mesh)
-    if cfg.dtype is not None and cfg.dtype not in PRICING_DTYPES:
-        raise ConfigError(f"{source}: key 'device.dtype' must be one of {', '.join(PRICING_DTYPES)}, got {_short(cfg.dtype)}")
-    if cfg.execution is not None and cfg.execution not in _EXECUTIONS:
-        raise ConfigError(f"{source}: key 'device.execution' must be \"eager\" or \"graphs\", got {_short(cfg.execution)}")
     if cfg.compute_profile is not None and not cfg.compute_profile.lower().endswith(".json"):
         raise ConfigError(f"{source}: key 'cost.compute_profile' must be a path to a JSON file "
                           f"(from `apmodel calibrate-compute`), got {_short(cfg.compute_profile)}")
@@ -328,28 +327,10 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
         v = getattr(cfg, key)
         if v is not None and not _OBJECT_SPEC.fullmatch(v):
             raise ConfigError(f"{source}: key 'cost.{key}' must look like \"package.module:Name\", got {_short(v)}")
-    if cfg.param_policy is not None and cfg.param_policy not in PARAM_POLICIES:
-        raise ConfigError(f"{source}: key 'planner.param_policy' must be \"full_shard\" or \"free\", got {cfg.param_policy!r}")
-    if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"{source}: key 'planner.optimizer' must be one of {', '.join(OPTIMIZERS)}, got {_short(cfg.optimizer)}")
-    if cfg.ac is not None and cfg.ac not in AC_POLICIES:
-        raise ConfigError(f"{source}: key 'planner.ac' must be one of {', '.join(AC_POLICIES)}, got {_short(cfg.ac)}")
-    if cfg.memory_limit_GB is not None and not 0 < cfg.memory_limit_GB < math.inf:
-        raise ConfigError(f"{source}: key 'planner.memory_limit_GB' must be a finite number > 0, got {cfg.memory_limit_GB}")
-    for key in ("param_memory_fraction", "param_budget_ratio"):
-        v = getattr(cfg, key)
-        if v is not None and not 0 < v <= 1:
-            raise ConfigError(f"{source}: key 'planner.{key}' must be in (0, 1], got {v!r}")
-    if cfg.param_memory_fraction is not None and cfg.param_budget_ratio is not None:
-        raise ConfigError(f"{source}: keys 'planner.param_memory_fraction' and 'planner.param_budget_ratio' are two "
-                          "storage budgets: give one")
-    for key in ("seq", "batch", "layers", "gpus_per_node"):
+    for key in ("seq", "batch", "layers"):
         v = getattr(cfg, key)
         if v is not None and v < 1:
-            section = "topology" if key == "gpus_per_node" else "workload"
-            raise ConfigError(f"{source}: key '{section}.{key}' must be >= 1, got {v}")
-    if cfg.time_limit is not None and not 0 < cfg.time_limit < math.inf:  # also refuses nan
-        raise ConfigError(f"{source}: key 'solver.time_limit' must be a finite number > 0 of seconds, got {cfg.time_limit}")
+            raise ConfigError(f"{source}: key 'workload.{key}' must be >= 1, got {v}")
     for key in ("intra_GBps", "inter_GBps"):  # bandwidths divide message sizes
         v = getattr(cfg, key)
         if v is not None and not 0 < v < math.inf:
@@ -358,6 +339,10 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
         v = getattr(cfg, key)
         if v is not None and not 0 <= v < math.inf:
             raise ConfigError(f"{source}: key 'topology.{key}' must be a finite number >= 0, got {v}")
+    try:  # the planning options' own checks (ranges, policies), reported under their TOML keys
+        cfg.plan_options()
+    except OptionsError as e:
+        raise ConfigError(f"{source}: key '{_TOML_KEYS.get(e.option or '', e.option)}': {e}") from None
     if cfg.calibration is not None and base_dir is not None and not Path(cfg.calibration).is_absolute():
         cfg.calibration = str(base_dir / cfg.calibration)
     if cfg.compute_profile is not None and base_dir is not None and not Path(cfg.compute_profile).is_absolute():

@@ -54,7 +54,12 @@ def run_precision_of(record: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 class OptionsError(ValueError):
-    """An option has a value the planner cannot use; the message names the option."""
+    """An option has a value the planner cannot use; the message names the option, and so does
+    ``option`` (the :class:`PlanOptions` field), for front ends that call it something else."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 @dataclass(frozen=True)
@@ -142,41 +147,41 @@ class PlanOptions:
             if len(pair) != 2 or pair[0] not in MIXED_PARAM_DTYPES or pair[1] != "fp32":
                 raise OptionsError(
                     f"mixed_precision {self.mixed_precision!r}: expected (param dtype, reduce dtype) with the param "
-                    f"dtype one of {', '.join(MIXED_PARAM_DTYPES)} and the reduce dtype 'fp32'"
+                    f"dtype one of {', '.join(MIXED_PARAM_DTYPES)} and the reduce dtype 'fp32'", "mixed_precision"
                 )
             set_(self, "dtype", pair[0])
             set_(self, "mixed_precision", True)
         elif self.mixed_precision is not None and not isinstance(self.mixed_precision, bool):
-            raise OptionsError(f"mixed_precision {self.mixed_precision!r}: expected true, false or a pair ('bf16', 'fp32')")
+            raise OptionsError(f"mixed_precision {self.mixed_precision!r}: expected true, false or a pair ('bf16', 'fp32')", "mixed_precision")
         if self.param_policy not in PARAM_POLICIES:
-            raise OptionsError(f"param_policy {self.param_policy!r}: expected one of {', '.join(PARAM_POLICIES)}")
+            raise OptionsError(f"param_policy {self.param_policy!r}: expected one of {', '.join(PARAM_POLICIES)}", "param_policy")
         if self.ac not in AC_POLICIES:
-            raise OptionsError(f"ac {self.ac!r}: expected one of {', '.join(AC_POLICIES)}")
+            raise OptionsError(f"ac {self.ac!r}: expected one of {', '.join(AC_POLICIES)}", "ac")
         if self.optimizer not in OPTIMIZERS:
-            raise OptionsError(f"optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+            raise OptionsError(f"optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}", "optimizer")
         if self.execution not in EXECUTIONS:
-            raise OptionsError(f"execution {self.execution!r}: expected one of {', '.join(EXECUTIONS)}")
+            raise OptionsError(f"execution {self.execution!r}: expected one of {', '.join(EXECUTIONS)}", "execution")
         if isinstance(self.dtype, str) and self.dtype not in PRICING_DTYPES:
-            raise OptionsError(f"dtype {self.dtype!r} is not one of {sorted(PRICING_DTYPES)}")
+            raise OptionsError(f"dtype {self.dtype!r} is not one of {sorted(PRICING_DTYPES)}", "dtype")
         if self.seed_radius is not None and self.seed_radius < 0:
-            raise OptionsError(f"seed_radius must be >= 0, got {self.seed_radius!r}")
+            raise OptionsError(f"seed_radius must be >= 0, got {self.seed_radius!r}", "seed_radius")
         if any(a < 0 for a in self.replicate_axes):
-            raise OptionsError(f"replicate_axes {list(self.replicate_axes)}: mesh axes are >= 0")
+            raise OptionsError(f"replicate_axes {list(self.replicate_axes)}: mesh axes are >= 0", "replicate_axes")
         if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
-            raise OptionsError(f"memory_limit must be a positive number of bytes, got {self.memory_limit_bytes!r}")
+            raise OptionsError(f"memory_limit must be a positive number of bytes, got {self.memory_limit_bytes!r}", "memory_limit_bytes")
         for name in ("param_memory_fraction", "param_budget_ratio"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
-                raise OptionsError(f"{name} must be in (0, 1], got {value!r}")
+                raise OptionsError(f"{name} must be in (0, 1], got {value!r}", name)
         if self.param_memory_fraction is not None and self.param_budget_ratio is not None:
-            raise OptionsError("param_memory_fraction and param_budget_ratio are two storage budgets: give one")
+            raise OptionsError("param_memory_fraction and param_budget_ratio are two storage budgets: give one", "param_budget_ratio")
         if self.time_limit is not None and not 0 < self.time_limit < math.inf:
-            raise OptionsError(f"time_limit must be a finite number of seconds > 0, got {self.time_limit!r}")
+            raise OptionsError(f"time_limit must be a finite number of seconds > 0, got {self.time_limit!r}", "time_limit")
         if self.gpus_per_node < 1:
-            raise OptionsError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+            raise OptionsError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}", "gpus_per_node")
         unknown = sorted(set(self.topology) - set(TOPOLOGY_KEYS))
         if unknown:
-            raise OptionsError(f"topology key {unknown[0]!r} is not one of {', '.join(TOPOLOGY_KEYS)}")
+            raise OptionsError(f"topology key {unknown[0]!r} is not one of {', '.join(TOPOLOGY_KEYS)}", "topology")
 
     def replace(self, **changes: Any) -> "PlanOptions":
         """A copy with ``changes``; an unknown option name is an :class:`OptionsError`."""
