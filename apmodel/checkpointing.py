@@ -37,7 +37,8 @@ are saved, as ``torch.utils.checkpoint`` saves a checkpointed function's inputs.
 
 * ``"none"``: the graph as traced.
 * ``"selective"``: inside a region, the outputs of matmuls (:data:`SAVED_OPS`: ``mm``, ``bmm``,
-  ``addmm``) and of the fused attention ops (output and logsumexp) are saved; everything else
+  ``addmm``), of the fused attention ops (output and logsumexp) and of ``local_map`` regions
+  (:mod:`apmodel.regions`) are saved; everything else
   (norms, activations, elementwise ops, RoPE) is recomputed from them (the per-op policy of
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` as torchtitan uses it).
 * ``"full"``: inside a region nothing is saved but its inputs: the region's whole forward is
@@ -73,6 +74,7 @@ from apmodel._torch_private import OpOverload, op_schema
 from apmodel.capture import CapturedGraph, _fingerprint, aliases_first_input
 from apmodel.conventions import layer_pattern_from_names
 from apmodel.options import AC_POLICIES
+from apmodel.regions import region_of
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +248,8 @@ def saved_values(captured: CapturedGraph, policy: str, regions: dict[str, str] |
         elif n.target is operator.getitem or aliases_first_input(n):
             saved[n.name] = saved.get(n.args[0].name, True)
         else:
-            saved[n.name] = policy == "selective" and n.target in SAVED_OPS
+            # local_map regions are hand-written compute blocks: kept like matmuls
+            saved[n.name] = policy == "selective" and (n.target in SAVED_OPS or region_of(n.target) is not None)
     return saved
 
 

@@ -105,6 +105,18 @@ def test_a_region_is_priced_by_the_ops_it_runs():
     assert sum(region.values()) == pytest.approx(sum(inline.values()) + region["test_row_mlp"], rel=1e-6)
 
 
+def test_selective_checkpointing_keeps_a_region_full_recomputes_it():
+    """A region is a hand-written compute block: ``selective`` keeps its output like a matmul's,
+    ``full`` recomputes it in backward from the layer input."""
+    tokens, targets = _batch("meta")
+    copies = {}
+    for ac in ("selective", "full"):
+        plan = apmodel.plan(_net(True, "meta"), (2, 2), (tokens,), loss_fn=loss_fn, targets=(targets,), ac=ac)
+        copies[ac] = "test_row_mlp_recompute" in plan.node_strategy
+        assert plan.objective_us == pytest.approx(plan.solver["energy_us"], rel=1e-9)
+    assert copies == {"selective": False, "full": True}
+
+
 def test_constraints_select_a_region_by_name_and_bad_declarations_are_named():
     tokens, targets = _batch("meta")
     plan = apmodel.plan(_net(True, "meta"), (2, 2), (tokens,), loss_fn=loss_fn, targets=(targets,), constraints=SHARDED)
@@ -144,8 +156,15 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     load_full_state_dict(model, state)
     losses = _train(model, lambda m: m(tokens, targets))
     plan = model._apmodel_program.plan
+    # full activation checkpointing: the region runs again in backward (its recomputed copy)
+    full_ac = apmodel.parallelize(_net(True, "meta"), mesh, (tokens.to("meta"),), loss_fn=loss_fn,
+                                  targets=(targets.to("meta"),), constraints=SHARDED, ac="full")
+    full_ac.to_empty(device="cpu")
+    load_full_state_dict(full_ac, state)
     return {"losses": losses, "fwd": str(plan.node_strategy["test_row_mlp"]),
-            "bwd": str(plan.node_strategy["test_row_mlp_backward"])}
+            "bwd": str(plan.node_strategy["test_row_mlp_backward"]),
+            "full_ac_losses": _train(full_ac, lambda m: m(tokens, targets)),
+            "full_ac_recomputes": "test_row_mlp_recompute" in full_ac._apmodel_program.plan.node_strategy}
 
 
 @pytest.mark.slow
@@ -157,6 +176,9 @@ def test_a_region_trains_on_a_2x2_mesh_as_the_inline_model_on_one_device():
     ref = _train(_net(False, "cpu"), lambda m: loss_fn(m(_batch()[0]), _batch()[1]))
     for step, (a, b) in enumerate(zip(got["losses"], ref)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
+    assert got["full_ac_recomputes"]
+    for step, (a, b) in enumerate(zip(got["full_ac_losses"], ref)):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), ("ac=full", step, a, b)
     # the region model itself on one device (its backward operator outside DTensor) trains the same
     alone = _train(_net(True, "cpu"), lambda m: loss_fn(m(_batch()[0]), _batch()[1]))
     assert alone == pytest.approx(ref, rel=1e-6)
