@@ -373,11 +373,22 @@ class LoweredProgram:
                 except Exception as e:
                     raise RuntimeError(
                         f"DTensor failed to run node {n.name!r} ({s.target}) with input placements "
-                        f"{[_fmt(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}"
+                        f"{[_fmt(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}{self._mixed_dtypes_hint(flat)}"
                     ) from e
                 env[n] = self._place_outputs(s, out)
             for a in s.last_use:
                 env.pop(a, None)
+
+    def _mixed_dtypes_hint(self, args: list) -> str:
+        """Why an op may fail under mixed precision: its floating inputs mix the param dtype with a
+        buffer's own (BatchNorm's fp32 running statistics, ...); '' otherwise."""
+        dtypes = sorted({str(x.dtype).removeprefix("torch.") for x in args
+                         if isinstance(x, torch.Tensor) and x.is_floating_point()})
+        if self.param_dtype is None or len(dtypes) < 2:
+            return ""
+        return (f" (its floating inputs mix {' and '.join(dtypes)}: under mixed precision parameters compute in "
+                f"{str(self.param_dtype).removeprefix('torch.')} while buffers keep their dtype, which this op does "
+                f"not accept; plan without mixed precision, or give the module's buffers the param dtype)")
 
     def _run_local(self, s: _Step, kernel: Callable, flat: list) -> Any:
         """Run `kernel` on the local shards (inputs already at the planned placements) and wrap its
