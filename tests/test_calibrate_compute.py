@@ -13,10 +13,8 @@ uncalibrated roofline model of the nominal "cpu" device misses them by far more.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +29,9 @@ from costmodels import fitting
 from costmodels import kernel_timing as kt
 from costmodels import measured as ms
 
+from _helpers import benchmark_script
+
 aten = torch.ops.aten
-ROOT = Path(__file__).resolve().parents[1]
 
 #: The held-out check: largest median factor max(pred/meas, meas/pred) over the ops...
 MAX_MEDIAN_FACTOR = 1.5
@@ -123,15 +122,7 @@ def test_compute_model_accepts_the_cpu_profile(calibrated, tmp_path):
 
 # --------------------------------------------------------------------- the held-out check
 def _script():
-    """benchmarks/cpu_compute_check.py as a module (its folder also holds a costmodels.py, so it is
-    loaded by path rather than put on sys.path)."""
-    name = "_apmodel_cpu_compute_check_script"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "cpu_compute_check.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return benchmark_script("cpu_compute_check")
 
 
 @needs_cpu_run

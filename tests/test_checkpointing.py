@@ -32,6 +32,7 @@ from apmodel.options import OptionsError, PlanOptions
 from apmodel.plans import Plan
 
 from _dist_utils import run_distributed
+from _helpers import SavedStorages
 from _tiny import fixed_tokens, tiny_llama
 
 LLAMA = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256, max_seq_len=64)
@@ -61,14 +62,7 @@ def _saved_bytes_eager(cfg: Any, policy: str) -> int:
     the outputs the selective policy caches (its ``MUST_SAVE`` ops)."""
     torch.manual_seed(0)
     model = build(cfg)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def note(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
+    saved = SavedStorages(model)
 
     def save_matmul_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op not in SAVED_OPS:
@@ -76,7 +70,7 @@ def _saved_bytes_eager(cfg: Any, policy: str) -> int:
         outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
         for o in outs:
             if isinstance(o, torch.Tensor):
-                note(o)
+                saved.note(o)
         return CheckpointPolicy.MUST_SAVE
 
     if policy != "none":
@@ -84,10 +78,10 @@ def _saved_bytes_eager(cfg: Any, policy: str) -> int:
         for layer in model.layers.values():
             extra = {"context_fn": context_fn} if policy == "selective" else {}
             layer.forward = functools.partial(torch_checkpoint, layer.forward, use_reentrant=False, **extra)
-    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(saved.note, lambda t: t):
         loss = model(*sample_inputs(cfg, BATCH, SEQ, device="cpu"))
     loss.backward()  # the recomputation runs (and must not fail)
-    return sum(storages.values())
+    return saved.total_bytes
 
 
 def _predicted_bytes(captured: Any) -> float:

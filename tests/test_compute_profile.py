@@ -1,11 +1,8 @@
 """Measured compute model: fit quality on the shipped H200 kernel timings, and the effects it must
 capture (matmul alignment, attention backends, launch floors, op kinds)."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +10,9 @@ import torch
 import costmodels as cm
 from costmodels import measured as ms
 
+from _helpers import benchmark_script
+
 aten = torch.ops.aten
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -27,15 +25,7 @@ def mm_us(model, m, k, n, dtype=torch.bfloat16):
 
 
 def _script():
-    """benchmarks/compute_profile.py as a module (its folder also holds a costmodels.py, so it is
-    loaded by path rather than put on sys.path)."""
-    name = "_apmodel_compute_profile_script"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "compute_profile.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return benchmark_script("compute_profile")
 
 
 @pytest.fixture(scope="module")

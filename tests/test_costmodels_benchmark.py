@@ -1,17 +1,12 @@
 """The collective-table benchmark script runs and prints JSON."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "costmodels.py"
+from _helpers import benchmark_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_bench_costmodels", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_script("costmodels")
 
 
 def test_benchmark_json(capsys):

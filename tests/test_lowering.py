@@ -27,7 +27,6 @@ import apmodel
 from apmodel import placements as pl
 from apmodel.capture import capture
 from apmodel.lowering import (
-    Redistribution,
     issued_redistributions,
     load_full_state_dict,
     lower,

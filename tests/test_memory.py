@@ -15,6 +15,8 @@ from apmodel.capture import capture
 from apmodel.memory import OPTIMIZER_STATE_COPIES, MemoryModel, OutOfMemory
 from apmodel.models import build, config, sample_inputs
 
+from _helpers import SavedStorages
+
 CASES = [
     ("llama3-debug", dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256, max_seq_len=64), 4, 64),
     ("gpt2", dict(n_layers=2, dim=64, n_heads=4, vocab_size=256, max_seq_len=64), 4, 64),
@@ -25,18 +27,10 @@ TINY = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, voc
 
 def _saved_bytes_eager(model: torch.nn.Module, inputs) -> int:
     """Bytes of the distinct storages autograd saves for backward in one forward (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved = SavedStorages(model)
+    with torch.autograd.graph.saved_tensors_hooks(saved.note, lambda t: t):
         model(*inputs)
-    return sum(storages.values())
+    return saved.total_bytes
 
 
 @pytest.mark.parametrize("name,overrides,batch,seq", CASES, ids=[c[0] for c in CASES])

@@ -580,13 +580,9 @@ def test_series_reduction_detects_infeasible_cycle_and_maps_options():
 
 
 def test_benchmark_npz_loader_and_planner_instances(tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from _helpers import benchmark_script
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "solvers.py"
-    spec = importlib.util.spec_from_file_location("_bench_solvers", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("solvers")
     p = reducible_problem(4)
     fields = {f"u{i}": u for i, u in enumerate(p.unary)}
     fields.update({f"e{k}": m for k, (_, _, m) in enumerate(p.edges)})

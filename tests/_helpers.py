@@ -1,0 +1,44 @@
+"""Small helpers shared by test modules."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark_script(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module, loaded once. Loaded by path: the folder also holds a
+    ``costmodels.py``, which would shadow the package if the folder were put on ``sys.path``."""
+    key = f"_apmodel_benchmark_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+class SavedStorages:
+    """Bytes of the distinct storages noted (parameters' own excluded): pass :meth:`note` as the
+    pack hook of ``torch.autograd.graph.saved_tensors_hooks`` to count what a forward saves."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._bytes: dict[int, int] = {}
+
+    def note(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._params:
+            self._bytes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._bytes.values())
