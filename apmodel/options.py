@@ -45,6 +45,12 @@ DEFAULT_SEED_RADIUS = 2
 MIXED_PARAM_DTYPES = ("bf16", "fp16")
 
 
+def _dtype_name(dtype: Any) -> str:
+    """A pricing dtype as a plan file records it: the option's name, or a torch dtype's name
+    without the ``torch.`` prefix (``"bfloat16"``)."""
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+
+
 def run_precision_of(record: Mapping[str, Any]) -> tuple[str, str] | None:
     """:attr:`PlanOptions.run_precision` of a plan file's ``workload`` record."""
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(record.get("dtype"), record.get("dtype"))  # torch names
@@ -149,6 +155,9 @@ class PlanOptions:
                     f"mixed_precision {self.mixed_precision!r}: expected (param dtype, reduce dtype) with the param "
                     f"dtype one of {', '.join(MIXED_PARAM_DTYPES)} and the reduce dtype 'fp32'", "mixed_precision"
                 )
+            if self.dtype not in (pair[0], PlanOptions.dtype):  # an explicit dtype that says otherwise
+                raise OptionsError(f"mixed_precision {self.mixed_precision!r} computes in {pair[0]}, but dtype is "
+                                   f"{_dtype_name(self.dtype)!r}: give one of them", "mixed_precision")
             set_(self, "dtype", pair[0])
             set_(self, "mixed_precision", True)
         elif self.mixed_precision is not None and not isinstance(self.mixed_precision, bool):
@@ -210,7 +219,7 @@ class PlanOptions:
         parameter gradients are cast to the reduce dtype before they are reduced. Set only when
         ``mixed_precision`` is asked for explicitly (``True`` or a pair) with a bf16/fp16 ``dtype``;
         ``None``: the step runs in the model's dtype."""
-        return run_precision_of(self.to_record())
+        return run_precision_of({"dtype": _dtype_name(self.dtype), "mixed_precision": self.mixed_precision})
 
     @property
     def dtype_bytes(self) -> int:
@@ -231,8 +240,8 @@ class PlanOptions:
             value = getattr(self, f.name)
             if f.name == "device":
                 value = self.device_name
-            elif f.name == "dtype" and not isinstance(value, str):
-                value = str(value).replace("torch.", "")
+            elif f.name == "dtype":
+                value = _dtype_name(value)
             elif f.name in ("compute_model", "comm_model") and value is not None and not isinstance(value, str):
                 value = f"<object {type(value).__module__}.{type(value).__qualname__}>"
             elif f.name in ("input_placements", "output_placements") and value is not None:

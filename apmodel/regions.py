@@ -48,7 +48,7 @@ class RegionError(ValueError):
     """A ``local_map`` region is declared wrongly; the message names the region."""
 
 
-def _placement(text: str | Placement, region: str, what: str) -> Placement:
+def _placement(text: str | Placement, region: str, what: str, *, partial_ok: bool) -> Placement:
     if isinstance(text, Placement):
         p = text
     else:
@@ -61,7 +61,7 @@ def _placement(text: str | Placement, region: str, what: str) -> Placement:
             p = Shard(int(s[2:-1]))
         else:
             raise RegionError(f"local_map {region!r}: {what} placement {text!r} is not R, S(d) or P")
-    if what.startswith("input") and isinstance(p, Partial):
+    if not partial_ok and isinstance(p, Partial):
         raise RegionError(f"local_map {region!r}: {what} cannot be partial (P); inputs are R or S(d)")
     return p
 
@@ -224,8 +224,8 @@ def local_map(
     """
     if not name.isidentifier() or name.startswith("_"):
         raise RegionError(f"local_map name {name!r} must be an identifier (letters, digits, _)")
-    ins = tuple(_placement(p, name, f"input {i}") for i, p in enumerate(in_placements))
-    outs = tuple(_placement(p, name, f"output {i}") for i, p in enumerate(out_placements))
+    ins = tuple(_placement(p, name, f"input {i}", partial_ok=False) for i, p in enumerate(in_placements))
+    outs = tuple(_placement(p, name, f"output {i}", partial_ok=True) for i, p in enumerate(out_placements))
     if not ins or not outs:
         raise RegionError(f"local_map {name!r} needs at least one input and one output placement")
     namespace = getattr(torch.ops, NAMESPACE)

@@ -146,6 +146,9 @@ def test_mixed_precision_pair_sets_the_pricing_dtype():
         PlanOptions(mixed_precision=("bf16", "bf16"))
     with pytest.raises(OptionsError, match="mixed_precision"):
         PlanOptions(mixed_precision="yes")
+    with pytest.raises(OptionsError, match="computes in bf16, but dtype is 'fp16'"):
+        PlanOptions(dtype="fp16", mixed_precision=("bf16", "fp32"))
+    assert PlanOptions(dtype="bf16", mixed_precision=("bf16", "fp32")).dtype == "bf16"
 
 
 def test_a_mixed_precision_plan_is_traced_and_priced_as_it_runs():
