@@ -25,6 +25,12 @@ def benchmark_script(name: str) -> ModuleType:
     return sys.modules[key]
 
 
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of ``model``'s parameters and buffers (persistent or not) by name: the global values
+    to load into a parallelized twin (``apmodel.lowering.load_full_state_dict``)."""
+    return {k: v.detach().clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+
+
 class SavedStorages:
     """Bytes of the distinct storages noted (parameters' own excluded): pass :meth:`note` as the
     pack hook of ``torch.autograd.graph.saved_tensors_hooks`` to count what a forward saves."""

@@ -32,7 +32,7 @@ from apmodel.options import OptionsError, PlanOptions
 from apmodel.plans import Plan
 
 from _dist_utils import run_distributed
-from _helpers import SavedStorages
+from _helpers import SavedStorages, full_weights
 from _tiny import fixed_tokens, tiny_llama
 
 LLAMA = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256, max_seq_len=64)
@@ -349,7 +349,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     tokens, targets = fixed_tokens()
     ref = tiny_llama("cpu")
-    full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+    full = full_weights(ref)
     for run, options in RUNS.items():
         model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")), **options)
         model.to_empty(device="cpu")

@@ -27,6 +27,7 @@ from apmodel.options import PlanOptions  # noqa: E402
 from apmodel.workloads import WorkloadError, load_workload  # noqa: E402
 
 from _dist_utils import run_distributed  # noqa: E402
+from _helpers import full_weights
 
 MESH = (2, 2)
 STEPS = 3
@@ -246,7 +247,7 @@ def _train_worker(rank: int, world: int, plan_path: str, family: str) -> dict[st
     mesh = dist.init_device_mesh("cpu", MESH)
     torch.manual_seed(0)
     ref = hf.build(_tiny_config(family), LOWERED[family])
-    full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+    full = full_weights(ref)
     model, captured = _meta_capture(family)
     model = lower(model, mesh, Plan.load(plan_path), captured)
     model.to_empty(device="cpu")

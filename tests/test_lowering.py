@@ -37,6 +37,7 @@ from apmodel.plans import Plan
 from apmodel.strategies import input_slots
 
 from _dist_utils import CollectiveRecorder, gloo_view, predicted_collectives, run_distributed
+from _helpers import full_weights
 
 CFG = dict(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=16)
 BATCH, SEQ = 4, 12  # 48 tokens: no weight dimension equals batch x seq (recipes tell activations by it)
@@ -82,7 +83,7 @@ def reference_weights() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     m = tiny("cpu")
     m.init_weights()
-    return {k: v.detach().clone() for k, v in list(m.named_parameters()) + list(m.named_buffers())}
+    return full_weights(m)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from apmodel.options import OptionsError, PlanOptions
 from apmodel.plans import Plan, PlanMismatch
 
 from _dist_utils import CollectiveRecorder, gloo_view, predicted_collectives, run_distributed
+from _helpers import full_weights
 from _tiny import TINY, TINY_BATCH, TINY_SEQ, fixed_tokens, tiny_llama
 
 MESH = (2, 2)
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     mesh = dist.init_device_mesh("cpu", MESH)
     tokens, targets = fixed_tokens()
     ref = tiny_llama("cpu")
-    full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+    full = full_weights(ref)
     model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
                                 mixed_precision=("bf16", "fp32"))
     model.to_empty(device="cpu")
@@ -194,14 +195,10 @@ def test_one_op_at_two_dtypes_is_two_prices():
 
 
 # --------------------------------------------------------------------- models of other shapes
-def _zoo_inputs(case: Any) -> tuple[tuple, dict, tuple]:
-    return case.inputs(torch.Generator().manual_seed(7))
-
-
 def _zoo_policy_losses(case: Any) -> list[float]:
     """One process, the same policy (as :func:`_reference_losses`), on a zoo model; floating inputs
     in bf16, buffers in their own dtype."""
-    args, kwargs, targets = _zoo_inputs(case)
+    args, kwargs, targets = case.step_inputs()
     torch.manual_seed(0)
     master = case.build()
     opt = torch.optim.SGD([p for p in master.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
@@ -232,10 +229,10 @@ def _zoo_worker(rank: int, world: int) -> dict[str, Any]:
     mesh = dist.init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
     for case in ZOO:
-        args, kwargs, targets = _zoo_inputs(case)
+        args, kwargs, targets = case.step_inputs()
         torch.manual_seed(0)
         ref = case.build()
-        full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+        full = full_weights(ref)
         with torch.device("meta"):
             model = case.build()
         meta_kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

@@ -21,6 +21,7 @@ from apmodel.capture import capture
 from apmodel.plans import Plan
 
 from _dist_utils import run_distributed
+from _helpers import full_weights
 from zoo_models import ZOO
 
 MESH = (2, 2)
@@ -33,12 +34,8 @@ def _meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
-def _step_inputs(case):
-    return case.inputs(torch.Generator().manual_seed(7))
-
-
 def _capture(case):
-    args, kwargs, targets = _step_inputs(case)
+    args, kwargs, targets = case.step_inputs()
     with torch.device("meta"):
         model = case.build()
     return capture(
@@ -67,10 +64,10 @@ def _worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
     mesh = dist.init_device_mesh("cpu", MESH)
     results: dict[str, Any] = {}
     for case in ZOO:
-        args, kwargs, targets = _step_inputs(case)
+        args, kwargs, targets = case.step_inputs()
         torch.manual_seed(0)
         ref = case.build()
-        full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+        full = full_weights(ref)
         with torch.device("meta"):
             model = case.build()
         plan = Plan.load(Path(plan_dir) / f"{case.name}.json")
@@ -195,7 +192,7 @@ def test_keyword_inputs_are_checked_at_call_time(plan_dir):
 
     sig = _capture(CASES["keyword_inputs"]).signature
     assert sig == InputSignature(n_args=1, kwarg_names=("mask",), constant_kwargs=(("scale", 0.5),), n_targets=1)
-    args, kwargs, targets = _step_inputs(CASES["keyword_inputs"])
+    args, kwargs, targets = CASES["keyword_inputs"].step_inputs()
     flat = sig.flatten((*args, *targets), kwargs, "f")
     assert flat[1] is kwargs["mask"] and flat[2] is targets[0]
     with pytest.raises(ValueError, match="missing \\['mask'\\]"):
@@ -227,7 +224,7 @@ def _plan_then_train_worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     ref = build("llama3-debug", **cfg)
     ref.init_weights()
-    full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+    full = full_weights(ref)
     with torch.device("meta"):
         model = build("llama3-debug", **cfg)
     model = apmodel.parallelize(model, mesh, (tokens, targets), plan=plan)
@@ -345,7 +342,7 @@ def _compile_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
 
     mesh = dist.init_device_mesh("cpu", MESH)
     case = CASES["tied_lm"]
-    args, _, targets = _step_inputs(case)
+    args, _, targets = case.step_inputs()
     torch.manual_seed(0)
     full = case.build().state_dict()
     with torch.device("meta"):
