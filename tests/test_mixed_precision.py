@@ -199,8 +199,7 @@ def _zoo_policy_losses(case: Any) -> list[float]:
     """One process, the same policy (as :func:`_reference_losses`), on a zoo model; floating inputs
     in bf16, buffers in their own dtype."""
     args, kwargs, targets = case.step_inputs()
-    torch.manual_seed(0)
-    master = case.build()
+    master = case.seeded()
     opt = torch.optim.SGD([p for p in master.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
     def cast(x: Any) -> Any:
@@ -230,9 +229,7 @@ def _zoo_worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for case in ZOO:
         args, kwargs, targets = case.step_inputs()
-        torch.manual_seed(0)
-        ref = case.build()
-        full = full_weights(ref)
+        full = full_weights(case.seeded())
         with torch.device("meta"):
             model = case.build()
         meta_kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

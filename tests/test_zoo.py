@@ -65,8 +65,7 @@ def _worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for case in ZOO:
         args, kwargs, targets = case.step_inputs()
-        torch.manual_seed(0)
-        ref = case.build()
+        ref = case.seeded()
         full = full_weights(ref)
         with torch.device("meta"):
             model = case.build()

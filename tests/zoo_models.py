@@ -100,6 +100,11 @@ class ZooCase:
     """generator -> (args, kwargs, targets), CPU tensors"""
     options: dict[str, Any] = field(default_factory=dict)
 
+    def seeded(self) -> nn.Module:
+        """The model with the weights every test and process starts from (seed 0), on CPU."""
+        torch.manual_seed(0)
+        return self.build()
+
     def step_inputs(self) -> tuple[tuple, dict, tuple]:
         """The one batch every test and process uses: (args, kwargs, targets) from seed 7."""
         return self.inputs(torch.Generator().manual_seed(7))
