@@ -33,9 +33,9 @@ build = strategies + pricing (+ seeding), seconds; solved by HiGHS unless noted)
 (S(0)), but a batch of 8 cannot be split 32 ways, so the optimum lies 3 axes from such seeds.
 
 The default radius (``PlanOptions.seed_radius_for``) is 2 on 3 axes and ``D - 1`` beyond: on
-LLaMA-3 8B (2,2,2,4), seq 2048, batch 8, radius 2 stops at 213.9K µs while radius 3 reaches the
-unseeded optimum, 209,015.6 µs (TRW-S proves both; 104 s end to end for radius 3 against 318 s
-unseeded, 2 cores, lightly loaded).
+LLaMA-3 8B (2,2,2,4), seq 2048, batch 8, radius 2 stops at 214,148.5 µs (TRW-S gap 0.05% in its
+space) while radius 3 reaches the unseeded optimum, 209,015.6 µs, which TRW-S proves on the whole
+space: 55 s end to end for radius 3 against 140 s unseeded (2 cores, idle; benchmarks/planner.py).
 
 User constraints are not projected; :func:`apmodel.api.build_model` falls back to the full
 enumeration when they conflict with the restricted candidates.
