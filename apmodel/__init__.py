@@ -26,6 +26,8 @@ _EXPORTS = {
     "fix": "apmodel.constraints",
     "forbid": "apmodel.constraints",
     "linear": "apmodel.constraints",
+    "region_as": "apmodel.constraints",
+    "RegionAs": "apmodel.constraints",
     "ConstraintConflict": "apmodel.placement_model",
     "PlacementModel": "apmodel.placement_model",
     "Plan": "apmodel.plans",
@@ -38,6 +40,8 @@ _EXPORTS = {
     "attach": "apmodel.api",
     "local_map": "apmodel.regions",
     "LocalRegion": "apmodel.regions",
+    "RegionComm": "apmodel.regions",
+    "region_comm": "apmodel.regions",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,6 +8,7 @@ glob, and fix or forbid placements, or add a linear row over placement indicator
         apmodel.fix("layers.*.attention.wo.weight", "S(0)S(1)"),
         apmodel.forbid("output.weight", "RR"),
         lambda m: m.fix("layers.0.feed_forward.w2.weight", "S(1)S(0)"),
+        apmodel.region_as("routed_experts_*", "data_parallel", "expert_parallel"),
     ])
 
 Every constraint carries a name; a set of constraints that leaves some node without a strategy
@@ -60,6 +61,19 @@ class Forbid:
 
 
 @dataclass(frozen=True)
+class RegionAs:
+    """Run the ``local_map`` regions named like ``pattern`` as ``per_axis`` (an alternative,
+    ``"replicated"`` or None per mesh axis)."""
+
+    pattern: str
+    per_axis: tuple[str | None, ...]
+    name: str = ""
+
+    def apply(self, model: "PlacementModel") -> None:
+        model.run_regions_as(self.pattern, self.per_axis, name=self.name or None)
+
+
+@dataclass(frozen=True)
 class Linear:
     """``Σ coef · [pattern placed as placement]  sense  rhs`` over the placement indicators."""
 
@@ -78,6 +92,12 @@ def fix(pattern: str, placement: Any, *, on: str = "output", name: str = "") -> 
 
 def forbid(pattern: str, placement: Any, *, on: str = "output", name: str = "") -> Forbid:
     return Forbid(pattern, placement, on, name)
+
+
+def region_as(pattern: str, *per_axis: str | None, name: str = "") -> RegionAs:
+    """``region_as("routed_experts_*", "expert_parallel", None)``: those regions run expert
+    parallel on mesh axis 0, axis 1 left to the solver."""
+    return RegionAs(pattern, tuple(per_axis), name)
 
 
 def linear(name: str, terms: Iterable[tuple[str, Any, float]], sense: str, rhs: float) -> Linear:

@@ -375,6 +375,38 @@ class PlacementModel:
             self.restrict(n, lambda s, m=m: not m(s), label)
         return nodes
 
+    def run_regions_as(self, pattern: str, per_axis: Sequence[str | None], *, name: str | None = None) -> list[str]:
+        """Run the ``local_map`` regions whose region name matches ``pattern`` (glob; forward,
+        backward and recomputed nodes) as ``per_axis``: per mesh axis one of the region's
+        alternatives, ``"replicated"``, or None (left to the solver)."""
+        from apmodel.regions import is_backward, region_of
+
+        label = name or f"region_as({pattern!r}, {', '.join(map(repr, per_axis))})"
+        if len(per_axis) != len(self.mesh_shape):
+            raise ValueError(f"{label}: {len(per_axis)} entries for a mesh of {len(self.mesh_shape)} axes")
+        nodes = []
+        for n in self.nodes:
+            region = region_of(n.target) if n.op == "call_function" else None
+            if region is None or not fnmatch.fnmatchcase(region.name, pattern) or n.name not in self.strategies:
+                continue
+            known = {a.name for a in region.alternatives} | {"replicated"}
+            bad = [a for a in per_axis if a is not None and a not in known]
+            if bad:
+                raise ValueError(f"{label}: region {region.name!r} has no alternative {bad[0]!r} (it has {sorted(known)})")
+            want = tuple("replicated" if a is None else a for a in per_axis)
+            backward = is_backward(n.target)
+
+            def allowed(s: Strategy, region=region, backward=backward) -> bool:
+                modes = region.alternative_on_axes(s.inputs, backward=backward)
+                return all(w is None or (m or "replicated") == w
+                           for m, w in zip(modes, (None if a is None else a for a in per_axis)))
+
+            self.restrict(n.name, allowed, label)
+            nodes.append(n.name)
+        if not nodes:
+            raise KeyError(f"{label}: pattern {pattern!r} matches no local_map region of the graph")
+        return nodes
+
     def fix_strategy(self, node: str, strategy: Strategy, reason: str) -> None:
         """Force ``node`` to exactly ``strategy`` (used by plan replay)."""
         strats = self.strategies.get(node)

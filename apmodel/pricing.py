@@ -211,7 +211,9 @@ class CostContext:
             out = tree_unflatten(outs, out_spec)
             region = region_of(node.target)
             if region is not None:  # a local_map region: the ops it runs, at these local shapes
-                value = region.time_us(self.compute, call_args, backward=is_backward(node.target), dtype=self.dtype)
+                backward = is_backward(node.target)
+                modes = region.alternative_on_axes(s.inputs, backward=backward)
+                value = region.time_us(self, call_args, modes=modes, backward=backward)
             else:
                 value = self.compute.time_us(node.target, tuple(call_args), dict(call_kwargs), out, dtype=self.dtype)
             try:

@@ -9,18 +9,28 @@ A region is a user function that runs on local shards with declared placements::
     )
     y = expert_mlp(x, w1, w2)               # inside the model's forward
 
+or, with several named ways to shard it on a mesh axis (the planner picks one per axis)::
+
+    moe = apmodel.local_map(routed_experts, name="moe", alternatives={
+        "expert_parallel": (("S(0)", "S(0)", "S(0)"), ("S(0)",)),  # tokens and experts split
+        "data_parallel": (("S(0)", "S(0)", "R"), ("S(0)",)),        # tokens split, experts whole
+    })
+
 It becomes one operator of the joint graph (``apmodel_region::<name>``, forward) and one more for
 its backward (``<name>_backward``, which recomputes the region and differentiates it locally), so
 the capture, the placement model, constraints (by the node name ``<name>``), explain and diff see
-it as a single node. Its candidate strategies are the declared one on every subset of mesh axes
-(per axis: the declared placements, or everything replicated — running the function on whole
-tensors, which is always correct), registered with DTensor's ``register_sharding``; the backward's
-are derived: each gradient takes its input's placement, except a replicated input next to a
-sharded one on the same axis, whose local gradient is a partial sum. It is priced by tracing the
-function at the local shapes of each strategy and pricing every op it runs (or by ``cost_us``), and
-lowered by DTensor itself: inputs are redistributed to the planned placements and the function
-runs on the local shards (it may issue collectives of its own; those are not priced unless
-``cost_us`` includes them).
+it as a single node. Its candidate strategies are, on every mesh axis independently, one of the
+alternatives or everything replicated (running the function on whole tensors, which is always
+correct), registered with DTensor's ``register_sharding``; the backward's are derived: each
+gradient takes its input's placement, except a replicated input next to a sharded one on the same
+axis, whose local gradient is a partial sum.
+
+The function learns on which ranks an alternative runs from :func:`region_comm` (a
+:class:`RegionComm` over the mesh axes the plan gives that alternative) and issues its own
+collectives through it (``all_gather``, ``all_to_all``, differentiable). It is priced by tracing
+the function at the local shapes of each strategy: every op it runs by the compute model, and
+every collective it issues through :class:`RegionComm` by the collective model (or the whole
+region by ``cost_us``). It is lowered by running the function on the planned local shards.
 
 Regions are registered with ``torch.library`` once per name for the life of the process (the
 operator registry is torch's); making one again with the same name and function returns it.
@@ -29,10 +39,11 @@ operator registry is torch's); making one again with the same name and function 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -42,6 +53,7 @@ from apmodel._torch_private import OpOverload, overload_packet
 
 NAMESPACE = "apmodel_region"
 _ATTR = "_apmodel_region"  # where the LocalRegion hangs on its operator packet
+SHARDED = "sharded"  # the name of the one alternative given by in_placements / out_placements
 
 
 class RegionError(ValueError):
@@ -66,16 +78,169 @@ def _placement(text: str | Placement, region: str, what: str, *, partial_ok: boo
     return p
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """One way to run a region on a mesh axis: its inputs' and outputs' placements there."""
+
+    name: str
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+
+    def backward(self) -> tuple[list[Placement], list[Placement]]:
+        """(placements of the input gradients, of the backward's inputs: output gradients then
+        the forward inputs) on an axis where this alternative runs."""
+        sharded = any(isinstance(p, Shard) for p in (*self.inputs, *self.outputs))
+        grad_in = [Partial() if isinstance(p, Replicate) and sharded else p for p in self.inputs]
+        # the gradient of a partial output is whole on every rank
+        grad_out = [Replicate() if isinstance(p, Partial) else p for p in self.outputs]
+        return grad_in, grad_out + list(self.inputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the region's own collectives
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """A collective a region issued while it was traced for pricing."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_to_all"
+    numel: int  # elements, nccl-tests convention: the gathered output, the scattered input, one rank's buffer
+    dtype: torch.dtype
+    axes: tuple[int, ...]
+
+
+@dataclass
+class RegionComm:
+    """The ranks one alternative of a region spans on the planned mesh, and collectives over them.
+
+    ``size`` ranks, this one ``rank`` among them, in the order of the shards (a tensor sharded on
+    these axes holds chunk ``rank``). Size 1 — no communication — on one device, when the model is
+    traced, and where the plan runs the region another way. While the region is priced ``group``
+    is None and ``records`` collects what the function issues (the tensors are meta)."""
+
+    size: int = 1
+    rank: int = 0
+    axes: tuple[int, ...] = ()
+    group: Any = None
+    records: list[CollectiveRecord] | None = None
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The shards of every rank concatenated along ``dim`` (differentiable: the gradient is
+        reduce-scattered back)."""
+        return x if self.size == 1 else _AllGather.apply(x, dim, self)
+
+    def all_to_all(self, x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]) -> torch.Tensor:
+        """Rows of ``x`` (dim 0) sent in blocks, ``send_rows[j]`` to rank ``j``; the result holds
+        ``recv_rows[j]`` rows from each rank ``j``, in rank order (differentiable: the gradient
+        goes back the same way). While priced, ``recv_rows`` is the caller's expectation."""
+        if self.size == 1:
+            return x
+        if len(send_rows) != self.size or len(recv_rows) != self.size or sum(send_rows) != x.shape[0]:
+            raise ValueError(f"all_to_all over {self.size} ranks: send_rows {list(send_rows)} / recv_rows "
+                             f"{list(recv_rows)} do not fit {x.shape[0]} rows")
+        return _AllToAll.apply(x, [int(r) for r in send_rows], [int(r) for r in recv_rows], self)
+
+    def _record(self, kind: str, numel: int, dtype: torch.dtype) -> None:
+        self.records.append(CollectiveRecord(kind, int(numel), dtype, self.axes))
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, comm: RegionComm) -> torch.Tensor:
+        ctx.dim, ctx.comm = dim, comm
+        shape = list(x.shape)
+        shape[dim] *= comm.size
+        if comm.group is None:
+            comm._record("all_gather", math.prod(shape), x.dtype)
+            return x.new_empty(shape)
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(comm.size)]
+        dist.all_gather(parts, x.contiguous(), group=comm.group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        comm, dim = ctx.comm, ctx.dim
+        if comm.group is None:
+            comm._record("reduce_scatter", grad.numel(), grad.dtype)
+            return grad.narrow(dim, 0, grad.shape[dim] // comm.size).clone(), None, None
+        import torch.distributed as dist
+
+        # gloo has no reduce-scatter: the sum everywhere, then this rank's chunk
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=comm.group)
+        return total.chunk(comm.size, dim=dim)[comm.rank].contiguous(), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], comm: RegionComm) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.comm = send, recv, comm
+        return _all_to_all(x, send, recv, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.comm), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], comm: RegionComm) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    row = math.prod(x.shape[1:])
+    if comm.group is None:
+        comm._record("all_to_all", max(sum(send), sum(recv)) * row, x.dtype)
+        return out
+    import torch.distributed as dist
+
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=comm.group)
+    return out
+
+
+_SCOPE: contextvars.ContextVar[Mapping[str, RegionComm] | None] = contextvars.ContextVar("apmodel_region_scope",
+                                                                                         default=None)
+
+
+def region_comm(alternative: str = SHARDED) -> RegionComm:
+    """Inside a region's function: the ranks ``alternative`` runs on (size 1 where it does not)."""
+    scope = _SCOPE.get()
+    comm = None if scope is None else scope.get(alternative)
+    return RegionComm() if comm is None else comm
+
+
+@contextlib.contextmanager
+def region_scope(comms: Mapping[str, RegionComm]) -> Iterator[None]:
+    """Run a region's function with ``comms`` (alternative name -> its ranks) visible to it."""
+    token = _SCOPE.set(comms)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------
+# the region
+# ---------------------------------------------------------------------------------------------
+
+
 @dataclass(eq=False)
 class LocalRegion:
     """A registered region: call it like the function it wraps (tensors in, tensors out)."""
 
     name: str
     fn: Callable[..., Any]
-    in_placements: tuple[Placement, ...]
-    out_placements: tuple[Placement, ...]
+    alternatives: tuple[Alternative, ...]
     cost_us: Callable[..., float] | None = None
     _priced: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n_in(self) -> int:
+        return len(self.alternatives[0].inputs)
+
+    @property
+    def n_out(self) -> int:
+        return len(self.alternatives[0].outputs)
 
     @property
     def op(self) -> OpOverload:
@@ -86,25 +251,24 @@ class LocalRegion:
         return getattr(getattr(torch.ops, NAMESPACE), f"{self.name}_backward").default
 
     def __call__(self, *tensors: torch.Tensor) -> Any:
-        if len(tensors) != len(self.in_placements):
-            raise RegionError(f"local_map {self.name!r} takes {len(self.in_placements)} tensors, got {len(tensors)}")
+        if len(tensors) != self.n_in:
+            raise RegionError(f"local_map {self.name!r} takes {self.n_in} tensors, got {len(tensors)}")
         out = self.op(*tensors)  # one Tensor, or a tuple for several outputs (the op's schema)
-        return out if len(self.out_placements) == 1 else tuple(out)
+        return out if self.n_out == 1 else tuple(out)
 
     # ---------------------------------------------------------------- local semantics
     def _run(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         out = self.fn(*tensors)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        if len(outs) != len(self.out_placements) or not all(isinstance(o, torch.Tensor) for o in outs):
+        if len(outs) != self.n_out or not all(isinstance(o, torch.Tensor) for o in outs):
             raise RegionError(f"local_map {self.name!r}: the function returned {len(outs)} values, "
-                              f"{len(self.out_placements)} tensors were declared")
+                              f"{self.n_out} tensors were declared")
         return outs
 
     def _vjp(self, *args: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of the inputs, from the output gradients (first) and the inputs: the region
         recomputed under autograd and differentiated (in this thread)."""
-        n_out = len(self.out_placements)
-        grads, inputs = args[:n_out], args[n_out:]
+        grads, inputs = args[:self.n_out], args[self.n_out:]
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
             outs = self._run(*leaves)
@@ -115,9 +279,10 @@ class LocalRegion:
     def _backward(self, *args: torch.Tensor) -> list[torch.Tensor]:
         """:meth:`_vjp` as the backward operator's kernel. A kernel runs below the autograd
         dispatch key (inside DTensor's dispatch, for one), where this thread's dispatch state
-        records no graph; a fresh thread starts clean (on the same device stream) and shares the
-        tensors."""
+        records no graph; a fresh thread starts clean (on the same device stream, with this
+        thread's region scope) and shares the tensors."""
         stream = torch.cuda.current_stream() if args[0].is_cuda else None
+        context = contextvars.copy_context()
         result: list = []
         errors: list[BaseException] = []
 
@@ -128,7 +293,7 @@ class LocalRegion:
             except BaseException as e:  # re-raised in the calling thread
                 errors.append(e)
 
-        worker = threading.Thread(target=run, name=f"apmodel-region-{self.name}-backward")
+        worker = threading.Thread(target=context.run, args=(run,), name=f"apmodel-region-{self.name}-backward")
         worker.start()
         worker.join()
         if errors:
@@ -139,30 +304,69 @@ class LocalRegion:
     def forward_strategies(self) -> list[tuple[list[Placement], list[Placement]]]:
         """Per mesh axis: (output placements, input placements) the region accepts."""
         R = Replicate()
-        return [([R] * len(self.out_placements), [R] * len(self.in_placements)),
-                (list(self.out_placements), list(self.in_placements))]
+        return [([R] * self.n_out, [R] * self.n_in)] + [(list(a.outputs), list(a.inputs)) for a in self.alternatives]
 
     def backward_strategies(self) -> list[tuple[list[Placement], list[Placement]]]:
         R = Replicate()
-        n_in, n_out = len(self.in_placements), len(self.out_placements)
-        sharded = any(isinstance(p, Shard) for p in (*self.in_placements, *self.out_placements))
-        grad_in = [Partial() if isinstance(p, Replicate) and sharded else p for p in self.in_placements]
-        # the gradient of a partial output is whole on every rank
-        grad_out = [R if isinstance(p, Partial) else p for p in self.out_placements]
-        return [([R] * n_in, [R] * (n_out + n_in)), (grad_in, grad_out + list(self.in_placements))]
+        return [([R] * self.n_in, [R] * (self.n_out + self.n_in))] + [a.backward() for a in self.alternatives]
+
+    def alternative_on_axes(self, inputs: Sequence[Sequence[Placement] | None], *, backward: bool) -> tuple[str | None, ...]:
+        """Per mesh axis, the alternative a strategy with input placements ``inputs`` (one
+        per-axis tuple per input) runs there; None where everything is replicated."""
+        n_axes = len(next(p for p in inputs if p is not None))
+        keys = {tuple(map(str, a.backward()[1] if backward else a.inputs)): a.name for a in self.alternatives}
+        modes: list[str | None] = []
+        for axis in range(n_axes):
+            on_axis = tuple(str(p[axis]) if p is not None else "R" for p in inputs)
+            if all(isinstance(p[axis], Replicate) for p in inputs if p is not None):
+                modes.append(None)
+            elif on_axis in keys:
+                modes.append(keys[on_axis])
+            else:
+                raise RegionError(f"local_map {self.name!r}: inputs placed {on_axis} on mesh axis {axis} match none "
+                                  f"of its alternatives {[a.name for a in self.alternatives]}")
+        return tuple(modes)
 
     # ---------------------------------------------------------------- pricing
-    def time_us(self, compute: Any, local_args: Sequence[Any], *, backward: bool, dtype: torch.dtype | None) -> float:
-        """Compute time (µs) of the region (or its backward) on local shards ``local_args``:
-        ``cost_us(*local_args, backward=...)`` when given, else the sum of ``compute``'s prices of
-        the ops the function runs, traced on the meta device at these shapes (memoised)."""
+    def time_us(self, cost: Any, local_args: Sequence[Any], *, modes: Sequence[str | None], backward: bool) -> float:
+        """Time (µs) of the region (or its backward) on local shards ``local_args``, run as
+        ``modes`` (per mesh axis, see :meth:`alternative_on_axes`): ``cost_us(*local_args,
+        backward=...)`` when given, else ``cost.compute``'s prices of the ops the function runs,
+        traced on the meta device at these shapes, plus ``cost.comm``'s prices of the collectives
+        it issues through :func:`region_comm` (memoised). ``cost`` is a
+        :class:`apmodel.pricing.CostContext`."""
         tensors = [a for a in local_args if isinstance(a, torch.Tensor)]
         if self.cost_us is not None:
             return float(self.cost_us(*tensors, backward=backward))
-        key = (backward, dtype, id(compute), tuple((tuple(t.shape), t.dtype) for t in tensors))
+        mesh_shape = tuple(cost.mesh_shape)
+        key = (backward, cost.dtype, id(cost.compute), id(cost.comm), mesh_shape, tuple(modes),
+               tuple((tuple(t.shape), t.dtype) for t in tensors))
         if key not in self._priced:
-            self._priced[key] = _traced_time_us(self._vjp if backward else self._run, tensors, compute, dtype)
+            records: list[CollectiveRecord] = []
+            comms = {}
+            for name in {m for m in modes if m is not None}:
+                axes = tuple(i for i, m in enumerate(modes) if m == name)
+                comms[name] = RegionComm(math.prod(mesh_shape[i] for i in axes), 0, axes, None, records)
+            with region_scope(comms):
+                compute_us = _traced_time_us(self._vjp if backward else self._run, tensors, cost.compute, cost.dtype)
+            comm_us = sum(collective_us(cost.comm, r.kind, r.numel * cost.itemsize(r.dtype), r.axes, mesh_shape)
+                          for r in records)
+            self._priced[key] = compute_us + comm_us
         return self._priced[key]
+
+
+def collective_us(comm: Any, kind: str, nbytes: float, axes: Sequence[int], mesh_shape: Sequence[int]) -> float:
+    """Price (µs) of one collective over the ranks of several mesh axes, as one stage per axis,
+    innermost first: an all-gather (reduce-scatter) of ``nbytes`` gathers the inner axes' share
+    first and the outer axes' last; an all-to-all moves the whole buffer once per axis
+    (hierarchical all-to-all)."""
+    total, done = 0.0, 1
+    group = math.prod(mesh_shape[a] for a in axes)
+    for axis in sorted(axes, reverse=True):
+        done *= mesh_shape[axis]
+        stage_bytes = nbytes if kind == "all_to_all" else nbytes * done / group
+        total += float(comm.time_us(kind, stage_bytes, axis))
+    return total
 
 
 def _meta(val: Any) -> Any:
@@ -202,39 +406,72 @@ def is_backward(target: Any) -> bool:
     return region is not None and target is region.backward_op
 
 
+def _alternatives(name: str, in_placements: Sequence | None, out_placements: Sequence | None,
+                  alternatives: Mapping[str, tuple[Sequence, Sequence]] | None) -> tuple[Alternative, ...]:
+    if (alternatives is None) == (in_placements is None and out_placements is None):
+        raise RegionError(f"local_map {name!r}: give in_placements and out_placements, or alternatives (not both)")
+    declared = dict(alternatives) if alternatives is not None else {SHARDED: (in_placements or (), out_placements or ())}
+    if not declared:
+        raise RegionError(f"local_map {name!r}: alternatives is empty")
+    out: list[Alternative] = []
+    for alt, spec in declared.items():
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise RegionError(f"local_map {name!r}: alternative {alt!r} must be (input placements, output placements)")
+        ins = tuple(_placement(p, name, f"alternative {alt!r} input {i}", partial_ok=False) for i, p in enumerate(spec[0]))
+        outs = tuple(_placement(p, name, f"alternative {alt!r} output {i}", partial_ok=True) for i, p in enumerate(spec[1]))
+        if not ins or not outs:
+            raise RegionError(f"local_map {name!r} needs at least one input and one output placement")
+        if all(isinstance(p, Replicate) for p in (*ins, *outs)):
+            raise RegionError(f"local_map {name!r}: alternative {alt!r} replicates everything; that one is implied")
+        out.append(Alternative(str(alt), ins, outs))
+    if len({(len(a.inputs), len(a.outputs)) for a in out}) > 1:
+        raise RegionError(f"local_map {name!r}: alternatives disagree on the number of inputs or outputs")
+    seen: dict[tuple, str] = {}
+    for a in out:
+        key = tuple(map(str, a.inputs))
+        if key in seen:
+            raise RegionError(f"local_map {name!r}: alternatives {seen[key]!r} and {a.name!r} place the inputs alike; "
+                              f"the plan could not tell them apart")
+        seen[key] = a.name
+    return tuple(out)
+
+
 def local_map(
     fn: Callable[..., Any],
     *,
     name: str,
-    in_placements: Sequence[str | Placement],
-    out_placements: Sequence[str | Placement],
+    in_placements: Sequence[str | Placement] | None = None,
+    out_placements: Sequence[str | Placement] | None = None,
+    alternatives: Mapping[str, tuple[Sequence[str | Placement], Sequence[str | Placement]]] | None = None,
     cost_us: Callable[..., float] | None = None,
 ) -> LocalRegion:
     """Declare ``fn`` a parallel region the planner plans around.
 
     Args:
-        fn: runs on local shards: tensors in (as many as ``in_placements``, floating point),
-            a tensor or a tuple of tensors out (as many as ``out_placements``). On whole tensors
-            it must compute the single-device result (the replicated alternative runs it so).
+        fn: a function or a callable object (equal ones share a region: a frozen dataclass
+            carrying settings), run on local shards: tensors in (as many as the placements declare, floating point),
+            a tensor or a tuple of tensors out. On whole tensors it must compute the
+            single-device result (the replicated alternative runs it so). Collectives go through
+            ``apmodel.region_comm(alternative)``.
         name: the operator and graph-node name (letters, digits, ``_``), unique in the process;
             constraints select the region by it (``apmodel.fix("<name>", "S(0)S(0)")``).
         in_placements / out_placements: per tensor, its placement on each mesh axis the region
-            is sharded over: ``"R"``, ``"S(d)"`` (outputs also ``"P"``, a partial sum).
+            is sharded over: ``"R"``, ``"S(d)"`` (outputs also ``"P"``, a partial sum); one
+            alternative, named ``"sharded"``.
+        alternatives: instead, several: name -> (input placements, output placements); the
+            planner picks one (or all-replicated) per mesh axis. Their input placements differ.
         cost_us: ``cost_us(*local_tensors, backward=bool) -> µs`` replacing the traced price.
     """
     if not name.isidentifier() or name.startswith("_"):
         raise RegionError(f"local_map name {name!r} must be an identifier (letters, digits, _)")
-    ins = tuple(_placement(p, name, f"input {i}", partial_ok=False) for i, p in enumerate(in_placements))
-    outs = tuple(_placement(p, name, f"output {i}", partial_ok=True) for i, p in enumerate(out_placements))
-    if not ins or not outs:
-        raise RegionError(f"local_map {name!r} needs at least one input and one output placement")
+    alts = _alternatives(name, in_placements, out_placements, alternatives)
     namespace = getattr(torch.ops, NAMESPACE)
     existing = getattr(getattr(namespace, name, None), _ATTR, None) if hasattr(namespace, name) else None
     if existing is not None:
-        if existing.fn is fn and existing.in_placements == ins and existing.out_placements == outs:
+        if (existing.fn is fn or existing.fn == fn) and existing.alternatives == alts:
             return existing
         raise RegionError(f"local_map name {name!r} is already used by another region in this process")
-    region = LocalRegion(name, fn, ins, outs, cost_us)
+    region = LocalRegion(name, fn, alts, cost_us)
     _register(region)
     return region
 
@@ -242,7 +479,7 @@ def local_map(
 def _register(region: LocalRegion) -> None:
     from torch.distributed.tensor.experimental import register_sharding
 
-    n_in, n_out = len(region.in_placements), len(region.out_placements)
+    n_in, n_out = region.n_in, region.n_out
     args = ", ".join(f"Tensor x{i}" for i in range(n_in))
     fwd_schema = f"({args}) -> ({', '.join(['Tensor'] * n_out)})" if n_out > 1 else f"({args}) -> Tensor"
     grads = ", ".join(f"Tensor g{i}" for i in range(n_out))

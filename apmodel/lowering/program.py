@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -34,6 +36,7 @@ from apmodel.lowering.graph import (
 from apmodel.lowering.records import Redistribution
 from apmodel.options import run_precision_of
 from apmodel.pricing import DTYPES
+from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class _Step:
     is_getitem: bool
     is_factory: bool
     without_rule: bool = False  # no DTensor rule: planned replicated, run on the local (= global) tensors
+    region_comms: dict[str, RegionComm] | None = None  # a local_map region: its alternatives' ranks
     last_use: list[fx.Node] = field(default_factory=list)  # values to free after this step
 
 
@@ -95,6 +99,12 @@ def _plain_partials(x: DTensor) -> DTensor:
     return DTensor.from_local(local, x.device_mesh, new, run_check=False, shape=x.shape, stride=x.stride())
 
 
+def _run_region(target: Callable, comms: dict[str, RegionComm], *args: Any) -> Any:
+    """A local_map region's operator on local shards, with its alternatives' ranks in scope."""
+    with region_scope(comms):
+        return target(*args)
+
+
 def _contiguous(x: Any) -> Any:
     """`x` with a contiguous local tensor (DTensor's own ``contiguous`` looks at the global strides,
     which may claim contiguity the local shard lacks)."""
@@ -113,8 +123,11 @@ class LoweredProgram:
     (attribute ``_apmodel_program``); ``redistributions`` lists what the last step issued."""
 
     def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any,
-                 local_kernels: Callable[[torch.device], dict] = default_local_kernels):
+                 local_kernels: Callable[[torch.device], dict] = default_local_kernels,
+                 region_groups: dict | None = None):
         self.mesh = mesh
+        self.region_groups: dict[tuple[int, ...], tuple[Any, int]] = {} if region_groups is None else region_groups
+        """mesh axes -> (process group over them holding this rank, its rank there), for regions"""
         self.local_kernels = local_kernels
         self.plan = plan
         self.captured = captured
@@ -216,6 +229,13 @@ class LoweredProgram:
             if without_rule and not all(_all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
                 raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
             step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule)
+            region = region_of(n.target)
+            if region is not None:
+                try:
+                    modes = region.alternative_on_axes(ins, backward=is_backward(n.target))
+                except RegionError as e:
+                    raise ValueError(f"node {n.name!r}: {e}") from None
+                step.region_comms = self._region_comms(modes)
             (self.bwd_steps if is_bwd.get(n.name, False) else self.fwd_steps).append(step)
         for n in self.storage:
             v = n.meta.get("val")
@@ -247,6 +267,40 @@ class LoweredProgram:
         self.variants: dict[tuple, LoweredProgram] = {}
         """the plan replayed on other input shapes, by the inputs' shapes"""
         self._kernels: dict[torch.device, dict] = {}
+
+    def _region_comms(self, modes: Sequence[str | None]) -> dict[str, RegionComm]:
+        """Alternative name -> the ranks it spans here, for a region planned as ``modes`` (one
+        alternative or None per mesh axis)."""
+        comms = {}
+        for name in sorted({m for m in modes if m is not None}):
+            axes = tuple(i for i, m in enumerate(modes) if m == name)
+            group, rank = self._group_over(axes)
+            comms[name] = RegionComm(size=math.prod(self.mesh.shape[a] for a in axes), rank=rank, axes=axes, group=group)
+        return comms
+
+    def _group_over(self, axes: tuple[int, ...]) -> tuple[Any, int]:
+        """The process group of the ranks that differ from this one only on ``axes``, ordered as
+        the shards of a tensor sharded on those axes (outer axis first), and this rank's place.
+        Every rank builds the same programs in the same order, so groups are made collectively."""
+        if axes in self.region_groups:
+            return self.region_groups[axes]
+        import torch.distributed as dist
+
+        if len(axes) == 1:
+            group, rank = self.mesh.get_group(axes[0]), self.mesh.get_local_rank(axes[0])
+        else:
+            ranks = self.mesh.mesh
+            keep = [a for a in range(ranks.dim()) if a not in axes]
+            lists = ranks.permute(*keep, *axes).reshape(-1, math.prod(ranks.shape[a] for a in axes)).tolist()
+            group, _ = dist.new_subgroups_by_enumeration(lists)
+            me = dist.get_rank()
+            rank = next(row.index(me) for row in lists if me in row)
+        if dist.get_rank(group) != rank:
+            raise ValueError(f"mesh axes {axes}: process group ranks are not in the mesh's shard order "
+                             f"(rank {dist.get_rank()} is {dist.get_rank(group)} in the group, shard {rank}); "
+                             "local_map regions need a mesh whose ranks increase along every axis")
+        self.region_groups[axes] = (group, rank)
+        return group, rank
 
     @staticmethod
     def _plan_frees(steps: list[_Step], keep: set) -> None:
@@ -307,7 +361,7 @@ class LoweredProgram:
         plan = copy.copy(self.plan)
         plan.fingerprint = captured.fingerprint
         try:
-            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels)
+            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups)
         except ValueError as e:
             raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
         logger.info("replayed the plan on input shapes %s", shapes)
@@ -355,6 +409,8 @@ class LoweredProgram:
                         flat[slot.leaf] = self._redistribute(flat[slot.leaf], slot.dst, n.name, slot.producer.name,
                                                              slot.index, phase, slot.gradient)
                 kernel = kernels.get(s.target, s.target if s.without_rule else None)
+                if s.region_comms is not None:
+                    kernel = functools.partial(_run_region, s.target, s.region_comms)
                 try:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)

@@ -1,27 +1,43 @@
 """DeepSeek-MoE-style decoder: LLaMA-3 attention blocks whose FFN is a mixture of experts
 (shared experts that see every token + routed experts chosen by top-k gating).
 
-Routing is computed *densely* so that the traced graph has static shapes: every routed expert
-runs on every token, and its output is multiplied by a gate weight that is zero unless the
-expert is among the token's top-k. This is numerically the same as sparse dispatch (up to ties
-in the top-k threshold) but costs ``n_routed_experts / top_k`` times the routed-expert FLOPs;
-a planner that prices this graph over-counts routed-expert compute by that factor.
-
 Routed expert weights are stacked into 3-D parameters (``experts.w1: [E, dim, hidden]`` etc.),
-as torchtitan's grouped experts, so expert parallelism is sharding dim 0 of those parameters and of
-the ``[E, tokens, *]`` activations (batched matmuls ``bmm``).
+as torchtitan's grouped experts. Two routings compute the same function:
+
+* ``routing="sparse"`` (the presets): each token goes to its top-k experts only (dropless: no
+  capacity limit, no token dropped), through the ``local_map`` region :class:`RoutedExperts`:
+  tokens are permuted by expert, sent with an all-to-all to the ranks holding their experts when
+  the plan shards the experts (expert parallelism), run through each expert's SwiGLU and sent
+  back. Compute is proportional to the routed tokens (``top_k`` experts per token).
+* ``routing="dense"``: every routed expert runs on every token (batched matmuls with static
+  shapes) and its output is multiplied by a gate weight that is zero unless the expert is among
+  the token's top-k. ``n_routed_experts / top_k`` times the routed FLOPs (10.7x on
+  deepseek-moe-16b); kept as the independent reference the sparse path is tested against.
+
+Expert-parallel pricing: which rank receives how many tokens depends on the data, so the region
+is priced at uniform routing with the busiest rank receiving :data:`EXPERT_LOAD_IMBALANCE` times
+the mean (its all-to-all bytes and its expert matmuls).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from apmodel.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, Transformer
+from apmodel.regions import LocalRegion, local_map, region_comm
+
+#: Tokens the busiest expert-parallel rank receives over the mean, assumed in pricing (routing is
+#: data dependent). 1.25 is the capacity factor Switch Transformer trains with (Fedus et al.
+#: 2022, §2.1): a balanced router's busiest rank is taken to stay within it.
+EXPERT_LOAD_IMBALANCE = 1.25
+
+ROUTINGS = ("sparse", "dense")
 
 
 @dataclass
@@ -44,9 +60,12 @@ class MoEConfig(LlamaConfig):
     n_shared_experts: int = 2
     top_k: int = 6
     n_dense_layers: int = 1
+    routing: str = "sparse"  # "sparse" (top-k dispatch, the region) or "dense" (see the module doc)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # head sizes and attention backend
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"MoEConfig: routing={self.routing!r} not in {ROUTINGS}")
         if not 1 <= self.top_k <= self.n_routed_experts:
             raise ValueError(
                 f"MoEConfig: top_k={self.top_k} must be in [1, n_routed_experts={self.n_routed_experts}]"
@@ -71,11 +90,93 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
 
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The routed experts of one MoE layer on local shards (the function of a ``local_map`` region).
+
+    ``tokens [t, dim]``, router probabilities ``probs [t, E]`` and this rank's experts' weights
+    ``w1, w3 [e, dim, hidden]``, ``w2 [e, hidden, dim]`` -> ``[t, dim]``: each token's top-k experts'
+    SwiGLU outputs weighted by their probabilities (DeepSeekMoE: no renormalisation).
+
+    Alternatives, per mesh axis: ``expert_parallel`` (tokens and experts split; tokens travel to
+    their experts' ranks and back by all-to-all over the axis), ``data_parallel`` (tokens split,
+    every expert whole) and ``tensor_parallel`` (each expert's hidden units split, tokens whole;
+    partial outputs). On one device (or replicated) it is a plain sparse dispatch."""
+
+    top_k: int
+
+    ALTERNATIVES: ClassVar[dict] = {
+        "expert_parallel": (("S(0)", "S(0)", "S(0)", "S(0)", "S(0)"), ("S(0)",)),
+        "data_parallel": (("S(0)", "S(0)", "R", "R", "R"), ("S(0)",)),
+        "tensor_parallel": (("R", "R", "S(2)", "S(1)", "S(2)"), ("P",)),
+    }
+
+    def region(self) -> LocalRegion:
+        return local_map(self, name=f"routed_experts_top{self.top_k}", alternatives=self.ALTERNATIVES)
+
+    def __call__(self, x: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 w3: torch.Tensor) -> torch.Tensor:
+        ep = region_comm("expert_parallel")
+        n_experts, local = probs.shape[1], w1.shape[0]
+        if local * ep.size != n_experts:
+            raise ValueError(f"routed experts: {local} local experts x {ep.size} expert-parallel ranks != "
+                             f"{n_experts} experts")
+        gate, expert = probs.topk(self.top_k, dim=-1)  # [t, k]
+        if x.device.type == "meta":
+            returned = self._uniform(x, w1, w2, w3, ep)
+        else:
+            returned = self._dispatch(x, expert, w1, w2, w3, ep)
+        return (returned.view(*gate.shape, x.shape[1]) * gate.unsqueeze(-1)).sum(dim=1)
+
+    def _dispatch(self, x: torch.Tensor, expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor, ep) -> torch.Tensor:
+        """The (token, slot) pairs' expert outputs ``[t * k, dim]`` in (token, slot) order."""
+        local = w1.shape[0]
+        flat = expert.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs by expert, so by the rank that holds it
+        rows = x[order // self.top_k]
+        sent_per_expert = torch.bincount(flat, minlength=local * ep.size)
+        # recv_counts[j, i]: rows rank j sends to this rank's expert i
+        recv_counts = ep.all_to_all(sent_per_expert.view(-1, 1), [local] * ep.size, [local] * ep.size).view(ep.size, local)
+        send_rows = sent_per_expert.view(ep.size, local).sum(dim=1).tolist()
+        recv_rows = recv_counts.sum(dim=1).tolist()
+        got = ep.all_to_all(rows, send_rows, recv_rows)  # by source rank, then expert
+        expert_of_row = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(recv_counts.flatten())
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        sizes = recv_counts.sum(dim=0).tolist()
+        outs = [_swiglu(chunk, w1[i], w2[i], w3[i]) for i, chunk in enumerate(got[by_expert].split(sizes))]
+        done = torch.cat(outs)[torch.argsort(by_expert)]
+        back = ep.all_to_all(done, recv_rows, send_rows)
+        return back[torch.argsort(order)]
+
+    def _uniform(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, ep) -> torch.Tensor:
+        """Shapes and ops of :meth:`_dispatch` at uniform routing (meta tensors: tracing and
+        pricing), the busiest rank receiving EXPERT_LOAD_IMBALANCE x the mean under expert
+        parallelism, its rows grouped evenly over its experts (a grouped matmul)."""
+        t, dim = x.shape
+        local = w1.shape[0]
+        pairs = t * self.top_k
+        rows = x[torch.arange(t, device=x.device).repeat_interleave(self.top_k)]
+        load = EXPERT_LOAD_IMBALANCE if ep.size > 1 else 1.0
+        per_expert = math.ceil(pairs * load / local)
+        send = [pairs // ep.size + (j < pairs % ep.size) for j in range(ep.size)]
+        recv = [per_expert * local // ep.size + (j < per_expert * local % ep.size) for j in range(ep.size)]
+        got = ep.all_to_all(rows, send, recv) if ep.size > 1 else rows.new_empty(per_expert * local, dim)
+        h = got.view(local, per_expert, dim)
+        done = torch.bmm(F.silu(torch.bmm(h, w1)) * torch.bmm(h, w3), w2).reshape(-1, dim)
+        return done[:pairs] if ep.size == 1 else ep.all_to_all(done, recv, send)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.top_k = cfg.top_k
         self.n_routed = cfg.n_routed_experts
+        self.routing = cfg.routing
         self.router = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_hidden_dim)
         # the shared experts act as one SwiGLU of width n_shared * moe_hidden (as in DeepSeek's code)
@@ -91,9 +192,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape
         tokens = x.reshape(bs * seq, dim)
-        gates = self.gate_weights(tokens)  # [tokens, E]
-        routed = self.experts(tokens.unsqueeze(0).expand(self.n_routed, -1, -1))  # [E, tokens, dim]
-        combined = (routed * gates.t().unsqueeze(-1)).sum(dim=0)
+        if self.routing == "sparse":
+            probs = F.softmax(self.router(tokens), dim=-1)
+            w = self.experts
+            combined = RoutedExperts(self.top_k).region()(tokens, probs, w.w1, w.w2, w.w3)
+        else:
+            gates = self.gate_weights(tokens)  # [tokens, E]
+            routed = self.experts(tokens.unsqueeze(0).expand(self.n_routed, -1, -1))  # [E, tokens, dim]
+            combined = (routed * gates.t().unsqueeze(-1)).sum(dim=0)
         return (combined + self.shared_experts(tokens)).view(bs, seq, dim)
 
     def init_weights(self, init_std: float) -> None:
