@@ -16,12 +16,20 @@ The two paths compute the same function (softmax(q kᵀ · scale + causal mask) 
 traced on meta on real CPU tensors (tests, single-process checks), :func:`flash_attention_forward`
 and :func:`flash_attention_backward` implement the flash op and its backward from their definition
 (logsumexp form), independently of ``F.scaled_dot_product_attention``; the tests compare the two.
+
+With ``context_parallel=True`` in a model's config its attention is the ``local_map`` region
+:class:`ContextParallelAttention`, which the planner may shard per mesh axis on the batch, the
+heads, or the sequence (context parallelism).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 # re-exported: the models' tests check the kernels of the ops the models trace to
 from apmodel.kernels import (  # noqa: F401
@@ -31,6 +39,8 @@ from apmodel.kernels import (  # noqa: F401
     flash_attention_forward,
     rms_norm_backward,
 )
+
+from apmodel.regions import LocalRegion, RegionComm, local_map, region_comm
 
 ATTENTION_BACKENDS = ("flash", "efficient")
 
@@ -55,3 +65,65 @@ def causal_attention(
         )[0]
     raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
 
+
+
+@dataclass(frozen=True)
+class ContextParallelAttention:
+    """Causal attention on local shards ``q, k, v [batch, heads, seq, head_dim]`` (the function of
+    a ``local_map`` region), sharded per mesh axis on the batch, the heads, or the sequence.
+
+    Context parallel: each of ``n`` ranks holds a contiguous chunk of the sequence. Keys and
+    values are all-gathered (their gradients reduce-scattered back). Causal load balancing: a
+    rank's queries attend to the keys before them, so the last chunk would do ``2n - 1`` times the
+    first's work; each rank swaps the second half of its queries with the rank mirrored around
+    the middle (``n - 1 - rank``) and swaps the outputs back, so every rank holds one early and
+    one late half-chunk and does ``1/n`` of the work (the zig-zag assignment). Each half attends to
+    the keys up to its own end with a lower-right causal mask. The chunk length must be even."""
+
+    backend: str = "flash"
+
+    ALTERNATIVES: ClassVar[dict] = {
+        "batch": (("S(0)", "S(0)", "S(0)"), ("S(0)",)),
+        "heads": (("S(1)", "S(1)", "S(1)"), ("S(1)",)),
+        "context_parallel": (("S(2)", "S(2)", "S(2)"), ("S(2)",)),
+    }
+
+    def region(self) -> LocalRegion:
+        return local_map(self, name=f"attention_{self.backend}", alternatives=self.ALTERNATIVES)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cp = region_comm("context_parallel")
+        if cp.size == 1:
+            return causal_attention(q, k, v, self.backend)
+        chunk = q.shape[2]
+        if chunk % 2:
+            raise ValueError(f"context-parallel attention: the local sequence chunk ({chunk}) must be even")
+        half = chunk // 2
+        keys, values = cp.all_gather(k, 2), cp.all_gather(v, 2)
+        mirror = cp.size - 1 - cp.rank
+        early = self._attend(q[:, :, :half], keys, values, cp.rank * chunk)
+        late = self._attend(_swap(q[:, :, half:], cp, mirror), keys, values, mirror * chunk + half)
+        return torch.cat([early, _swap(late, cp, mirror)], dim=2)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        """Queries at sequence positions ``start ...`` against every key up to the last of them."""
+        end = start + q.shape[2]
+        if q.device.type != "meta":
+            return F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end],
+                                                  attn_mask=causal_lower_right(q.shape[2], end))
+        # priced as a flash kernel pair over the same scores: the keys before the block (no mask)
+        # and the diagonal block (causal); the sum stands for the log-sum-exp merge
+        diagonal = causal_attention(q, keys[:, :, start:end], values[:, :, start:end], self.backend)
+        if start == 0:
+            return diagonal
+        before = torch.ops.aten._scaled_dot_product_flash_attention(q, keys[:, :, :start], values[:, :, :start],
+                                                                      0.0, False, False)[0]
+        return before + diagonal
+
+
+def _swap(x: torch.Tensor, cp: RegionComm, partner: int) -> torch.Tensor:
+    """``x`` sent to rank ``partner`` whose own comes back (itself when ``partner`` is this rank)."""
+    if partner == cp.rank:
+        return x
+    rows = [x.shape[0] if j == partner else 0 for j in range(cp.size)]
+    return cp.all_to_all(x, rows, rows)

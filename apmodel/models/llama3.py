@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apmodel.models.loss import cross_entropy_loss
-from apmodel.models.attention import ATTENTION_BACKENDS, causal_attention
+from apmodel.models.attention import ATTENTION_BACKENDS, ContextParallelAttention, causal_attention
 
 
 @dataclass
@@ -34,6 +34,8 @@ class LlamaConfig:
     max_seq_len: int = 8192
     # aten op used for attention when traced on the meta device ("flash" or "efficient")
     attention_backend: str = "flash"
+    # attention as a local_map region the planner may run context parallel (models.attention)
+    context_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -98,6 +100,7 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
         self.backend = cfg.attention_backend
+        self.context_parallel = cfg.context_parallel
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -112,7 +115,10 @@ class Attention(nn.Module):
         # grouped-query attention: each kv head serves n_heads // n_kv_heads query heads
         k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
-        out = causal_attention(q, k, v, self.backend)
+        if self.context_parallel:
+            out = ContextParallelAttention(self.backend).region()(q, k, v)
+        else:
+            out = causal_attention(q, k, v, self.backend)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
     def init_weights(self, init_std: float) -> None:

@@ -1,0 +1,126 @@
+"""Context-parallel attention: the ``local_map`` region that shards the sequence, all-gathers keys
+and values and balances the causal work by swapping query halves with the mirrored rank.
+
+Truths: the plain LLaMA (attention not a region) trained on one device, and the exact count of
+causal score entries (a full sequence's, split evenly over the ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import apmodel
+from apmodel.models import build, config
+from apmodel.models.attention import ContextParallelAttention
+from apmodel.pricing import CostContext
+from apmodel.regions import RegionComm, region_scope
+
+from _dist_utils import run_distributed
+from _helpers import full_weights
+from _tiny import TINY, fixed_tokens
+
+STEPS = 3
+LOSS_RTOL = 1e-5
+
+
+def tiny_llama(device: str, context_parallel: bool) -> torch.nn.Module:
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = build(config("llama3-debug", **TINY, context_parallel=context_parallel))
+    if device != "meta":
+        model.init_weights()
+    return model
+
+
+class _AttentionFlops:
+    """A compute model pricing attention kernels at their nominal FLOPs (everything else 0)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def time_us(self, op, args, kwargs, out, dtype=None) -> float:
+        return float(self.inner.flops(op, args, kwargs, out)) if "scaled_dot_product" in str(op) else 0.0
+
+
+class _FreeComm:
+    def __init__(self, mesh_shape: tuple[int, ...]) -> None:
+        self.mesh_shape = mesh_shape
+
+    def time_us(self, kind: str, nbytes: float, axis: int) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_each_rank_does_an_equal_share_of_the_causal_work(ranks):
+    """Per rank, the region's attention kernels cover exactly 1/ranks of the full sequence's causal
+    scores, forward and backward (the zig-zag balance), and its collectives are the key/value
+    all-gathers (reduce-scatters in backward) and the query-half swaps."""
+    b, h, s, d = 2, 4, 24 * ranks, 16
+    compute = _AttentionFlops(apmodel.cost_context((1,), device="h100").compute)
+    cost = CostContext(mesh_shape=(ranks,), compute=compute, comm=_FreeComm((ranks,)))
+    region = ContextParallelAttention().region()
+    meta = [torch.empty(b, h, s, d, device="meta") for _ in range(3)]
+    local = [t[:, :, : s // ranks] for t in meta]
+    for backward in (False, True):
+        args = ([local[0]] if backward else []) + local
+        whole = ([meta[0]] if backward else []) + meta
+        share = region.time_us(cost, args, modes=("context_parallel",), backward=backward)
+        total = region.time_us(cost, whole, modes=(None,), backward=backward)
+        assert share * ranks == pytest.approx(total, rel=1e-9), backward
+    records: list = []
+    with region_scope({"context_parallel": RegionComm(ranks, 0, (0,), None, records)}):
+        ContextParallelAttention()(*local)
+    assert [r.kind for r in records] == ["all_gather", "all_gather", "all_to_all", "all_to_all"]
+    assert records[0].numel == b * h * s * d
+
+
+def _worker(rank: int, world: int, per_axis: tuple) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from apmodel.lowering import load_full_state_dict
+
+    mesh = dist.init_device_mesh("cpu", (2, 2))
+    tokens, targets = fixed_tokens()
+    state = full_weights(tiny_llama("cpu", True))
+    model = apmodel.parallelize(tiny_llama("meta", True), mesh, (tokens.to("meta"), targets.to("meta")),
+                                constraints=[apmodel.region_as("attention_*", *per_axis)])
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().full_tensor()))
+    plan = model._apmodel_program.plan
+    return {"losses": losses, "attention": [str(p) for p in plan.node_strategy["attention_flash"].inputs[0]]}
+
+
+def _reference() -> list[float]:
+    model = tiny_llama("cpu", False)
+    tokens, targets = fixed_tokens()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_axis", [("context_parallel", "context_parallel"), ("batch", "context_parallel")])
+def test_context_parallel_training_equals_the_plain_model_on_one_device(per_axis):
+    per_rank = run_distributed(_worker, 4, per_axis, timeout_s=600)
+    got = per_rank[0]
+    assert all(r["losses"] == got["losses"] for r in per_rank)
+    assert got["attention"] == ["S(2)" if m == "context_parallel" else "S(0)" for m in per_axis]
+    for step, (a, b) in enumerate(zip(got["losses"], _reference())):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), (per_axis, step, a, b)
