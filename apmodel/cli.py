@@ -452,8 +452,9 @@ def print_plan(result, cfg, console: Console) -> None:
     t.add_row("compute", _fmt_us(plan.compute_us), f"{100 * plan.compute_us / total:.1f}%")
     t.add_row("communication", _fmt_us(plan.comm_us), f"{100 * plan.comm_us / total:.1f}%")
     for key, us in sorted(plan.comm_by_collective.items(), key=lambda kv: -kv[1]):
-        kind, axis = key.split("@")
-        t.add_row(f"  {kind} on {axis.replace('axis', 'axis ')} ({mesh[int(axis[4:])]} ranks)", _fmt_us(us), f"{100 * us / total:.1f}%")
+        kind, axis = key.split("@")  # "all_gather@axis0"; a region's own: "all_to_all (moe)@axis0+1"
+        ranks = math.prod(mesh[int(a)] for a in axis[4:].split("+"))
+        t.add_row(f"  {kind} on {axis.replace('axis', 'axis ')} ({ranks} ranks)", _fmt_us(us), f"{100 * us / total:.1f}%")
     t.add_row("total", _fmt_us(plan.objective_us), "100.0%", style="bold")
     console.print(t)
 
@@ -547,7 +548,7 @@ def plan(
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0.001, help="Solver time limit per solve, seconds."),
     param_budget_ratio: Optional[float] = typer.Option(None, "--param-budget-ratio", min=1e-9, max=1.0, help="Storage budget 'high' of the AutoParallel paper: mean local/global ratio over parameter tensors (instead of --param-policy)."),
     param_policy: Optional[str] = typer.Option(None, "--param-policy", help="Parameter storage: full_shard (default) or free."),
-    compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP) and FSDP+TP as forced plans."),
+    compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP), FSDP+TP and, where the model has the regions, FSDP+EP, FSDP+TP+EP and FSDP+TP+CP as forced plans."),
     mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: priced so for bf16/fp16; given, the step is also traced and run (parallelize) so."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
     ac: Optional[str] = typer.Option(None, "--ac", help="Activation checkpointing: none (default), selective (save matmul and attention outputs, recompute the rest of each layer), full (recompute each layer from its input). Priced and lowered."),

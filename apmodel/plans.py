@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from apmodel import placements as pl
 from apmodel.clustering import local_signature
+from apmodel.regions import region_of
 from apmodel.strategies import Strategy
 
 if TYPE_CHECKING:
@@ -128,7 +129,8 @@ def layer_of(node_meta: Mapping[str, Any], fallback: str = "other") -> str:
 class Plan:
     """A solved placement plan. Costs in µs, times in seconds.
 
-    ``comm_by_collective`` maps ``"all_gather@axis0"``-style keys to µs; ``per_layer`` maps a layer
+    ``comm_by_collective`` maps ``"all_gather@axis0"``-style keys to µs (a ``local_map`` region's own
+    collectives: ``"all_to_all (routed_experts_top6)@axis1"``, ``@axis0+1`` over two axes); ``per_layer`` maps a layer
     label to ``{"compute_us": .., "comm_us": ..}``; ``solver`` holds backend, status, seconds,
     lower bound and gap; ``sizes`` holds nodes, groups, states, edges.
     """
@@ -356,6 +358,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     compute_total = 0.0
     per_layer: dict[str, dict[str, float]] = defaultdict(lambda: {"compute_us": 0.0, "comm_us": 0.0})
     compute_memo: dict[Any, float] = {}
+    region_nodes = [n for n in pmodel.nodes if n.op == "call_function" and region_of(n.target) is not None]
     for n in pmodel.nodes:
         s = node_strategy[n.name]
         key = (local_signature(n, None, False), s)  # op, arguments, shapes and dtypes
@@ -366,6 +369,13 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
         per_layer[layer_of(n.meta)]["compute_us"] += c
     by_collective: dict[str, float] = defaultdict(float)
     comm_total = 0.0
+    for n in region_nodes:  # a local_map region's own collectives: comm, not compute
+        for kind, axes, us in cost.region_collectives(n, node_strategy[n.name]):
+            by_collective[f"{kind} ({region_of(n.target).name})@axis{'+'.join(map(str, axes))}"] += us
+            compute_total -= us
+            comm_total += us
+            per_layer[layer_of(n.meta)]["compute_us"] -= us
+            per_layer[layer_of(n.meta)]["comm_us"] += us
 
     def add_steps(shape, dtype, src, dst, layer, gradient=False):
         nonlocal comm_total

@@ -178,44 +178,52 @@ class CostContext:
         return self.itemsize(dtype)
 
     # ---------------------------------------------------------------- compute
+    def _local_call(self, node: fx.Node, s: Strategy) -> tuple[tuple, dict, Any, list, list]:
+        """``node``'s call at the per-device shapes of strategy ``s``: (args, kwargs, out, tensor
+        inputs, outputs), every tensor a meta tensor."""
+        flat, spec = tree_flatten((node.args, node.kwargs))
+        out_flat, out_spec = tree_flatten(node.meta.get("val"))
+        args = list(flat)
+        inputs = []
+        slot = 0  # input slots count tensor arguments only (see strategies.input_slots)
+        for pos, a in enumerate(flat):
+            if not isinstance(a, fx.Node):
+                continue
+            val = a.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                placement = s.inputs[slot] if slot < len(s.inputs) else None
+                args[pos] = _local(val, placement, self.mesh_shape)
+                slot += 1
+            else:
+                args[pos] = val
+            inputs.append(args[pos])
+        outs = []
+        k = 0
+        for o in out_flat:
+            if isinstance(o, torch.Tensor):
+                placement = s.outputs[k] if k < len(s.outputs) else None
+                outs.append(_local(o, placement, self.mesh_shape))
+                k += 1
+            else:
+                outs.append(o)
+        call_args, call_kwargs = tree_unflatten(args, spec)
+        return tuple(call_args), dict(call_kwargs), tree_unflatten(outs, out_spec), inputs, outs
+
     def compute_vector(self, node: fx.Node, strategies: Sequence[Strategy]) -> np.ndarray:
-        """Compute time (µs) of ``node`` under each strategy (0 for placeholders and getitem)."""
+        """Time (µs) of ``node`` under each strategy (0 for placeholders and getitem): its compute,
+        and for a ``local_map`` region the collectives it issues itself as well."""
         if node.op != "call_function" or getattr(node.target, "__name__", "") in _FREE_TARGETS:
             return np.zeros(len(strategies))
-        flat, spec = tree_flatten((node.args, node.kwargs))
-        node_pos = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
-        out_val = node.meta.get("val")
-        out_flat, out_spec = tree_flatten(out_val)
+        region = region_of(node.target)
         result = np.zeros(len(strategies))
         for si, s in enumerate(strategies):
-            args = list(flat)
-            slot = 0  # input slots count tensor arguments only (see strategies.input_slots)
-            for pos in node_pos:
-                val = flat[pos].meta.get("val")
-                if isinstance(val, torch.Tensor):
-                    placement = s.inputs[slot] if slot < len(s.inputs) else None
-                    args[pos] = _local(val, placement, self.mesh_shape)
-                    slot += 1
-                else:
-                    args[pos] = val
-            outs = []
-            k = 0
-            for o in out_flat:
-                if isinstance(o, torch.Tensor):
-                    placement = s.outputs[k] if k < len(s.outputs) else None
-                    outs.append(_local(o, placement, self.mesh_shape))
-                    k += 1
-                else:
-                    outs.append(o)
-            call_args, call_kwargs = tree_unflatten(args, spec)
-            out = tree_unflatten(outs, out_spec)
-            region = region_of(node.target)
+            call_args, call_kwargs, out, inputs, outs = self._local_call(node, s)
             if region is not None:  # a local_map region: the ops it runs, at these local shapes
                 backward = is_backward(node.target)
                 modes = region.alternative_on_axes(s.inputs, backward=backward)
                 value = region.time_us(self, call_args, modes=modes, backward=backward)
             else:
-                value = self.compute.time_us(node.target, tuple(call_args), dict(call_kwargs), out, dtype=self.dtype)
+                value = self.compute.time_us(node.target, call_args, call_kwargs, out, dtype=self.dtype)
             try:
                 us = float(value)
             except (TypeError, ValueError):
@@ -224,11 +232,22 @@ class CostContext:
                 raise CostModelError(
                     f"compute model {describe_model(self.compute)} returned {_bad_time(value) or repr(value)} for "
                     f"{node.target} at node {node.name!r} (strategy {s}; per-device input shapes "
-                    f"{_shapes([args[pos] for pos in node_pos])}, output shapes {_shapes(outs)}); "
+                    f"{_shapes(inputs)}, output shapes {_shapes(outs)}); "
                     f"compute times must be finite and >= 0 µs"
                 )
             result[si] = us
         return result
+
+    def region_collectives(self, node: fx.Node, s: Strategy) -> list[tuple[str, tuple[int, ...], float]]:
+        """The collectives a ``local_map`` region node issues itself under strategy ``s``, as
+        (kind, mesh axes, µs), included in :meth:`compute_vector`'s time; [] for other nodes."""
+        region = region_of(node.target) if node.op == "call_function" else None
+        if region is None:
+            return []
+        backward = is_backward(node.target)
+        call_args = self._local_call(node, s)[0]
+        modes = region.alternative_on_axes(s.inputs, backward=backward)
+        return region.collectives(self, call_args, modes=modes, backward=backward)
 
     # ---------------------------------------------------------------- communication
     @functools.cached_property

@@ -76,9 +76,10 @@ def _strs(p) -> tuple[str, ...] | None:
     return None if p is None else tuple(pl.to_str(x) for x in p)
 
 
-def _params(m, patterns: Sequence[str]) -> list[tuple[str, str]]:
-    """(node name, FQN) of the parameters matching any glob."""
-    return [(node, fqn) for node, fqn in m.captured.param_fqn.items() if any(fnmatch.fnmatchcase(fqn, p) for p in patterns)]
+def _params(m, patterns: Sequence[str], exclude: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """(node name, FQN) of the parameters matching any glob of ``patterns`` and none of ``exclude``."""
+    return [(node, fqn) for node, fqn in m.captured.param_fqn.items()
+            if any(fnmatch.fnmatchcase(fqn, p) for p in patterns) and not any(fnmatch.fnmatchcase(fqn, p) for p in exclude)]
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,10 @@ class ParamRule:
     storage: AxisSpec = field(default_factory=dict)
     use: AxisSpec = field(default_factory=dict)
     label: str = ""
+    exclude: tuple[str, ...] = ()
 
     def apply(self, m) -> None:
-        for node, fqn in _params(m, self.patterns):
+        for node, fqn in _params(m, self.patterns, self.exclude):
             _restrict_param(m, node, fqn, self.storage, self.use, self.label)
 
 
@@ -163,6 +165,24 @@ class BatchShardRule:
                 logger.debug("recipe %s: %s has no batch-sharded candidate; left free", self.label, n.name)
                 continue
             m.restrict(n.name, mask, f"recipe {self.label}: activation {n.name} batch-sharded on axes {list(self.axes)}")
+
+
+@dataclass(frozen=True)
+class RegionRule:
+    """Run the ``local_map`` regions named like ``pattern`` as ``per_axis`` (an alternative per
+    mesh axis: ``expert_parallel``, ``context_parallel``, ...); a model without such a region
+    makes the recipe not applicable."""
+
+    pattern: str
+    per_axis: tuple[str | None, ...]
+    label: str = ""
+
+    def apply(self, m) -> None:
+        try:
+            m.run_regions_as(self.pattern, self.per_axis, name=f"recipe {self.label}: {self.pattern} as "
+                             f"{', '.join(str(a) for a in self.per_axis)}")
+        except KeyError:
+            raise NotApplicable(f"the model has no local_map region {self.pattern!r}") from None
 
 
 def _spec_str(spec: AxisSpec) -> str:
@@ -281,10 +301,12 @@ class Recipe:
     min_axes: int = 1
     #: True when the last axis is tensor parallel (the batch is split over the other axes only)
     tensor_parallel: bool = False
+    #: True when the axis before the tensor-parallel one splits the sequence (not the batch)
+    context_parallel: bool = False
 
     def data_degree(self, mesh_shape: Sequence[int]) -> int:
         """How many ways the batch is split (product of the data-parallel axes)."""
-        axes = mesh_shape[:-1] if self.tensor_parallel else mesh_shape
+        axes = mesh_shape[:len(mesh_shape) - int(self.tensor_parallel) - int(self.context_parallel)]
         return int(np.prod(axes)) if len(axes) else 1
 
     def constraints(self, mesh_shape: Sequence[int], conventions: ModelConventions | None = None) -> list[Any]:
@@ -327,6 +349,39 @@ def _tp_rules(mesh, label: str, *, data_storage: str, sequence_parallel: bool) -
             NormOutputRule({tp: "S(1)" if sequence_parallel else "R"}, label=label)]
 
 
+#: the routed experts' weights of apmodel's MoE models (models.moe)
+EXPERT_WEIGHTS = ("*.experts.w1", "*.experts.w2", "*.experts.w3")
+
+
+def _fsdp_ep(mesh):
+    """FSDP on every axis, the routed experts expert-parallel on the last axis (all-to-all there)
+    and data parallel on the others (their weights gathered over those axes, FSDP)."""
+    n = len(mesh)
+    return [ParamRule(("*",), use=_all(mesh, "R"), exclude=EXPERT_WEIGHTS, label="fsdp_ep"),
+            BatchShardRule(tuple(range(n)), label="fsdp_ep"),
+            RegionRule("routed_experts_*", ("data_parallel",) * (n - 1) + ("expert_parallel",), label="fsdp_ep")]
+
+
+def _fsdp_tp_ep(mesh):
+    """torchtitan's FSDP + TP + EP with expert-tensor-parallel degree 1: Megatron TP with sequence
+    parallel on the last axis, the routed experts expert-parallel over the same ranks (each token
+    shard's tokens travel to their experts' ranks there), FSDP and data parallel on the others."""
+    n = len(mesh)
+    return _tp_rules(mesh, "fsdp_tp_ep", data_storage="S", sequence_parallel=True) + [
+        RegionRule("routed_experts_*", ("data_parallel",) * (n - 1) + ("expert_parallel",), label="fsdp_tp_ep")]
+
+
+def _fsdp_tp_cp(mesh):
+    """torchtitan's FSDP + TP + CP: Megatron TP with sequence parallel on the last axis
+    (attention split by heads there), context parallel on the axis before it (the sequence split,
+    attention the context-parallel region), FSDP and data parallel on the others."""
+    n = len(mesh)
+    tp, cp = n - 1, n - 2
+    return [TensorParallelRule("S", label="fsdp_tp_cp"), BatchShardRule(tuple(range(cp)), label="fsdp_tp_cp"),
+            NormOutputRule({cp: "S(1)", tp: "S(1)"}, label="fsdp_tp_cp"),
+            RegionRule("attention_*", ("batch",) * cp + ("context_parallel", "heads"), label="fsdp_tp_cp")]
+
+
 RECIPES: tuple[Recipe, ...] = (
     Recipe("ddp", "DDP (parameters replicated)", "free", _ddp),
     Recipe("fsdp", "FSDP / ZeRO-3 (all axes)", "full_shard", _fsdp),
@@ -341,6 +396,11 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("fsdp_tp", "FSDP + TP + sequence parallel (torchtitan 2D)", "full_shard",
            lambda mesh: _tp_rules(mesh, "fsdp_tp", data_storage="S", sequence_parallel=True), min_axes=2,
            tensor_parallel=True),
+    Recipe("fsdp_ep", "FSDP + expert parallel (last axis)", "full_shard", _fsdp_ep),
+    Recipe("fsdp_tp_ep", "FSDP + TP + EP (EP on the TP axis)", "full_shard", _fsdp_tp_ep, min_axes=2,
+           tensor_parallel=True),
+    Recipe("fsdp_tp_cp", "FSDP + TP + CP (CP before the TP axis)", "full_shard", _fsdp_tp_cp, min_axes=2,
+           tensor_parallel=True, context_parallel=True),
 )
 
 
@@ -430,6 +490,9 @@ def run(recipe: Recipe, captured, strategies, cost, options: PlanOptions | None 
         res.seconds = time.perf_counter() - t0
         return res
     except KeyError as e:  # a glob that matches nothing in this model
+        res.status, res.reason = "n/a", str(e)
+        return res
+    except NotApplicable as e:  # a rule that needs a part the model lacks (a local_map region)
         res.status, res.reason = "n/a", str(e)
         return res
     if not np.isfinite(plan.objective_us):

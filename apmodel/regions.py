@@ -338,8 +338,21 @@ class LocalRegion:
         tensors = [a for a in local_args if isinstance(a, torch.Tensor)]
         if self.cost_us is not None:
             return float(self.cost_us(*tensors, backward=backward))
+        compute_us, collectives = self._price(cost, tensors, tuple(modes), backward)
+        return compute_us + sum(us for _, _, us in collectives)
+
+    def collectives(self, cost: Any, local_args: Sequence[Any], *, modes: Sequence[str | None],
+                    backward: bool) -> list[tuple[str, tuple[int, ...], float]]:
+        """The collectives priced in :meth:`time_us`: (kind, mesh axes, µs) each ([] with ``cost_us``)."""
+        if self.cost_us is not None:
+            return []
+        tensors = [a for a in local_args if isinstance(a, torch.Tensor)]
+        return list(self._price(cost, tensors, tuple(modes), backward)[1])
+
+    def _price(self, cost: Any, tensors: list[torch.Tensor], modes: tuple[str | None, ...],
+               backward: bool) -> tuple[float, tuple[tuple[str, tuple[int, ...], float], ...]]:
         mesh_shape = tuple(cost.mesh_shape)
-        key = (backward, cost.dtype, id(cost.compute), id(cost.comm), mesh_shape, tuple(modes),
+        key = (backward, cost.dtype, id(cost.compute), id(cost.comm), mesh_shape, modes,
                tuple((tuple(t.shape), t.dtype) for t in tensors))
         if key not in self._priced:
             records: list[CollectiveRecord] = []
@@ -349,9 +362,9 @@ class LocalRegion:
                 comms[name] = RegionComm(math.prod(mesh_shape[i] for i in axes), 0, axes, None, records)
             with region_scope(comms):
                 compute_us = _traced_time_us(self._vjp if backward else self._run, tensors, cost.compute, cost.dtype)
-            comm_us = sum(collective_us(cost.comm, r.kind, r.numel * cost.itemsize(r.dtype), r.axes, mesh_shape)
-                          for r in records)
-            self._priced[key] = compute_us + comm_us
+            collectives = tuple((r.kind, r.axes, collective_us(cost.comm, r.kind, r.numel * cost.itemsize(r.dtype),
+                                                                r.axes, mesh_shape)) for r in records)
+            self._priced[key] = (compute_us, collectives)
         return self._priced[key]
 
 

@@ -88,7 +88,7 @@ def _collective_label(key: str) -> str:
 
 def _segment_colour(key: str) -> str:
     kind, _, axis = key.partition("@")
-    base = _SEGMENT_COLOURS.get(kind, "#9c755f")
+    base = _SEGMENT_COLOURS.get(kind.split(" (")[0], "#9c755f")  # a region's: "all_to_all (moe)"
     level = int(axis[4:]) if axis.startswith("axis") and axis[4:].isdigit() else 0
     return _mix_white(base, min(0.6, 0.3 * level))
 

@@ -9,10 +9,12 @@ a file) only storage can be read: :func:`storage_roles` says that much and no mo
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from apmodel import placements as pl
 from apmodel.conventions import derive
+from apmodel.regions import is_backward, region_of
 from apmodel.strategies import input_slots
 
 #: Ops that only relabel a weight on its way to the op that computes with it.
@@ -53,7 +55,9 @@ def emerged(plan: Any) -> dict[str, str]:
     * matmul weights read sharded -> tensor parallel;
     * norm outputs sharded on dim 1 (sequence of ``[b, s, d]``) -> sequence parallel;
     * norm outputs sharded on dim 0 -> data parallel (batch);
-    * all-to-all traffic on the axis -> all-to-all resharding.
+    * all-to-all traffic on the axis -> all-to-all resharding;
+    * ``local_map`` regions run by an alternative there -> its name (expert parallel, context
+      parallel...), with the collectives the regions issue on the axis.
 
     The norm weights are those of the model's conventions (:func:`apmodel.conventions.derive`).
     """
@@ -74,6 +78,17 @@ def emerged(plan: Any) -> dict[str, str]:
                         val = val[0] if val else None
                     if getattr(val, "dim", lambda: 0)() == 3 and ns[user.name].outputs[0] is not None:
                         norm_outputs.append(tuple(pl.to_str(x) for x in ns[user.name].outputs[0]))
+    # local_map regions (expert-parallel MoE, context-parallel attention): the alternative per axis
+    region_modes: list[Counter] = [Counter() for _ in plan.mesh_shape]
+    region_totals: Counter = Counter()
+    for n in pm.nodes:
+        region = region_of(n.target) if n.op == "call_function" else None
+        if region is None or is_backward(n.target) or n.name not in ns:
+            continue
+        region_totals[region.name] += 1
+        for axis, mode in enumerate(region.alternative_on_axes(ns[n.name].inputs, backward=False)):
+            if mode is not None:
+                region_modes[axis][(region.name, mode)] += 1
     for axis, size in enumerate(plan.mesh_shape):
         gathered = tp = replicated = 0
         for fqn in weights:
@@ -101,6 +116,11 @@ def emerged(plan: Any) -> dict[str, str]:
             parts.append(f"sequence parallel (norm outputs sharded on seq dim: {sp}/{len(norm_outputs)})")
         if a2a > 0:
             parts.append(f"all-to-all resharding ({a2a:,.0f} µs)")
+        for (region, mode), count in sorted(region_modes[axis].items()):
+            own = sum(us for k, us in plan.comm_by_collective.items()
+                      if f"({region})@axis" in k and str(axis) in k.rsplit("@axis", 1)[1].split("+"))
+            traffic = f", its collectives {own:,.0f} µs" if own > 0 else ""
+            parts.append(f"{mode.replace('_', ' ')} ({region} regions {count}/{region_totals[region]}{traffic})")
         roles[f"axis{axis}"] = "; ".join(parts) or "idle (everything replicated on this axis)"
     return roles
 

@@ -89,8 +89,30 @@ def test_routed_experts_are_priced_for_the_routed_tokens():
     records: list = []
     with region_scope({"expert_parallel": RegionComm(4, 0, (0,), None, records)}):
         RoutedExperts(k)(x, probs, *[wi[:experts // 4] for wi in w])
-    assert [r.kind for r in records] == ["all_to_all", "all_to_all"]
-    assert records[0].numel == pytest.approx(rows * dim, rel=1e-3)
+    assert [r.kind for r in records] == ["all_to_all"] * 3  # counts, rows there, rows back
+    assert records[0].numel == experts and records[0].dtype == torch.int64
+    assert records[1].numel == pytest.approx(rows * dim, rel=1e-3)
+
+
+def test_a_plan_counts_the_regions_all_to_alls_as_communication():
+    """The region's collectives leave the compute term for the comm term, under their own key,
+    priced by the collective model: per step 3 all-to-alls forward (counts, rows there and back)
+    and 5 in backward (the recomputed 3, the 2 row exchanges' gradients)."""
+    with torch.device("meta"):
+        model = build(config("moe-debug", **TINY_MOE))
+    tokens, targets = (t.to("meta") for t in _batch())
+    plan = apmodel.plan(model, (2, 2), (tokens, targets),
+                        constraints=[apmodel.region_as("routed_experts_*", "data_parallel", "expert_parallel")])
+    assert plan.objective_us == pytest.approx(plan.compute_us + plan.comm_us, rel=1e-9)
+    got = plan.comm_by_collective["all_to_all (routed_experts_top2)@axis1"]
+    cost = apmodel.cost_context((2, 2))
+    pairs = BATCH * SEQ // 4 * TINY_MOE["top_k"]  # tokens split over both axes, top-k slots each
+    local = TINY_MOE["n_routed_experts"] // 2
+    rows = max(pairs, local * -(-int(pairs * EXPERT_LOAD_IMBALANCE) // local))
+    row_bytes = rows * TINY_MOE["dim"] * 2  # priced in bf16
+    count_bytes = TINY_MOE["n_routed_experts"] * 8
+    want = 6 * cost.comm.time_us("all_to_all", row_bytes, 1) + 2 * cost.comm.time_us("all_to_all", count_bytes, 1)
+    assert got == pytest.approx(want, rel=1e-9)
 
 
 def _worker(rank: int, world: int, per_axis: tuple) -> dict[str, Any]:

@@ -19,12 +19,17 @@ name                layers  dim    heads  kv     ffn     vocab    notes
 llama3-debug        2      256     8      4      768     2048     head_dim 32, GQA 2:1, max_seq 512
 llama3-8b           32     4096    32     8      14336   128256   rope theta 5e5 (≈ 8.03e9 params)
 llama3-70b          80     8192    64     8      28672   128256   rope theta 5e5 (≈ 70.6e9 params)
+llama3-8b-cp        32     4096    32     8      14336   128256   llama3-8b, attention the context-parallel
+                                                                  region, max_seq 131072 (LLaMA 3.1's)
 gpt2                12     768     12     12     3072    50257    ctx 1024, untied head (≈ 163M; tied 124M)
 gpt2-medium         24     1024    16     16     4096    50257    ctx 1024, untied head (≈ 407M; tied 355M)
 moe-debug           2      256     8      4      768     2048     8 routed (top-2) + 1 shared, 128 wide;
                                                                   layer 0 dense
 deepseek-moe-16b    28     2048    16     16     10944   102400   64 routed (top-6) + 2 shared, 1408 wide
 ==================  =====  ======  =====  =====  ======  =======  =====================================
+
+The MoE presets route sparsely (top-k dispatch through the expert-parallel region,
+:mod:`apmodel.models.moe`); ``config(name, routing="dense")`` gives the dense reference.
 """
 
 from __future__ import annotations
@@ -56,6 +61,13 @@ PRESETS: MappingProxyType = MappingProxyType(
             Transformer,
             dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256,
                  rope_theta=500000.0, max_seq_len=8192),
+        ),
+        # LLaMA-3 8B whose attention may run context parallel (models.attention), for long sequences
+        "llama3-8b-cp": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256,
+                 rope_theta=500000.0, max_seq_len=131072, context_parallel=True),
         ),
         "llama3-70b": (
             LlamaConfig,

@@ -165,6 +165,8 @@ class RoutedExperts:
         per_expert = math.ceil(pairs * load / local)
         send = [pairs // ep.size + (j < pairs % ep.size) for j in range(ep.size)]
         recv = [per_expert * local // ep.size + (j < per_expert * local % ep.size) for j in range(ep.size)]
+        if ep.size > 1:  # the per-expert counts first, as _dispatch exchanges them
+            ep.all_to_all(x.new_empty(local * ep.size, 1, dtype=torch.int64), [local] * ep.size, [local] * ep.size)
         got = ep.all_to_all(rows, send, recv) if ep.size > 1 else rows.new_empty(per_expert * local, dim)
         h = got.view(local, per_expert, dim)
         done = torch.bmm(F.silu(torch.bmm(h, w1)) * torch.bmm(h, w3), w2).reshape(-1, dim)
