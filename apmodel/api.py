@@ -304,6 +304,8 @@ def _compare_recipes(result: PlanResult, pmodel: PlacementModel, cost: CostConte
     result.free_plan_param_bytes = R.param_bytes_per_device(free, captured, itemsize)
     priced = []
     for recipe in R.RECIPES:
+        if not recipe.applies_to(captured):  # expert / context-parallel recipes on a model without the region
+            continue
         progress.stage(f"pricing recipe {recipe.name}")
         priced.append(R.run(recipe, captured, strategies, cost, options, itemsize=itemsize))
     result.recipes = priced

@@ -303,6 +303,18 @@ class Recipe:
     tensor_parallel: bool = False
     #: True when the axis before the tensor-parallel one splits the sequence (not the batch)
     context_parallel: bool = False
+    #: region-name glob the recipe places (expert or attention regions); it applies to models
+    #: that have one (:meth:`applies_to`)
+    needs_region: str | None = None
+
+    def applies_to(self, captured) -> bool:
+        """Whether the model has what the recipe places (its ``local_map`` region, if it needs one)."""
+        if self.needs_region is None:
+            return True
+        from apmodel.regions import region_of
+
+        return any(fnmatch.fnmatchcase(r.name, self.needs_region) for r in
+                   (region_of(n.target) for n in captured.gm.graph.nodes if n.op == "call_function") if r is not None)
 
     def data_degree(self, mesh_shape: Sequence[int]) -> int:
         """How many ways the batch is split (product of the data-parallel axes)."""
@@ -396,11 +408,11 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("fsdp_tp", "FSDP + TP + sequence parallel (torchtitan 2D)", "full_shard",
            lambda mesh: _tp_rules(mesh, "fsdp_tp", data_storage="S", sequence_parallel=True), min_axes=2,
            tensor_parallel=True),
-    Recipe("fsdp_ep", "FSDP + expert parallel (last axis)", "full_shard", _fsdp_ep),
+    Recipe("fsdp_ep", "FSDP + expert parallel (last axis)", "full_shard", _fsdp_ep, needs_region="routed_experts_*"),
     Recipe("fsdp_tp_ep", "FSDP + TP + EP (EP on the TP axis)", "full_shard", _fsdp_tp_ep, min_axes=2,
-           tensor_parallel=True),
+           tensor_parallel=True, needs_region="routed_experts_*"),
     Recipe("fsdp_tp_cp", "FSDP + TP + CP (CP before the TP axis)", "full_shard", _fsdp_tp_cp, min_axes=2,
-           tensor_parallel=True, context_parallel=True),
+           tensor_parallel=True, context_parallel=True, needs_region="attention_*"),
 )
 
 

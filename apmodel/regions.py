@@ -128,7 +128,9 @@ class RegionComm:
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The shards of every rank concatenated along ``dim`` (differentiable: the gradient is
-        reduce-scattered back)."""
+        reduce-scattered back, the sum of every rank's gradient of the gathered tensor: each
+        rank's own outputs' contribution, right when the outputs are sharded; a replicated output
+        computed identically on every rank would count its gradient ``size`` times)."""
         return x if self.size == 1 else _AllGather.apply(x, dim, self)
 
     def all_to_all(self, x: torch.Tensor, send_rows: Sequence[int], recv_rows: Sequence[int]) -> torch.Tensor:

@@ -35,12 +35,22 @@ def row_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 REGION = local_map(row_mlp, name="test_row_mlp", in_placements=("S(0)", "R", "R"), out_placements=("S(0)",))
 
 
+def centre_rows(x: torch.Tensor) -> torch.Tensor:
+    """The README's region with its own collective: rows minus the mean of all rows."""
+    comm = apmodel.region_comm("rows")
+    return x - comm.all_gather(x, 0).mean(0, keepdim=True)
+
+
+CENTRE = local_map(centre_rows, name="test_centre_rows", alternatives={"rows": (("S(0)",), ("S(0)",))})
+
+
 class Net(nn.Module):
     """Embedding -> residual MLP (as a region, or inline) -> vocabulary head."""
 
-    def __init__(self, use_region: bool = True) -> None:
+    def __init__(self, use_region: bool = True, centre: bool = False) -> None:
         super().__init__()
         self.use_region = use_region
+        self.centre = centre
         self.emb = nn.Embedding(V, D)
         self.w1 = nn.Parameter(torch.randn(D, H) * 0.1)
         self.w2 = nn.Parameter(torch.randn(H, D) * 0.1)
@@ -48,6 +58,8 @@ class Net(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens).flatten(0, 1)
+        if self.centre:  # inline, the function runs on whole rows (region_comm is size 1)
+            x = CENTRE(x) if self.use_region else centre_rows(x)
         mlp = REGION(x, self.w1, self.w2) if self.use_region else row_mlp(x, self.w1, self.w2)
         return self.head(x + mlp)
 
@@ -62,10 +74,10 @@ def _batch(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, V, (BATCH, SEQ), generator=g).to(device))
 
 
-def _net(use_region: bool, device: str) -> Net:
+def _net(use_region: bool, device: str, centre: bool = False) -> Net:
     torch.manual_seed(0)
     with torch.device(device):
-        return Net(use_region)
+        return Net(use_region, centre)
 
 
 SHARDED = [apmodel.fix("test_row_mlp", "S(0)S(0)"), apmodel.fix("test_row_mlp_backward", "S(0)S(0)", on="input:0")]
@@ -161,7 +173,14 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                                   targets=(targets.to("meta"),), constraints=SHARDED, ac="full")
     full_ac.to_empty(device="cpu")
     load_full_state_dict(full_ac, state)
+    # the README's region with its own all-gather, run on both axes (4 ranks)
+    centred = apmodel.parallelize(_net(True, "meta", centre=True), mesh, (tokens.to("meta"),), loss_fn=loss_fn,
+                                  targets=(targets.to("meta"),),
+                                  constraints=SHARDED + [apmodel.region_as("test_centre_rows", "rows", "rows")])
+    centred.to_empty(device="cpu")
+    load_full_state_dict(centred, _net(True, "cpu", centre=True).state_dict())
     return {"losses": losses, "fwd": str(plan.node_strategy["test_row_mlp"]),
+            "centred_losses": _train(centred, lambda m: m(tokens, targets)),
             "bwd": str(plan.node_strategy["test_row_mlp_backward"]),
             "full_ac_losses": _train(full_ac, lambda m: m(tokens, targets)),
             "full_ac_recomputes": "test_row_mlp_recompute" in full_ac._apmodel_program.plan.node_strategy}
@@ -179,6 +198,9 @@ def test_a_region_trains_on_a_2x2_mesh_as_the_inline_model_on_one_device():
     assert got["full_ac_recomputes"]
     for step, (a, b) in enumerate(zip(got["full_ac_losses"], ref)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), ("ac=full", step, a, b)
+    centred = _train(_net(False, "cpu", centre=True), lambda m: loss_fn(m(_batch()[0]), _batch()[1]))
+    for step, (a, b) in enumerate(zip(got["centred_losses"], centred)):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), ("centre_rows", step, a, b)
     # the region model itself on one device (its backward operator outside DTensor) trains the same
     alone = _train(_net(True, "cpu"), lambda m: loss_fn(m(_batch()[0]), _batch()[1]))
     assert alone == pytest.approx(ref, rel=1e-6)
