@@ -385,6 +385,7 @@ def plan_json(result, cfg) -> dict[str, Any]:
         "objective_us": plan.objective_us,
         "lower_bound_us": None if lb is None or not math.isfinite(lb) else float(lb),
         "status": plan.solver.get("status"),
+        "timings_s": dict(plan.timings),  # trace_s, build_s, solve_s, total_s of the found plan
         "compute_us": plan.compute_us,
         "comm_us": plan.comm_us,
         "param_placements": {k: pl.tuple_to_str(v) for k, v in plan.param_placements.items()},

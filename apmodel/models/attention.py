@@ -69,8 +69,10 @@ def causal_attention(
 
 @dataclass(frozen=True)
 class ContextParallelAttention:
-    """Causal attention on local shards ``q, k, v [batch, heads, seq, head_dim]`` (the function of
-    a ``local_map`` region), sharded per mesh axis on the batch, the heads, or the sequence.
+    """Causal attention on local shards ``q [batch, heads, seq, head_dim]`` and ``k, v [batch,
+    kv_heads, seq, head_dim]`` (grouped-query: the key/value heads are repeated inside), the
+    function of a ``local_map`` region, sharded per mesh axis on the batch, the heads (query and
+    key/value heads alike, so each rank keeps whole groups), or the sequence.
 
     Context parallel: each of ``n`` ranks holds a contiguous chunk of the sequence. Keys and
     values are all-gathered (their gradients reduce-scattered back). Causal load balancing: a
@@ -92,14 +94,19 @@ class ContextParallelAttention:
         return local_map(self, name=f"attention_{self.backend}", alternatives=self.ALTERNATIVES)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"attention: {q.shape[1]} local query heads do not group over {k.shape[1]} key/value heads")
+        repeat = q.shape[1] // k.shape[1]  # grouped-query attention: each key/value head serves `repeat`
         cp = region_comm("context_parallel")
         if cp.size == 1:
-            return causal_attention(q, k, v, self.backend)
+            return causal_attention(q, _repeat_heads(k, repeat), _repeat_heads(v, repeat), self.backend)
         chunk = q.shape[2]
         if chunk % 2:
             raise ValueError(f"context-parallel attention: the local sequence chunk ({chunk}) must be even")
         half = chunk // 2
-        keys, values = cp.all_gather(k, 2), cp.all_gather(v, 2)
+        # gathered before the heads are repeated: n_kv_heads, not n_heads, cross the network
+        keys = _repeat_heads(cp.all_gather(k, 2), repeat)
+        values = _repeat_heads(cp.all_gather(v, 2), repeat)
         mirror = cp.size - 1 - cp.rank
         early = self._attend(q[:, :, :half], keys, values, cp.rank * chunk)
         late = self._attend(_swap(q[:, :, half:], cp, mirror), keys, values, mirror * chunk + half)
@@ -119,6 +126,14 @@ class ContextParallelAttention:
         before = torch.ops.aten._scaled_dot_product_flash_attention(q, keys[:, :, :start], values[:, :, :start],
                                                                       0.0, False, False)[0]
         return before + diagonal
+
+
+def _repeat_heads(x: torch.Tensor, repeat: int) -> torch.Tensor:
+    """``[b, kv_heads, s, d] -> [b, kv_heads * repeat, s, d]``, each head ``repeat`` times in a row."""
+    if repeat == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, repeat, s, d).reshape(b, h * repeat, s, d)
 
 
 def _swap(x: torch.Tensor, cp: RegionComm, partner: int) -> torch.Tensor:

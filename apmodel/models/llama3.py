@@ -112,12 +112,13 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # grouped-query attention: each kv head serves n_heads // n_kv_heads query heads
-        k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
-        if self.context_parallel:
+        if self.context_parallel:  # the region repeats the key/value heads itself, after any gather
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
             out = ContextParallelAttention(self.backend).region()(q, k, v)
         else:
+            # grouped-query attention: each kv head serves n_heads // n_kv_heads query heads
+            k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
             out = causal_attention(q, k, v, self.backend)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 

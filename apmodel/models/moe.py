@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apmodel.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, Transformer
-from apmodel.regions import LocalRegion, local_map, region_comm
+from apmodel.regions import LocalRegion, RegionComm, local_map, region_comm
 
 #: Tokens the busiest expert-parallel rank receives over the mean, assumed in pricing (routing is
 #: data dependent). 1.25 is the capacity factor Switch Transformer trains with (Fedus et al.
@@ -133,7 +133,7 @@ class RoutedExperts:
         return (returned.view(*gate.shape, x.shape[1]) * gate.unsqueeze(-1)).sum(dim=1)
 
     def _dispatch(self, x: torch.Tensor, expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor, ep) -> torch.Tensor:
+                  w3: torch.Tensor, ep: RegionComm) -> torch.Tensor:
         """The (token, slot) pairs' expert outputs ``[t * k, dim]`` in (token, slot) order."""
         local = w1.shape[0]
         flat = expert.reshape(-1)
@@ -153,7 +153,8 @@ class RoutedExperts:
         back = ep.all_to_all(done, recv_rows, send_rows)
         return back[torch.argsort(order)]
 
-    def _uniform(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, ep) -> torch.Tensor:
+    def _uniform(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                 ep: RegionComm) -> torch.Tensor:
         """Shapes and ops of :meth:`_dispatch` at uniform routing (meta tensors: tracing and
         pricing), the busiest rank receiving EXPERT_LOAD_IMBALANCE x the mean under expert
         parallelism, its rows grouped evenly over its experts (a grouped matmul)."""
