@@ -142,6 +142,28 @@ def test_constraints_select_a_region_by_name_and_bad_declarations_are_named():
     assert local_map(row_mlp, name="test_row_mlp", in_placements=("S(0)", "R", "R"), out_placements=("S(0)",)) is REGION
 
 
+def test_region_as_names_bad_alternatives_and_regions():
+    tokens, targets = _batch("meta")
+
+    def plan(*constraints):
+        return apmodel.plan(_net(True, "meta", centre=True), (2, 2), (tokens,), loss_fn=loss_fn,
+                            targets=(targets,), constraints=list(constraints))
+
+    with pytest.raises(ValueError, match="'test_centre_rows' has no alternative 'cols'.*'rows'"):
+        plan(apmodel.region_as("test_centre_rows", "cols", None))
+    with pytest.raises(ValueError, match="1 entries for a mesh of 2 axes"):
+        plan(apmodel.region_as("test_centre_rows", "rows"))
+    with pytest.raises(KeyError, match="'nothing_\\*' matches no local_map region"):
+        plan(apmodel.region_as("nothing_*", None, None))
+    got = plan(apmodel.region_as("test_centre_rows", "replicated", "rows"))
+    assert str(got.node_strategy["test_centre_rows"]).startswith("RS(0) <- (RS(0))")
+    with pytest.raises(RegionError, match="'twice'.*'a' and 'b' place the inputs alike"):
+        local_map(centre_rows, name="twice", alternatives={"a": (("S(0)",), ("S(0)",)), "b": (("S(0)",), ("R",))})
+    with pytest.raises(RegionError, match="'both'.*not both"):
+        local_map(centre_rows, name="both", in_placements=("S(0)",), out_placements=("S(0)",),
+                  alternatives={"a": (("S(0)",), ("S(0)",))})
+
+
 def _train(model: nn.Module, step) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
