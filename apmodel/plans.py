@@ -416,7 +416,11 @@ def explain(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy], tar
         raise KeyError(f"{target!r} is neither a parameter nor a node of the planned graph")
     strats = pmodel.strategies[node]
     compute = pmodel.compute_vector(node)
-    comm = np.zeros(len(strats))
+    # a local_map region's own collectives: communication, not compute
+    own = np.array([sum(us for _, _, us in pmodel.cost.region_collectives(pmodel.node_by_name[node], s)) for s in strats],
+                   dtype=float)
+    compute = compute - own
+    comm = own.copy()
     for e in pmodel.edges:
         if e.producer == node:
             mat = pmodel.edge_matrix(e)

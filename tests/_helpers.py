@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -48,3 +49,18 @@ class SavedStorages:
     @property
     def total_bytes(self) -> int:
         return sum(self._bytes.values())
+
+
+def train(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor], steps: int,
+          optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> list[float]:
+    """The losses of ``steps`` optimizer steps on ``loss_of(model)`` (AdamW, lr 1e-2, unless
+    ``optimizer(params)`` says otherwise); a DTensor loss is read whole."""
+    opt = optimizer(model.parameters()) if optimizer is not None else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
+    return losses

@@ -12,14 +12,20 @@ TINY = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, voca
 TINY_BATCH, TINY_SEQ = 8, 16
 
 
-def tiny_llama(device: str) -> nn.Module:
-    """The tiny LLaMA on ``device``; initialised unless on meta (then ``to_empty`` and load)."""
+def tiny_model(preset: str, device: str, **fields) -> nn.Module:
+    """Preset ``preset`` with config ``fields`` on ``device``, weights from seed 0; initialised
+    unless on meta (then ``to_empty`` and load)."""
     with torch.device(device):
         torch.manual_seed(0)
-        model = build(config("llama3-debug", **TINY))
+        model = build(config(preset, **fields))
     if device != "meta":
         model.init_weights()
     return model
+
+
+def tiny_llama(device: str, **fields) -> nn.Module:
+    """The tiny LLaMA on ``device`` (``fields`` change its config)."""
+    return tiny_model("llama3-debug", device, **{**TINY, **fields})
 
 
 def fixed_tokens() -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,26 +13,16 @@ import pytest
 import torch
 
 import apmodel
-from apmodel.models import build, config
 from apmodel.models.attention import ContextParallelAttention
 from apmodel.pricing import CostContext
 from apmodel.regions import RegionComm, region_scope
 
 from _dist_utils import run_distributed
-from _helpers import full_weights
-from _tiny import TINY, fixed_tokens
+from _helpers import full_weights, train
+from _tiny import fixed_tokens, tiny_llama
 
 STEPS = 3
 LOSS_RTOL = 1e-5
-
-
-def tiny_llama(device: str, context_parallel: bool) -> torch.nn.Module:
-    with torch.device(device):
-        torch.manual_seed(0)
-        model = build(config("llama3-debug", **TINY, context_parallel=context_parallel))
-    if device != "meta":
-        model.init_weights()
-    return model
 
 
 class _AttentionFlops:
@@ -84,35 +74,19 @@ def _worker(rank: int, world: int, per_axis: tuple) -> dict[str, Any]:
 
     mesh = dist.init_device_mesh("cpu", (2, 2))
     tokens, targets = fixed_tokens()
-    state = full_weights(tiny_llama("cpu", True))
-    model = apmodel.parallelize(tiny_llama("meta", True), mesh, (tokens.to("meta"), targets.to("meta")),
+    state = full_weights(tiny_llama("cpu", context_parallel=True))
+    model = apmodel.parallelize(tiny_llama("meta", context_parallel=True), mesh, (tokens.to("meta"), targets.to("meta")),
                                 constraints=[apmodel.region_as("attention_*", *per_axis)])
     model.to_empty(device="cpu")
     load_full_state_dict(model, state)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor()))
+    losses = train(model, lambda m: m(tokens, targets), STEPS)
     plan = model._apmodel_program.plan
     return {"losses": losses, "attention": [str(p) for p in plan.node_strategy["attention_flash"].inputs[0]]}
 
 
 def _reference() -> list[float]:
-    model = tiny_llama("cpu", False)
     tokens, targets = fixed_tokens()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    return train(tiny_llama("cpu"), lambda m: m(tokens, targets), STEPS)
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from apmodel.models import build, config
 from apmodel.models.moe import EXPERT_LOAD_IMBALANCE, RoutedExperts
 
 from _dist_utils import run_distributed
-from _helpers import full_weights
+from _helpers import full_weights, train
+from _tiny import tiny_model
 
 TINY_MOE = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, moe_hidden_dim=16,
                 n_routed_experts=8, n_shared_experts=1, top_k=2, n_dense_layers=1, vocab_size=64, max_seq_len=16)
@@ -26,12 +27,7 @@ LOSS_RTOL = 1e-5
 
 
 def tiny_moe(device: str, routing: str = "sparse") -> torch.nn.Module:
-    with torch.device(device):
-        torch.manual_seed(0)
-        model = build(config("moe-debug", **TINY_MOE, routing=routing))
-    if device != "meta":
-        model.init_weights()
-    return model
+    return tiny_model("moe-debug", device, **TINY_MOE, routing=routing)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,15 +37,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
-    return losses
+    return train(model, lambda m: m(tokens, targets), STEPS)
 
 
 def test_sparse_routing_is_the_dense_function_on_one_device():
@@ -113,6 +101,12 @@ def test_a_plan_counts_the_regions_all_to_alls_as_communication():
     count_bytes = TINY_MOE["n_routed_experts"] * 8
     want = 6 * cost.comm.time_us("all_to_all", row_bytes, 1) + 2 * cost.comm.time_us("all_to_all", count_bytes, 1)
     assert got == pytest.approx(want, rel=1e-9)
+    # explain shows the forward's three as the region node's communication, not its compute
+    from apmodel.plans import explain
+
+    chosen = next(r for r in explain(plan.model, plan.node_strategy, "routed_experts_top2") if r["chosen"])
+    forward = 2 * cost.comm.time_us("all_to_all", row_bytes, 1) + cost.comm.time_us("all_to_all", count_bytes, 1)
+    assert chosen["comm_us"] >= forward * (1 - 1e-9) and chosen["compute_us"] > 0
 
 
 def _worker(rank: int, world: int, per_axis: tuple) -> dict[str, Any]:

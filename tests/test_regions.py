@@ -20,6 +20,7 @@ from apmodel.capture import capture
 from apmodel.regions import RegionError, local_map
 
 from _dist_utils import run_distributed
+from _helpers import train
 
 D, H, V = 16, 32, 64
 BATCH, SEQ = 8, 4
@@ -165,15 +166,7 @@ def test_region_as_names_bad_alternatives_and_regions():
 
 
 def _train(model: nn.Module, step) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for _ in range(STEPS):
-        loss = step(model)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
-    return losses
+    return train(model, step, STEPS, lambda params: torch.optim.SGD(params, lr=0.5))
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
