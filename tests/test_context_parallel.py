@@ -60,6 +60,12 @@ def test_each_rank_does_an_equal_share_of_the_causal_work(ranks):
         share = region.time_us(cost, args, modes=("context_parallel",), backward=backward)
         total = region.time_us(cost, whole, modes=(None,), backward=backward)
         assert share * ranks == pytest.approx(total, rel=1e-9), backward
+    # an odd chunk cannot be halved: the whole chunk of the busiest (last) rank is priced
+    odd = [torch.empty(b, h, 3 * ranks, d, device="meta") for _ in range(3)]
+    odd_share = region.time_us(cost, [t[:, :, :3] for t in odd], modes=("context_parallel",), backward=False)
+    odd_total = region.time_us(cost, odd, modes=(None,), backward=False)
+    c, n_seq = 3, 3 * ranks  # the last chunk's scores: every earlier key, and a causal diagonal block
+    assert odd_share / odd_total == pytest.approx((c * (n_seq - c) + c * (c + 1) / 2) / (n_seq * (n_seq + 1) / 2), rel=1e-9)
     records: list = []
     with region_scope({"context_parallel": RegionComm(ranks, 0, (0,), None, records)}):
         ContextParallelAttention()(*local)
@@ -98,3 +104,32 @@ def test_context_parallel_training_equals_the_plain_model_on_one_device(per_axis
     assert got["attention"] == [{"context_parallel": "S(2)", "heads": "S(1)"}[m] for m in per_axis]
     for step, (a, b) in enumerate(zip(got["losses"], _reference())):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (per_axis, step, a, b)
+
+
+def _region_worker(rank: int, world: int, seq: int) -> dict[str, Any]:
+    """The region's function on this rank's chunk, against causal attention on the whole sequence."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, seq, 8, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # grouped-query: 2 key/value heads for 4 query heads
+    chunk = seq // world
+    part = [t[:, :, rank * chunk:(rank + 1) * chunk].clone().requires_grad_() for t in (q, k, v)]
+    comm = RegionComm(world, rank, (0,), dist.group.WORLD)
+    with region_scope({"context_parallel": comm}):
+        out = ContextParallelAttention()(*part)
+    out.square().sum().backward()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(whole[0], whole[1].repeat_interleave(2, 1), whole[2].repeat_interleave(2, 1),
+                                         is_causal=True)
+    ref.square().sum().backward()
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    return {"out": (out - ref[:, :, mine]).abs().max().item(),
+            "grads": max((p.grad - w.grad[:, :, mine]).abs().max().item() for p, w in zip(part, whole))}
+
+
+@pytest.mark.parametrize("world, seq", [(2, 8), (3, 12), (2, 6)])  # balanced halves, an odd rank count, odd chunks
+def test_the_region_function_computes_causal_attention_and_its_gradients(world, seq):
+    for got in run_distributed(_region_worker, world, seq, timeout_s=300):
+        assert got["out"] < 1e-5 and got["grads"] < 1e-5, got

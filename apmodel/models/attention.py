@@ -80,7 +80,8 @@ class ContextParallelAttention:
     first's work; each rank swaps the second half of its queries with the rank mirrored around
     the middle (``n - 1 - rank``) and swaps the outputs back, so every rank holds one early and
     one late half-chunk and does ``1/n`` of the work (the zig-zag assignment). Each half attends to
-    the keys up to its own end with a lower-right causal mask. The chunk length must be even."""
+    the keys up to its own end with a lower-right causal mask. An odd chunk length has no halves:
+    each rank then attends its whole chunk, unbalanced, and is priced as the last rank."""
 
     backend: str = "flash"
 
@@ -101,12 +102,13 @@ class ContextParallelAttention:
         if cp.size == 1:
             return causal_attention(q, _repeat_heads(k, repeat), _repeat_heads(v, repeat), self.backend)
         chunk = q.shape[2]
-        if chunk % 2:
-            raise ValueError(f"context-parallel attention: the local sequence chunk ({chunk}) must be even")
-        half = chunk // 2
         # gathered before the heads are repeated: n_kv_heads, not n_heads, cross the network
         keys = _repeat_heads(cp.all_gather(k, 2), repeat)
         values = _repeat_heads(cp.all_gather(v, 2), repeat)
+        if chunk % 2:  # no halves to swap: unbalanced, priced at the busiest (last) rank
+            rank = cp.size - 1 if q.device.type == "meta" else cp.rank
+            return self._attend(q, keys, values, rank * chunk)
+        half = chunk // 2
         mirror = cp.size - 1 - cp.rank
         early = self._attend(q[:, :, :half], keys, values, cp.rank * chunk)
         late = self._attend(_swap(q[:, :, half:], cp, mirror), keys, values, mirror * chunk + half)
@@ -137,8 +139,7 @@ def _repeat_heads(x: torch.Tensor, repeat: int) -> torch.Tensor:
 
 
 def _swap(x: torch.Tensor, cp: RegionComm, partner: int) -> torch.Tensor:
-    """``x`` sent to rank ``partner`` whose own comes back (itself when ``partner`` is this rank)."""
-    if partner == cp.rank:
-        return x
+    """``x`` sent to rank ``partner`` whose own comes back. An all-to-all, so every rank takes
+    part, the middle one of an odd count too (its partner is itself)."""
     rows = [x.shape[0] if j == partner else 0 for j in range(cp.size)]
     return cp.all_to_all(x, rows, rows)
