@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import apmodel
+from apmodel import Plan
 from apmodel.models import build, config
 from apmodel.models.moe import EXPERT_LOAD_IMBALANCE, RoutedExperts
 
@@ -135,7 +136,13 @@ def _worker(rank: int, world: int, per_axis: tuple) -> dict[str, Any]:
         losses = _train(model, tokens, targets)
     finally:
         dist.all_to_all_single = real
-    return {"losses": losses, "a2a_group_sizes": sorted(set(sizes)), "a2a_per_step": len(sizes) / STEPS,
+    # the plan as a file replays: same regions, same first loss
+    again = apmodel.parallelize(tiny_moe("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
+                                plan=Plan.from_json(plan.to_json(), "test"))
+    again.to_empty(device="cpu")
+    load_full_state_dict(again, state)
+    return {"losses": losses, "replayed_loss": float(again(tokens, targets).detach().full_tensor()),
+            "a2a_group_sizes": sorted(set(sizes)), "a2a_per_step": len(sizes) / STEPS,
             "region": str(plan.node_strategy["routed_experts_top2"]),
             "experts_used_as": [str(p) for p in plan.node_strategy["routed_experts_top2"].inputs[2]]}
 
@@ -151,6 +158,7 @@ def test_expert_parallel_training_equals_the_dense_model_on_one_device(per_axis)
     ref = _train(tiny_moe("cpu", "dense"), tokens, targets)
     for step, (a, b) in enumerate(zip(got["losses"], ref)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (per_axis, step, a, b)
+    assert abs(got["replayed_loss"] - ref[0]) <= LOSS_RTOL * abs(ref[0])
     # tokens went to their experts: per step, forward (counts, rows there and back), the
     # backward's recomputation (the same three) and the two row exchanges' gradients
     ep_ranks = 4 if per_axis.count("expert_parallel") == 2 else 2
