@@ -393,13 +393,11 @@ class PlacementModel:
             bad = [a for a in per_axis if a is not None and a not in known]
             if bad:
                 raise ValueError(f"{label}: region {region.name!r} has no alternative {bad[0]!r} (it has {sorted(known)})")
-            want = tuple("replicated" if a is None else a for a in per_axis)
             backward = is_backward(n.target)
 
             def allowed(s: Strategy, region=region, backward=backward) -> bool:
                 modes = region.alternative_on_axes(s.inputs, backward=backward)
-                return all(w is None or (m or "replicated") == w
-                           for m, w in zip(modes, (None if a is None else a for a in per_axis)))
+                return all(want is None or (mode or "replicated") == want for mode, want in zip(modes, per_axis))
 
             self.restrict(n.name, allowed, label)
             nodes.append(n.name)

@@ -83,8 +83,8 @@ def emerged(plan: Any) -> dict[str, str]:
     region_totals: Counter = Counter()
     for n in pm.nodes:
         region = region_of(n.target) if n.op == "call_function" else None
-        if region is None or is_backward(n.target) or n.name not in ns:
-            continue
+        if region is None or is_backward(n.target) or n.name not in ns or pm.captured.is_backward.get(n.name, False):
+            continue  # forward regions only (not their backward, nor a recomputed copy)
         region_totals[region.name] += 1
         for axis, mode in enumerate(region.alternative_on_axes(ns[n.name].inputs, backward=False)):
             if mode is not None:
