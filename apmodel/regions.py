@@ -108,7 +108,7 @@ class CollectiveRecord:
     kind: str  # "all_gather" | "reduce_scatter" | "all_to_all"
     numel: int  # elements, nccl-tests convention: the gathered output, the scattered input, one rank's buffer
     dtype: torch.dtype
-    axes: tuple[int, ...]
+    alternative: str  # over the ranks of this alternative of the region
 
 
 @dataclass
@@ -125,6 +125,7 @@ class RegionComm:
     axes: tuple[int, ...] = ()
     group: Any = None
     records: list[CollectiveRecord] | None = None
+    alternative: str = ""
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """The shards of every rank concatenated along ``dim`` (differentiable: the gradient is
@@ -145,7 +146,7 @@ class RegionComm:
         return _AllToAll.apply(x, [int(r) for r in send_rows], [int(r) for r in recv_rows], self)
 
     def _record(self, kind: str, numel: int, dtype: torch.dtype) -> None:
-        self.records.append(CollectiveRecord(kind, int(numel), dtype, self.axes))
+        self.records.append(CollectiveRecord(kind, int(numel), dtype, self.alternative))
 
 
 class _AllGather(torch.autograd.Function):
@@ -354,20 +355,22 @@ class LocalRegion:
     def _price(self, cost: Any, tensors: list[torch.Tensor], modes: tuple[str | None, ...],
                backward: bool) -> tuple[float, tuple[tuple[str, tuple[int, ...], float], ...]]:
         mesh_shape = tuple(cost.mesh_shape)
-        key = (backward, cost.dtype, id(cost.compute), id(cost.comm), mesh_shape, modes,
-               tuple((tuple(t.shape), t.dtype) for t in tensors))
+        axes_of = {name: tuple(i for i, m in enumerate(modes) if m == name) for name in set(modes) - {None}}
+        # the trace depends on the local shapes and each alternative's group size, not on which
+        # axes carry it: many strategies share one trace
+        sizes = tuple(sorted((name, math.prod(mesh_shape[i] for i in axes)) for name, axes in axes_of.items()))
+        key = (backward, cost.dtype, id(cost.compute), sizes, tuple((tuple(t.shape), t.dtype) for t in tensors))
         if key not in self._priced:
             records: list[CollectiveRecord] = []
-            comms = {}
-            for name in {m for m in modes if m is not None}:
-                axes = tuple(i for i, m in enumerate(modes) if m == name)
-                comms[name] = RegionComm(math.prod(mesh_shape[i] for i in axes), 0, axes, None, records)
+            comms = {name: RegionComm(size, 0, (), None, records, name) for name, size in sizes}
             with region_scope(comms):
                 compute_us = _traced_time_us(self._vjp if backward else self._run, tensors, cost.compute, cost.dtype)
-            collectives = tuple((r.kind, r.axes, collective_us(cost.comm, r.kind, r.numel * cost.itemsize(r.dtype),
-                                                                r.axes, mesh_shape)) for r in records)
-            self._priced[key] = (compute_us, collectives)
-        return self._priced[key]
+            self._priced[key] = (compute_us, tuple(records))
+        compute_us, records = self._priced[key]
+        collectives = tuple((r.kind, axes_of[r.alternative],
+                             collective_us(cost.comm, r.kind, r.numel * cost.itemsize(r.dtype), axes_of[r.alternative],
+                                           mesh_shape)) for r in records)
+        return compute_us, collectives
 
 
 def collective_us(comm: Any, kind: str, nbytes: float, axes: Sequence[int], mesh_shape: Sequence[int]) -> float:
