@@ -13,7 +13,9 @@ dispatch mode; each distinct ATen call the model charges for (views are free) is
 kernel set's method (:func:`costmodels.kernel_timing.time_recorded`) and predicted by the
 profile with ``cache="warm"`` (the timings replay one op on the same buffers). The report: the
 median and largest factor ``max(pred/meas, meas/pred)``, the share within 1.5x, the worst ops,
-and the same numbers for the uncalibrated roofline of the nominal ``cpu`` device.
+the same numbers at the fit's machine speed (a shared machine runs 2x slower some minutes: a
+dozen fitted kernels are re-timed beside the held-out ops and their slowdown divided out), and
+the numbers for the uncalibrated roofline of the nominal ``cpu`` device.
 ``tests/test_calibrate_compute.py`` asserts on them.
 """
 
@@ -113,26 +115,45 @@ def training_step(batch: int = 3, seq: int = 48, vocab: int = 300, seed: int = 0
     return lambda: model(idx, targets).backward()
 
 
+#: Fitted rows re-timed beside the held-out ops to measure how much faster or slower this machine
+#: runs now than when the profile was fitted (a shared machine's speed drifts by 2x over minutes).
+DRIFT_REFERENCE_ROWS = 12
+
+
 def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREADS, quick: bool = True,
              fit_rows: Sequence[dict] | None = None) -> dict[str, Any]:
     """Time the ATen calls of :func:`training_step` on this CPU and compare them with ``profile``'s
     predictions (eager, cache warm) and the nominal roofline's. ``fit_rows``: the rows the profile
-    was fitted to; calls whose operand shapes match one are reported (``in_fit_set``)."""
+    was fitted to; calls whose operand shapes match one are reported (``in_fit_set``), and
+    :data:`DRIFT_REFERENCE_ROWS` of them are timed again, interleaved with the held-out calls:
+    ``drift`` is the median of their now/then times, and ``fitted_at_fit_speed`` compares the
+    predictions with the held-out times divided by it (the machine's speed change taken out;
+    what is left is how well the profile generalises to shapes it never saw)."""
     fitted = ms.MeasuredCompute("cpu", profile, execution="eager", cache="warm")
     recorded = record_aten_calls(training_step())
     calls = [c for c in recorded if fitted.time_us(*c.on_meta()) > 0]   # views and getitem are free
     fit_shapes = {tuple(tuple(s) for s in r["shapes"]) for r in fit_rows or ()}
     overlap = [str(c.op) for c in calls
                if tuple(tuple(t.shape) for t in ms._tensors(c.args)) in fit_shapes]
+    reference = list(fit_rows or ())[::max(1, len(fit_rows or ()) // DRIFT_REFERENCE_ROWS)][:DRIFT_REFERENCE_ROWS]
+    cpu = torch.device("cpu")
+    factories = [c.runner for c in calls] + [
+        (lambda row=row, i=i: kt.runner(kt.materialize(ms.row_calls(row), cpu, seed=i)))
+        for i, row in enumerate(reference)]
     with kt.threads_set(threads) as n_threads:
-        times = kt.time_recorded(calls, torch.device("cpu"), quick=quick)
-    bad = [(str(c.op), t) for c, t in zip(calls, times) if not isinstance(t, float)]
+        all_times = kt.time_interleaved(factories, cpu, quick=quick)
+    bad = [(str(f), t) for f, t in zip([str(c.op) for c in calls] + [ms.describe_row(r) for r in reference],
+                                       all_times) if not isinstance(t, float)]
     if bad:
         raise RuntimeError(f"could not time {bad[0][0]}: {bad[0][1]}")
+    times, again = all_times[:len(calls)], all_times[len(calls):]
+    drift = ms._median(sorted(now / row["meas_us"] for now, row in zip(again, reference))) if reference else 1.0
     metas = [c.on_meta() for c in calls]
     return {
-        "recorded": len(recorded), "threads": n_threads, "in_fit_set": overlap,
+        "recorded": len(recorded), "threads": n_threads, "in_fit_set": overlap, "drift": drift,
+        "drift_rows": len(reference),
         "fitted": fitting.prediction_report(fitted, metas, times, FACTOR),
+        "fitted_at_fit_speed": fitting.prediction_report(fitted, metas, [t / drift for t in times], FACTOR),
         "roofline": fitting.prediction_report(cm.RooflineCompute("cpu"), metas, times, FACTOR),
     }
 
@@ -143,6 +164,10 @@ def _print_report(rep: dict[str, Any], worst: int) -> None:
           f"views are free), {rep['threads']} thread(s)")
     print(f"  fitted profile:    median factor {f['median_factor']:.2f}, largest {f['max_factor']:.2f}x, "
           f"{f['within']:.0%} within {FACTOR}x")
+    if rep["drift_rows"]:
+        g = rep["fitted_at_fit_speed"]
+        print(f"  this machine now runs {rep['drift']:.2f}x the fitted rows' times ({rep['drift_rows']} re-timed); "
+              f"at the fit's speed: median factor {g['median_factor']:.2f}, {g['within']:.0%} within {FACTOR}x")
     print(f"  nominal roofline:  median factor {r['median_factor']:.2f}, largest {r['max_factor']:.2f}x, "
           f"{r['within']:.0%} within {FACTOR}x")
     print(f"  worst {worst} (fitted):")
@@ -186,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["held_out"] = {
         "recorded": rep["recorded"], "threads": rep["threads"], "in_fit_set": rep["in_fit_set"],
         "fitted": {**{k: rep["fitted"][k] for k in keep}, "items": rep["fitted"]["items"]},
+        "drift": rep["drift"], "drift_rows": rep["drift_rows"],
+        "fitted_at_fit_speed": {k: rep["fitted_at_fit_speed"][k] for k in keep},
         "roofline": {k: rep["roofline"][k] for k in keep},
     }
     if args.json == "-":

@@ -7,7 +7,9 @@ step of a tiny transformer (shapes that are not in the fit set) is timed with th
 predicted by the fitted profile. Asserted: the median factor ``max(pred/meas, meas/pred)`` over
 the ops is at most 1.5, and at least :data:`MIN_FRACTION_WITHIN` of the ops are within 1.5x.
 Noise on a shared machine is tamed by the method itself (warm-up, interleaved passes, median of
-repeats, a robust loss in the fit). That the check can fail is shown on the same ops: the
+repeats, a robust loss in the fit); a sustained change of the machine's speed between the fit and
+the check (seen: all ops 2x slower) is measured on a dozen fitted kernels re-timed beside the
+held-out ops and divided out. That the check can fail is shown on the same ops: the
 uncalibrated roofline model of the nominal "cpu" device misses them by far more.
 """
 
@@ -131,13 +133,17 @@ def test_cpu_profile_predicts_held_out_training_ops(calibrated):
     prof = cm.load_profile(str(calibrated["out"]))
     rows = ms.load_measurements(calibrated["measurements"])["rows"]
     rep = check.held_out(prof, threads=THREADS, quick=True, fit_rows=rows)
-    fitted, roofline = rep["fitted"], rep["roofline"]
+    # judged at the fit's machine speed: re-timed fitted kernels measure how much slower this
+    # shared machine runs now than a few seconds ago (it has been seen at 2x), and that is divided out
+    fitted, roofline = rep["fitted_at_fit_speed"], rep["roofline"]
     assert rep["in_fit_set"] == []                  # held out: no op has the operand shapes of a fitted row
+    assert rep["drift_rows"] == 12 and rep["drift"] > 0
     assert fitted["ops"] >= 30 and fitted["factor"] == FACTOR
     worst = "\n".join(f"  {w['op']} {w['shapes']}: meas {w['meas_us']:.1f} µs, pred {w['pred_us']:.1f} µs"
                       for w in fitted["worst"])
-    summary = (f"{fitted['ops']} held-out ops: median factor {fitted['median_factor']:.3f}, "
-               f"{fitted['within']:.0%} within {FACTOR}x; worst:\n{worst}")
+    summary = (f"{fitted['ops']} held-out ops: machine at {rep['drift']:.2f}x its fit-time speed; at fit speed "
+               f"median factor {fitted['median_factor']:.3f}, {fitted['within']:.0%} within {FACTOR}x "
+               f"(as measured: {rep['fitted']['median_factor']:.3f}, {rep['fitted']['within']:.0%}); worst:\n{worst}")
     print(summary)
     assert fitted["median_factor"] <= MAX_MEDIAN_FACTOR, summary
     assert fitted["within"] >= MIN_FRACTION_WITHIN, summary
