@@ -78,8 +78,14 @@ def test_radius_equal_to_mesh_rank_gives_the_full_problem(captured, cost, full):
     full_pm, full_plan = full
     pm = build_model(captured, MESH, cost=cost, seeding=True, seed_radius=len(MESH))
     assert {n: set(s) for n, s in pm.strategies.items()} == {n: set(s) for n, s in full_pm.strategies.items()}
-    plan = solve_model(pm, solver="highs")
-    assert plan.objective_us == pytest.approx(full_plan.objective_us, rel=1e-9)
+    # the same problem: same sizes, the exact optimum costs the same in both, and the default
+    # solver finds it (HiGHS on the full problem again would take 40 s more)
+    assert pm.summary() == full_pm.summary()
+    optimum = full_plan.node_strategy
+    assert pm.compile().energy(pm.encode(optimum)) == pytest.approx(
+        full_pm.compile().energy(full_pm.encode(optimum)), rel=1e-12)
+    plan = solve_model(pm)
+    assert full_plan.objective_us * (1 - 1e-9) <= plan.objective_us <= full_plan.objective_us * (1 + 1e-4)
 
 
 def test_default_radius_is_the_papers_on_three_axes_and_one_less_than_the_rank_beyond():
