@@ -360,7 +360,8 @@ def _trace(
 # the model with its first three layers (first, one middle, last), checks that the graph repeats
 # layer by layer, and stamps the middle layer once per missing layer: the same nodes, names,
 # wiring, descriptors and metadata as tracing every layer (tests/test_capture_stamping.py compares
-# the two on the reference models). Anything that does not fit falls back to the full trace.
+# the two on the reference models). Layers ahead of the stack that differ from it (DeepSeek-MoE's
+# dense first layer) are traced as they are. Anything that does not fit falls back to the full trace.
 
 #: stacks with fewer layers are traced whole (stamping traces three and runs two forward checks)
 _STAMP_MIN_LAYERS = 6
@@ -374,12 +375,15 @@ class _NotStampable(Exception):
 
 
 class _LayerStack:
-    """A container of structurally identical layers in the user's model (``nn.ModuleList``,
-    ``nn.ModuleDict`` or ``nn.Sequential``), by the container's FQN and its child names."""
+    """Structurally identical layers in a container of the user's model (``nn.ModuleList``,
+    ``nn.ModuleDict`` or ``nn.Sequential``), by the container's FQN and their child names
+    (``keys``); ``before``: the container's children ahead of them, which differ (DeepSeek-MoE's
+    dense first layers) and are traced as they are, like any module outside the stack."""
 
-    def __init__(self, path: str, keys: Sequence[str]) -> None:
+    def __init__(self, path: str, keys: Sequence[str], before: Sequence[str] = ()) -> None:
         self.path = path
         self.keys = tuple(keys)
+        self.before = tuple(before)
         self._index = {k: i for i, k in enumerate(self.keys)}
 
     def prefix(self, i: int) -> str:
@@ -408,8 +412,9 @@ def _module_signature(module: nn.Module) -> tuple:
 
 
 def _repeated_stack(model: nn.Module) -> _LayerStack | None:
-    """The container of the most parameters whose children are structurally identical (same
-    module types, parameter and buffer names, shapes and dtypes), with no parameter shared."""
+    """The run of structurally identical children (same module types, parameter and buffer
+    names, shapes and dtypes; no parameter shared) that ends a container, of the most parameters.
+    Only a leading part may differ: layers after the run would be traced with a truncated stack."""
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -420,26 +425,31 @@ def _repeated_stack(model: nn.Module) -> _LayerStack | None:
         children = list(container.named_children())
         if len(children) < _STAMP_MIN_LAYERS or len({id(c) for _, c in children}) != len(children):
             continue
-        first = _module_signature(children[0][1])
-        if any(_module_signature(c) != first for _, c in children[1:]):
+        last = _module_signature(children[-1][1])
+        start = len(children) - 1
+        while start > 0 and _module_signature(children[start - 1][1]) == last:
+            start -= 1
+        run = children[start:]
+        if len(run) < _STAMP_MIN_LAYERS:
             continue
-        params = [p for _, c in children for p in c.parameters()]
+        params = [p for _, c in run for p in c.parameters()]
         if any(uses.get(id(p), 0) != 1 for p in params):
             continue
         size = sum(p.numel() for p in params)
         if best is None or size > best[0]:
-            best = (size, _LayerStack(path, [k for k, _ in children]))
+            best = (size, _LayerStack(path, [k for k, _ in run], [k for k, _ in children[:start]]))
     return best[1] if best is not None else None
 
 
 def _truncated(model: nn.Module, stack: _LayerStack, k: int) -> nn.Module:
-    """A shallow copy of ``model`` whose stack holds its first ``k`` layers (the same modules)."""
+    """A shallow copy of ``model`` whose stack holds its first ``k`` layers (the same modules;
+    the container's children before the stack stay)."""
     names = stack.path.split(".") if stack.path else []
 
     def rebuild(module: nn.Module, depth: int) -> nn.Module:
         new = copy.copy(module)
         if depth == len(names):
-            new._modules = {key: module._modules[key] for key in stack.keys[:k]}
+            new._modules = {key: module._modules[key] for key in (*stack.before, *stack.keys[:k])}
         else:
             new._modules = dict(module._modules)
             new._modules[names[depth]] = rebuild(module._modules[names[depth]], depth + 1)

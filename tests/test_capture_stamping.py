@@ -44,8 +44,9 @@ def graph_record(gm: fx.GraphModule) -> list[tuple]:
     ]
 
 
-def _both(name: str, layers: int, monkeypatch) -> tuple[CapturedGraph, CapturedGraph]:
-    """(stamped, fully traced) captures of preset ``name`` with ``layers`` layers."""
+def _both(name: str, layers: int, monkeypatch, stacked: int | None = None) -> tuple[CapturedGraph, CapturedGraph]:
+    """(stamped, fully traced) captures of preset ``name`` with ``layers`` layers, ``stacked`` of
+    them (default all) in the stamped stack."""
     with torch.device("meta"):
         model = build(name, n_layers=layers)
     inputs = sample_inputs(name, B, S)
@@ -59,10 +60,10 @@ def _both(name: str, layers: int, monkeypatch) -> tuple[CapturedGraph, CapturedG
     monkeypatch.setattr(capture_module._Template, "stamp", counting)
     monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 4)
     stamped = capture(model, inputs)
-    assert calls == [layers], "the stack was not stamped"
+    assert calls == [stacked or layers], "the stack was not stamped"
     monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
     full = capture(model, inputs)
-    assert calls == [layers]
+    assert calls == [stacked or layers]
     return stamped, full
 
 
@@ -75,9 +76,10 @@ def assert_same_capture(a: CapturedGraph, b: CapturedGraph) -> None:
         assert getattr(a, label) == getattr(b, label), label
 
 
-@pytest.mark.parametrize("name, layers", [("llama3-debug", 4), ("llama3-debug", 7), ("gpt2", 5)])
-def test_stamped_graph_is_the_traced_graph(name, layers, monkeypatch):
-    stamped, full = _both(name, layers, monkeypatch)
+@pytest.mark.parametrize("name, layers, stacked", [("llama3-debug", 4, 4), ("llama3-debug", 7, 7), ("gpt2", 5, 5),
+                                                  ("moe-debug", 6, 5)])  # moe: layer 0 dense, traced as it is
+def test_stamped_graph_is_the_traced_graph(name, layers, stacked, monkeypatch):
+    stamped, full = _both(name, layers, monkeypatch, stacked)
     assert_same_capture(stamped, full)
     # the stamped module runs: its code is generated from the stamped graph
     assert "def forward" in stamped.gm.code
@@ -161,7 +163,22 @@ def test_small_or_unequal_stacks_are_not_stamped():
     with torch.device("meta"):
         model = _Stack(8)
     model.layers[3] = nn.Sequential(nn.Linear(16, 16))
+    assert capture_module._repeated_stack(model) is None  # 4 identical layers after the odd one
+    # differing layers ahead of a long enough run stay outside it (DeepSeek-MoE's dense first layer)
+    with torch.device("meta"):
+        model = _Stack(9)
+    model.layers[1] = nn.Sequential(nn.Linear(16, 16))
+    stack = capture_module._repeated_stack(model)
+    assert stack.before == ("0", "1") and stack.keys == tuple(map(str, range(2, 9)))
+    # a differing last layer: no stack (the truncated template would lose it)
+    with torch.device("meta"):
+        model = _Stack(9)
+    model.layers[8] = nn.Sequential(nn.Linear(16, 16))
     assert capture_module._repeated_stack(model) is None
+    with torch.device("meta"):
+        deepseek = build("deepseek-moe-16b")
+    stack = capture_module._repeated_stack(deepseek)
+    assert stack.path == "layers" and stack.before == ("0",) and len(stack.keys) == 27
 
 
 class _NormLayer(nn.Module):
