@@ -14,7 +14,8 @@ Per device, for a plan (one strategy per node):
   parameters the backward reads are already counted;
 * **peak**: the above plus the largest transient of one step of the graph: a node's output
   together with the copies of its inputs that the plan redistributes right before it
-  (all-gathered weights, for instance).
+  (all-gathered weights, for instance); for a ``local_map`` region, the larger of its outputs
+  and the most its function holds at once (gathered keys and values, all-to-all buffers).
 
 Everything except the transient is linear in the placement indicators, so the same numbers make
 a linear row of the placement model (:meth:`MemoryModel.row`): ``Σ bytes(node, state) ≤ limit``.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -123,7 +124,9 @@ class MemoryModel:
 
     ``itemsize(dtype) -> bytes`` prices activations (the cost context's pricing dtype),
     ``state_itemsize`` parameters, gradients and optimizer state (the master dtype under mixed
-    precision; ``itemsize`` when None); ``optimizer`` is a key of :data:`OPTIMIZER_STATE_COPIES`.
+    precision; ``itemsize`` when None); ``optimizer`` is a key of :data:`OPTIMIZER_STATE_COPIES`;
+    ``region_working_bytes(node, strategy) -> bytes`` what a ``local_map`` region holds inside its
+    function (0 for other nodes; none counted when None).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class MemoryModel:
         optimizer: str = "adamw",
         hbm_bytes: float | None = None,
         state_itemsize: Any = None,
+        region_working_bytes: Callable[[fx.Node, Strategy], float] | None = None,
     ) -> None:
         if optimizer not in OPTIMIZER_STATE_COPIES:
             raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_COPIES)}")
@@ -146,6 +150,7 @@ class MemoryModel:
         self.state_itemsize = state_itemsize or itemsize
         self.optimizer = optimizer
         self.hbm_bytes = hbm_bytes
+        self.region_working_bytes = region_working_bytes
         self.node_by_name = {n.name: n for n in captured.gm.graph.nodes}
         self.saved = saved_for_backward(captured)
         self._local_memo: dict[tuple, float] = {}
@@ -210,13 +215,16 @@ class MemoryModel:
         )
 
     def _largest_transient(self, node_strategy: Mapping[str, Strategy]) -> float:
-        """Max over nodes of (output bytes + bytes of the inputs redistributed for it)."""
+        """Max over nodes of (output bytes + bytes of the inputs redistributed for it); a
+        ``local_map`` region holds the larger of its outputs and its function's working set."""
         worst = 0.0
         for n in self.captured.gm.graph.nodes:
             if n.op != "call_function":
                 continue
             s = node_strategy[n.name]
             total = sum(self.local_bytes(n, o, k) for k, o in enumerate(s.outputs))
+            if self.region_working_bytes is not None:
+                total = max(total, self.region_working_bytes(n, s))
             for (prod, k), dst in zip(input_slots(n), s.inputs):
                 src = node_strategy[prod.name].outputs[k] if k < len(node_strategy[prod.name].outputs) else None
                 if dst is not None and src is not None and tuple(map(pl.to_str, src)) != tuple(map(pl.to_str, dst)):

@@ -191,7 +191,7 @@ class PlacementModel:
             self._apply_full_shard()
         self.memory = MemoryModel(
             captured, self.strategies, self.mesh_shape, cost.itemsize, optimizer=optimizer, hbm_bytes=cost.hbm_bytes,
-            state_itemsize=cost.state_itemsize,
+            state_itemsize=cost.state_itemsize, region_working_bytes=cost.region_working_bytes,
         )
         self._compiled: CompiledModel | None = None
 

@@ -249,6 +249,16 @@ class CostContext:
         modes = region.alternative_on_axes(s.inputs, backward=backward)
         return region.collectives(self, call_args, modes=modes, backward=backward)
 
+    def region_working_bytes(self, node: fx.Node, s: Strategy) -> float:
+        """Bytes a ``local_map`` region node holds inside its function under strategy ``s`` (see
+        :meth:`apmodel.regions.LocalRegion.working_bytes`); 0 for other nodes."""
+        region = region_of(node.target) if node.op == "call_function" else None
+        if region is None:
+            return 0.0
+        backward = is_backward(node.target)
+        modes = region.alternative_on_axes(s.inputs, backward=backward)
+        return region.working_bytes(self, self._local_call(node, s)[0], modes=modes, backward=backward)
+
     # ---------------------------------------------------------------- communication
     @functools.cached_property
     def _redistribution(self):

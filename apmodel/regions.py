@@ -341,7 +341,7 @@ class LocalRegion:
         tensors = [a for a in local_args if isinstance(a, torch.Tensor)]
         if self.cost_us is not None:
             return float(self.cost_us(*tensors, backward=backward))
-        compute_us, collectives = self._price(cost, tensors, tuple(modes), backward)
+        compute_us, collectives, _ = self._price(cost, tensors, tuple(modes), backward)
         return compute_us + sum(us for _, _, us in collectives)
 
     def collectives(self, cost: Any, local_args: Sequence[Any], *, modes: Sequence[str | None],
@@ -352,8 +352,19 @@ class LocalRegion:
         tensors = [a for a in local_args if isinstance(a, torch.Tensor)]
         return list(self._price(cost, tensors, tuple(modes), backward)[1])
 
+    def working_bytes(self, cost: Any, local_args: Sequence[Any], *, modes: Sequence[str | None],
+                      backward: bool) -> float:
+        """Bytes (per device) of the most values the function holds at once at these local shapes
+        (its intermediates and outputs, not its inputs; views free), from the same trace as
+        :meth:`time_us`: gathered keys and values, all-to-all buffers, a backward's recomputed
+        forward. 0 with ``cost_us`` (the function may not trace on meta)."""
+        if self.cost_us is not None:
+            return 0.0
+        tensors = [a for a in local_args if isinstance(a, torch.Tensor)]
+        return self._price(cost, tensors, tuple(modes), backward)[2]
+
     def _price(self, cost: Any, tensors: list[torch.Tensor], modes: tuple[str | None, ...],
-               backward: bool) -> tuple[float, tuple[tuple[str, tuple[int, ...], float], ...]]:
+               backward: bool) -> tuple[float, tuple[tuple[str, tuple[int, ...], float], ...], float]:
         mesh_shape = tuple(cost.mesh_shape)
         axes_of = {name: tuple(i for i, m in enumerate(modes) if m == name) for name in set(modes) - {None}}
         # the trace depends on the local shapes and each alternative's group size, not on which
@@ -364,13 +375,13 @@ class LocalRegion:
             records: list[CollectiveRecord] = []
             comms = {name: RegionComm(size, 0, (), None, records, name) for name, size in sizes}
             with region_scope(comms):
-                compute_us = _traced_time_us(self._vjp if backward else self._run, tensors, cost.compute, cost.dtype)
-            self._priced[key] = (compute_us, tuple(records))
-        compute_us, records = self._priced[key]
+                compute_us, working = _traced_price(self._vjp if backward else self._run, tensors, cost)
+            self._priced[key] = (compute_us, tuple(records), working)
+        compute_us, records, working = self._priced[key]
         collectives = tuple((r.kind, axes_of[r.alternative],
                              collective_us(cost.comm, r.kind, r.numel * cost.itemsize(r.dtype), axes_of[r.alternative],
                                            mesh_shape)) for r in records)
-        return compute_us, collectives
+        return compute_us, collectives, working
 
 
 def collective_us(comm: Any, kind: str, nbytes: float, axes: Sequence[int], mesh_shape: Sequence[int]) -> float:
@@ -395,7 +406,8 @@ def _meta(val: Any) -> Any:
     return val
 
 
-def _traced_time_us(fn: Callable, tensors: Sequence[torch.Tensor], compute: Any, dtype: torch.dtype | None) -> float:
+def _traced_price(fn: Callable, tensors: Sequence[torch.Tensor], cost: Any) -> tuple[float, float]:
+    """(µs of the ops ``fn`` runs by ``cost.compute``, bytes of its largest live set) on ``tensors``."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = make_fx(fn, tracing_mode="fake")(*[_meta(t) for t in tensors])
@@ -404,11 +416,36 @@ def _traced_time_us(fn: Callable, tensors: Sequence[torch.Tensor], compute: Any,
         if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: _meta(a.meta.get("val")))
-        us = float(compute.time_us(node.target, tuple(args), dict(kwargs), _meta(node.meta.get("val")), dtype=dtype))
+        us = float(cost.compute.time_us(node.target, tuple(args), dict(kwargs), _meta(node.meta.get("val")),
+                                        dtype=cost.dtype))
         if not 0.0 <= us < math.inf:
             raise RegionError(f"compute model priced {node.target} inside a region at {us!r} µs")
         total += us
-    return total
+    return total, _largest_live_bytes(gm, cost.itemsize)
+
+
+def _largest_live_bytes(gm: torch.fx.GraphModule, itemsize: Callable[[torch.dtype], int]) -> float:
+    """Walking the graph in order, the most bytes of op results alive at once: a result lives
+    from its op to its last reader (outputs to the end); views (results aliasing an input) are free."""
+    nodes = list(gm.graph.nodes)
+    last_read = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
+    dying: dict[int, list[torch.fx.Node]] = {}
+    for n, i in last_read.items():
+        dying.setdefault(i, []).append(n)
+    held: dict[torch.fx.Node, float] = {}
+    live = peak = 0.0
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and isinstance(n.target, OpOverload):
+            aliases = any(r.alias_info is not None for r in n.target._schema.returns)
+            vals = n.meta.get("val")
+            vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+            held[n] = 0.0 if aliases else float(sum(v.numel() * itemsize(v.dtype) for v in vals
+                                                    if isinstance(v, torch.Tensor)))
+            live += held[n]
+            peak = max(peak, live)
+        for d in dying.get(i, ()):
+            live -= held.pop(d, 0.0)
+    return peak
 
 
 def region_of(target: Any) -> LocalRegion | None:

@@ -118,6 +118,47 @@ def test_a_region_is_priced_by_the_ops_it_runs():
     assert sum(region.values()) == pytest.approx(sum(inline.values()) + region["test_row_mlp"], rel=1e-6)
 
 
+def outer_rows(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise, through an N x D x D intermediate: a region whose working set dwarfs its output."""
+    return (x.unsqueeze(-1) * x.unsqueeze(-2)).sum(-1)
+
+
+OUTER = local_map(outer_rows, name="test_outer_rows", in_placements=("S(0)",), out_placements=("S(0)",))
+
+
+class OuterNet(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return OUTER(self.lin(x)).square().mean()
+
+
+def test_a_regions_working_set_counts_in_the_peak():
+    """The intermediates a region's function holds are per-device memory: the forward's largest
+    live set is its N x D x D product plus the N x D sum (hand-counted; the unsqueezes are views),
+    the backward holds at least one such product, and a plan's peak includes it (the graph-level
+    transients alone are N x D sized here)."""
+    n, d, ranks = 64, 32, 4
+    cost = apmodel.cost_context((ranks,), device="h100")
+    size = cost.itemsize(torch.float32)
+    local = torch.empty(n // ranks, d, device="meta")
+    fwd = OUTER.working_bytes(cost, [local], modes=("sharded",), backward=False)
+    assert fwd == (n // ranks) * (d * d + d) * size
+    bwd = OUTER.working_bytes(cost, [torch.empty(n // ranks, d, device="meta"), local], modes=("sharded",),
+                              backward=True)
+    assert bwd >= (n // ranks) * d * d * size
+    with torch.device("meta"):
+        model = OuterNet(d)
+    plan = apmodel.plan(model, (ranks,), (torch.empty(n, d, device="meta"),),
+                        constraints=[apmodel.fix("test_outer_rows", "S(0)"),
+                                     apmodel.fix("test_outer_rows_backward", "S(0)", on="input:0")])
+    m = plan.memory
+    transient = m["peak_bytes"] - m["params_bytes"] - m["grads_bytes"] - m["optimizer_bytes"] - m["activations_bytes"]
+    assert transient >= bwd > 8 * n * d * size, (transient, bwd)
+
+
 def test_selective_checkpointing_keeps_a_region_full_recomputes_it():
     """A region is a hand-written compute block: ``selective`` keeps its output like a matmul's,
     ``full`` recomputes it in backward from the layer input."""
