@@ -50,6 +50,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from apmodel._torch_private import OpOverload, overload_packet
+from apmodel.capture import aliases_first_input
 
 NAMESPACE = "apmodel_region"
 _ATTR = "_apmodel_region"  # where the LocalRegion hangs on its operator packet
@@ -436,7 +437,7 @@ def _largest_live_bytes(gm: torch.fx.GraphModule, itemsize: Callable[[torch.dtyp
     live = peak = 0.0
     for i, n in enumerate(nodes):
         if n.op == "call_function" and isinstance(n.target, OpOverload):
-            aliases = any(r.alias_info is not None for r in n.target._schema.returns)
+            aliases = aliases_first_input(n)
             vals = n.meta.get("val")
             vals = vals if isinstance(vals, (tuple, list)) else (vals,)
             held[n] = 0.0 if aliases else float(sum(v.numel() * itemsize(v.dtype) for v in vals
