@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -427,21 +428,24 @@ def _traced_price(fn: Callable, tensors: Sequence[torch.Tensor], cost: Any) -> t
 
 def _largest_live_bytes(gm: torch.fx.GraphModule, itemsize: Callable[[torch.dtype], int]) -> float:
     """Walking the graph in order, the most bytes of op results alive at once: a result lives
-    from its op to its last reader (outputs to the end); views (results aliasing an input) are free."""
+    from its op to its last reader (outputs to the end), read directly or through a view of it or
+    an element of its tuple (which hold no bytes of their own)."""
     nodes = list(gm.graph.nodes)
-    last_read = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
+    owner: dict[torch.fx.Node, torch.fx.Node] = {}  # a node -> the result whose storage it is
+    for n in nodes:
+        shares = n.op == "call_function" and (n.target is operator.getitem or aliases_first_input(n))
+        owner[n] = owner[n.args[0]] if shares else n
+    last_read = {owner[a]: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
     dying: dict[int, list[torch.fx.Node]] = {}
     for n, i in last_read.items():
         dying.setdefault(i, []).append(n)
     held: dict[torch.fx.Node, float] = {}
     live = peak = 0.0
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and isinstance(n.target, OpOverload):
-            aliases = aliases_first_input(n)
+        if n.op == "call_function" and owner[n] is n:
             vals = n.meta.get("val")
             vals = vals if isinstance(vals, (tuple, list)) else (vals,)
-            held[n] = 0.0 if aliases else float(sum(v.numel() * itemsize(v.dtype) for v in vals
-                                                    if isinstance(v, torch.Tensor)))
+            held[n] = float(sum(v.numel() * itemsize(v.dtype) for v in vals if isinstance(v, torch.Tensor)))
             live += held[n]
             peak = max(peak, live)
         for d in dying.get(i, ()):
