@@ -417,6 +417,7 @@ def plan_json(result, cfg) -> dict[str, Any]:
 def print_plan(result, cfg, console: Console) -> None:
     """Readable summary: solver stats, objective breakdown, one layer's parameters, emerged roles."""
     from apmodel import placements as pl
+    from apmodel.plans import parse_collective_key
     from apmodel.roles import emerged, param_uses
 
     plan = result.plan
@@ -454,7 +455,7 @@ def print_plan(result, cfg, console: Console) -> None:
     t.add_row("communication", _fmt_us(plan.comm_us), f"{100 * plan.comm_us / total:.1f}%")
     for key, us in sorted(plan.comm_by_collective.items(), key=lambda kv: -kv[1]):
         kind, axis = key.split("@")  # "all_gather@axis0"; a region's own: "all_to_all (moe)@axis0+1"
-        ranks = math.prod(mesh[int(a)] for a in axis[4:].split("+"))
+        ranks = math.prod(mesh[a] for a in parse_collective_key(key)[2])
         t.add_row(f"  {kind} on {axis.replace('axis', 'axis ')} ({ranks} ranks)", _fmt_us(us), f"{100 * us / total:.1f}%")
     t.add_row("total", _fmt_us(plan.objective_us), "100.0%", style="bold")
     console.print(t)

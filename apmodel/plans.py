@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -110,6 +110,20 @@ def _number_map(source: str, where: str, value: Any, *, ints: bool = False) -> d
         if not ok(v):
             raise _bad(source, f"{where}[{k!r}]", "an integer" if ints else "a number", v)
     return {k: (int(v) if ints else float(v)) for k, v in value.items()}
+
+
+def collective_key(kind: str, axes: Sequence[int], region: str | None = None) -> str:
+    """The key of :attr:`Plan.comm_by_collective`: ``"all_gather@axis0"``; a ``local_map``
+    region's own collective names the region and may span axes: ``"all_to_all (moe)@axis0+1"``."""
+    label = kind if region is None else f"{kind} ({region})"
+    return f"{label}@axis{'+'.join(map(str, axes))}"
+
+
+def parse_collective_key(key: str) -> tuple[str, str | None, tuple[int, ...]]:
+    """``(kind, region or None, mesh axes)`` of a :func:`collective_key`."""
+    label, _, axes = key.partition("@axis")
+    kind, _, region = label.partition(" (")
+    return kind, region[:-1] or None, tuple(int(a) for a in axes.split("+") if a.isdigit())
 
 
 def layer_of(node_meta: Mapping[str, Any], fallback: str = "other") -> str:
@@ -371,7 +385,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     comm_total = 0.0
     for n in region_nodes:  # a local_map region's own collectives: comm, not compute
         for kind, axes, us in cost.region_collectives(n, node_strategy[n.name]):
-            by_collective[f"{kind} ({region_of(n.target).name})@axis{'+'.join(map(str, axes))}"] += us
+            by_collective[collective_key(kind, axes, region_of(n.target).name)] += us
             compute_total -= us
             comm_total += us
             per_layer[layer_of(n.meta)]["compute_us"] -= us
@@ -380,7 +394,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     def add_steps(shape, dtype, src, dst, layer, gradient=False):
         nonlocal comm_total
         for kind, axis, _nbytes, us in cost.redistribution_steps(shape, dtype, src, dst, gradient=gradient):
-            by_collective[f"{kind}@axis{axis}"] += us
+            by_collective[collective_key(kind, (axis,))] += us
             comm_total += us
             per_layer[layer]["comm_us"] += us
 

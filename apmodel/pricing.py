@@ -238,26 +238,33 @@ class CostContext:
             result[si] = us
         return result
 
+    def _region_call(self, node: fx.Node, s: Strategy) -> tuple[Any, list, tuple[str | None, ...], bool] | None:
+        """(region, local arguments, alternative per mesh axis, backward) of a ``local_map``
+        region node under strategy ``s``; None for other nodes."""
+        region = region_of(node.target) if node.op == "call_function" else None
+        if region is None:
+            return None
+        backward = is_backward(node.target)
+        modes = region.alternative_on_axes(s.inputs, backward=backward)
+        return region, list(self._local_call(node, s)[0]), modes, backward
+
     def region_collectives(self, node: fx.Node, s: Strategy) -> list[tuple[str, tuple[int, ...], float]]:
         """The collectives a ``local_map`` region node issues itself under strategy ``s``, as
         (kind, mesh axes, µs), included in :meth:`compute_vector`'s time; [] for other nodes."""
-        region = region_of(node.target) if node.op == "call_function" else None
-        if region is None:
+        call = self._region_call(node, s)
+        if call is None:
             return []
-        backward = is_backward(node.target)
-        call_args = self._local_call(node, s)[0]
-        modes = region.alternative_on_axes(s.inputs, backward=backward)
-        return region.collectives(self, call_args, modes=modes, backward=backward)
+        region, args, modes, backward = call
+        return region.collectives(self, args, modes=modes, backward=backward)
 
     def region_working_bytes(self, node: fx.Node, s: Strategy) -> float:
         """Bytes a ``local_map`` region node holds inside its function under strategy ``s`` (see
         :meth:`apmodel.regions.LocalRegion.working_bytes`); 0 for other nodes."""
-        region = region_of(node.target) if node.op == "call_function" else None
-        if region is None:
+        call = self._region_call(node, s)
+        if call is None:
             return 0.0
-        backward = is_backward(node.target)
-        modes = region.alternative_on_axes(s.inputs, backward=backward)
-        return region.working_bytes(self, self._local_call(node, s)[0], modes=modes, backward=backward)
+        region, args, modes, backward = call
+        return region.working_bytes(self, args, modes=modes, backward=backward)
 
     # ---------------------------------------------------------------- communication
     @functools.cached_property

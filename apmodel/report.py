@@ -87,8 +87,10 @@ def _collective_label(key: str) -> str:
 
 
 def _segment_colour(key: str) -> str:
+    from apmodel.plans import parse_collective_key
+
     kind, _, axis = key.partition("@")
-    base = _SEGMENT_COLOURS.get(kind.split(" (")[0], "#9c755f")  # a region's: "all_to_all (moe)"
+    base = _SEGMENT_COLOURS.get(parse_collective_key(key)[0], "#9c755f")
     level = int(axis[4:]) if axis.startswith("axis") and axis[4:].isdigit() else 0
     return _mix_white(base, min(0.6, 0.3 * level))
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from apmodel import placements as pl
 from apmodel.conventions import derive
+from apmodel.plans import parse_collective_key
 from apmodel.regions import is_backward, region_of
 from apmodel.strategies import input_slots
 
@@ -118,7 +119,7 @@ def emerged(plan: Any) -> dict[str, str]:
             parts.append(f"all-to-all resharding ({a2a:,.0f} µs)")
         for (region, mode), count in sorted(region_modes[axis].items()):
             own = sum(us for k, us in plan.comm_by_collective.items()
-                      if f"({region})@axis" in k and str(axis) in k.rsplit("@axis", 1)[1].split("+"))
+                      if parse_collective_key(k)[1] == region and axis in parse_collective_key(k)[2])
             traffic = f", its collectives {own:,.0f} µs" if own > 0 else ""
             parts.append(f"{mode.replace('_', ' ')} ({region} regions {count}/{region_totals[region]}{traffic})")
         roles[f"axis{axis}"] = "; ".join(parts) or "idle (everything replicated on this axis)"
