@@ -154,6 +154,9 @@ def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREAD
         "drift_rows": len(reference),
         "fitted": fitting.prediction_report(fitted, metas, times, FACTOR),
         "fitted_at_fit_speed": fitting.prediction_report(fitted, metas, [t / drift for t in times], FACTOR),
+        # a profile wrong by 2x on every op, judged at fit speed: what the check must reject
+        # (unlike the nominal roofline, whose miss depends on which CPU this is)
+        "fitted_2x_fast": fitting.prediction_report(fitted, metas, [2.0 * t / drift for t in times], FACTOR),
         "roofline": fitting.prediction_report(cm.RooflineCompute("cpu"), metas, times, FACTOR),
     }
 

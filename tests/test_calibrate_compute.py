@@ -10,7 +10,8 @@ Noise on a shared machine is tamed by the method itself (warm-up, interleaved pa
 repeats, a robust loss in the fit); a sustained change of the machine's speed between the fit and
 the check (seen: all ops 2x slower) is measured on a dozen fitted kernels re-timed beside the
 held-out ops and divided out. That the check can fail is shown on the same ops: the
-uncalibrated roofline model of the nominal "cpu" device misses them by far more.
+fitted profile made 2x too fast fails both thresholds (the nominal CPU roofline is reported only:
+how far it misses depends on the CPU).
 """
 
 from __future__ import annotations
@@ -147,8 +148,12 @@ def test_cpu_profile_predicts_held_out_training_ops(calibrated):
     print(summary)
     assert fitted["median_factor"] <= MAX_MEDIAN_FACTOR, summary
     assert fitted["within"] >= MIN_FRACTION_WITHIN, summary
-    # the check discriminates: the uncalibrated roofline of the nominal "cpu" spec misses the same ops
-    assert roofline["median_factor"] > 2 * MAX_MEDIAN_FACTOR, roofline["median_factor"]
+    # the check discriminates: the same profile made 2x too fast on every op, judged on the same
+    # timings, fails both thresholds. (The nominal roofline is reported but not asserted on: how far
+    # it misses depends on which CPU runs the suite, 2.2x to 4.5x seen.)
+    wrong = rep["fitted_2x_fast"]
+    assert wrong["median_factor"] > MAX_MEDIAN_FACTOR and wrong["within"] < MIN_FRACTION_WITHIN, wrong
+    assert roofline["ops"] == fitted["ops"]
 
 
 # ----------------------------------------------------------------------- without measuring
