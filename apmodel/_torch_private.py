@@ -103,6 +103,7 @@ __all__ = [
     "op_strategies",
     "PlacementsT",
     "SingleDimRule",
+    "fake_tensor_mode",
 ]
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,14 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def fake_tensor_mode() -> Any:
+    """A fresh FakeTensorMode (tensors with shapes, dtypes and devices but no storage): the native
+    lowering traces a step's graphs on fake tensors of the real device, allocating nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
 
 
 def export_joint(stack: contextlib.ExitStack, module: torch.nn.Module, inputs: tuple, *, functionalize: bool) -> tuple[Any, Any]:

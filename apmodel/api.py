@@ -408,6 +408,7 @@ def parallelize(
     allow_unused_parameters: bool = False,
     constraints: Sequence[Any] = (),
     plan: Plan | None = None,
+    lowering: str = "native",
     options: PlanOptions | None = None,
     **option_values: Any,
 ) -> nn.Module:
@@ -428,13 +429,17 @@ def parallelize(
         constraints, options and option keywords (``device``, ``solver``, ``input_placements``...):
             as for :func:`plan`.
         plan: a :class:`~apmodel.plans.Plan` (e.g. ``Plan.load(path)``): skip planning.
+        lowering: "native" (default): the step traced once into a forward and a backward graph
+            over local shards with explicit functional collectives, which ``torch.compile``
+            compiles; "interpret": the joint graph run node by node over DTensors (for debugging).
 
     Returns the module, with DTensor parameters placed as planned (tied parameters stay one
     Parameter; buffers updated in forward, such as BatchNorm statistics, are written back after
     each step). For a meta model call ``to_empty(device=...)`` and initialise it (its
     ``init_weights``, or :func:`apmodel.lowering.load_full_state_dict`) before training.
     """
-    from apmodel import kernels, lowering
+    from apmodel import kernels
+    from apmodel import lowering as lowering_stage
 
     if plan is None:
         opts = make_options(options, **option_values)
@@ -445,7 +450,7 @@ def parallelize(
         precision = run_precision_of(plan.workload)
     # Mixed precision: traced as it runs (bf16 parameters and inputs), so the graph holds the casts
     # the model's code makes at that dtype; the parameters themselves stay in the model's dtype.
-    captured = lowering.capture_on_meta(
+    captured = lowering_stage.capture_on_meta(
         model, sample_inputs, loss_fn, kwargs=kwargs, targets=targets, allow_unused_parameters=allow_unused_parameters,
         param_dtype=None if precision is None else DTYPES[precision[0]],
     )
@@ -455,7 +460,7 @@ def parallelize(
         def solve() -> Plan:
             return plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan
 
-        plan = lowering.plan_on_one_rank(solve, mesh)
+        plan = lowering_stage.plan_on_one_rank(solve, mesh)
     else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with
         captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
-    return lowering.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels)
+    return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.autograd import _FromGlobal, _JointStep
 from apmodel.lowering.graph import _fmt, _tokens
+from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
 from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import planned_redistributions
 
@@ -34,8 +35,63 @@ def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
     owner.register_parameter(leaf, nn.Parameter(value, requires_grad=old.requires_grad))
 
 
+#: How a plan runs: "native" (two FX graphs over local shards with functional collectives, see
+#: :mod:`apmodel.lowering.native`) or "interpret" (the joint graph interpreted over DTensors every
+#: step: slower, for debugging a plan node by node).
+LOWERINGS = ("native", "interpret")
+
+
+def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
+    """``prog``'s native program, traced on first use from the metadata of ``model``'s
+    parameters and buffers and the plan's input shapes (no allocation, no communication)."""
+    if prog.native is None:
+        params = [model.get_parameter(prog.captured.param_fqn[n.name]).to_local() for n in prog.params]
+        buffers = [_global(model.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
+        inputs = [n.meta["val"] for n in prog.inputs]
+        prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh))
+    return prog.native
+
+
+def _global(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _native_forward(self: nn.Module, traced: LoweredProgram, args: tuple, kwargs: dict) -> Any:
+    """One step of the native program: local tensors in, the forward graph, DTensor outputs."""
+    sig = traced.signature
+    inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
+    if traced.param_dtype is not None:  # mixed precision: floating inputs compute in the param dtype (as FSDP2)
+        inputs = [x.to(traced.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    inputs = [_global(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+    prog = traced.for_inputs(inputs)
+    native = _native_program(prog, self)
+    device = native.device
+    params = []
+    for n in prog.params:
+        fqn = prog.captured.param_fqn[n.name]
+        v = self.get_parameter(fqn)
+        if not isinstance(v, DTensor) or v.placements != prog.storage[n]:
+            raise ValueError(f"parameter {fqn!r} must be a DTensor placed {_fmt(prog.storage[n])}, got "
+                             f"{_fmt(v.placements) if isinstance(v, DTensor) else type(v).__name__}")
+        params.append(v.to_local())
+    buffers = [_global(self.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
+    inputs = [x if x.device == device else x.to(device) for x in inputs]
+    outs = NativeStep.apply(native, *params, *buffers, *inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    n_out = native.n_outputs
+    with torch.no_grad():  # buffer updates of the step (the global value)
+        for n, new in zip(prog.buffer_update, outs[n_out:]):
+            self.get_buffer(prog.captured.buffer_fqn[n.name]).copy_(new)
+    results = [o if layout is None else layout.wrap(o, prog.mesh) for o, layout in zip(outs[:n_out], native.output_layouts)]
+    traced.redistributions = native.forward_redistributions + (
+        native.backward_redistributions if torch.is_grad_enabled() else [])
+    return results[0] if len(results) == 1 else tuple(results)
+
+
 def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     traced: LoweredProgram = self._apmodel_program
+    if traced.lowering == "native":
+        return _native_forward(self, traced, args, kwargs)
     sig = traced.signature
     inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
     if traced.param_dtype is not None:  # mixed precision: floating inputs compute in the param dtype (as FSDP2)
@@ -86,7 +142,8 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
-          local_kernels: Callable[[torch.device], dict] = default_local_kernels) -> nn.Module:
+          local_kernels: Callable[[torch.device], dict] = default_local_kernels,
+          lowering: str = "native") -> nn.Module:
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
 
     ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
@@ -98,11 +155,18 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     of the user's class whose ``forward(*inputs)`` runs the planned joint graph and returns the traced
     output (the loss when the graph was captured with a loss function) as a DTensor.
 
-    Raises ValueError for a mesh of the wrong shape, a plan made for another graph (fingerprint), a
+    ``lowering``: "native" (default) traces the step once into a forward and a backward graph over
+    local shards with explicit functional collectives (see :mod:`apmodel.lowering.native`);
+    ``torch.compile`` of the returned module compiles them. "interpret" runs the joint graph node by
+    node over DTensors each step (slower; for debugging a plan).
+
+    Raises ValueError for an unknown ``lowering``, a mesh of the wrong shape, a plan made for another graph (fingerprint), a
     plan with uneven shards, or a plan inconsistent with the graph.
     """
     from apmodel.plans import PlanMismatch
 
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering={lowering!r}: expected one of {', '.join(map(repr, LOWERINGS))}")
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise PlanMismatch(f"mesh shape {tuple(mesh.shape)} differs from the plan's mesh shape {tuple(plan.mesh_shape)}")
     if plan.fingerprint != captured.fingerprint:
@@ -112,7 +176,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
         )
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
-    prog = LoweredProgram(mesh, plan, captured, local_kernels)
+    prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering)
     prog.retrace_model = _meta_twin(model, prog.param_dtype)  # structure only (meta tensors): for other input shapes
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them
@@ -129,6 +193,8 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     new_cls = type(f"Parallel{cls.__name__}", (cls,), {"forward": _parallel_forward, "__module__": cls.__module__})
     model.__class__ = new_cls
     model._apmodel_program = prog
+    if lowering == "native":  # traced now, so that torch.compile of the module finds the graphs made
+        _native_program(prog, model)
     logger.info(
         "lowered %s on mesh %s: %d forward + %d backward nodes, %d planned redistributions",
         cls.__name__, tuple(mesh.shape), len(prog.fwd_steps), len(prog.bwd_steps), len(planned_redistributions(plan, captured)),

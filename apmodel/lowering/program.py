@@ -88,8 +88,13 @@ def _plain_partials(x: DTensor) -> DTensor:
         return x
     local = x.to_local().clone()
     new: list[Placement] = []
-    for p in x.placements:
+    for axis, p in enumerate(x.placements):
         if hasattr(p, "mask_buffer"):
+            if p.mask_buffer.data is None and x.device_mesh.size(axis) == 1:
+                # DTensor skips size-1 axes when it partitions the ids, so no mask was made; the one
+                # rank of the axis holds every row, so there is nothing to mask
+                new.append(Partial(p.reduce_op))
+                continue
             if p.mask_buffer.data is None:
                 raise RuntimeError("masked partial value without its mask (already reduced?)")
             p.mask_buffer.apply_mask(local)
@@ -124,8 +129,12 @@ class LoweredProgram:
 
     def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any,
                  local_kernels: Callable[[torch.device], dict] = default_local_kernels,
-                 region_groups: dict | None = None):
+                 region_groups: dict | None = None, lowering: str = "native"):
         self.mesh = mesh
+        self.lowering = lowering
+        """"native" or "interpret" (see :func:`apmodel.lowering.lower`)"""
+        self.native: Any = None
+        """the native program of these shapes (:class:`apmodel.lowering.native.NativeProgram`), once traced"""
         self.region_groups: dict[tuple[int, ...], tuple[Any, int]] = {} if region_groups is None else region_groups
         """mesh axes -> (process group over them holding this rank, its rank there), for regions"""
         self.local_kernels = local_kernels
@@ -361,7 +370,7 @@ class LoweredProgram:
         plan = copy.copy(self.plan)
         plan.fingerprint = captured.fingerprint
         try:
-            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups)
+            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups, self.lowering)
         except ValueError as e:
             raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
         logger.info("replayed the plan on input shapes %s", shapes)
@@ -383,7 +392,10 @@ class LoweredProgram:
         )
         return x.redistribute(self.mesh, dst)
 
-    def _run(self, steps: list[_Step], env: dict, phase: str, device: torch.device) -> None:
+    def _run(self, steps: list[_Step], env: dict, phase: str, device: torch.device,
+             regions: list | None = None) -> None:
+        """Run ``steps`` over DTensors in ``env``; ``regions`` (when tracing the native program)
+        collects (operator, ranks, node name) of each region step, in order."""
         kernels = self._kernels.get(device)
         if kernels is None:
             kernels = self._kernels[device] = self.local_kernels(device)
@@ -411,6 +423,8 @@ class LoweredProgram:
                 kernel = kernels.get(s.target, s.target if s.without_rule else None)
                 if s.region_comms is not None:
                     kernel = functools.partial(_run_region, s.target, s.region_comms)
+                    if regions is not None:
+                        regions.append((s.target, s.region_comms, n.name))
                 try:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)

@@ -1,0 +1,284 @@
+"""The native program: a plan's step as two FX graphs over local shards, collectives explicit.
+
+The interpreter (:mod:`apmodel.lowering.program`) decides, node by node over DTensors, which
+redistribution each input needs and which local kernel runs. Doing that every step costs host time
+(DTensor's propagation and dispatch per op) and hides the collectives from any compiler. Here it is
+done once: the interpreter's forward and backward are traced with ``make_fx`` on fake tensors of
+the run's device, and DTensor's dispatch unfolds into what it does locally, so each graph holds
+
+* the local kernels the plan picked (mixed-precision casts, activation-checkpoint recomputation,
+  masked embedding lookups, the reference kernels of :mod:`apmodel.kernels`),
+* every redistribution as ``_c10d_functional`` collectives (``all_gather_into_tensor``,
+  ``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single``) and their ``wait_tensor``,
+  on the process group of the mesh axis, and the local chunking around them,
+* ``local_map`` regions as one call each (their function issues its own, data-dependent
+  collectives; see :class:`_RegionCall`).
+
+The graphs are per rank (a rank's shard offsets are constants in them). A step runs the forward
+graph inside one ``torch.autograd.Function`` whose backward runs the backward graph; the user's
+parameters stay DTensors and enter as their local tensors (``to_local``, whose gradient comes back
+as a DTensor with the parameter's placement). The same planned redistributions are recorded while
+tracing, so :func:`apmodel.lowering.issued_redistributions` reads what the graphs contain.
+
+``torch.compile`` of the parallel module sees plain tensors, functional collectives and an
+``autograd.Function`` with traceable forward and backward: Inductor compiles both graphs and can
+reorder and bucket the collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from apmodel._torch_private import fake_tensor_mode
+from apmodel.lowering.graph import _flatten, _unflatten
+
+if TYPE_CHECKING:
+    from apmodel.lowering.program import LoweredProgram
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a local tensor of the traced step is wrapped back into a DTensor (global shape and
+    stride, placements), or None for a plain tensor."""
+
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, x: Any) -> "_Layout | None":
+        return cls(tuple(x.placements), x.shape, tuple(x.stride())) if isinstance(x, DTensor) else None
+
+    def wrap(self, local: torch.Tensor, mesh: Any) -> DTensor:
+        return DTensor.from_local(local, mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+
+
+class _RegionCall:
+    """A ``local_map`` region's operator in a native graph, with the ranks of its alternatives.
+
+    The region's function reads them from a scope (:func:`apmodel.regions.region_scope`) and sizes
+    its all-to-alls from routed token counts, so it stays one opaque call: under ``torch.compile``
+    it runs eagerly between compiled graphs."""
+
+    def __init__(self, target: Callable, comms: dict, node_name: str) -> None:
+        self.target, self.comms = target, comms
+        self.__name__ = f"region_{node_name}"
+        self.__qualname__ = self.__name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from apmodel.regions import region_scope
+
+        with region_scope(self.comms):
+            return self.target(*args, **kwargs)
+
+
+def trace_device(mesh: Any) -> torch.device:
+    """The device the step runs on: the mesh's (the current CUDA device for a CUDA mesh)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+class NativeProgram:
+    """The forward and backward graphs of one :class:`LoweredProgram` (one set of input shapes).
+
+    ``param_locals`` / ``buffers`` / ``inputs`` give the dtypes, local shapes and strides of the
+    step's arguments (any device: only their metadata is read); tracing happens on fake tensors of
+    ``device``, so nothing is allocated and no collective runs."""
+
+    def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                 inputs: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.prog = prog
+        self.device = device
+        self.mesh = prog.mesh
+        start = time.perf_counter()
+        mode = fake_tensor_mode()
+        with mode:
+            fake = [[torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in group]
+                    for group in (param_locals, buffers, inputs)]
+        self.master_dtypes = [t.dtype for t in param_locals]
+        self._saved_layout: list[Any] = []     # per saved node: its value's structure, leaves as _Layout / constants
+        self._output_layouts: list[_Layout | None] = []
+        self._regions: list[tuple[Callable, dict, str]] = []
+        prog.redistributions = []
+        self.forward_graph: fx.GraphModule = self._finish(make_fx(lambda p, b, x: self._forward(p, b, x), tracing_mode="fake")(*fake), "forward")
+        self.forward_redistributions = list(prog.redistributions)
+        out_vals = self.forward_graph.graph.find_nodes(op="output")[0].args[0]
+        n_out = len(prog.fwd_outputs)
+        saved_fake = [n.meta["val"] for n in out_vals[n_out:n_out + self._n_saved]]
+        with mode:
+            tangents = [torch.empty_strided(v.meta["val"].shape, v.meta["val"].stride(), dtype=v.meta["val"].dtype,
+                                            device=device) for v in out_vals[:n_out]]
+        prog.redistributions = []
+        self._regions = []
+        self.backward_graph: fx.GraphModule = self._finish(
+            make_fx(lambda s, t: self._backward(s, t), tracing_mode="fake")(saved_fake, tangents), "backward")
+        self.backward_redistributions = list(prog.redistributions)
+        prog.redistributions = []
+        self.trace_s = time.perf_counter() - start
+        logger.info("native program: forward %d nodes, backward %d nodes, %d collectives, traced in %.2f s",
+                    len(self.forward_graph.graph.nodes), len(self.backward_graph.graph.nodes),
+                    sum(self.collective_counts().values()), self.trace_s)
+
+    # ------------------------------------------------------------------------------- tracing
+    def _forward(self, param_locals: list, buffers: list, inputs: list) -> tuple:
+        prog, mesh = self.prog, self.mesh
+        env: dict[fx.Node, Any] = {}
+        for n, local in zip(prog.params, param_locals):
+            val = n.meta["val"]
+            v = DTensor.from_local(local, mesh, prog.storage[n], run_check=False, shape=val.shape, stride=val.stride())
+            if prog.param_dtype is not None and v.is_floating_point():  # mixed precision: compute in the param dtype
+                v = v.to(prog.param_dtype)
+            env[n] = v
+        for n, b in zip(prog.buffers, buffers):  # the global value on every rank: its local chunk
+            env[n] = distribute_tensor(b, mesh, prog.storage[n], src_data_rank=None)
+        for n, x in zip(prog.inputs, inputs):
+            env[n] = distribute_tensor(x, mesh, prog.storage[n], src_data_rank=None)
+        prog._run(prog.fwd_steps, env, "forward", self.device, regions=self._regions)
+        outputs = []
+        for o in prog.fwd_outputs:
+            v = env[o]
+            t = prog.output_tangent.get(o)
+            if t is not None:
+                v = prog._redistribute(v, prog.storage[t], f"output:{o.name}", o.name, 0, "forward")
+            self._output_layouts.append(_Layout.of(v))
+            outputs.append(v.to_local() if isinstance(v, DTensor) else v)
+        saved: list[torch.Tensor] = []
+        for n in prog.saved:
+            leaves, spec = _flatten(env[n])
+            layout = []
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    layout.append(("tensor", _Layout.of(leaf)))
+                    saved.append(leaf.to_local() if isinstance(leaf, DTensor) else leaf)
+                else:
+                    layout.append(("constant", leaf))
+            self._saved_layout.append((spec, layout))
+        self._n_saved = len(saved)
+        updates = []
+        for b, u in prog.buffer_update.items():  # BatchNorm running statistics and the like
+            fqn = prog.captured.buffer_fqn[b.name]
+            v = prog._redistribute(env[u], prog.storage[b], f"buffer:{fqn}", u.name, 0, "forward")
+            updates.append(v.full_tensor() if isinstance(v, DTensor) else v)
+        return (*outputs, *saved, *updates)
+
+    def _backward(self, saved: list, tangents: list) -> tuple:
+        prog, mesh = self.prog, self.mesh
+        env: dict[fx.Node, Any] = {}
+        it = iter(saved)
+        for n, (spec, layout) in zip(prog.saved, self._saved_layout):
+            leaves = []
+            for kind, what in layout:
+                if kind == "constant":
+                    leaves.append(what)
+                else:
+                    local = next(it)
+                    leaves.append(local if what is None else what.wrap(local, mesh))
+            env[n] = _unflatten(leaves, spec)
+        for o, g, layout in zip(prog.fwd_outputs, tangents, self._output_layouts):
+            t = prog.output_tangent.get(o)
+            if t is not None:
+                env[t] = g if layout is None else layout.wrap(g, mesh)
+        prog._run(prog.bwd_steps, env, "backward", self.device, regions=self._regions)
+        grads: list[torch.Tensor | None] = []
+        self.param_has_grad = []
+        for p, master in zip(prog.params, self.master_dtypes):
+            g = prog.param_grad.get(p)
+            self.param_has_grad.append(g is not None)
+            if g is None:
+                continue
+            v = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
+                                   "backward", gradient=True)
+            grads.append(v.to(master).to_local())  # mixed precision: the gradient of the fp32 master
+        self.input_has_grad = []
+        for i in prog.inputs:
+            g = prog.input_grad.get(i)
+            self.input_has_grad.append(g is not None)
+            if g is None:
+                continue
+            v = prog._redistribute(env[g], prog.storage[i], f"grad:input{prog.captured.input_index[i.name]}", g.name, 0,
+                                   "backward")
+            grads.append(v.full_tensor() if isinstance(v, DTensor) else v)  # the input was the global tensor
+        return tuple(grads)
+
+    def _finish(self, gm: fx.GraphModule, phase: str) -> fx.GraphModule:
+        """Region operators become :class:`_RegionCall` s with their ranks (in the order they ran:
+        one traced node per region step)."""
+        region_ops = {target for target, _, _ in self._regions}
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
+        if len(nodes) != len(self._regions):
+            raise RuntimeError(f"native {phase} graph: {len(nodes)} region calls traced, {len(self._regions)} run")
+        for node, (target, comms, name) in zip(nodes, self._regions):
+            if node.target is not target:
+                raise RuntimeError(f"native {phase} graph: region node {node.name} calls {node.target}, expected {target}")
+            node.target = _RegionCall(target, comms, name)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+
+    # ------------------------------------------------------------------------------- reading
+    def collective_counts(self) -> dict[str, int]:
+        """``_c10d_functional`` collectives in both graphs, by op name (``wait_tensor`` excluded)."""
+        counts: dict[str, int] = {}
+        for gm in (self.forward_graph, self.backward_graph):
+            for n in gm.graph.nodes:
+                target = getattr(n.target, "namespace", None)
+                if n.op == "call_function" and target in ("_c10d_functional", "c10d_functional"):
+                    name = n.target._overloadpacket.__name__
+                    if name != "wait_tensor":
+                        counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    @property
+    def output_layouts(self) -> list[_Layout | None]:
+        return self._output_layouts
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self._output_layouts)
+
+    @property
+    def n_saved(self) -> int:
+        return self._n_saved
+
+
+class NativeStep(torch.autograd.Function):
+    """One step: the forward graph now, the backward graph when autograd asks.
+
+    Arguments: the native program, then the parameters' local tensors, the buffers and the
+    inputs (global values). Returns the forward outputs (local, at their planned placements) and the
+    buffers' new values."""
+
+    @staticmethod
+    def forward(ctx: Any, native: NativeProgram, *values: torch.Tensor) -> Any:  # type: ignore[override]
+        n_p, n_b = len(native.prog.params), len(native.prog.buffers)
+        outs = native.forward_graph(list(values[:n_p]), list(values[n_p:n_p + n_b]), list(values[n_p + n_b:]))
+        n_out, n_saved = native.n_outputs, native.n_saved
+        ctx.native = native
+        ctx.save_for_backward(*outs[n_out:n_out + n_saved])
+        updates = outs[n_out + n_saved:]
+        ctx.mark_non_differentiable(*updates)
+        return (*outs[:n_out], *updates)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        native: NativeProgram = ctx.native
+        n_out = native.n_outputs
+        outs = grads[:n_out]
+        grads_in = native.backward_graph(list(ctx.saved_tensors), list(outs))
+        it = iter(grads_in)
+        result: list[Any] = [None]
+        result += [next(it) if has else None for has in native.param_has_grad]
+        result += [None] * len(native.prog.buffers)
+        result += [next(it) if has else None for has in native.input_has_grad]
+        return tuple(result)
