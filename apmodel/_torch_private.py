@@ -104,6 +104,7 @@ __all__ = [
     "PlacementsT",
     "SingleDimRule",
     "fake_tensor_mode",
+    "tracing_graph",
 ]
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,14 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def tracing_graph() -> Any:
+    """The FX graph ``make_fx`` is recording into, or None outside a trace."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer.graph
 
 
 def export_joint(stack: contextlib.ExitStack, module: torch.nn.Module, inputs: tuple, *, functionalize: bool) -> tuple[Any, Any]:

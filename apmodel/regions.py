@@ -207,6 +207,23 @@ _SCOPE: contextvars.ContextVar[Mapping[str, RegionComm] | None] = contextvars.Co
                                                                                          default=None)
 
 
+#: While a lowered step is traced: the (local shape, dtype) of each output of the region call
+#: being traced, known from the plan (the function itself may size its outputs from data, as a
+#: token all-to-all does, which fake tensors cannot run).
+_TRACED_OUTPUTS: contextvars.ContextVar[Sequence[tuple[tuple[int, ...], torch.dtype]] | None] = \
+    contextvars.ContextVar("apmodel_region_traced_outputs", default=None)
+
+
+@contextlib.contextmanager
+def traced_outputs(outputs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> Iterator[None]:
+    """Trace a region's forward as one call whose outputs have these local shapes and dtypes."""
+    token = _TRACED_OUTPUTS.set(outputs)
+    try:
+        yield
+    finally:
+        _TRACED_OUTPUTS.reset(token)
+
+
 def region_comm(alternative: str = SHARDED) -> RegionComm:
     """Inside a region's function: the ranks ``alternative`` runs on (size 1 where it does not)."""
     scope = _SCOPE.get()
@@ -555,7 +572,14 @@ def _register(region: LocalRegion) -> None:
 
     fwd = torch.library.custom_op(f"{NAMESPACE}::{region.name}", forward, mutates_args=(), schema=fwd_schema)
     bwd = torch.library.custom_op(f"{NAMESPACE}::{region.name}_backward", backward_op, mutates_args=(), schema=bwd_schema)
-    fwd.register_fake(forward)  # shapes by running the function on fake tensors
+    def fake_forward(*xs: torch.Tensor) -> Any:
+        known = _TRACED_OUTPUTS.get()
+        if known is None:  # shapes by running the function on fake tensors
+            return forward(*xs)
+        outs = tuple(torch.empty(shape, dtype=dtype, device=xs[0].device) for shape, dtype in known)
+        return outs[0] if n_out == 1 else outs
+
+    fwd.register_fake(fake_forward)
     bwd.register_fake(lambda *xs: torch.empty_like(xs[n_out]) if n_in == 1 else tuple(torch.empty_like(x) for x in xs[n_out:]))
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -193,7 +193,9 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     new_cls = type(f"Parallel{cls.__name__}", (cls,), {"forward": _parallel_forward, "__module__": cls.__module__})
     model.__class__ = new_cls
     model._apmodel_program = prog
-    if lowering == "native":  # traced now, so that torch.compile of the module finds the graphs made
+    if lowering == "native" and torch.distributed.is_initialized():
+        # traced now, so that torch.compile of the module finds the graphs made (a mesh without
+        # process groups, made for planning, is traced at the first step)
         _native_program(prog, model)
     logger.info(
         "lowered %s on mesh %s: %d forward + %d backward nodes, %d planned redistributions",

@@ -27,6 +27,7 @@ reorder and bucket the collectives.
 
 from __future__ import annotations
 
+import linecache
 import logging
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apmodel._torch_private import fake_tensor_mode
+from apmodel._torch_private import fake_tensor_mode, overload_packet
 from apmodel.lowering.graph import _flatten, _unflatten
 
 if TYPE_CHECKING:
@@ -226,6 +227,17 @@ class NativeProgram:
         gm.recompile()
         return gm
 
+    def run(self, graph: fx.GraphModule, *args: Any) -> Any:
+        """``graph(*args)``; a failure inside it is re-raised naming the joint-graph node whose
+        kernels failed (read off the generated code's line in the traceback)."""
+        try:
+            return graph(*args)
+        except Exception as e:
+            name = _failed_node(graph, e)
+            if name is None:
+                raise
+            raise RuntimeError(self.prog.failure_message(name, e)) from e
+
     # ------------------------------------------------------------------------------- reading
     def collective_counts(self) -> dict[str, int]:
         """``_c10d_functional`` collectives in both graphs, by op name (``wait_tensor`` excluded)."""
@@ -234,7 +246,7 @@ class NativeProgram:
             for n in gm.graph.nodes:
                 target = getattr(n.target, "namespace", None)
                 if n.op == "call_function" and target in ("_c10d_functional", "c10d_functional"):
-                    name = n.target._overloadpacket.__name__
+                    name = overload_packet(n.target).__name__
                     if name != "wait_tensor":
                         counts[name] = counts.get(name, 0) + 1
         return counts
@@ -252,6 +264,23 @@ class NativeProgram:
         return self._n_saved
 
 
+def _failed_node(graph: fx.GraphModule, error: BaseException) -> str | None:
+    """The joint-graph node whose kernels raised ``error`` inside ``graph``'s generated code."""
+    filename = graph.forward.__code__.co_filename
+    tb = error.__traceback__
+    lineno = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            lineno = tb.tb_lineno
+        tb = tb.tb_next
+    if lineno is None:
+        return None
+    line = linecache.getline(filename, lineno).strip()
+    target = line.split("=", 1)[0].strip().split(",")[0].strip() if "=" in line else ""
+    node = next((n for n in graph.graph.nodes if n.name == target), None)
+    return None if node is None else node.meta.get("apmodel_node")
+
+
 class NativeStep(torch.autograd.Function):
     """One step: the forward graph now, the backward graph when autograd asks.
 
@@ -262,7 +291,8 @@ class NativeStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, native: NativeProgram, *values: torch.Tensor) -> Any:  # type: ignore[override]
         n_p, n_b = len(native.prog.params), len(native.prog.buffers)
-        outs = native.forward_graph(list(values[:n_p]), list(values[n_p:n_p + n_b]), list(values[n_p + n_b:]))
+        outs = native.run(native.forward_graph, list(values[:n_p]), list(values[n_p:n_p + n_b]),
+                          list(values[n_p + n_b:]))
         n_out, n_saved = native.n_outputs, native.n_saved
         ctx.native = native
         ctx.save_for_backward(*outs[n_out:n_out + n_saved])
@@ -275,7 +305,7 @@ class NativeStep(torch.autograd.Function):
         native: NativeProgram = ctx.native
         n_out = native.n_outputs
         outs = grads[:n_out]
-        grads_in = native.backward_graph(list(ctx.saved_tensors), list(outs))
+        grads_in = native.run(native.backward_graph, list(ctx.saved_tensors), list(outs))
         it = iter(grads_in)
         result: list[Any] = [None]
         result += [next(it) if has else None for has in native.param_has_grad]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from apmodel._torch_private import OpOverload, has_sharding_rule
+from apmodel._torch_private import OpOverload, has_sharding_rule, tracing_graph
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.graph import (
     Placements,
@@ -36,7 +37,8 @@ from apmodel.lowering.graph import (
 from apmodel.lowering.records import Redistribution
 from apmodel.options import run_precision_of
 from apmodel.pricing import DTYPES
-from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope
+from apmodel import placements
+from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ class _Ref:
 
 # Views whose local input may have lost the traced memory layout after a redistribution.
 _VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+#: What a view refused for its input's memory layout says (eager kernels / fake tensors).
+_VIEW_LAYOUT_ERRORS = ("view size is not compatible", "Cannot view a tensor with shape")
 
 
 def _plain_partials(x: DTensor) -> DTensor:
@@ -104,9 +108,23 @@ def _plain_partials(x: DTensor) -> DTensor:
     return DTensor.from_local(local, x.device_mesh, new, run_check=False, shape=x.shape, stride=x.stride())
 
 
-def _run_region(target: Callable, comms: dict[str, RegionComm], *args: Any) -> Any:
-    """A local_map region's operator on local shards, with its alternatives' ranks in scope."""
-    with region_scope(comms):
+def _tag_traced_nodes(name: str) -> None:
+    """While the native program is traced: mark the graph nodes recorded since the last mark as
+    made for joint-graph node ``name`` (a failure at run time is reported against it)."""
+    graph = tracing_graph()
+    if graph is None:
+        return
+    for node in reversed(graph.nodes):
+        if "apmodel_node" in node.meta:
+            break
+        node.meta["apmodel_node"] = name
+
+
+def _run_region(target: Callable, comms: dict[str, RegionComm], *args: Any,
+                local_outputs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None) -> Any:
+    """A local_map region's operator on local shards, with its alternatives' ranks in scope
+    (``local_outputs``: while tracing, its outputs' local shapes and dtypes)."""
+    with region_scope(comms), traced_outputs(local_outputs) if local_outputs is not None else contextlib.nullcontext():
         return target(*args)
 
 
@@ -423,8 +441,10 @@ class LoweredProgram:
                 kernel = kernels.get(s.target, s.target if s.without_rule else None)
                 if s.region_comms is not None:
                     kernel = functools.partial(_run_region, s.target, s.region_comms)
-                    if regions is not None:
+                    if regions is not None:  # traced as one call, its outputs shaped by the plan
                         regions.append((s.target, s.region_comms, n.name))
+                        kernel = functools.partial(_run_region, s.target, s.region_comms,
+                                                   local_outputs=self._local_outputs(s))
                 try:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)
@@ -432,8 +452,8 @@ class LoweredProgram:
                         args, kwargs = _unflatten(flat, s.spec)
                         try:
                             out = s.target(*args, **kwargs)
-                        except RuntimeError as e:
-                            if s.target not in _VIEW_OPS or "view size is not compatible" not in str(e):
+                        except (RuntimeError, ValueError) as e:  # eager says the first, fake tensors the second
+                            if s.target not in _VIEW_OPS or not any(m in str(e) for m in _VIEW_LAYOUT_ERRORS):
                                 raise
                             # The traced graph relied on a producer's memory layout (e.g. attention
                             # output laid out [b, s, h, d]) that a redistribution does not keep:
@@ -446,8 +466,24 @@ class LoweredProgram:
                         f"{[_fmt(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}{self._mixed_dtypes_hint(flat)}"
                     ) from e
                 env[n] = self._place_outputs(s, out)
+            if regions is not None:
+                _tag_traced_nodes(n.name)
             for a in s.last_use:
                 env.pop(a, None)
+
+    def _local_outputs(self, s: _Step) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(local shape, dtype) of each tensor output of ``s`` at its planned placement."""
+        return [(tuple(v.shape) if pl is None else placements.local_shape(tuple(v.shape), pl, tuple(self.mesh.shape)),
+                 v.dtype) for v, pl in zip(_tensor_vals(s.node), s.outputs) if isinstance(v, torch.Tensor)]
+
+    def failure_message(self, node_name: str, error: BaseException) -> str:
+        """What a native graph's failure at the kernels of joint-graph node ``node_name`` says."""
+        node = next((s for s in self.fwd_steps + self.bwd_steps if s.node.name == node_name), None)
+        if node is None:
+            return f"node {node_name!r}: {type(error).__name__}: {error}"
+        vals = [a.meta.get("val") for a in node.node.all_input_nodes]
+        return (f"node {node_name!r} ({node.target}) failed with input placements {[_fmt(sl.dst) for sl in node.slots]}: "
+                f"{type(error).__name__}: {error}{self._mixed_dtypes_hint(vals)}")
 
     def _mixed_dtypes_hint(self, args: list) -> str:
         """Why an op may fail under mixed precision: its floating inputs mix the param dtype with a
