@@ -441,6 +441,8 @@ def parallelize(
     from apmodel import kernels
     from apmodel import lowering as lowering_stage
 
+    if lowering not in lowering_stage.LOWERINGS:
+        raise ValueError(f"lowering={lowering!r}: expected one of {', '.join(map(repr, lowering_stage.LOWERINGS))}")
     if plan is None:
         opts = make_options(options, **option_values)
         precision = opts.run_precision

@@ -43,6 +43,7 @@ all-gather + local chunk (gloo has no all-to-all).
 
 
 from apmodel.lowering.module import (
+    LOWERINGS,
     capture_on_meta,
     load_full_state_dict,
     lower,
@@ -56,6 +57,7 @@ from apmodel.lowering.records import (
 )
 
 __all__ = [
+    "LOWERINGS",
     "Redistribution",
     "LoweredProgram",
     "lower",

@@ -1,0 +1,255 @@
+"""Step time of the program apmodel hands back, against plain PyTorch, DDP and FSDP2, on CPU (gloo).
+
+    python benchmarks/runtime.py                         # tiny and mid LLaMA, every variant
+    python benchmarks/runtime.py --models tiny --json runtime.json
+    python benchmarks/runtime.py --no-compile            # skip the Inductor variants (minutes)
+
+Each variant trains the same model with AdamW (one intra-op thread per process, as on a shared
+2-core machine) and reports the median step (forward, backward, optimizer step) of ``--steps``
+steps after ``--warmup``; all variants of one world size run in the same processes, one after
+the other, so they see the same machine. Variants:
+
+* one process: plain eager; apmodel on mesh (1,) native eager, native compiled (``torch.compile``,
+  Inductor, ``fullgraph=True``), and the interpreter (``lowering="interpret"``);
+* ``--world`` processes (default 2): DDP; FSDP2 (``fully_shard`` per block and at the root); apmodel
+  on mesh (world,) native eager, native compiled, interpreter.
+
+``host_us_per_node``: on mesh (1,), the step time apmodel adds to plain eager, divided by the nodes
+of the joint forward-backward graph (what a per-node interpreter pays in Python per node).
+Models: "tiny" (2 layers, dim 32, vocab 64, batch 8 x 16) and "mid" (4 layers, dim 512, vocab
+8192, 21 M parameters, batch 8 x 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+# This folder has a costmodels.py; make sure "import costmodels" finds the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+logger = logging.getLogger("benchmarks.runtime")
+
+#: The models: LLaMA config overrides of the "llama3-debug" preset, and (batch, seq).
+MODELS: dict[str, tuple[dict[str, int], tuple[int, int]]] = {
+    "tiny": (dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=16),
+             (8, 16)),
+    "mid": (dict(n_layers=4, dim=512, n_heads=8, n_kv_heads=4, ffn_hidden_dim=1536, vocab_size=8192, max_seq_len=128),
+            (8, 128)),
+}
+
+
+def _build(name: str, device: str) -> torch.nn.Module:
+    from apmodel.models import build
+
+    fields, _ = MODELS[name]
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = build("llama3-debug", **fields)
+    if device != "meta":
+        model.init_weights()
+    return model
+
+
+def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    fields, (batch, seq) = MODELS[name]
+    g = torch.Generator().manual_seed(3)
+    return (torch.randint(0, fields["vocab_size"], (batch, seq), generator=g),
+            torch.randint(0, fields["vocab_size"], (batch, seq), generator=g))
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _median_step_ms(step: Callable[[], Any], warmup: int, steps: int) -> float:
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _trainer(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Callable[[], float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        loss = forward()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return 0.0
+
+    return step
+
+
+def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool) -> tuple[Callable[[], float], int]:
+    import apmodel
+    from apmodel.lowering import load_full_state_dict
+
+    tokens, targets = _batch(name)
+    full = {k: v.detach().clone() for k, v in
+            list(_build(name, "cpu").named_parameters()) + list(_build(name, "cpu").named_buffers())}
+    model = apmodel.parallelize(_build(name, "meta"), mesh, (tokens,), targets=(targets,), loss_fn=_loss,
+                                lowering=lowering, device="h100")
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, full)
+    nodes = sum(1 for n in model._apmodel_program.captured.gm.graph.nodes if n.op == "call_function")
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    return _trainer(model, lambda: run(tokens, targets)), nodes
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], compile_: bool, warmup: int,
+            steps: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rows: list[dict[str, Any]] = []
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for name in names:
+            tokens, targets = _batch(name)
+            variants: list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]] = []
+            if world == 1:
+                variants.append(("plain eager", lambda: (_plain(name, tokens, targets), None)))
+            else:
+                variants.append(("DDP", lambda: (_ddp(name, tokens, targets), None)))
+                variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
+            variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False)))
+            if compile_:
+                variants.append(("apmodel native compiled", lambda: _apmodel_variant(name, mesh, "native", True)))
+            variants.append(("apmodel interpreter", lambda: _apmodel_variant(name, mesh, "interpret", False)))
+            for label, make in variants:
+                step, nodes = make()
+                ms = _median_step_ms(step, warmup, steps)
+                rows.append({"model": name, "world": world, "variant": label, "step_ms": ms, "nodes": nodes})
+                if rank == 0:
+                    logger.warning("%s, %d process(es), %s: %.2f ms", name, world, label, ms)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out_dir, "rows.json").write_text(json.dumps(rows))
+
+
+def _plain(name: str, tokens: torch.Tensor, targets: torch.Tensor) -> Callable[[], float]:
+    model = _build(name, "cpu")
+    return _trainer(model, lambda: _loss(model(tokens), targets))
+
+
+def _ddp(name: str, tokens: torch.Tensor, targets: torch.Tensor) -> Callable[[], float]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_build(name, "cpu"))
+    local = tokens.shape[0] // dist.get_world_size()
+    r = dist.get_rank()
+    x, y = tokens[r * local:(r + 1) * local], targets[r * local:(r + 1) * local]
+    return _trainer(model, lambda: _loss(model(x), y))
+
+
+def _fsdp2(name: str, mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) -> Callable[[], float]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = _build(name, "cpu")
+    for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    local = tokens.shape[0] // dist.get_world_size()
+    r = dist.get_rank()
+    x, y = tokens[r * local:(r + 1) * local], targets[r * local:(r + 1) * local]
+    return _trainer(model, lambda: _loss(model(x), y))
+
+
+def _run(world: int, names: list[str], compile_: bool, warmup: int, steps: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="apmodel_runtime_") as tmp:
+        args = (world, os.path.join(tmp, "store"), tmp, names, compile_, warmup, steps)
+        mp.start_processes(_worker_entry, args=args, nprocs=world, start_method="spawn")
+        return json.loads(Path(tmp, "rows.json").read_text())
+
+
+def _worker_entry(rank: int, *args: Any) -> None:
+    _worker(rank, *args)
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios the README quotes: apmodel on mesh (1,) against plain eager, on `world` processes
+    against FSDP2, and the host time per joint-graph node apmodel adds to plain eager."""
+    out: dict[str, Any] = {}
+    by = {(r["model"], r["world"], r["variant"]): r for r in rows}
+    for name in sorted({r["model"] for r in rows}):
+        plain = by.get((name, 1, "plain eager"))
+        s: dict[str, Any] = {}
+        for variant in ("apmodel native", "apmodel native compiled", "apmodel interpreter"):
+            one = by.get((name, 1, variant))
+            if one and plain:
+                s[f"{variant} / plain eager"] = one["step_ms"] / plain["step_ms"]
+                s[f"{variant} host_us_per_node"] = max(0.0, one["step_ms"] - plain["step_ms"]) * 1e3 / one["nodes"]
+            for (m, w, v), r in by.items():
+                if m == name and v == variant and w > 1 and (m, w, "FSDP2") in by:
+                    s[f"{variant} / FSDP2 ({w} processes)"] = r["step_ms"] / by[(m, w, "FSDP2")]["step_ms"]
+        out[name] = s
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="tiny,mid", help="comma-separated: tiny, mid")
+    ap.add_argument("--world", type=int, default=2, help="processes of the multi-process variants")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile (Inductor) variants")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write rows and ratios as JSON")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
+    rows = _run(1, names, not args.no_compile, args.warmup, args.steps)
+    rows += _run(args.world, names, not args.no_compile, args.warmup, args.steps)
+    table = Table(title=f"median step, AdamW, {args.steps} steps after {args.warmup} (torch {torch.__version__}, CPU, gloo)")
+    for col in ("model", "processes", "variant", "step ms", "graph nodes"):
+        table.add_column(col, justify="left" if col in ("model", "variant") else "right")
+    for r in rows:
+        table.add_row(r["model"], str(r["world"]), r["variant"], f"{r['step_ms']:.2f}",
+                      "" if r["nodes"] is None else str(r["nodes"]))
+    console = Console()
+    console.print(table)
+    ratios = summarise(rows)
+    for name, s in ratios.items():
+        for k, v in s.items():
+            console.print(f"{name}: {k} = {v:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
