@@ -105,6 +105,7 @@ __all__ = [
     "SingleDimRule",
     "fake_tensor_mode",
     "tracing_graph",
+    "dtensor_like",
 ]
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,13 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def dtensor_like(reference: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor holding ``local`` with ``reference``'s mesh, placements, global shape, stride and
+    dtype (a parameter's gradient), made without ``from_local``'s checks and autograd node: the
+    native step returns one per parameter per step."""
+    return DTensor(local, reference._spec, requires_grad=False)
 
 
 def tracing_graph() -> Any:

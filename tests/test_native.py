@@ -212,6 +212,7 @@ def _compiled_worker(rank: int, world: int, backend: str, zoo: bool) -> dict[str
             args, kwargs, tgts = case.step_inputs()
             runs.append((case.name, case.build, full_weights(case.seeded()), args, kwargs, tgts, case.loss_fn))
     for name, build, weights, args, kwargs, tgts, loss_fn in runs:
+        torch.compiler.reset()  # each model compiles the same forward code object: a fresh cache each
         losses = {}
         for compiled in (False, True):
             model = _lower(build, weights, mesh, args, loss_fn, kwargs=kwargs, targets=tgts, device="h100")

@@ -52,6 +52,20 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
     return prog.native
 
 
+def _owners(model: nn.Module, prog: LoweredProgram) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]]:
+    """(owning module, attribute) of each parameter and buffer of the step, found once: a step
+    reads them with one ``getattr`` each (``to_empty`` and ``load_state_dict`` replace or refill
+    the tensors, never the modules that hold them)."""
+    if prog.owners is None:
+        def owner(fqn: str) -> tuple[nn.Module, str]:
+            path, _, leaf = fqn.rpartition(".")
+            return (model.get_submodule(path) if path else model), leaf
+
+        prog.owners = ([owner(prog.captured.param_fqn[n.name]) for n in prog.params],
+                       [owner(prog.captured.buffer_fqn[n.name]) for n in prog.buffers])
+    return prog.owners
+
+
 def _global(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
@@ -66,22 +80,27 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, args: tuple, kwargs
     prog = traced.for_inputs(inputs)
     native = _native_program(prog, self)
     device = native.device
+    param_owners, buffer_owners = _owners(self, prog)
     params = []
-    for n in prog.params:
-        fqn = prog.captured.param_fqn[n.name]
-        v = self.get_parameter(fqn)
+    for n, (owner, leaf) in zip(prog.params, param_owners):
+        v = getattr(owner, leaf)
         if not isinstance(v, DTensor) or v.placements != prog.storage[n]:
-            raise ValueError(f"parameter {fqn!r} must be a DTensor placed {_fmt(prog.storage[n])}, got "
-                             f"{_fmt(v.placements) if isinstance(v, DTensor) else type(v).__name__}")
-        params.append(v.to_local())
-    buffers = [_global(self.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
+            raise ValueError(f"parameter {prog.captured.param_fqn[n.name]!r} must be a DTensor placed "
+                             f"{_fmt(prog.storage[n])}, got {_fmt(v.placements) if isinstance(v, DTensor) else type(v).__name__}")
+        params.append(v)
+    buffers = [_global(getattr(owner, leaf)) for owner, leaf in buffer_owners]
     inputs = [x if x.device == device else x.to(device) for x in inputs]
-    outs = NativeStep.apply(native, *params, *buffers, *inputs)
+    # eager: DTensor parameters in, DTensor gradients out (cheap); dynamo traces to_local instead
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        params = [v.to_local() for v in params]
+    outs = NativeStep.apply(native, not compiling, *params, *buffers, *inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     n_out = native.n_outputs
     with torch.no_grad():  # buffer updates of the step (the global value)
         for n, new in zip(prog.buffer_update, outs[n_out:]):
-            self.get_buffer(prog.captured.buffer_fqn[n.name]).copy_(new)
+            owner, leaf = buffer_owners[prog.buffers.index(n)]
+            getattr(owner, leaf).copy_(new)
     results = [o if layout is None else layout.wrap(o, prog.mesh) for o, layout in zip(outs[:n_out], native.output_layouts)]
     traced.redistributions = native.forward_redistributions + (
         native.backward_redistributions if torch.is_grad_enabled() else [])

@@ -38,13 +38,14 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apmodel._torch_private import fake_tensor_mode, overload_packet
+from apmodel._torch_private import dtensor_like, fake_tensor_mode, overload_packet
 from apmodel.lowering.graph import _flatten, _unflatten
 
 if TYPE_CHECKING:
     from apmodel.lowering.program import LoweredProgram
 
 logger = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,9 @@ class NativeProgram:
             if node.target is not target:
                 raise RuntimeError(f"native {phase} graph: region node {node.name} calls {node.target}, expected {target}")
             node.target = _RegionCall(target, comms, name)
+        _drop_aliases(gm.graph)
         gm.graph.eliminate_dead_code()
+        _bind_python_calls(gm.graph)
         gm.recompile()
         return gm
 
@@ -264,6 +267,53 @@ class NativeProgram:
         return self._n_saved
 
 
+#: Ops that return their input unchanged when the output's shape, stride, offset and dtype equal the
+#: input's (DTensor's from_local/to_local and its sharding propagation leave many such views).
+_ALIASING_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                           aten.detach.default, aten.alias.default, aten.slice.Tensor})
+
+
+def _drop_aliases(graph: fx.Graph) -> None:
+    """Replace ops that return their input unchanged (an alias of the same layout) by the input:
+    each costs a dispatch per step and changes nothing in a functional graph."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _ALIASING_OPS or not node.args:
+            continue
+        src = node.args[0]
+        a, b = getattr(src, "meta", {}).get("val"), node.meta.get("val")
+        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.stride() == b.stride() and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+
+
+#: Ops called through their Python bindings instead of ``torch.ops.aten...``: the same kernel,
+#: reached in about half the host time (measured here: view 2.3 -> 0.9 µs, t 1.7 -> 0.9 µs, mm
+#: 1.9 -> 1.3 µs), for the ops a transformer step repeats most. Tensor methods are "call_method"
+#: nodes; the rest torch functions. The graphs run without autograd, where ``_unsafe_view`` is a
+#: ``view``.
+_TENSOR_METHODS = {aten.view.default: "view", aten._unsafe_view.default: "view", aten.expand.default: "expand"}
+_TORCH_FUNCTIONS = {
+    aten.mm.default: torch.mm, aten.bmm.default: torch.bmm, aten.t.default: torch.t,
+    aten.mul.Tensor: torch.mul, aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub, aten.div.Tensor: torch.div,
+    aten.neg.default: torch.neg, aten.rsqrt.default: torch.rsqrt, aten.unsqueeze.default: torch.unsqueeze,
+    aten.transpose.int: torch.transpose, aten.permute.default: torch.permute, aten.sum.dim_IntList: torch.sum,
+    aten.mean.dim: torch.mean, aten.pow.Tensor_Scalar: torch.pow, aten.clone.default: torch.clone,
+    aten.cat.default: torch.cat, aten.exp.default: torch.exp,
+}
+
+
+def _bind_python_calls(graph: fx.Graph) -> None:
+    """Call the frequent ops through their Python bindings (see :data:`_TORCH_FUNCTIONS`)."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _TENSOR_METHODS:
+            node.op, node.target = "call_method", _TENSOR_METHODS[node.target]
+        elif node.target in _TORCH_FUNCTIONS:
+            node.target = _TORCH_FUNCTIONS[node.target]
+
+
 def _failed_node(graph: fx.GraphModule, error: BaseException) -> str | None:
     """The joint-graph node whose kernels raised ``error`` inside ``graph``'s generated code."""
     filename = graph.forward.__code__.co_filename
@@ -284,17 +334,21 @@ def _failed_node(graph: fx.GraphModule, error: BaseException) -> str | None:
 class NativeStep(torch.autograd.Function):
     """One step: the forward graph now, the backward graph when autograd asks.
 
-    Arguments: the native program, then the parameters' local tensors, the buffers and the
-    inputs (global values). Returns the forward outputs (local, at their planned placements) and the
-    buffers' new values."""
+    Arguments: the native program, whether the parameters come as DTensors (eager: their local
+    tensors are read here and their gradients come back as DTensors; under ``torch.compile`` they
+    come as local tensors from a differentiable ``to_local``, which dynamo traces), then the
+    parameters, the buffers and the inputs (global values). Returns the forward outputs (local, at
+    their planned placements) and the buffers' new values."""
 
     @staticmethod
-    def forward(ctx: Any, native: NativeProgram, *values: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, native: NativeProgram, as_dtensors: bool, *values: torch.Tensor) -> Any:  # type: ignore[override]
         n_p, n_b = len(native.prog.params), len(native.prog.buffers)
-        outs = native.run(native.forward_graph, list(values[:n_p]), list(values[n_p:n_p + n_b]),
-                          list(values[n_p + n_b:]))
+        params = values[:n_p]
+        locals_ = [p.to_local() for p in params] if as_dtensors else list(params)  # no grad here: no autograd node
+        outs = native.run(native.forward_graph, locals_, list(values[n_p:n_p + n_b]), list(values[n_p + n_b:]))
         n_out, n_saved = native.n_outputs, native.n_saved
         ctx.native = native
+        ctx.params = params if as_dtensors else None
         ctx.save_for_backward(*outs[n_out:n_out + n_saved])
         updates = outs[n_out + n_saved:]
         ctx.mark_non_differentiable(*updates)
@@ -304,11 +358,14 @@ class NativeStep(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         native: NativeProgram = ctx.native
         n_out = native.n_outputs
-        outs = grads[:n_out]
-        grads_in = native.run(native.backward_graph, list(ctx.saved_tensors), list(outs))
+        grads_in = native.run(native.backward_graph, list(ctx.saved_tensors), list(grads[:n_out]))
         it = iter(grads_in)
-        result: list[Any] = [None]
-        result += [next(it) if has else None for has in native.param_has_grad]
+        result: list[Any] = [None, None]
+        params = ctx.params
+        for i, has in enumerate(native.param_has_grad):
+            g = next(it) if has else None
+            result.append(g if g is None or params is None else dtensor_like(params[i], g))
         result += [None] * len(native.prog.buffers)
         result += [next(it) if has else None for has in native.input_has_grad]
+        ctx.params = None
         return tuple(result)

@@ -151,6 +151,8 @@ class LoweredProgram:
         self.mesh = mesh
         self.lowering = lowering
         """"native" or "interpret" (see :func:`apmodel.lowering.lower`)"""
+        self.owners: Any = None
+        """(module, attribute) of each parameter and buffer in the user's module, once looked up"""
         self.native: Any = None
         """the native program of these shapes (:class:`apmodel.lowering.native.NativeProgram`), once traced"""
         self.region_groups: dict[tuple[int, ...], tuple[Any, int]] = {} if region_groups is None else region_groups
