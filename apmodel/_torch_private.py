@@ -106,6 +106,7 @@ __all__ = [
     "fake_tensor_mode",
     "tracing_graph",
     "dtensor_like",
+    "bucket_collectives",
 ]
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,28 @@ def dtensor_like(reference: DTensor, local: torch.Tensor) -> DTensor:
     dtype (a parameter's gradient), made without ``from_local``'s checks and autograd node: the
     native step returns one per parameter per step."""
     return DTensor(local, reference._spec, requires_grad=False)
+
+
+def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
+    """Merge runs of all-gathers, reduce-scatters and all-reduces on the same process group and
+    dtype (no other collective between them) into one collective per bucket of at most ``cap_mb``
+    MB, with Inductor's own FX passes (``torch._inductor.fx_passes.bucketing``, the ones
+    ``bucket_all_gathers_fx`` and friends turn on under ``torch.compile``); then restores a
+    topological node order. Each element is gathered or reduced exactly as before."""
+    from torch._inductor.fx_passes import bucketing
+    from torch.fx.passes.tools_common import legalize_graph
+
+    def cap(bucket_index: int) -> float:
+        return cap_mb
+
+    for name in ("bucket_all_gather", "bucket_reduce_scatter", "bucket_all_reduce"):
+        merge = getattr(bucketing, name, None)
+        if merge is None:  # not in this torch release: that kind stays unbucketed
+            logger.info("torch %s has no %s pass; those collectives are not bucketed", torch.__version__, name)
+            continue
+        merge(gm, cap)
+    legalize_graph(gm)
+    gm.recompile()
 
 
 def tracing_graph() -> Any:

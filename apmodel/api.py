@@ -409,6 +409,7 @@ def parallelize(
     constraints: Sequence[Any] = (),
     plan: Plan | None = None,
     lowering: str = "native",
+    bucket_cap_mb: float | None = 25.0,
     options: PlanOptions | None = None,
     **option_values: Any,
 ) -> nn.Module:
@@ -432,6 +433,8 @@ def parallelize(
         lowering: "native" (default): the step traced once into a forward and a backward graph
             over local shards with explicit functional collectives, which ``torch.compile``
             compiles; "interpret": the joint graph run node by node over DTensors (for debugging).
+        bucket_cap_mb: native lowering: adjacent collectives of one kind and process group merged
+            into buckets of at most this many MB (None or 0: one per planned redistribution).
 
     Returns the module, with DTensor parameters placed as planned (tied parameters stay one
     Parameter; buffers updated in forward, such as BatchNorm statistics, are written back after
@@ -465,4 +468,5 @@ def parallelize(
         plan = lowering_stage.plan_on_one_rank(solve, mesh)
     else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with
         captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
-    return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering)
+    return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering,
+                                  bucket_cap_mb=bucket_cap_mb)

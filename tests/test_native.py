@@ -93,6 +93,7 @@ def _equality_worker(rank: int, world: int, plan_file: str) -> dict[str, Any]:
         return run
 
     out["llama"] = _both_lowerings(llama(device="h100"))
+    out["llama"]["unbucketed"] = llama(device="h100", bucket_cap_mb=None)("native")
     out["llama-mixed"] = _both_lowerings(llama(device="h100", mixed_precision=("bf16", "fp32")))
     out["llama-selective-ac"] = _both_lowerings(llama(device="h100", ac="selective"))
     out["llama-plan-file"] = _both_lowerings(llama(plan=Plan.load(plan_file)))
@@ -134,8 +135,8 @@ def equality(tmp_path_factory) -> dict[str, Any]:
     return run_distributed(_equality_worker, 4, str(plan_file), timeout_s=900)[0]
 
 
-def _assert_same(r: dict[str, Any], name: str) -> None:
-    native, interpreted = r["native"], r["interpret"]
+def _assert_same(r: dict[str, Any], name: str, native: str = "native") -> None:
+    native, interpreted = r[native], r["interpret"]
     assert native["losses"] == pytest.approx(interpreted["losses"], rel=RTOL), name
     assert native["grads"].keys() == interpreted["grads"].keys() and native["grads"], name
     for k, g in interpreted["grads"].items():
@@ -152,11 +153,21 @@ def test_native_program_equals_the_interpreter(equality, name):
 
 @pytest.mark.slow
 def test_native_graphs_hold_the_collectives_over_plain_tensors(equality):
-    r = equality["llama"]["native"]
+    r = equality["llama"]["unbucketed"]
     assert r["plain_placeholders"]
     # the solver's plan on 2x2 gathers weights and reduces gradients: both kinds are in the graphs
     assert r["collectives"].get("all_gather_into_tensor", 0) > 0
     assert r["collectives"].get("all_reduce", 0) + r["collectives"].get("reduce_scatter_tensor", 0) > 0
+
+
+@pytest.mark.slow
+def test_bucketing_merges_collectives_and_keeps_every_value(equality):
+    """The default native program buckets adjacent collectives (25 MB, as DDP): fewer collectives,
+    the same losses and gradients as one collective per planned redistribution."""
+    bucketed, unbucketed = equality["llama"]["native"], equality["llama"]["unbucketed"]
+    assert sum(bucketed["collectives"].values()) < sum(unbucketed["collectives"].values()), (bucketed["collectives"],
+                                                                                             unbucketed["collectives"])
+    _assert_same(equality["llama"], "llama unbucketed", native="unbucketed")
 
 
 @pytest.mark.slow

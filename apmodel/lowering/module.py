@@ -39,6 +39,8 @@ def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
 #: :mod:`apmodel.lowering.native`) or "interpret" (the joint graph interpreted over DTensors every
 #: step: slower, for debugging a plan node by node).
 LOWERINGS = ("native", "interpret")
+#: Default bucket size of the native program's collectives, in MB: DDP's ``bucket_cap_mb``.
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
@@ -48,7 +50,7 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
         params = [model.get_parameter(prog.captured.param_fqn[n.name]).to_local() for n in prog.params]
         buffers = [_global(model.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
         inputs = [n.meta["val"] for n in prog.inputs]
-        prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh))
+        prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_cap_mb)
     return prog.native
 
 
@@ -162,7 +164,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
           local_kernels: Callable[[torch.device], dict] = default_local_kernels,
-          lowering: str = "native") -> nn.Module:
+          lowering: str = "native", bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> nn.Module:
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
 
     ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
@@ -196,6 +198,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
     prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering)
+    prog.bucket_cap_mb = bucket_cap_mb
     prog.retrace_model = _meta_twin(model, prog.param_dtype)  # structure only (meta tensors): for other input shapes
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them

@@ -27,6 +27,7 @@ reorder and bucket the collectives.
 
 from __future__ import annotations
 
+import copy
 import linecache
 import logging
 import time
@@ -38,7 +39,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apmodel._torch_private import dtensor_like, fake_tensor_mode, overload_packet
+from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
 from apmodel.lowering.graph import _flatten, _unflatten
 
 if TYPE_CHECKING:
@@ -96,11 +97,14 @@ class NativeProgram:
 
     ``param_locals`` / ``buffers`` / ``inputs`` give the dtypes, local shapes and strides of the
     step's arguments (any device: only their metadata is read); tracing happens on fake tensors of
-    ``device``, so nothing is allocated and no collective runs."""
+    ``device``, so nothing is allocated and no collective runs. ``bucket_cap_mb``: runs of
+    collectives of one kind on one process group are merged into buckets of at most this size
+    (None or 0: one collective per redistribution, as priced)."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 inputs: Sequence[torch.Tensor], device: torch.device) -> None:
+                 inputs: Sequence[torch.Tensor], device: torch.device, bucket_cap_mb: float | None = None) -> None:
         self.prog = prog
+        self.bucket_cap_mb = bucket_cap_mb
         self.device = device
         self.mesh = prog.mesh
         start = time.perf_counter()
@@ -214,8 +218,13 @@ class NativeProgram:
         return tuple(grads)
 
     def _finish(self, gm: fx.GraphModule, phase: str) -> fx.GraphModule:
-        """Region operators become :class:`_RegionCall` s with their ranks (in the order they ran:
-        one traced node per region step)."""
+        """The traced graph made lean (no-op aliases dropped, collectives bucketed, frequent ops
+        through their Python bindings) and its region operators turned into :class:`_RegionCall`
+        s with their ranks (in the order they ran: one traced node per region step)."""
+        _drop_aliases(gm.graph)
+        gm.graph.eliminate_dead_code()
+        if self.bucket_cap_mb:
+            gm = _bucketed(gm, self.bucket_cap_mb, phase)
         region_ops = {target for target, _, _ in self._regions}
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
         if len(nodes) != len(self._regions):
@@ -224,8 +233,6 @@ class NativeProgram:
             if node.target is not target:
                 raise RuntimeError(f"native {phase} graph: region node {node.name} calls {node.target}, expected {target}")
             node.target = _RegionCall(target, comms, name)
-        _drop_aliases(gm.graph)
-        gm.graph.eliminate_dead_code()
         _bind_python_calls(gm.graph)
         gm.recompile()
         return gm
@@ -246,12 +253,8 @@ class NativeProgram:
         """``_c10d_functional`` collectives in both graphs, by op name (``wait_tensor`` excluded)."""
         counts: dict[str, int] = {}
         for gm in (self.forward_graph, self.backward_graph):
-            for n in gm.graph.nodes:
-                target = getattr(n.target, "namespace", None)
-                if n.op == "call_function" and target in ("_c10d_functional", "c10d_functional"):
-                    name = overload_packet(n.target).__name__
-                    if name != "wait_tensor":
-                        counts[name] = counts.get(name, 0) + 1
+            for name, n in _count_collectives(gm).items():
+                counts[name] = counts.get(name, 0) + n
         return counts
 
     @property
@@ -290,9 +293,10 @@ def _drop_aliases(graph: fx.Graph) -> None:
 #: Ops called through their Python bindings instead of ``torch.ops.aten...``: the same kernel,
 #: reached in about half the host time (measured here: view 2.3 -> 0.9 µs, t 1.7 -> 0.9 µs, mm
 #: 1.9 -> 1.3 µs), for the ops a transformer step repeats most. Tensor methods are "call_method"
-#: nodes; the rest torch functions. The graphs run without autograd, where ``_unsafe_view`` is a
-#: ``view``.
-_TENSOR_METHODS = {aten.view.default: "view", aten._unsafe_view.default: "view", aten.expand.default: "expand"}
+#: nodes; the rest torch functions. Views become ``reshape`` (a view wherever the input's layout
+#: allows one, else a copy): a bucketed collective hands out slices of its flat buffer, whose
+#: strides differ from the traced ones; the graphs are functional, so only values matter.
+_TENSOR_METHODS = {aten.view.default: "reshape", aten._unsafe_view.default: "reshape", aten.expand.default: "expand"}
 _TORCH_FUNCTIONS = {
     aten.mm.default: torch.mm, aten.bmm.default: torch.bmm, aten.t.default: torch.t,
     aten.mul.Tensor: torch.mul, aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub, aten.div.Tensor: torch.div,
@@ -301,6 +305,32 @@ _TORCH_FUNCTIONS = {
     aten.mean.dim: torch.mean, aten.pow.Tensor_Scalar: torch.pow, aten.clone.default: torch.clone,
     aten.cat.default: torch.cat, aten.exp.default: torch.exp,
 }
+
+
+def _count_collectives(gm: fx.GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) in ("_c10d_functional", "c10d_functional"):
+            name = overload_packet(n.target).__name__
+            if name != "wait_tensor":
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _bucketed(gm: fx.GraphModule, cap_mb: float, phase: str) -> fx.GraphModule:
+    """``gm`` with its collectives bucketed (:func:`apmodel._torch_private.bucket_collectives`),
+    or unchanged, with a warning, if the pass fails on it."""
+    before = _count_collectives(gm)
+    candidate = copy.deepcopy(gm)
+    try:
+        bucket_collectives(candidate, cap_mb)
+    except Exception as e:  # Inductor's passes are private and evolve: run unbucketed rather than fail
+        logger.warning("native %s graph: bucketing collectives failed (%s: %s); running them one by one",
+                       phase, type(e).__name__, e)
+        return gm
+    logger.info("native %s graph: %d collectives bucketed into %d (cap %.0f MB)", phase, sum(before.values()),
+                sum(_count_collectives(candidate).values()), cap_mb)
+    return candidate
 
 
 def _bind_python_calls(graph: fx.Graph) -> None:

@@ -151,6 +151,8 @@ class LoweredProgram:
         self.mesh = mesh
         self.lowering = lowering
         """"native" or "interpret" (see :func:`apmodel.lowering.lower`)"""
+        self.bucket_cap_mb: float | None = None
+        """native: bucket size of runs of collectives, MB (see :func:`apmodel.lowering.lower`)"""
         self.owners: Any = None
         """(module, attribute) of each parameter and buffer in the user's module, once looked up"""
         self.native: Any = None
@@ -391,6 +393,7 @@ class LoweredProgram:
         plan.fingerprint = captured.fingerprint
         try:
             variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups, self.lowering)
+            variant.bucket_cap_mb = self.bucket_cap_mb
         except ValueError as e:
             raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
         logger.info("replayed the plan on input shapes %s", shapes)
