@@ -3,11 +3,13 @@
     python benchmarks/runtime.py                         # tiny and mid LLaMA, every variant
     python benchmarks/runtime.py --models tiny --json runtime.json
     python benchmarks/runtime.py --no-compile            # skip the Inductor variants (minutes)
+    python benchmarks/runtime.py --device cuda --json runtime_cuda.json   # one GPU, one process
 
 Each variant trains the same model with AdamW (one intra-op thread per process, as on a shared
 2-core machine) and reports the median step (forward, backward, optimizer step) of ``--steps``
-steps after ``--warmup``; all variants of one world size run in the same processes, one after
-the other, so they see the same machine. Variants:
+steps after ``--warmup``; all variants of one world size are built in the same processes and
+their steps interleaved (one step of each per round), so a drift of the machine's speed hits
+them alike. Variants:
 
 * one process: plain eager; apmodel on mesh (1,) native eager, native compiled (``torch.compile``,
   Inductor, ``fullgraph=True``), and the interpreter (``lowering="interpret"``);
@@ -72,30 +74,41 @@ def _build(name: str, device: str) -> torch.nn.Module:
     return model
 
 
-def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(name: str, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     fields, (batch, seq) = MODELS[name]
     g = torch.Generator().manual_seed(3)
-    return (torch.randint(0, fields["vocab_size"], (batch, seq), generator=g),
-            torch.randint(0, fields["vocab_size"], (batch, seq), generator=g))
+    return (torch.randint(0, fields["vocab_size"], (batch, seq), generator=g).to(device),
+            torch.randint(0, fields["vocab_size"], (batch, seq), generator=g).to(device))
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _median_step_ms(step: Callable[[], Any], warmup: int, steps: int) -> float:
+def _interleaved_median_ms(steps: list[Callable[[], Any]], warmup: int, repeats: int) -> list[float]:
+    """Median time of each of ``steps`` over ``repeats`` rounds, one step of each per round (a
+    drift of the shared machine's speed hits every variant alike), after ``warmup`` rounds."""
     import torch.distributed as dist
 
     for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for step in steps:
+            step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            if dist.is_initialized():
+                dist.barrier()
+            _synchronize()
+            start = time.perf_counter()
+            step()
+            _synchronize()
+            times[i].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _trainer(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Callable[[], float]:
@@ -115,20 +128,22 @@ def _trainer(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Cal
 
 def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool,
                      recipe: str | None = None) -> tuple[Callable[[], float], int]:
+    device = mesh.device_type
     import apmodel
     from apmodel import recipes
     from apmodel.lowering import load_full_state_dict
 
-    tokens, targets = _batch(name)
-    full = {k: v.detach().clone() for k, v in
-            list(_build(name, "cpu").named_parameters()) + list(_build(name, "cpu").named_buffers())}
+    tokens, targets = _batch(name, device)
+    ref = _build(name, device)
+    full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
+    del ref
     extra: dict[str, Any] = {}
     if recipe is not None:  # the same parallelism as the hand-written baseline, to compare runtimes alone
         r = recipes.get(recipe)
         extra = dict(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
     model = apmodel.parallelize(_build(name, "meta"), mesh, (tokens,), targets=(targets,), loss_fn=_loss,
                                 lowering=lowering, device="h100", **extra)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     load_full_state_dict(model, full)
     nodes = sum(1 for n in model._apmodel_program.captured.gm.graph.nodes if n.op == "call_function")
     run = torch.compile(model, fullgraph=True) if compiled else model
@@ -136,22 +151,25 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool,
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], compile_: bool, warmup: int,
-            steps: int) -> None:
+            steps: int, device: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
     rows: list[dict[str, Any]] = []
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        mesh = init_device_mesh(device, (world,))
         for name in names:
-            tokens, targets = _batch(name)
+            tokens, targets = _batch(name, device)
             variants: list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]] = []
             if world == 1:
-                variants.append(("plain eager", lambda: (_plain(name, tokens, targets), None)))
+                variants.append(("plain eager", lambda: (_plain(name, tokens, targets, device), None)))
             else:
                 variants.append(("DDP", lambda: (_ddp(name, tokens, targets), None)))
                 variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
@@ -163,20 +181,20 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
             if compile_:
                 variants.append(("apmodel native compiled", lambda: _apmodel_variant(name, mesh, "native", True)))
             variants.append(("apmodel interpreter", lambda: _apmodel_variant(name, mesh, "interpret", False)))
-            for label, make in variants:
-                step, nodes = make()
-                ms = _median_step_ms(step, warmup, steps)
+            built = [(label, *make()) for label, make in variants]
+            for ms, (label, _, nodes) in zip(_interleaved_median_ms([step for _, step, _ in built], warmup, steps), built):
                 rows.append({"model": name, "world": world, "variant": label, "step_ms": ms, "nodes": nodes})
                 if rank == 0:
                     logger.warning("%s, %d process(es), %s: %.2f ms", name, world, label, ms)
+            del built
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "rows.json").write_text(json.dumps(rows))
 
 
-def _plain(name: str, tokens: torch.Tensor, targets: torch.Tensor) -> Callable[[], float]:
-    model = _build(name, "cpu")
+def _plain(name: str, tokens: torch.Tensor, targets: torch.Tensor, device: str = "cpu") -> Callable[[], float]:
+    model = _build(name, device)
     return _trainer(model, lambda: _loss(model(tokens), targets))
 
 
@@ -205,9 +223,10 @@ def _fsdp2(name: str, mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) ->
     return _trainer(model, lambda: _loss(model(x), y))
 
 
-def _run(world: int, names: list[str], compile_: bool, warmup: int, steps: int) -> list[dict[str, Any]]:
+def _run(world: int, names: list[str], compile_: bool, warmup: int, steps: int,
+         device: str = "cpu") -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="apmodel_runtime_") as tmp:
-        args = (world, os.path.join(tmp, "store"), tmp, names, compile_, warmup, steps)
+        args = (world, os.path.join(tmp, "store"), tmp, names, compile_, warmup, steps, device)
         mp.start_processes(_worker_entry, args=args, nprocs=world, start_method="spawn")
         return json.loads(Path(tmp, "rows.json").read_text())
 
@@ -244,14 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile (Inductor) variants")
     ap.add_argument("--json", default=None, metavar="PATH", help="write rows and ratios as JSON")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: one process on one GPU (NCCL), the one-process variants only")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
-    rows = _run(1, names, not args.no_compile, args.warmup, args.steps)
-    rows += _run(args.world, names, not args.no_compile, args.warmup, args.steps)
-    table = Table(title=f"median step, AdamW, {args.steps} steps after {args.warmup} (torch {torch.__version__}, CPU, gloo)")
+    rows = _run(1, names, not args.no_compile, args.warmup, args.steps, args.device)
+    if args.device == "cpu":
+        rows += _run(args.world, names, not args.no_compile, args.warmup, args.steps)
+    where = "CPU, gloo" if args.device == "cpu" else "CUDA, NCCL"
+    table = Table(title=f"median step, AdamW, {args.steps} steps after {args.warmup} (torch {torch.__version__}, {where})")
     for col in ("model", "processes", "variant", "step ms", "graph nodes"):
         table.add_column(col, justify="left" if col in ("model", "variant") else "right")
     for r in rows:
