@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import solvers
 from apmodel import search
@@ -32,7 +33,7 @@ from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.options import PlanOptions, make_options, run_precision_of
 from apmodel.plans import Plan
 from apmodel.search import fit_in_memory, replay_constraints
-from apmodel.workloads import TraceFailed, Workload
+from apmodel.workloads import TraceFailed, Workload, WorkloadError, parse_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -355,10 +356,12 @@ def plan(
     it is solved again under a memory row, or refused with :class:`~apmodel.memory.OutOfMemory`.
     ``workload``: extra keys for the plan file's workload record.
     """
+    mesh_shape = _mesh_shape_argument(mesh_shape)
+    _check_step_arguments("apmodel.plan", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=True)
     if memory_limit is not None:
         option_values["memory_limit_bytes"] = memory_limit
     opts = make_options(options, **option_values)
-    wl = Workload(model, tuple(mesh_shape), tuple(sample_inputs), loss_fn, kwargs, targets, allow_unused_parameters)
+    wl = Workload(model, mesh_shape, tuple(sample_inputs), loss_fn, kwargs, targets, allow_unused_parameters)
     return plan_workload(wl, opts, constraints=constraints, replay=replay, record=workload, progress=progress).plan
 
 
@@ -394,6 +397,55 @@ def attach(saved: Plan, *, progress: Progress | None = None) -> Plan:
     saved.model = search.placement_model(captured, strategies, build_cost_context(mesh, options, captured), options,
                                          constraints=user_constraints)
     return saved
+
+
+# ------------------------------------------------------------------------------ arguments
+def _mesh_shape_hint(mesh: Any) -> str:
+    """How the user's mesh argument reads as a shape, for messages: ``(2, 2)``."""
+    if isinstance(mesh, (tuple, list)) and all(isinstance(s, int) for s in mesh):
+        return repr(tuple(mesh))
+    if isinstance(mesh, str):
+        try:
+            return repr(parse_mesh(mesh, "mesh"))
+        except WorkloadError:
+            pass
+    return "(2, 2)"
+
+
+def _mesh_shape_argument(mesh_shape: Any) -> tuple[int, ...]:
+    """``mesh_shape`` of :func:`plan`: a sequence of positive ints, or the CLI's ``"4x8"``."""
+    if isinstance(mesh_shape, str):
+        return parse_mesh(mesh_shape, "mesh_shape")
+    if isinstance(mesh_shape, DeviceMesh):
+        return tuple(mesh_shape.shape)
+    if isinstance(mesh_shape, int) and not isinstance(mesh_shape, bool):
+        mesh_shape = (mesh_shape,)
+    if not isinstance(mesh_shape, (tuple, list)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in mesh_shape):
+        raise TypeError(f"apmodel.plan: mesh_shape must be axis sizes such as (4, 8) or \"4x8\", "
+                        f"got {type(mesh_shape).__name__} {mesh_shape!r}")
+    return tuple(mesh_shape)
+
+
+def _check_step_arguments(where: str, model: Any, sample_inputs: Any, loss_fn: Any, kwargs: Any, targets: Any, *,
+                          allow_captured: bool) -> None:
+    """The model, inputs, loss and keyword inputs of a step, checked before any tracing."""
+    if not isinstance(model, nn.Module) and not (allow_captured and isinstance(model, CapturedGraph)):
+        raise TypeError(f"{where}: model must be a torch.nn.Module"
+                        f"{' (or a captured graph)' if allow_captured else ''}, got {type(model).__name__}")
+    for name, value in (("sample_inputs", sample_inputs), ("targets", targets)):
+        if value is None and name == "targets":
+            continue
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a tuple of the model's positional inputs, got a single "
+                            f"Tensor of shape {tuple(value.shape)}: pass ({name.rstrip('s')},) instead")
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(f"{where}: {name} must be a tuple or list, got {type(value).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"{where}: loss_fn must be callable (e.g. torch.nn.functional.cross_entropy), "
+                        f"got {type(loss_fn).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"{where}: kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
 
 
 # ------------------------------------------------------------------------------ lowering
@@ -446,6 +498,17 @@ def parallelize(
 
     if lowering not in lowering_stage.LOWERINGS:
         raise ValueError(f"lowering={lowering!r}: expected one of {', '.join(map(repr, lowering_stage.LOWERINGS))}")
+    if not isinstance(mesh, DeviceMesh):
+        shape = _mesh_shape_hint(mesh)
+        raise TypeError(
+            f"apmodel.parallelize: mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__} {mesh!r}. "
+            f"Make one on every rank after torch.distributed.init_process_group: "
+            f"torch.distributed.device_mesh.init_device_mesh('cuda', {shape}) ('cpu' with gloo); to plan without "
+            f"processes, call apmodel.plan(model, {shape}, sample_inputs)")
+    if getattr(model, "_apmodel_program", None) is not None:
+        raise ValueError(f"apmodel.parallelize: this {type(model).__name__} has already been parallelized; "
+                         "parallelize the original single-device module (or a fresh one built on meta)")
+    _check_step_arguments("apmodel.parallelize", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=False)
     if plan is None:
         opts = make_options(options, **option_values)
         precision = opts.run_precision
