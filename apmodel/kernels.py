@@ -123,6 +123,41 @@ CPU_REFERENCE_KERNELS = MappingProxyType({
 })
 
 
+def cpu_flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                                is_causal: bool = False, return_debug_mask: bool = False, *,
+                                scale: float | None = None) -> tuple:
+    """``aten._scaled_dot_product_flash_attention`` on CPU through PyTorch's fused CPU kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``, what ``F.scaled_dot_product_attention`` runs
+    on CPU): the outputs of :func:`flash_attention_forward`, computed as eager PyTorch does."""
+    if dropout_p != 0.0:
+        raise ValueError("cpu_flash_attention_forward: dropout_p must be 0")
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+    # the output with the query's strides and a contiguous logsumexp, as the CUDA kernel's meta gives
+    return (torch.empty_like(q).copy_(out), lse.contiguous(), None, None, q.shape[-2], k.shape[-2], rng_state,
+            unused, q.new_empty(0))
+
+
+def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, logsumexp: torch.Tensor, cum_seq_q, cum_seq_k, max_q, max_k,
+                                 dropout_p: float, is_causal: bool, philox_seed, philox_offset, *,
+                                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten._scaled_dot_product_flash_attention_backward`` through the fused CPU kernel."""
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, logsumexp, 0.0, is_causal, scale=scale)
+    return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), grads))
+
+
+# What the lowered program runs on CPU: PyTorch's fused CPU flash attention (the kernel eager
+# PyTorch uses there), the reference RMSNorm backward (no CPU kernel in torch 2.13).
+CPU_KERNELS = MappingProxyType({
+    **CPU_REFERENCE_KERNELS,
+    torch.ops.aten._scaled_dot_product_flash_attention.default: cpu_flash_attention_forward,
+    torch.ops.aten._scaled_dot_product_flash_attention_backward.default: cpu_flash_attention_backward,
+})
+
+
 def _half_or_reference(op: Any, reference):
     """``op`` for fp16 / bf16 inputs, ``reference`` otherwise (flash attention's CUDA kernel
     refuses fp32: "FlashAttention only support fp16 and bf16 data type")."""
@@ -148,11 +183,12 @@ HALF_ONLY_KERNELS = MappingProxyType({
 
 
 def local_kernels(device: torch.device) -> dict[Any, Callable[..., Any]]:
-    """Replacement kernels the lowered program runs on local shards on ``device``: the references
-    on CPU; on CUDA the real kernel for half precision and the reference for fp32 (same outputs,
-    same logsumexp, so the traced backward op pairs with either)."""
+    """Replacement kernels the lowered program runs on local shards on ``device``: on CPU the fused
+    CPU flash attention and the reference RMSNorm backward; on CUDA the real kernel for half
+    precision and the reference for fp32 (same outputs, same logsumexp, so the traced backward op
+    pairs with either)."""
     if device.type == "cpu":
-        return dict(CPU_REFERENCE_KERNELS)
+        return dict(CPU_KERNELS)
     if device.type == "cuda":
         return dict(HALF_ONLY_KERNELS)
     return {}

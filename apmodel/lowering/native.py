@@ -223,9 +223,12 @@ class NativeProgram:
         s with their ranks (in the order they ran: one traced node per region step)."""
         _drop_aliases(gm.graph)
         gm.graph.eliminate_dead_code()
-        if self.bucket_cap_mb:
-            gm = _bucketed(gm, self.bucket_cap_mb, phase)
         region_ops = {target for target, _, _ in self._regions}
+        # a region's function issues blocking collectives of its own (on other process groups, from
+        # its backward's own thread): its graph keeps the traced order, each collective waited
+        # right after it is issued, as the interpreter runs it
+        if self.bucket_cap_mb and not region_ops:
+            gm = _bucketed(gm, self.bucket_cap_mb, phase)
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
         if len(nodes) != len(self._regions):
             raise RuntimeError(f"native {phase} graph: {len(nodes)} region calls traced, {len(self._regions)} run")
