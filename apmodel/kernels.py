@@ -7,8 +7,10 @@ sharding rules, and :func:`apmodel._torch_private.fused_attention_on_meta` makes
 ("Could not run ... with arguments from the 'CPU' backend"), and flash attention's CUDA kernel takes
 only fp16 and bf16. :func:`flash_attention_forward`, :func:`flash_attention_backward` and
 :func:`rms_norm_backward` implement them from their definitions (logsumexp form), independently of
-``F.scaled_dot_product_attention``; the tests compare the two. :func:`local_kernels` is what
-:func:`apmodel.api.parallelize` hands the lowering for a device.
+``F.scaled_dot_product_attention``; the tests compare the two. On CPU the lowered program runs
+attention through PyTorch's fused CPU flash kernel instead (:func:`cpu_flash_attention_forward`,
+what eager PyTorch runs there). :func:`local_kernels` is what :func:`apmodel.api.parallelize`
+hands the lowering for a device.
 """
 
 from __future__ import annotations
