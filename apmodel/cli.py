@@ -302,12 +302,12 @@ def _merged_config(config: Optional[Path], **flags: Any):
     """The configuration file merged with the flags; workload and option defaults filled in."""
     from apmodel.config import Config, load_config, merge
     from apmodel.options import PlanOptions
-    from apmodel.workloads import DEFAULT_BATCH, DEFAULT_SEQ
+    from apmodel.workloads import DEFAULT_BATCH, default_seq
 
     cfg = load_config(config) if config is not None else Config()  # ConfigError names file and key
     cfg = merge(cfg, **flags)
     defaults = PlanOptions()
-    for key, value in (("seq", DEFAULT_SEQ), ("batch", DEFAULT_BATCH), ("solver", defaults.solver),
+    for key, value in (("seq", default_seq(cfg.model)), ("batch", DEFAULT_BATCH), ("solver", defaults.solver),
                        ("device", defaults.device), ("dtype", defaults.dtype),
                        ("gpus_per_node", defaults.gpus_per_node), ("param_policy", defaults.param_policy),
                        ("replicate_axes", list(defaults.replicate_axes))):
@@ -539,7 +539,7 @@ def plan(
     mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape, axis sizes joined by 'x': 8, 4x8, 4x2x4, 2x2x2x4."),
     device: Optional[str] = typer.Option(None, "--device", help="Target device of the cost model (see `apmodel devices`). Default: h100."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="GPUs per node (which mesh axes cross nodes). Default: 8."),
-    seq: Optional[int] = typer.Option(None, "--seq", min=1, help="Sequence length. Default: 2048."),
+    seq: Optional[int] = typer.Option(None, "--seq", min=1, help="Sequence length. Default: 2048, or the preset's position table when shorter."),
     batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Global batch size. Default: 8."),
     solver: Optional[str] = typer.Option(None, "--solver", help="Solver backend: " + importlib.import_module("solvers.backends").help_text() + "; or a registered one. Default: trws."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Pricing dtype: bf16, fp16, fp32, fp8. Default: bf16."),

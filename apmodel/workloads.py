@@ -93,6 +93,16 @@ class Workload:
         return str(self.record.get("model") or preset or type(self.model).__name__)
 
 
+def default_seq(spec: str | None) -> int:
+    """The sequence length a run plans when none is given: :data:`DEFAULT_SEQ`, or the preset's
+    position table when that is shorter (``llama3-debug`` holds 512, GPT-2 1,024)."""
+    from apmodel import models
+
+    if spec in models.PRESETS:
+        return min(DEFAULT_SEQ, int(getattr(models.config(spec), "max_seq_len", DEFAULT_SEQ)))
+    return DEFAULT_SEQ
+
+
 def load_workload(spec: str, mesh_shape: Sequence[int], *, batch: int, seq: int, layers: int | None = None) -> Workload:
     """The :class:`Workload` of a preset name, a ``package.module:factory`` spec or an ``hf:`` spec
     (a Hugging Face model from its config, :mod:`apmodel.hf`), on the meta device.

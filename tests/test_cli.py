@@ -384,3 +384,15 @@ def test_explain_a_plan_saved_from_the_python_api(tmp_path):
 
     assert "layers.0.attention.wq.weight" in res.output
     assert pl.tuple_to_str(plan.param_placements["layers.0.attention.wq.weight"]) in res.output
+
+
+def test_the_default_sequence_fits_the_presets_position_table():
+    """Without --seq a preset plans at 2048 or its position table when shorter (llama3-debug holds
+    512: the default 2048 failed); a --seq beyond the table is still the model's error."""
+    from apmodel.workloads import DEFAULT_SEQ, default_seq
+
+    assert default_seq("llama3-debug") == 512 and default_seq("gpt2") == 1024
+    assert default_seq("llama3-8b") == DEFAULT_SEQ and default_seq("pkg.mod:factory") == DEFAULT_SEQ
+    res = invoke("plan", "--model", "llama3-debug", "--mesh", "2", "--layers", "1", "--batch", "2", "--json")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert json.loads(res.stdout)["seq"] == 512

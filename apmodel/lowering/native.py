@@ -117,7 +117,8 @@ class NativeProgram:
         self._output_layouts: list[_Layout | None] = []
         self._regions: list[tuple[Callable, dict, str]] = []
         prog.redistributions = []
-        self.forward_graph: fx.GraphModule = self._finish(make_fx(lambda p, b, x: self._forward(p, b, x), tracing_mode="fake")(*fake), "forward")
+        traced = make_fx(lambda p, b, x: self._forward(p, b, x), tracing_mode="fake")(*fake)
+        self.forward_graph: fx.GraphModule = self._finish(traced, "forward")
         self.forward_redistributions = list(prog.redistributions)
         out_vals = self.forward_graph.graph.find_nodes(op="output")[0].args[0]
         n_out = len(prog.fwd_outputs)
