@@ -78,9 +78,18 @@ def _setup_logging(verbose: int) -> None:
     root.setLevel(level)
 
 
+class _ResultConsole(Console):
+    """The results console: a reader that closes the pipe early (``apmodel explain ... | head
+    -1``) took what it wanted, which is not a failure (rich exits 1 there)."""
+
+    def on_broken_pipe(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        raise SystemExit(0)
+
+
 def _console() -> Console:
     """Console for results on stdout; wide tables when stdout is not a terminal (pipes, files)."""
-    console = Console()
+    console = _ResultConsole()
     if not console.is_terminal:
         console.width = 140
     return console
@@ -196,6 +205,9 @@ def _errors(verbose: int = 0) -> Iterator[None]:
         raise  # typer.Exit from _fail, usage errors: click prints and exits itself
     except KeyboardInterrupt:
         _fail("interrupted", 130)
+    except BrokenPipeError:  # the reader closed the pipe early (`apmodel explain ... | head -1`): not a failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        raise typer.Exit(0) from None
     except Exception as e:
         if verbose >= 2:
             raise

@@ -396,3 +396,16 @@ def test_the_default_sequence_fits_the_presets_position_table():
     res = invoke("plan", "--model", "llama3-debug", "--mesh", "2", "--layers", "1", "--batch", "2", "--json")
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert json.loads(res.stdout)["seq"] == 512
+
+
+def test_a_reader_closing_the_pipe_early_is_not_a_failure():
+    """`apmodel plan ... | head -1`: the command exits 0 with nothing on stderr (rich exits 1)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "apmodel.cli", "plan", "--model", "llama3-debug", "--mesh", "2",
+                             "--layers", "1", "--batch", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before anything is written (planning takes seconds)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"error:" not in err
