@@ -49,6 +49,10 @@ def param_uses(pmodel: Any, node_strategy: dict[str, Any], fqn: str, *, through_
     return out
 
 
+#: The reading of a mesh axis of size 1: a "shard" on it is the whole tensor, nothing moves.
+SIZE_ONE_AXIS = "one device (size 1: nothing is split or communicated on it)"
+
+
 def emerged(plan: Any) -> dict[str, str]:
     """What each mesh axis does, read off the plan (:func:`storage_roles` without ``plan.model``).
 
@@ -91,6 +95,9 @@ def emerged(plan: Any) -> dict[str, str]:
             if mode is not None:
                 region_modes[axis][(region.name, mode)] += 1
     for axis, size in enumerate(plan.mesh_shape):
+        if size == 1:
+            roles[f"axis{axis}"] = SIZE_ONE_AXIS
+            continue
         gathered = tp = replicated = 0
         for fqn in weights:
             stored = pl.to_str(plan.param_placements[fqn][axis])
@@ -133,7 +140,10 @@ def storage_roles(plan: Any) -> dict[str, str]:
     needs the graph, and the text says so."""
     total = len(plan.param_placements)
     roles: dict[str, str] = {}
-    for axis in range(len(plan.mesh_shape)):
+    for axis, size in enumerate(plan.mesh_shape):
+        if size == 1:
+            roles[f"axis{axis}"] = SIZE_ONE_AXIS
+            continue
         tokens = [pl.to_str(p[axis]) for p in plan.param_placements.values()]
         sharded = sum(t.startswith("S") for t in tokens)
         replicated = sum(t == "R" for t in tokens)

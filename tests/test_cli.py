@@ -409,3 +409,15 @@ def test_a_reader_closing_the_pipe_early_is_not_a_failure():
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"error:" not in err
+
+
+def test_a_size_one_axis_gets_no_role():
+    """`--mesh 1` once read its one axis as "tensor parallel 16/16" (a shard of one device)."""
+    from apmodel.roles import SIZE_ONE_AXIS
+
+    res = invoke("plan", "--model", "llama3-debug", "--mesh", "1", "--layers", "1", "--batch", "2", "--json")
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert json.loads(res.stdout)["emerged"] == {"axis0": SIZE_ONE_AXIS}
+    res = invoke("plan", "--model", "llama3-debug", "--mesh", "1x2", "--layers", "1", "--batch", "2", "--json")
+    emerged = json.loads(res.stdout)["emerged"]
+    assert emerged["axis0"] == SIZE_ONE_AXIS and emerged["axis1"] != SIZE_ONE_AXIS
