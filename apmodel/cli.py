@@ -705,7 +705,8 @@ def _check_report_outputs(html_out: Optional[Path], png: Optional[Path], flag: s
         check_writable(html_out, flag)
     if png is not None:
         if importlib.util.find_spec("matplotlib") is None:
-            raise CLIError("--png needs matplotlib: pip install 'apmodel[report]'")
+            raise CLIError("--png needs matplotlib: pip install matplotlib (in a checkout: pip install -e '.[report]'; "
+                           "installed from a wheel: pip install 'apmodel[report]')")
         if png.exists() and not png.is_dir():
             raise CLIError(f"--png {str(png)!r} is a file, not a directory")
         png.mkdir(parents=True, exist_ok=True)

@@ -242,7 +242,8 @@ def config_from_spec(spec: str) -> tuple[Any, str]:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError, TypeError) as e:
         raise HFSpecError(f"model {spec!r}: config file {str(path)!r}: transformers "
-                          f"{transformers.__version__} cannot build model_type {model_type!r} ({e})") from None
+                          f"{transformers.__version__} cannot build model_type {model_type!r} "
+                          f"({_first_sentence(str(e))})") from None
     return config, _head_of(config, spec)
 
 
@@ -396,3 +397,10 @@ def training_step(spec: str, *, batch: int, seq: int, layers: int | None = None)
     logger.info("%s: %s (%s LM, %d layers, attention %s)", spec, type(model).__name__, head,
                 model.config.num_hidden_layers, model.config._attn_implementation)
     return step_of(model, batch=batch, seq=seq, name=spec)
+
+
+def _first_sentence(text: str, limit: int = 200) -> str:
+    """The start of a library's message (transformers lists every model type it knows: 12,000
+    characters), cut at the first sentence or ``limit`` characters."""
+    head = text.strip().split(". ")[0].split("\n")[0]
+    return head if len(head) <= limit else head[:limit - 3] + "..."

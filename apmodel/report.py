@@ -533,7 +533,8 @@ def write_pngs(plan: "Plan", directory: str | Path, *, recipes: Sequence[Any] | 
     try:
         import matplotlib  # noqa: F401  (only to name the missing extra clearly)
     except ImportError as e:
-        raise ModuleNotFoundError("PNG figures need matplotlib: pip install 'apmodel[report]'") from e
+        raise ModuleNotFoundError("PNG figures need matplotlib: pip install matplotlib (in a checkout: "
+                                  "pip install -e '.[report]')") from e
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []

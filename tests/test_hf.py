@@ -286,3 +286,12 @@ def test_tiny_model_trains_like_one_device_on_a_gloo_mesh(tmp_path, family):
         assert abs(got - want) <= LOSS_RTOL * abs(want), (step, got, want)
     assert r["state_err"] < 1e-4
     assert r["tied"]  # both tie their word embeddings to the LM head, and the tie survives lowering
+
+def test_an_unknown_model_type_is_one_short_line(tmp_path):
+    """transformers' own message lists every model type it knows (12,000 characters): the error
+    keeps its first sentence."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 64}))
+    with pytest.raises(hf.HFSpecError, match=r"cannot build model_type 'no-such-model'") as info:
+        hf.build(f"hf:{path}", layers=None)
+    assert len(str(info.value)) < 400 + len(str(path)) and "\n" not in str(info.value)
