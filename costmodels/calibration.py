@@ -76,6 +76,10 @@ class NcclTestsLog:
     source: str = "<text>"
 
 
+#: Collectives whose nccl-tests rows name a reduction (the redop column; "none" for the others).
+_REDUCING = frozenset({"all_reduce", "reduce_scatter", "reduce"})
+
+
 def _num(tok: str, what: str, lineno: int, src: str) -> float:
     try:
         return float(tok)
@@ -98,18 +102,25 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
     naming its line number.
     """
     src = "<text>"
-    if isinstance(text_or_path, Path) or (isinstance(text_or_path, str) and "\n" not in text_or_path
-                                          and _is_file(text_or_path)):
+    if isinstance(text_or_path, Path) or (isinstance(text_or_path, str) and "\n" not in text_or_path):
+        # one line is a path (a log has a header and data lines): a missing file is named as such,
+        # not parsed as log text
         path = Path(text_or_path)
+        if not _is_file(str(path)):
+            raise FileNotFoundError(f"nccl-tests log {str(path)!r} does not exist or is not a file "
+                                    "(pass a path to a log, or the log's text itself)")
         src = str(path)
         text = path.read_text()
     else:
         text = str(text_or_path)
-    if kind is None:
-        m = _KIND_IN_TEXT.search(text) or _KIND_IN_TEXT.search(src)
-        kind = NCCL_TESTS_BINARIES[m.group(1)] if m else None
+    m = _KIND_IN_TEXT.search(text) or _KIND_IN_TEXT.search(src)
+    named = NCCL_TESTS_BINARIES[m.group(1)] if m else None
     if kind is not None and kind not in KINDS:
         raise ValueError(f"{src}: unknown collective kind {kind!r}")
+    if kind is not None and named is not None and named != kind:
+        raise ValueError(f"{src}: the log is from {m.group(1)} ({named}), not {kind}: fit it as {named} "
+                         f"(--kind {named}) or give a {kind} log")
+    kind = kind or named
     log = NcclTestsLog(kind=kind, ranks=None, source=src)
     ranks = 0
     for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -144,6 +155,14 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
                                      vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], lineno))
     if not log.rows:
         raise ValueError(f"{src}: no data lines found (is this an nccl-tests log?)")
+    # the reduction column tells reducing collectives from the others when no binary is named
+    reducing = {r.redop for r in log.rows} - {"none"}
+    if kind in _REDUCING and not reducing:
+        raise ValueError(f"{src}: {kind} was asked, but every row has redop 'none' (an all-gather, all-to-all or "
+                         "broadcast log)")
+    if kind is not None and kind not in _REDUCING and reducing:
+        raise ValueError(f"{src}: {kind} was asked, but the rows reduce ({', '.join(sorted(reducing))}): an "
+                         "all-reduce or reduce-scatter log")
     log.ranks = ranks or None
     return log
 

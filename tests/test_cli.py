@@ -421,3 +421,10 @@ def test_a_size_one_axis_gets_no_role():
     res = invoke("plan", "--model", "llama3-debug", "--mesh", "1x2", "--layers", "1", "--batch", "2", "--json")
     emerged = json.loads(res.stdout)["emerged"]
     assert emerged["axis0"] == SIZE_ONE_AXIS and emerged["axis1"] != SIZE_ONE_AXIS
+
+
+def test_calibrate_refuses_a_log_of_another_kind(tmp_path):
+    log = str(DATA / "nccl_tests_synthetic_h100x8_all_gather.txt")
+    res = invoke("calibrate", log, "--kind", "all_reduce", "--axis", "0", "--out", str(tmp_path / "cal.json"))
+    assert res.exit_code == 2 and "not all_reduce" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "cal.json").exists()

@@ -254,3 +254,23 @@ def test_version_1_files_are_read_with_a_fallback(tmp_path, caplog):
     p.write_text(json.dumps(v1))
     with pytest.raises(ValueError, match=r"curves\[0\]: version 1 file without a mesh shape covering axis 0"):
         cm.Calibration.load(p)
+
+
+def test_a_log_of_another_collective_or_a_missing_path_is_named(tmp_path):
+    """`--kind all_reduce` on an all-gather log once fitted all-reduce factors from all-gather
+    rows, and a missing path was parsed as log text ("expected 12 or 13 columns ... got 1")."""
+    gather = DATA / "nccl_tests_synthetic_h100x8_all_gather.txt"
+    with pytest.raises(ValueError, match=r"the log is from all_gather_perf \(all_gather\), not all_reduce"):
+        cm.parse_nccl_tests(gather, kind="all_reduce")
+    # no binary named: the reduction column tells them apart
+    anonymous = tmp_path / "log.txt"
+    anonymous.write_text(gather.read_text().replace("all_gather_perf", "some_perf"))
+    with pytest.raises(ValueError, match=r"all_reduce was asked, but every row has redop 'none'"):
+        cm.parse_nccl_tests(anonymous, kind="all_reduce")
+    assert cm.parse_nccl_tests(anonymous, kind="all_gather").kind == "all_gather"
+    reduce = (DATA / "nccl_tests_synthetic_h100x8_all_reduce.txt").read_text().replace("all_reduce_perf", "x_perf")
+    with pytest.raises(ValueError, match=r"all_to_all was asked, but the rows reduce \(sum\)"):
+        cm.parse_nccl_tests(reduce, kind="all_to_all")
+    for missing in ("all_reduce_perf.log", tmp_path / "nowhere.log"):
+        with pytest.raises(FileNotFoundError, match=r"nccl-tests log '.*\.log' does not exist or is not a file"):
+            cm.parse_nccl_tests(missing)
