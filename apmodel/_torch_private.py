@@ -185,9 +185,10 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
     dtype (no other collective between them) into one collective per bucket of at most ``cap_mb``
     MB, with Inductor's own FX passes (``torch._inductor.fx_passes.bucketing``, the ones
     ``bucket_all_gathers_fx`` and friends turn on under ``torch.compile``); then restores a
-    topological node order. Each element is gathered or reduced exactly as before."""
+    topological node order and waits for each collective right after issuing it. Each element is
+    gathered or reduced exactly as before."""
     from torch._inductor.fx_passes import bucketing
-    from torch.fx.passes.tools_common import legalize_graph
+    from torch.fx.passes import tools_common
 
     def cap(bucket_index: int) -> float:
         return cap_mb
@@ -198,7 +199,14 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
             logger.info("torch %s has no %s pass; those collectives are not bucketed", torch.__version__, name)
             continue
         merge(gm, cap)
-    legalize_graph(gm)
+    # back to a topological order, kept as close to the traced one as the merges allow
+    sort = getattr(tools_common, "stable_topological_sort", None) or tools_common.legalize_graph
+    sort(gm)
+    # each collective waited right after it is issued: one in flight at a time, in the same order
+    # on every rank (gloo aborted a process when several were in flight on a 2x2 mesh)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and "wait_tensor" in str(node.target) and isinstance(node.args[0], torch.fx.Node):
+            node.args[0].append(node)
     gm.recompile()
 
 
