@@ -28,6 +28,7 @@ from apmodel import search
 from apmodel.capture import CapturedGraph, capture
 from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
+from apmodel.lowering.module import DEFAULT_BUCKET_CAP_MB
 from apmodel.pricing import DTYPES, CostContext, build_cost_context
 from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.options import PlanOptions, make_options, run_precision_of
@@ -461,7 +462,7 @@ def parallelize(
     constraints: Sequence[Any] = (),
     plan: Plan | None = None,
     lowering: str = "native",
-    bucket_cap_mb: float | None = 25.0,
+    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
     options: PlanOptions | None = None,
     **option_values: Any,
 ) -> nn.Module:

@@ -572,6 +572,7 @@ def _register(region: LocalRegion) -> None:
 
     fwd = torch.library.custom_op(f"{NAMESPACE}::{region.name}", forward, mutates_args=(), schema=fwd_schema)
     bwd = torch.library.custom_op(f"{NAMESPACE}::{region.name}_backward", backward_op, mutates_args=(), schema=bwd_schema)
+
     def fake_forward(*xs: torch.Tensor) -> Any:
         known = _TRACED_OUTPUTS.get()
         if known is None:  # shapes by running the function on fake tensors

@@ -77,7 +77,7 @@ class NcclTestsLog:
 
 
 #: Collectives whose nccl-tests rows name a reduction (the redop column; "none" for the others).
-_REDUCING = frozenset({"all_reduce", "reduce_scatter", "reduce"})
+_REDUCING = frozenset({"all_reduce", "reduce_scatter"})
 
 
 def _num(tok: str, what: str, lineno: int, src: str) -> float:

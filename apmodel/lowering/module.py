@@ -54,8 +54,8 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
     return prog.native
 
 
-def _owners(model: nn.Module, prog: LoweredProgram) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]]:
-    """(owning module, attribute) of each parameter and buffer of the step, found once: a step
+def _owners(model: nn.Module, prog: LoweredProgram) -> tuple[list[tuple[nn.Module, str]], dict[Any, tuple[nn.Module, str]]]:
+    """(owning module, attribute) of each parameter (in order) and buffer (by node) of the step, found once: a step
     reads them with one ``getattr`` each (``to_empty`` and ``load_state_dict`` replace or refill
     the tensors, never the modules that hold them)."""
     if prog.owners is None:
@@ -64,7 +64,7 @@ def _owners(model: nn.Module, prog: LoweredProgram) -> tuple[list[tuple[nn.Modul
             return (model.get_submodule(path) if path else model), leaf
 
         prog.owners = ([owner(prog.captured.param_fqn[n.name]) for n in prog.params],
-                       [owner(prog.captured.buffer_fqn[n.name]) for n in prog.buffers])
+                       {n: owner(prog.captured.buffer_fqn[n.name]) for n in prog.buffers})
     return prog.owners
 
 
@@ -72,12 +72,8 @@ def _global(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def _native_forward(self: nn.Module, traced: LoweredProgram, args: tuple, kwargs: dict) -> Any:
+def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> Any:
     """One step of the native program: local tensors in, the forward graph, DTensor outputs."""
-    sig = traced.signature
-    inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
-    if traced.param_dtype is not None:  # mixed precision: floating inputs compute in the param dtype (as FSDP2)
-        inputs = [x.to(traced.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     inputs = [_global(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     prog = traced.for_inputs(inputs)
     native = _native_program(prog, self)
@@ -90,7 +86,7 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, args: tuple, kwargs
             raise ValueError(f"parameter {prog.captured.param_fqn[n.name]!r} must be a DTensor placed "
                              f"{_fmt(prog.storage[n])}, got {_fmt(v.placements) if isinstance(v, DTensor) else type(v).__name__}")
         params.append(v)
-    buffers = [_global(getattr(owner, leaf)) for owner, leaf in buffer_owners]
+    buffers = [_global(getattr(*buffer_owners[n])) for n in prog.buffers]
     inputs = [x if x.device == device else x.to(device) for x in inputs]
     # eager: DTensor parameters in, DTensor gradients out (cheap); dynamo traces to_local instead
     compiling = torch.compiler.is_compiling()
@@ -101,8 +97,7 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, args: tuple, kwargs
     n_out = native.n_outputs
     with torch.no_grad():  # buffer updates of the step (the global value)
         for n, new in zip(prog.buffer_update, outs[n_out:]):
-            owner, leaf = buffer_owners[prog.buffers.index(n)]
-            getattr(owner, leaf).copy_(new)
+            getattr(*buffer_owners[n]).copy_(new)
     results = [o if layout is None else layout.wrap(o, prog.mesh) for o, layout in zip(outs[:n_out], native.output_layouts)]
     traced.redistributions = native.forward_redistributions + (
         native.backward_redistributions if torch.is_grad_enabled() else [])
@@ -111,12 +106,12 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, args: tuple, kwargs
 
 def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     traced: LoweredProgram = self._apmodel_program
-    if traced.lowering == "native":
-        return _native_forward(self, traced, args, kwargs)
     sig = traced.signature
     inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
     if traced.param_dtype is not None:  # mixed precision: floating inputs compute in the param dtype (as FSDP2)
         inputs = [x.to(traced.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    if traced.lowering == "native":
+        return _native_forward(self, traced, inputs)
     prog = traced.for_inputs(inputs)  # the plan as traced, or replayed on these shapes
     dinputs = []
     for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
@@ -197,8 +192,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
         )
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
-    prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering)
-    prog.bucket_cap_mb = bucket_cap_mb
+    prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering, bucket_cap_mb=bucket_cap_mb)
     prog.retrace_model = _meta_twin(model, prog.param_dtype)  # structure only (meta tensors): for other input shapes
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them

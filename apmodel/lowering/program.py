@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from apmodel import placements
 from apmodel._torch_private import OpOverload, has_sharding_rule, tracing_graph
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.graph import (
@@ -37,7 +38,6 @@ from apmodel.lowering.graph import (
 from apmodel.lowering.records import Redistribution
 from apmodel.options import run_precision_of
 from apmodel.pricing import DTYPES
-from apmodel import placements
 from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
 
 logger = logging.getLogger(__name__)
@@ -147,11 +147,11 @@ class LoweredProgram:
 
     def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any,
                  local_kernels: Callable[[torch.device], dict] = default_local_kernels,
-                 region_groups: dict | None = None, lowering: str = "native"):
+                 region_groups: dict | None = None, lowering: str = "native", bucket_cap_mb: float | None = None):
         self.mesh = mesh
         self.lowering = lowering
         """"native" or "interpret" (see :func:`apmodel.lowering.lower`)"""
-        self.bucket_cap_mb: float | None = None
+        self.bucket_cap_mb = bucket_cap_mb
         """native: bucket size of runs of collectives, MB (see :func:`apmodel.lowering.lower`)"""
         self.owners: Any = None
         """(module, attribute) of each parameter and buffer in the user's module, once looked up"""
@@ -392,8 +392,8 @@ class LoweredProgram:
         plan = copy.copy(self.plan)
         plan.fingerprint = captured.fingerprint
         try:
-            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups, self.lowering)
-            variant.bucket_cap_mb = self.bucket_cap_mb
+            variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups, self.lowering,
+                                     self.bucket_cap_mb)
         except ValueError as e:
             raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
         logger.info("replayed the plan on input shapes %s", shapes)
@@ -445,11 +445,10 @@ class LoweredProgram:
                                                              slot.index, phase, slot.gradient)
                 kernel = kernels.get(s.target, s.target if s.without_rule else None)
                 if s.region_comms is not None:
-                    kernel = functools.partial(_run_region, s.target, s.region_comms)
                     if regions is not None:  # traced as one call, its outputs shaped by the plan
                         regions.append((s.target, s.region_comms, n.name))
-                        kernel = functools.partial(_run_region, s.target, s.region_comms,
-                                                   local_outputs=self._local_outputs(s))
+                    kernel = functools.partial(_run_region, s.target, s.region_comms,
+                                               local_outputs=None if regions is None else self._local_outputs(s))
                 try:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)
