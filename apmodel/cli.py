@@ -779,7 +779,8 @@ def _report(plans: list[Path], out: Optional[Path], png: Optional[Path], trace: 
 def calibrate(
     logs: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="nccl-tests output files (one collective each)."),
     out: Path = typer.Option(..., "--out", "-o", help="Write the calibration (JSON) here."),
-    axis: int = typer.Option(0, "--axis", min=0, help="Mesh axis the logs were measured on."),
+    axis: list[int] = typer.Option([0], "--axis", min=0, help="Mesh axis the logs were measured on: once for all logs, or once per log in order (intra- and inter-node logs in one calibration)."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="Ranks the logs ran on, for logs that do not print '# Rank' lines."),
     kind: str = typer.Option("auto", "--kind", help="Collective: auto (from the log), all_gather, reduce_scatter, all_reduce, all_to_all, broadcast."),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape the axis belongs to. Default: the log's rank count as a 1D mesh."),
     device: str = typer.Option("h100", "--device", help="Device of the model being calibrated."),
@@ -790,31 +791,47 @@ def calibrate(
     """Fit per-collective correction curves of the NCCL model to nccl-tests logs."""
     _setup_logging(verbose)
     with _errors(verbose):
-        _calibrate(logs, out, axis=axis, kind=kind, mesh=mesh, device=device, gpus_per_node=gpus_per_node, use=use)
+        _calibrate(logs, out, axes=axis, ranks=ranks, kind=kind, mesh=mesh, device=device,
+                   gpus_per_node=gpus_per_node, use=use)
 
 
-def _calibrate(logs: list[Path], out: Path, *, axis: int, kind: str, mesh: Optional[str], device: str,
-               gpus_per_node: int, use: str) -> None:
+def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[int], kind: str, mesh: Optional[str],
+               device: str, gpus_per_node: int, use: str) -> None:
     import costmodels
 
     check_writable(out)
+    if len(axes) not in (1, len(logs)):
+        raise ValueError(f"{len(axes)} --axis values for {len(logs)} logs: give one for all logs, "
+                         "or one per log in order")
+    axes = axes * len(logs) if len(axes) == 1 else axes
     parsed = [costmodels.parse_nccl_tests(p, kind=None if kind == "auto" else kind) for p in logs]
     for p, log in zip(logs, parsed):
         if log.kind is None:
             raise ValueError(f"{p}: cannot tell the collective from the log; pass --kind")
+        if ranks is not None:
+            if log.ranks is not None and log.ranks != ranks:
+                raise ValueError(f"{p}: the log prints {log.ranks} '# Rank' lines, but --ranks is {ranks}")
+            log.ranks = ranks
     if mesh is not None:
         from apmodel.workloads import parse_mesh
 
         shape = parse_mesh(mesh)
     else:
-        ranks = {log.ranks for log in parsed if log.ranks}
-        if len(ranks) > 1:
-            raise ValueError(f"logs have different rank counts {sorted(ranks)}; pass --mesh")
-        shape = (ranks.pop() if ranks else 8,)
-    if axis >= len(shape):
-        raise ValueError(f"--axis {axis} is not an axis of mesh {shape}")
+        counts = {log.ranks for log in parsed if log.ranks}
+        if len(counts) > 1:
+            raise ValueError(f"logs have different rank counts {sorted(counts)}; pass --mesh")
+        if not counts:
+            raise ValueError(f"{logs[0]}: the log does not say how many ranks it ran on (no '# Rank' lines); "
+                             "pass --ranks N or --mesh")
+        shape = (counts.pop(),)
+    for p, log, ax in zip(logs, parsed, axes):
+        if ax >= len(shape):
+            raise ValueError(f"--axis {ax} is not an axis of mesh {shape}")
+        if log.ranks is None:  # --mesh gives the axis size: the rank count of a log measured on it
+            log.ranks = shape[ax]
     base = costmodels.NCCLCollectives(costmodels.Topology(shape, costmodels.device(device), gpus_per_node))
-    cal = costmodels.Calibration.fit(base, [(log, axis) for log in parsed], use=use)
+    pairs = list(zip(parsed, axes))
+    cal = costmodels.Calibration.fit(base, pairs, use=use)
     cal.meta.update({"device": device, "gpus_per_node": gpus_per_node, "mesh_shape": list(shape),
                      "sources": [str(p) for p in logs]})
     cal.save(out)
@@ -826,6 +843,19 @@ def _calibrate(logs: list[Path], out: Path, *, axis: int, kind: str, mesh: Optio
         t.add_row(k, str(ax), f"{_fmt_bytes(2 ** c.log2_sizes[0])} – {_fmt_bytes(2 ** c.log2_sizes[-1])}",
                   f"{c.factors[0]:.3f}", f"{c.factors[-1]:.3f}", f"{min(c.factors):.3f} – {max(c.factors):.3f}")
     console.print(t)
+    report = cal.fit_report(base, pairs, use=use)
+    t = Table(title="Measured / predicted by size class (median), default model and calibrated", title_justify="left")
+    for col in ("log", "collective", "axis", "sizes", "default", "calibrated"):
+        t.add_column(col, justify="left" if col in ("log", "collective", "sizes") else "right")
+    for r in report:
+        t.add_row(escape(Path(r["source"]).name), r["kind"], str(r["axis"]), r["size_class"], f"{r['before']:.3f}",
+                  f"{r['after']:.3f}" + (" (worse)" if r["worse"] else ""))
+    console.print(t)
+    worse = [r for r in report if r["worse"]]
+    if worse:
+        logger.warning("the calibration is further from the measurements than the default model for %s "
+                       "(logs of one collective and axis that disagree are averaged)",
+                       ", ".join(f"{Path(r['source']).name} {r['size_class']}" for r in worse))
     console.print(f"calibration saved to {out} (use it with [cost] calibration = \"{out}\")", highlight=False, markup=False)
 
 

@@ -3,6 +3,12 @@
     python benchmarks/costmodels.py --mesh 4x8 --device h100
     python benchmarks/costmodels.py --mesh 8 --device h100 --kinds all_reduce --json costmodels.json
     python benchmarks/costmodels.py --mesh 8 --json | jq .rows[0]
+    python benchmarks/costmodels.py --logs            # held to the published nccl-tests runs
+
+``--logs [DIR]`` (default ``tests/data/nccl_published``) compares the model with every published
+log listed in DIR/logs.json: measured / predicted per log (median, worst row) and per size class,
+with NCCL's tuning table alone ("before"), with the defaults ("after"), and refitted without the
+log itself ("held out": the fit on the other logs predicting this one).
 
 Sizes are nccl-tests sizes (whole buffer); times in µs; bus bandwidth in GB/s (1e9 B/s),
 computed as nccl-tests does. ``--calibration`` applies a saved calibration JSON.
@@ -67,6 +73,49 @@ def run(mesh: tuple[int, ...], device: str, gpus_per_node: int, kinds: list[str]
             "rows": rows, "model_s": model_s}
 
 
+def run_published(directory: Path) -> dict:
+    """Measured / predicted for every published log: NCCL's table, the defaults, held out."""
+    from costmodels import nccl_fit
+
+    logs = nccl_fit.load_published_logs(directory)
+    t0 = time.perf_counter()
+    before = nccl_fit.compare(logs, *nccl_fit.nccl_table_constants())
+    after = nccl_fit.compare(logs)
+    held_out = []
+    for i in range(len(logs)):
+        measured, net = nccl_fit.fit(logs[:i] + logs[i + 1:])
+        held_out.extend(nccl_fit.compare([logs[i]], measured, net))
+    fit_s = time.perf_counter() - t0
+
+    def summary(c: "nccl_fit.LogComparison") -> dict:
+        return {"median": c.median, "worst": c.worst, "classes": c.by_class()}
+
+    rows = [{"id": log.id, "kind": log.log.kind, "gpu": log.gpu, "ranks": log.ranks, "nodes": log.nodes,
+             "rows": len(log.log.rows), "source": log.source, "before": summary(b), "after": summary(a),
+             "held_out": summary(h)}
+            for log, b, a, h in zip(logs, before, after, held_out)]
+    return {"directory": str(directory), "logs": rows, "fit_s": fit_s}
+
+
+def _print_published(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Collective model vs published nccl-tests runs (measured / predicted; > 1: "
+                        "the model is optimistic)", title_justify="left")
+    for col in ("log", "nodes x GPUs", "before med", "before worst", "after med", "after worst",
+                "<=64KiB", "1-16MiB", ">=256MiB", "held-out med"):
+        table.add_column(col, justify="left" if col == "log" else "right", min_width=42 if col == "log" else None)
+    for r in result["logs"]:
+        classes = r["after"]["classes"]
+        table.add_row(r["id"], f"{r['nodes']}x{r['ranks'] // r['nodes']}",
+                      f"{r['before']['median']:.2f}", f"{r['before']['worst']:.2f}",
+                      f"{r['after']['median']:.2f}", f"{r['after']['worst']:.2f}",
+                      *(f"{classes[c]:.2f}" if c in classes else "-" for c in ("<=64KiB", "1-16MiB", ">=256MiB")),
+                      f"{r['held_out']['median']:.2f}")
+    Console(width=max(Console().width, 160)).print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default="4x8", help="mesh shape, e.g. 8 or 4x8 (default 4x8)")
@@ -81,7 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="write the results as JSON to PATH (tables still printed); "
                          "without PATH, or with -, print only the JSON object on stdout")
+    ap.add_argument("--logs", nargs="?", const=str(_HERE.parent / "tests" / "data" / "nccl_published"),
+                    default=None, metavar="DIR",
+                    help="compare with the published nccl-tests logs listed in DIR/logs.json "
+                         "(default: tests/data/nccl_published)")
     args = ap.parse_args(argv)
+    if args.logs is not None:
+        result = run_published(Path(args.logs))
+        if args.json == "-":
+            print(json.dumps(result))
+            return 0
+        if args.json is not None:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        _print_published(result)
+        return 0
 
     try:
         mesh = tuple(int(x) for x in args.mesh.lower().split("x"))

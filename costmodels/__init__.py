@@ -3,7 +3,7 @@ redistribution costs and calibration against nccl-tests. Times are in µs, sizes
 
 from .calibration import (Calibration, CalibratedCollectives, CalibrationMismatch, CorrectionCurve,
                           NcclTestsLog, format_nccl_tests, parse_nccl_tests)
-from .collectives import KINDS, NCCLCollectives, bus_bandwidth_factor
+from .collectives import KINDS, MeasuredNccl, NCCLCollectives, bus_bandwidth_factor
 from .compute import RooflineCompute
 from .measured import (BUILTIN_PROFILES, EXECUTIONS, ComputeProfile, MeasuredCompute, ProfileError,
                        builtin_profile, compute_model, load_profile)
@@ -14,7 +14,7 @@ from .redistribution import redistribution_matrix, redistribution_steps, redistr
 from .topology import AxisLink, Topology
 
 __all__ = [
-    "AxisLink", "BUILTIN_DEVICES", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
+    "AxisLink", "BUILTIN_DEVICES", "MeasuredNccl", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
     "ProfileError", "builtin_profile", "compute_model", "load_profile", "Calibration", "CalibratedCollectives", "CalibrationMismatch",
     "CommModel", "ComputeModel", "CorrectionCurve", "DeviceRegistry", "DeviceSpec", "FabricSpec", "KINDS",
     "NCCLCollectives", "NcclTestsLog", "RooflineCompute", "Topology", "bus_bandwidth_factor",

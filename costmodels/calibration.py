@@ -49,7 +49,15 @@ NCCL_TESTS_BINARIES = {
     "all_reduce_perf": "all_reduce", "alltoall_perf": "all_to_all", "broadcast_perf": "broadcast",
 }
 _KIND_IN_TEXT = re.compile(r"(all_gather_perf|reduce_scatter_perf|all_reduce_perf|alltoall_perf|broadcast_perf)")
+_KIND_IN_FILE_NAME = {kind: re.compile(rf"(?<![a-z]){pattern}(?![a-z])", re.IGNORECASE) for kind, pattern in (
+    ("all_gather", "all_?gather"), ("reduce_scatter", "reduce_?scatter"), ("all_reduce", "all_?reduce"),
+    ("all_to_all", "all_?to_?all"), ("broadcast", "broadcast"))}
 _RANK_LINE = re.compile(r"^#\s*Rank\s+\d+\s", re.IGNORECASE)
+#: the units line under the column names: "#  (B)  (elements)  (us)  (GB/s) ..."
+_UNITS_LINE = re.compile(r"^#\s*\(B\)\s+\(elements\)")
+#: what launchers put before each line of output: SkyPilot's "(head, rank=0, pid=3808) ",
+#: Open MPI's --tag-output "[1,0]<stdout>:", srun -l's "0: "
+_LAUNCHER_PREFIX = re.compile(r"^(?:\([^)]*\)\s*)?(?:\[\d+,\d+\]<std(?:out|err)>:\s*)?(?:\d+:\s+)?")
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,9 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
         text = str(text_or_path)
     m = _KIND_IN_TEXT.search(text) or _KIND_IN_TEXT.search(src)
     named = NCCL_TESTS_BINARIES[m.group(1)] if m else None
+    if named is None and src != "<text>":  # a file named after its collective: "..._all_reduce.txt"
+        in_name = {k for k, pat in _KIND_IN_FILE_NAME.items() if pat.search(Path(src).name)}
+        named = in_name.pop() if len(in_name) == 1 else None
     if kind is not None and kind not in KINDS:
         raise ValueError(f"{src}: unknown collective kind {kind!r}")
     if kind is not None and named is not None and named != kind:
@@ -123,15 +134,23 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
     kind = kind or named
     log = NcclTestsLog(kind=kind, ranks=None, source=src)
     ranks = 0
+    time_scale = 1.0  # to µs; the units line says "(us)" (or "(ms)" in a few builds)
+    skipped = 0
     for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
+        line = _LAUNCHER_PREFIX.sub("", raw.strip(), count=1).strip()
         if not line:
             continue
         if line.startswith("#"):
             if _RANK_LINE.match(line):
                 ranks += 1
+            elif _UNITS_LINE.match(line):
+                time_scale = 1e3 if "(ms)" in line else 1.0
             continue
         toks = line.split()
+        if not toks[0].isdigit():
+            # not a table row: "NCCL version ...", a shell prompt, the command, NCCL INFO lines
+            skipped += 1
+            continue
         # 13 columns with "root", 12 in old versions without it
         if len(toks) == 13:
             size, count, dtype, redop, root = toks[:5]
@@ -151,10 +170,14 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
              "in-place time", "in-place algbw", "in-place busbw"))]
         if vals[0] <= 0 or vals[3] <= 0:
             raise ValueError(f"{src}: line {lineno}: times must be > 0")
+        vals[0] *= time_scale
+        vals[3] *= time_scale
         log.rows.append(NcclTestsRow(int(size), int(count), dtype, redop, int(_num(root, "root", lineno, src)),
                                      vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], lineno))
     if not log.rows:
         raise ValueError(f"{src}: no data lines found (is this an nccl-tests log?)")
+    if skipped:
+        logger.debug("%s: %d line(s) that are neither comments nor table rows skipped", src, skipped)
     # the reduction column tells reducing collectives from the others when no binary is named
     reducing = {r.redop for r in log.rows} - {"none"}
     if kind in _REDUCING and not reducing:
@@ -191,6 +214,29 @@ def format_nccl_tests(kind: str, ranks: int, rows: Iterable[tuple[int, float]],
         out.append(f"{size:12d}  {count:12d}  {dtype:>8s}  {redop:>6s}  {root:>6s}  {cols}  {cols}")
     out.append("# Out of bounds values : 0 OK")
     return "\n".join(out) + "\n"
+
+
+#: Size classes (name, smallest and largest bytes, inclusive) in which fits are summarised:
+#: latency-bound messages, the 1-16 MiB that per-layer weight gathers and activation collectives
+#: move, and bandwidth-bound transfers.
+SIZE_CLASSES: tuple[tuple[str, int, int], ...] = (
+    ("<=64KiB", 0, 64 * 2**10), ("1-16MiB", 2**20, 16 * 2**20), (">=256MiB", 256 * 2**20, 2**62))
+
+
+def size_class_medians(rows: Iterable[tuple[int, float]]) -> dict[str, float]:
+    """Median of the values of (bytes, value) rows in each :data:`SIZE_CLASSES` class that has rows."""
+    rows = list(rows)
+    out = {}
+    for name, lo, hi in SIZE_CLASSES:
+        inside = [v for n, v in rows if lo <= n <= hi]
+        if inside:
+            out[name] = float(np.median(inside))
+    return out
+
+
+def _measured_time_us(row: "NcclTestsRow", use: str) -> float:
+    return {"out_of_place": row.oop_time_us, "in_place": row.ip_time_us,
+            "min": min(row.oop_time_us, row.ip_time_us)}[use]
 
 
 class CalibrationMismatch(ValueError):
@@ -288,8 +334,7 @@ class Calibration:
             for r in log.rows:
                 if r.size_bytes < min_bytes:
                     continue
-                meas = {"out_of_place": r.oop_time_us, "in_place": r.ip_time_us,
-                        "min": min(r.oop_time_us, r.ip_time_us)}[use]
+                meas = _measured_time_us(r, use)
                 model = float(base.time_us(log.kind, r.size_bytes, axis))
                 if model <= 0:
                     raise ValueError(f"{log.source}: line {r.line}: model time is 0 for "
@@ -302,6 +347,29 @@ class Calibration:
             curves[key] = CorrectionCurve([math.log2(s) for s in sizes], facs, ranks=mesh[key[1]],
                                           mesh_shape=mesh, min_bytes=sizes[0], max_bytes=sizes[-1])
         return cls(curves, {"mesh_shape": list(mesh)})
+
+    def fit_report(self, base: Any, logs: Iterable[tuple[NcclTestsLog, int]], *,
+                   use: str = "out_of_place") -> list[dict[str, Any]]:
+        """How well ``base`` and ``base`` calibrated by this fit reproduce each log, per size class.
+
+        One row per (log, size class): ``before`` and ``after``, the median measured / predicted
+        ratio without and with the calibration, and ``worse``: whether the calibrated model is
+        further from 1 than the base (it can be where several logs of one collective and axis
+        disagree and the fit averages them).
+        """
+        calibrated = CalibratedCollectives(base, self, allow_other_sizes=True)
+        out = []
+        for log, axis in logs:
+            kind = log.kind
+            before = size_class_medians((r.size_bytes, _measured_time_us(r, use) / base.time_us(kind, r.size_bytes, axis))
+                                        for r in log.rows)
+            after = size_class_medians((r.size_bytes, _measured_time_us(r, use) / calibrated.time_us(kind, r.size_bytes, axis))
+                                       for r in log.rows)
+            for name in before:
+                worse = abs(math.log(after[name])) > abs(math.log(before[name])) + 1e-9
+                out.append({"source": log.source, "kind": kind, "axis": axis, "size_class": name,
+                            "before": before[name], "after": after[name], "worse": worse})
+        return out
 
     # --- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

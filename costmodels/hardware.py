@@ -55,9 +55,11 @@ RING_EFFICIENCY_HOPPER = 370.0 / 450.0
 #: A100: NCCL's own tuning model caps sm80 bus bandwidth at 235 GB/s (NCCL tuning.cc,
 #: "if (compCap80) busBw = std::min(busBw, 235.0f)"); NVLink 3 is 300 GB/s per direction.
 RING_EFFICIENCY_AMPERE = 235.0 / 300.0
-#: Inter-node (InfiniBand / RoCE) achievable fraction of NIC line rate. Assumption:
-#: ib_write_bw on 400 Gb/s ConnectX-7 reaches ~46 of 50 GB/s.
-NET_EFFICIENCY = 0.92
+#: Inter-node (InfiniBand / RoCE) achievable fraction of NIC line rate for NCCL's rings and
+#: trees, fitted with the collectives' measured constants (costmodels.collectives.MeasuredNccl)
+#: to the 2- and 4-node logs in tests/data/nccl_published/ (0.79; a raw ib_write_bw reaches
+#: ~0.92 of a 400 Gb/s ConnectX-7, which NCCL's protocol overheads do not).
+NET_EFFICIENCY = 0.79
 
 
 @dataclass(frozen=True)

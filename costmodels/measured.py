@@ -654,6 +654,17 @@ class MeasuredCompute:
         """Nominal FLOPs (causal attention counts the kept half)."""
         return int(self.price(op, args, kwargs or {}, out, None).flops)
 
+    @property
+    def launch_gap_us(self) -> float:
+        """Idle GPU time between two eager kernels issued back to back (µs); 0 under CUDA graphs."""
+        return 0.0 if self.execution == "graphs" else self._gap
+
+    @property
+    def host_only_call_us(self) -> float:
+        """Host time (µs) of an eager call that launches no kernel (a view, ``detach``): the
+        elementwise eager floor, the same trip through the dispatcher and autograd."""
+        return self._floor["elementwise"]
+
     def cache_info(self) -> int:
         return len(self._cache)
 

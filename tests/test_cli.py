@@ -169,12 +169,49 @@ def test_calibrate_recovers_the_synthetic_factor(tmp_path):
     cal = json.loads(out.read_text())
     kinds = {c["kind"] for c in cal["curves"]}
     assert kinds == {"all_gather", "reduce_scatter"}
-    # the logs were generated with factor(size) = 1.4 at 8 B falling linearly in log2 to 0.95 at 1 GiB
+    # the logs were generated from NCCL's tuning table times factor(size) = 1.4 at 8 B falling
+    # linearly in log2 to 0.95 at 1 GiB; the calibration corrects the default (measured) model
+    import costmodels as cm
+
+    topo = cm.Topology((8,), "h100")
+    default, table = cm.NCCLCollectives(topo), cm.NCCLCollectives(topo, measured=cm.MeasuredNccl.nccl_tuning_table())
     for c in cal["curves"]:
-        assert c["factors"][0] == pytest.approx(1.4, rel=0.02)
-        assert c["factors"][-1] == pytest.approx(0.95, rel=0.02)
+        for size, factor, shipped in ((8, c["factors"][0], 1.4), (2**30, c["factors"][-1], 0.95)):
+            want = shipped * table.time_us(c["kind"], size, 0) / default.time_us(c["kind"], size, 0)
+            assert factor == pytest.approx(want, rel=0.02)
+    assert "Measured / predicted by size class" in res.stdout
     res = invoke("calibrate", logs[0], "--axis", "3", "--out", str(out))
     assert res.exit_code == 2 and "--axis" in res.output
+
+
+def test_calibrate_several_axes_and_a_log_without_rank_lines(tmp_path):
+    # an inter-node and an intra-node log into one calibration of a 2x8 mesh; the intra-node one
+    # lost its '# Rank' lines (as posted logs often do): --ranks or --mesh supplies the count
+    import costmodels as cm
+
+    out = tmp_path / "cal.json"
+    comm = cm.NCCLCollectives(cm.Topology((2, 8), "h100"))
+    sizes = [2**k for k in range(10, 28, 3)]
+    inter = tmp_path / "inter_all_gather.log"
+    inter.write_text(cm.format_nccl_tests("all_gather", 2, [(s, 1.5 * comm.time_us("all_gather", s, 0)) for s in sizes]))
+    text = cm.format_nccl_tests("all_gather", 8, [(s, 0.8 * comm.time_us("all_gather", s, 1)) for s in sizes])
+    intra = tmp_path / "intra_all_gather.log"
+    intra.write_text("\n".join(line for line in text.splitlines() if "Rank" not in line))
+    res = invoke("calibrate", str(inter), str(intra), "--axis", "0", "--axis", "1", "--mesh", "2x8", "--out", str(out))
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    curves = {(c["axis"], c["ranks"]): c["factors"] for c in json.loads(out.read_text())["curves"]}
+    assert set(curves) == {(0, 2), (1, 8)}
+    assert curves[(0, 2)] == pytest.approx([1.5] * len(sizes), rel=0.01)
+    assert curves[(1, 8)] == pytest.approx([0.8] * len(sizes), rel=0.01)
+    # one log without Rank lines and no --mesh: --ranks is asked for, then accepted
+    res = invoke("calibrate", str(intra), "--out", str(out))
+    assert res.exit_code != 0 and "--ranks" in res.output
+    res = invoke("calibrate", str(intra), "--ranks", "8", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    # three --axis values for two logs is named
+    res = invoke("calibrate", str(inter), str(intra), "--axis", "0", "--axis", "1", "--axis", "1",
+                 "--mesh", "2x8", "--out", str(out))
+    assert res.exit_code != 0 and "3 --axis values for 2 logs" in res.output
 
 
 def test_every_subcommand_has_help():

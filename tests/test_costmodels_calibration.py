@@ -19,6 +19,13 @@ def h100x8():
     return cm.NCCLCollectives(cm.Topology((8,), cm.device("h100"), gpus_per_node=8))
 
 
+@pytest.fixture(scope="module")
+def nccl_table_h100x8():
+    # the model the synthetic logs were generated with: NCCL's tuning table, nothing measured added
+    return cm.NCCLCollectives(cm.Topology((8,), cm.device("h100"), gpus_per_node=8),
+                              measured=cm.MeasuredNccl.nccl_tuning_table())
+
+
 def shipped_factor(size):
     # the known correction written into the synthetic logs' headers
     return 1.4 + (0.95 - 1.4) * (math.log2(size) - 3) / 27
@@ -36,9 +43,9 @@ def test_shipped_synthetic_logs_parse(kind):
     assert big.oop_busbw_GBps == pytest.approx(big.oop_algbw_GBps * cm.bus_bandwidth_factor(kind, 8), rel=0.01)
 
 
-def test_fit_recovers_known_factors_from_shipped_logs(h100x8):
+def test_fit_recovers_known_factors_from_shipped_logs(nccl_table_h100x8):
     logs = [(cm.parse_nccl_tests(DATA / f"nccl_tests_synthetic_h100x8_{k}.txt"), 0) for k in KIND_FILES]
-    cal = cm.Calibration.fit(h100x8, logs)
+    cal = cm.Calibration.fit(nccl_table_h100x8, logs)
     for k in KIND_FILES:
         for e in range(3, 31):
             assert cal.factor(k, 0, 2**e) == pytest.approx(shipped_factor(2**e), rel=0.05), (k, e)
@@ -274,3 +281,23 @@ def test_a_log_of_another_collective_or_a_missing_path_is_named(tmp_path):
     for missing in ("all_reduce_perf.log", tmp_path / "nowhere.log"):
         with pytest.raises(FileNotFoundError, match=r"nccl-tests log '.*\.log' does not exist or is not a file"):
             cm.parse_nccl_tests(missing)
+
+
+def test_fit_report_says_where_the_calibration_is_worse_than_the_default():
+    # two runs of one collective on one axis that disagree (1.5x and 0.8x the model): the fit
+    # averages them, which helps the first and hurts the second; the report says which
+    comm = cm.NCCLCollectives(cm.Topology((8,), "h100"))
+    sizes = [2**k for k in range(3, 31, 3)]
+    runs = [cm.parse_nccl_tests(cm.format_nccl_tests(
+        "all_gather", 8, [(s, f * comm.time_us("all_gather", s, 0)) for s in sizes]), kind="all_gather")
+        for f in (1.5, 0.8)]
+    pairs = [(log, 0) for log in runs]
+    cal = cm.Calibration.fit(comm, pairs)
+    report = cal.fit_report(comm, pairs)
+    assert {r["size_class"] for r in report} == {"<=64KiB", "1-16MiB", ">=256MiB"}
+    first, second = ([r for r in report if r["before"] == pytest.approx(f, rel=0.02)] for f in (1.5, 0.8))
+    assert len(first) == len(second) == 3
+    assert not any(r["worse"] for r in first) and all(r["worse"] for r in second)
+    # one run alone: the calibration reproduces it, nothing is worse
+    alone = cm.Calibration.fit(comm, pairs[:1]).fit_report(comm, pairs[:1])
+    assert all(r["after"] == pytest.approx(1.0, rel=0.01) and not r["worse"] for r in alone)

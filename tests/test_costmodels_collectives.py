@@ -97,11 +97,12 @@ def test_published_h100_nvswitch_figures(h100x8):
     assert h100x8.bus_bandwidth_GBps("all_gather", 4 * GiB, 0) == pytest.approx(370.0, rel=0.05)
     # all-gather of 1 MiB takes tens of µs (latency-bound: NCCL base + 7 hops)
     assert 10.0 <= h100x8.time_us("all_gather", MiB, 0) < 100.0
-    # NCCL picks ring + LL for all-reduce up to ~1 MB, NVLS + Simple from ~2 MB
-    for nbytes in (8, 1024, 64 * 1024, 512 * 1024):
+    # ring + LL for small all-reduces, NVLS + Simple from ~1 MiB (with LL at its measured
+    # bandwidth, LL128 takes the sizes between)
+    for nbytes in (8, 1024, 64 * 1024):
         c = h100x8.choose("all_reduce", nbytes, 0)
         assert (c.algorithm, c.protocol) == ("ring", "LL")
-    for nbytes in (4 * MiB, 256 * MiB, 16 * GiB):
+    for nbytes in (MiB, 4 * MiB, 256 * MiB, 16 * GiB):
         c = h100x8.choose("all_reduce", nbytes, 0)
         assert (c.algorithm, c.protocol) == ("nvls", "Simple")
 
