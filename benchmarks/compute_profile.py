@@ -72,6 +72,29 @@ def print_table(rep: dict, title: str, worst: int, out: Any = None) -> None:
         print(f"  {w['row'][:58]:<58} {w['meas_us']:>10.1f} {w['pred_us']:>10.1f} {w['ratio']:>9.2f}", file=out)
 
 
+def whole_steps(prof: ms.ComputeProfile, device: str) -> dict[str, Any] | None:
+    """Measured / predicted for the whole steps shipped for ``device`` (eager, cache cold as planned)."""
+    from costmodels import whole_steps as ws
+
+    if not (ms.profiles_dir() / f"{device}_steps.json").is_file():
+        return None
+    model = ms.MeasuredCompute(device, prof)
+    preds = [ws.predict_step(model, step) for step in ws.load_steps(device=device)]
+    return {"spearman_distinct_calls": ws.spearman(preds),
+            "steps": [{"case": p.step.case, "calls": p.step.n_calls, "measured_us": p.step.measured_us,
+                       "predicted_us": p.predicted_us, "host_us": p.host_us, "gpu_us": p.gpu_us,
+                       "bound": p.bound, "ratio": p.ratio, "spearman": ws.spearman([p])} for p in preds]}
+
+
+def print_steps(steps: dict[str, Any]) -> None:
+    print("\nwhole steps (forward + backward, eager bf16): measured / predicted")
+    print(f"{'case':58s} {'calls':>5s} {'meas ms':>8s} {'pred ms':>8s} {'ratio':>6s} {'bound':>5s} {'rho':>5s}")
+    for r in steps["steps"]:
+        print(f"{r['case'][:58]:58s} {r['calls']:5d} {r['measured_us'] / 1e3:8.2f} {r['predicted_us'] / 1e3:8.2f} "
+              f"{r['ratio']:6.3f} {r['bound']:>5s} {r['spearman']:5.2f}")
+    print(f"Spearman over the distinct calls of all steps: {steps['spearman_distinct_calls']:.3f}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="h200", help="device of the measurements (default h200)")
@@ -122,10 +145,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes.append("eager_cold")
     titles = {"eager": "eager, cache warm (meas_us)", "graphs": "CUDA graphs, cache warm (meas_graph_us)",
               "eager_cold": "eager, cache cold as planned (meas_us)"}
+    steps = whole_steps(prof, args.device)
     if not quiet:
         for mode in modes:
             print_table(reports[mode], f"{args.device} {titles[mode]}", args.worst)
+        if steps:
+            print_steps(steps)
     result = {
+        "steps": steps,
         "device": args.device,
         "profile": prof.source or prof.device,
         "reports": {m: {**fitting.summary(reports[m]), "worst": [
