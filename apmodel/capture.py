@@ -333,12 +333,15 @@ def _trace(
         library_sees_tracing,
     )
 
+    from apmodel.python_constants import PythonDataAsFactories
+
     modules = _ModuleStack(module)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(composite_autograd_on_meta())
             stack.enter_context(fused_attention_on_meta())
             stack.enter_context(library_sees_tracing())  # libraries skip value-dependent checks, as under export
+            stack.enter_context(PythonDataAsFactories())  # torch.tensor(3.0) in forward: a graph node with its value
             return export_joint(stack, module, inputs, functionalize=functionalize)
     except Exception as e:
         if not is_data_dependent_error(e):

@@ -56,8 +56,9 @@ HF_PREFIX = "hf:"
 #: Name under which HF's SDPA attention is registered with the mask function of this module.
 ATTENTION = "apmodel_sdpa"
 
-#: Heads a model gets: the loss of ``model(input_ids, labels=...)``.
-HEADS = ("causal", "masked")
+#: Heads a model gets: the loss of ``model(input_ids, labels=...)``; an encoder-decoder
+#: (``seq2seq``, T5) feeds the decoder the labels shifted right, as its forward does.
+HEADS = ("causal", "masked", "seq2seq")
 
 
 class HFSpecError(ValueError):
@@ -131,6 +132,43 @@ PRESETS: dict[str, HFPreset] = {
     "opt-1.3b": HFPreset("opt", dict(num_hidden_layers=24, hidden_size=2048, num_attention_heads=32, ffn_dim=8192,
                                      vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048),
                          params="1.3B", hub_name="facebook/opt-1.3b"),
+    # --- the rest of the paper's Table 5 ---
+    "bloom-560m": HFPreset("bloom", dict(n_layer=24, hidden_size=1024, n_head=16, vocab_size=250880),
+                           params="559M", hub_name="bigscience/bloom-560m"),
+    "bloom-7b1": HFPreset("bloom", dict(n_layer=30, hidden_size=4096, n_head=32, vocab_size=250880),
+                          params="7.1B", hub_name="bigscience/bloom-7b1"),
+    "stablelm-2-1.6b": HFPreset("stablelm", dict(num_hidden_layers=24, hidden_size=2048, intermediate_size=5632,
+                                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=100352,
+                                                 max_position_embeddings=4096, partial_rotary_factor=0.25,
+                                                 use_qkv_bias=True, layer_norm_eps=1e-5, tie_word_embeddings=False),
+                                params="1.6B", hub_name="stabilityai/stablelm-2-1_6b"),
+    "phi-1": HFPreset("phi", dict(num_hidden_layers=24, hidden_size=2048, intermediate_size=8192,
+                                  num_attention_heads=32, vocab_size=51200, max_position_embeddings=2048,
+                                  partial_rotary_factor=0.5, layer_norm_eps=1e-5, tie_word_embeddings=False),
+                      params="1.4B", hub_name="microsoft/phi-1"),
+    "phi-2": HFPreset("phi", dict(num_hidden_layers=32, hidden_size=2560, intermediate_size=10240,
+                                  num_attention_heads=32, vocab_size=51200, max_position_embeddings=2048,
+                                  partial_rotary_factor=0.4, layer_norm_eps=1e-5, tie_word_embeddings=False),
+                      params="2.8B", hub_name="microsoft/phi-2"),
+    "gpt-neo-2.7b": HFPreset("gpt_neo", dict(num_layers=32, hidden_size=2560, num_heads=20, vocab_size=50257,
+                                             max_position_embeddings=2048, window_size=256,
+                                             attention_types=[[["global", "local"], 16]]),
+                             params="2.7B", hub_name="EleutherAI/gpt-neo-2.7B"),
+    "falcon-7b": HFPreset("falcon", dict(num_hidden_layers=32, hidden_size=4544, num_attention_heads=71,
+                                         vocab_size=65024, multi_query=True, parallel_attn=True, bias=False,
+                                         new_decoder_architecture=False, alibi=False),
+                          params="6.9B", hub_name="tiiuae/falcon-7b"),
+    "gpt-j-6b": HFPreset("gptj", dict(n_layer=28, n_embd=4096, n_head=16, n_positions=2048, rotary_dim=64,
+                                      vocab_size=50400, tie_word_embeddings=False),
+                         params="6.1B", hub_name="EleutherAI/gpt-j-6b"),
+    "t5-small": HFPreset("t5", dict(num_layers=6, num_decoder_layers=6, d_model=512, d_ff=2048, d_kv=64, num_heads=8,
+                                    vocab_size=32128, feed_forward_proj="relu", decoder_start_token_id=0,
+                                    pad_token_id=0, eos_token_id=1),
+                         head="seq2seq", params="61M", hub_name="google-t5/t5-small"),
+    "t5-base": HFPreset("t5", dict(num_layers=12, num_decoder_layers=12, d_model=768, d_ff=3072, d_kv=64, num_heads=12,
+                                   vocab_size=32128, feed_forward_proj="relu", decoder_start_token_id=0,
+                                   pad_token_id=0, eos_token_id=1),
+                        head="seq2seq", params="223M", hub_name="google-t5/t5-base"),
 }
 
 
@@ -255,6 +293,9 @@ def _head_of(config: Any, spec: str) -> str:
 
     causal = config.model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     masked = config.model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if getattr(config, "is_encoder_decoder", False) and \
+            config.model_type in modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "seq2seq"
     for arch in getattr(config, "architectures", None) or []:
         if arch.endswith("ForMaskedLM") and masked:
             return "masked"
@@ -264,8 +305,8 @@ def _head_of(config: Any, spec: str) -> str:
         return "masked"
     if causal:
         return "causal"
-    raise HFSpecError(f"model {spec!r}: model_type {config.model_type!r} has no causal-LM or masked-LM head "
-                      "in transformers (only language models are supported)")
+    raise HFSpecError(f"model {spec!r}: model_type {config.model_type!r} has no causal-LM, masked-LM or "
+                      "sequence-to-sequence LM head in transformers (only language models are supported)")
 
 
 # ------------------------------------------------------------------------------ building
@@ -280,6 +321,8 @@ def _training_config(config: Any, layers: int | None) -> Any:
         if layers < 1:
             raise HFSpecError(f"layers must be positive, got {layers}")
         config.num_hidden_layers = layers
+        if getattr(config, "num_decoder_layers", None) is not None:  # an encoder-decoder: both stacks
+            config.num_decoder_layers = layers
         types = getattr(config, "layer_types", None)
         if isinstance(types, list) and len(types) != layers:
             config.layer_types = (types * layers)[:layers]
@@ -289,8 +332,9 @@ def _training_config(config: Any, layers: int | None) -> Any:
 def _model_class(transformers: Any, config: Any, head: str) -> Any:
     from transformers.models.auto import modeling_auto
 
-    names = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if head == "causal"
-             else modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    names = {"causal": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             "masked": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+             "seq2seq": modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES}[head]
     name = names.get(config.model_type)
     if name is None or not hasattr(transformers, name):
         raise HFSpecError(f"model_type {config.model_type!r} has no {head}-LM class in transformers "
@@ -332,7 +376,8 @@ def build(config: Any, head: str = "causal", *, layers: int | None = None) -> nn
 
 def position_limit(model: nn.Module) -> int | None:
     """The longest sequence a model's learned position table takes (GPT-2: 1024, BERT: 512,
-    RoBERTa: 512 of its 514 rows), None for a model without one (rotary positions).
+    RoBERTa: 512 of its 514 rows; GPT-J: its precomputed rotary table's 2048), None for a model
+    without one (rotary positions computed on the fly).
 
     A position table is an ``nn.Embedding`` whose module name says ``pos`` (``wpe``,
     ``position_embeddings``, ``embed_positions``); rows below ``padding_idx + 1`` (RoBERTa counts
@@ -347,6 +392,10 @@ def position_limit(model: nn.Module) -> int | None:
             if mod.padding_idx is not None:
                 rows -= int(mod.padding_idx) + 1
             limits.append(rows)
+    for name, buf in model.named_buffers():
+        # a precomputed rotary table (GPT-J's ``embed_positions``: one row per position)
+        if name.rsplit(".", 1)[-1] == "embed_positions" and buf.dim() == 2:
+            limits.append(int(buf.shape[0]))
     return min(limits) if limits else None
 
 

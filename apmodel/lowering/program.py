@@ -63,11 +63,36 @@ class _Step:
     is_getitem: bool
     is_factory: bool
     without_rule: bool = False  # no DTensor rule: planned replicated, run on the local (= global) tensors
+    fill: float | int | bool | None = None  # a fill of the output's shape (new_zeros, ones_like, ...): its value
     region_comms: dict[str, RegionComm] | None = None  # a local_map region: its alternatives' ranks
     last_use: list[fx.Node] = field(default_factory=list)  # values to free after this step
 
 
 _DEVICE = object()  # marks a device argument (traced as meta), replaced by the runtime device
+
+_aten = torch.ops.aten
+#: Ops whose output is one value over a shape, whatever their inputs hold -> where the value is
+#: (a constant, or the position of the fill argument). DTensor's rules offer several free output
+#: placements for them and pick one at run time; lowering builds the output at the planned one.
+_FILL_OPS: dict[Any, tuple[str, Any]] = {
+    _aten.new_zeros.default: ("const", 0), _aten.new_ones.default: ("const", 1),
+    _aten.new_empty.default: ("const", 0), _aten.new_empty_strided.default: ("const", 0),
+    _aten.new_full.default: ("arg", 2), _aten.zeros_like.default: ("const", 0),
+    _aten.ones_like.default: ("const", 1), _aten.empty_like.default: ("const", 0),
+    _aten.full_like.default: ("arg", 1),
+}
+
+
+def _fill_value(n: fx.Node) -> float | int | bool | None:
+    """The value a fill op writes (empty ones: 0, any value is right), None for other ops."""
+    how = _FILL_OPS.get(n.target)
+    if how is None:
+        return None
+    kind, where = how
+    if kind == "const":
+        return where
+    value = n.args[where] if len(n.args) > where else n.kwargs.get("fill_value")
+    return value if isinstance(value, (bool, int, float)) else None
 
 
 @dataclass(frozen=True)
@@ -259,7 +284,8 @@ class LoweredProgram:
             without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
             if without_rule and not all(_all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
                 raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
-            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule)
+            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule,
+                         fill=_fill_value(n))
             region = region_of(n.target)
             if region is not None:
                 try:
@@ -432,7 +458,9 @@ class LoweredProgram:
                     flat.append(device)
                 else:
                     flat.append(leaf)
-            if s.is_getitem:
+            if s.fill is not None:
+                env[n] = self._fill(s, device)
+            elif s.is_getitem:
                 slot = s.slots[0] if s.slots else None
                 val = flat[0][flat[1]]
                 if slot is not None and slot.dst is not None and isinstance(val, DTensor):
@@ -474,6 +502,21 @@ class LoweredProgram:
                 _tag_traced_nodes(n.name)
             for a in s.last_use:
                 env.pop(a, None)
+
+    def _fill(self, s: _Step, device: torch.device) -> DTensor:
+        """The output of a fill op built at its planned placement: each rank's shard of the fill
+        (on a partial-sum axis the value sits on the axis' first rank, zeros elsewhere)."""
+        val = s.node.meta["val"]
+        pl = s.outputs[0] if s.outputs and s.outputs[0] is not None else tuple(Replicate() for _ in self.mesh.shape)
+        value = s.fill
+        coordinate = self.mesh.get_coordinate() or [0] * self.mesh.ndim
+        for axis, p in enumerate(pl):
+            if isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[axis] != 0:
+                value = 0
+        local = torch.full(placements.local_shape(tuple(val.shape), pl, tuple(self.mesh.shape)), value,
+                           dtype=val.dtype, device=device)
+        return DTensor.from_local(local, self.mesh, pl, run_check=False, shape=tuple(val.shape),
+                                  stride=tuple(val.stride()))
 
     def _local_outputs(self, s: _Step) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(local shape, dtype) of each tensor output of ``s`` at its planned placement."""
