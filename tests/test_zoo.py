@@ -333,39 +333,3 @@ def test_data_dependent_ops_are_named_with_their_module(kind, op):
         capture(outer, (torch.randn(2, 4, device="meta"),), lambda out, x: out.sum())
 
 
-def _compile_worker(rank: int, world: int, plan_dir: str) -> dict[str, Any]:
-    import torch._dynamo as dynamo
-    import torch.distributed as dist
-
-    from apmodel.lowering import load_full_state_dict, lower
-
-    mesh = dist.init_device_mesh("cpu", MESH)
-    case = CASES["tied_lm"]
-    args, _, targets = case.step_inputs()
-    torch.manual_seed(0)
-    full = case.build().state_dict()
-    with torch.device("meta"):
-        model = case.build()
-    model = lower(model, mesh, Plan.load(Path(plan_dir) / "tied_lm.json"), _capture(case))
-    model.to_empty(device="cpu")
-    load_full_state_dict(model, full)
-    eager = model(*args, *targets)
-    eager.backward()
-    eager_grads = [p.grad.full_tensor().clone() for p in model.parameters()]
-    model.zero_grad()
-    dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")
-    loss = compiled(*args, *targets)
-    loss.backward()
-    return {
-        "eager": eager.full_tensor().item(),
-        "compiled": loss.full_tensor().item(),
-        "grad_err": max((p.grad.full_tensor() - g).abs().max().item() for p, g in zip(model.parameters(), eager_grads)),
-    }
-
-
-@pytest.mark.slow
-def test_lowered_module_runs_under_torch_compile_aot_eager(plan_dir):
-    r = run_distributed(_compile_worker, 4, str(plan_dir), timeout_s=600)[0]
-    assert r["compiled"] == pytest.approx(r["eager"], rel=1e-6)
-    assert r["grad_err"] < 1e-6
