@@ -213,8 +213,9 @@ def build_model(
     rebuilt without seeding. ``timings`` gets ``trace_s``, ``seeding_s``, ``strategies_s`` and
     ``build_s``.
     """
+    mesh_shape = _mesh_shape_argument(mesh_shape, "apmodel.build_model")
+    _check_step_arguments("apmodel.build_model", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=True)
     opts = make_options(options, **option_values)
-    mesh_shape = tuple(int(s) for s in mesh_shape)
     opts.check_mesh(mesh_shape)
     timings = timings if timings is not None else {}
     workload = model if isinstance(model, CapturedGraph) else Workload(
@@ -366,9 +367,10 @@ def plan(
     return plan_workload(wl, opts, constraints=constraints, replay=replay, record=workload, progress=progress).plan
 
 
-def attach(saved: Plan, *, progress: Progress | None = None) -> Plan:
+def attach(saved: Plan | str | Path, *, progress: Progress | None = None) -> Plan:
     """Rebuild the placement model of a saved plan from its ``workload`` record and attach it
     (``saved.model``), so that ``explain`` and the report can read how parameters are used.
+    ``saved``: a :class:`Plan`, or the path of a plan file.
 
     The record must name a preset or ``package.module:factory`` (plans made from a name, or from a
     preset model built with :func:`apmodel.models.build`)."""
@@ -376,6 +378,11 @@ def attach(saved: Plan, *, progress: Progress | None = None) -> Plan:
     from apmodel.strategies import enumerate_strategies
     from apmodel.workloads import load_workload
 
+    if isinstance(saved, (str, Path)):
+        saved = Plan.load(saved)
+    if not isinstance(saved, Plan):
+        raise TypeError(f"apmodel.attach: expected a Plan (apmodel.plan(...) or Plan.load(path)) or a plan file's "
+                        f"path, got {type(saved).__name__}")
     record = saved.workload
     if not record.get("model"):
         raise ValueError("the plan file records no workload model; re-plan it with `apmodel plan ... --out` to explain it")
@@ -413,7 +420,7 @@ def _mesh_shape_hint(mesh: Any) -> str:
     return "(2, 2)"
 
 
-def _mesh_shape_argument(mesh_shape: Any) -> tuple[int, ...]:
+def _mesh_shape_argument(mesh_shape: Any, where: str = "apmodel.plan") -> tuple[int, ...]:
     """``mesh_shape`` of :func:`plan`: a sequence of positive ints, or the CLI's ``"4x8"``."""
     if isinstance(mesh_shape, str):
         return parse_mesh(mesh_shape, "mesh_shape")
@@ -423,8 +430,10 @@ def _mesh_shape_argument(mesh_shape: Any) -> tuple[int, ...]:
         mesh_shape = (mesh_shape,)
     if not isinstance(mesh_shape, (tuple, list)) or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in mesh_shape):
-        raise TypeError(f"apmodel.plan: mesh_shape must be axis sizes such as (4, 8) or \"4x8\", "
+        raise TypeError(f"{where}: mesh_shape must be axis sizes such as (4, 8) or \"4x8\", "
                         f"got {type(mesh_shape).__name__} {mesh_shape!r}")
+    if not mesh_shape or any(s < 1 for s in mesh_shape):
+        raise ValueError(f"{where}: mesh_shape {tuple(mesh_shape)!r} must be one or more positive axis sizes")
     return tuple(mesh_shape)
 
 

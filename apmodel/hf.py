@@ -279,9 +279,10 @@ def config_from_spec(spec: str) -> tuple[Any, str]:
     try:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError, TypeError) as e:
+        logger.info("transformers' whole message for %s: %s", spec, e)
         raise HFSpecError(f"model {spec!r}: config file {str(path)!r}: transformers "
                           f"{transformers.__version__} cannot build model_type {model_type!r} "
-                          f"({_first_sentence(str(e))})") from None
+                          f"({_first_sentence(str(e))}; -v shows transformers' whole message)") from None
     return config, _head_of(config, spec)
 
 

@@ -539,8 +539,17 @@ def local_map(
             planner picks one (or all-replicated) per mesh axis. Their input placements differ.
         cost_us: ``cost_us(*local_tensors, backward=bool) -> µs`` replacing the traced price.
     """
-    if not name.isidentifier() or name.startswith("_"):
+    if not callable(fn):
+        raise TypeError(f"local_map: fn must be a function or a callable object run on local shards, "
+                        f"got {type(fn).__name__}")
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
         raise RegionError(f"local_map name {name!r} must be an identifier (letters, digits, _)")
+    if cost_us is not None and not callable(cost_us):
+        raise TypeError(f"local_map {name!r}: cost_us must be callable as cost_us(*local_tensors, backward=bool) "
+                        f"-> µs, got {type(cost_us).__name__}")
+    if alternatives is not None and not isinstance(alternatives, Mapping):
+        raise TypeError(f"local_map {name!r}: alternatives must be a dict name -> (input placements, output "
+                        f"placements), got {type(alternatives).__name__}")
     alts = _alternatives(name, in_placements, out_placements, alternatives)
     namespace = getattr(torch.ops, NAMESPACE)
     existing = getattr(getattr(namespace, name, None), _ATTR, None) if hasattr(namespace, name) else None

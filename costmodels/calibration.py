@@ -315,6 +315,15 @@ class Calibration:
         if use not in ("out_of_place", "in_place", "min"):
             raise ValueError(f"use must be 'out_of_place', 'in_place' or 'min', got {use!r}")
         mesh = tuple(int(n) for n in (getattr(base, "mesh_shape", None) or ()))
+        if not callable(getattr(base, "time_us", None)):
+            raise TypeError(f"Calibration.fit: base must be a collective model with time_us(kind, nbytes, axis) "
+                            f"(costmodels.NCCLCollectives), got {type(base).__name__}")
+        logs = list(logs)
+        for i, item in enumerate(logs):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], NcclTestsLog)
+                    and isinstance(item[1], int) and not isinstance(item[1], bool)):
+                raise TypeError(f"Calibration.fit: logs must be (NcclTestsLog, mesh axis) pairs such as "
+                                f"[(parse_nccl_tests(path), 0)]; item {i} is {type(item).__name__} {item!r:.80}")
         points: dict[tuple[str, int], dict[int, list[float]]] = {}
         for log, axis in logs:
             if log.kind is None:
@@ -462,6 +471,12 @@ class CalibratedCollectives:
     """
 
     def __init__(self, base: Any, calibration: Calibration, *, allow_other_sizes: bool = False) -> None:
+        if not isinstance(calibration, Calibration):
+            raise TypeError(f"CalibratedCollectives: calibration must be a Calibration (Calibration.load(path) for a "
+                            f"saved file), got {type(calibration).__name__}")
+        if not callable(getattr(base, "time_us", None)):
+            raise TypeError(f"CalibratedCollectives: base must be a collective model with time_us(kind, nbytes, axis), "
+                            f"got {type(base).__name__}")
         self.base = base
         self.calibration = calibration
         self.mesh_shape = tuple(getattr(base, "mesh_shape", ()))

@@ -545,6 +545,9 @@ class MeasuredCompute:
     def __init__(self, device: DeviceSpec | str, profile: Any = None, *, execution: str = "eager",
                  attention_backend: str | None = None, fp32_matmul: str = "fp32",
                  cache: str = "cold") -> None:
+        if not isinstance(device, (str, DeviceSpec)):
+            raise TypeError(f"MeasuredCompute: device must be a device name (\"h100\", \"h200\", ...) or a DeviceSpec, "
+                            f"got {type(device).__name__}")
         self.device: DeviceSpec = _device(device) if isinstance(device, str) else device
         if execution not in EXECUTIONS:
             raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")

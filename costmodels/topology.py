@@ -80,6 +80,9 @@ class Topology:
         if int(gpus_per_node) < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
         self.mesh_shape: tuple[int, ...] = shape
+        if not isinstance(device, (str, DeviceSpec)):
+            raise TypeError(f"Topology: device must be a device name (\"h100\", \"h200\", ...) or a DeviceSpec, "
+                            f"got {type(device).__name__}")
         self.device: DeviceSpec = _device(device) if isinstance(device, str) else device
         self.gpus_per_node = int(gpus_per_node)
         fab = self.device.fabric

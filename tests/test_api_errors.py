@@ -67,3 +67,52 @@ def test_other_misuses_are_named():
         apmodel.plan(tiny_llama("meta"), (2, 2), (tokens,), targets=(targets,), loss_fn="cross_entropy")
     with pytest.raises(TypeError, match=r"kwargs must be a dict of keyword inputs, got list"):
         apmodel.plan(tiny_llama("meta"), (2, 2), (tokens,), kwargs=[1])
+
+
+def test_build_model_and_attach_name_their_misuses(tmp_path):
+    tokens, targets = _meta_batch()
+    with pytest.raises(TypeError, match=r"apmodel.build_model: mesh_shape must be axis sizes .* got dict"):
+        apmodel.build_model(tiny_llama("meta"), {"dp": 2}, (tokens,), targets=(targets,), loss_fn=_lm_loss)
+    with pytest.raises(ValueError, match=r"apmodel.build_model: mesh_shape \(2, 0\) must be one or more positive"):
+        apmodel.build_model(tiny_llama("meta"), (2, 0), (tokens,), targets=(targets,), loss_fn=_lm_loss)
+    with pytest.raises(TypeError, match=r"apmodel.build_model: sample_inputs must be a tuple of the model's "
+                                        r"positional inputs, got a single Tensor"):
+        apmodel.build_model(tiny_llama("meta"), (2,), tokens, targets=(targets,), loss_fn=_lm_loss)
+    with pytest.raises(TypeError, match=r"apmodel.attach: expected a Plan .* got dict"):
+        apmodel.attach({"objective_us": 1.0})
+    from apmodel.plans import PlanFileError
+
+    with pytest.raises(PlanFileError, match=r"no_such_plan\.json"):
+        apmodel.attach(tmp_path / "no_such_plan.json")
+
+
+def test_local_map_names_its_misuses():
+    with pytest.raises(TypeError, match=r"local_map: fn must be a function or a callable object .* got int"):
+        apmodel.local_map(3, name="not_callable", in_placements=["S(0)"], out_placements=["S(0)"])
+    with pytest.raises(apmodel.regions.RegionError, match=r"local_map name 7 must be an identifier"):
+        apmodel.local_map(lambda x: x, name=7, in_placements=["S(0)"], out_placements=["S(0)"])
+    with pytest.raises(TypeError, match=r"local_map 'bad_cost': cost_us must be callable .* got float"):
+        apmodel.local_map(lambda x: x, name="bad_cost", in_placements=["S(0)"], out_placements=["S(0)"], cost_us=3.0)
+    with pytest.raises(TypeError, match=r"local_map 'bad_alts': alternatives must be a dict .* got list"):
+        apmodel.local_map(lambda x: x, name="bad_alts", alternatives=[(["S(0)"], ["S(0)"])])
+
+
+def test_cost_model_apis_name_their_misuses():
+    import costmodels as cm
+
+    comm = cm.NCCLCollectives(cm.Topology((8,), "h100"))
+    log = cm.parse_nccl_tests(cm.format_nccl_tests("all_gather", 8, [(1024, 20.0), (2048, 21.0)]))
+    with pytest.raises(TypeError, match=r"Calibration.fit: logs must be \(NcclTestsLog, mesh axis\) pairs .* item 0 "
+                                        r"is NcclTestsLog"):
+        cm.Calibration.fit(comm, [log])
+    with pytest.raises(TypeError, match=r"Calibration.fit: base must be a collective model .* got str"):
+        cm.Calibration.fit("h100", [(log, 0)])
+    with pytest.raises(TypeError, match=r"CalibratedCollectives: calibration must be a Calibration "
+                                        r"\(Calibration.load\(path\) for a saved file\), got str"):
+        cm.CalibratedCollectives(comm, "calibration.json")
+    with pytest.raises(TypeError, match=r"Topology: device must be a device name .* got int"):
+        cm.Topology((8,), 100)
+    with pytest.raises(TypeError, match=r"MeasuredCompute: device must be a device name .* got NoneType"):
+        cm.MeasuredCompute(None)
+    with pytest.raises(TypeError, match=r"NCCLCollectives needs a Topology, got tuple"):
+        cm.NCCLCollectives((8,))

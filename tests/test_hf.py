@@ -287,11 +287,14 @@ def test_tiny_model_trains_like_one_device_on_a_gloo_mesh(tmp_path, family):
     assert r["state_err"] < 1e-4
     assert r["tied"]  # both tie their word embeddings to the LM head, and the tie survives lowering
 
-def test_an_unknown_model_type_is_one_short_line(tmp_path):
+def test_an_unknown_model_type_is_one_short_line(tmp_path, caplog):
     """transformers' own message lists every model type it knows (12,000 characters): the error
-    keeps its first sentence."""
+    keeps its first sentence; the whole message is logged at INFO (``-v``)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 64}))
-    with pytest.raises(hf.HFSpecError, match=r"cannot build model_type 'no-such-model'") as info:
-        hf.build(f"hf:{path}", layers=None)
-    assert len(str(info.value)) < 400 + len(str(path)) and "\n" not in str(info.value)
+    with caplog.at_level(logging.INFO, logger="apmodel.hf"):
+        with pytest.raises(hf.HFSpecError, match=r"cannot build model_type 'no-such-model'.*-v shows") as info:
+            hf.build(f"hf:{path}", layers=None)
+    assert len(str(info.value)) < 450 + len(str(path)) and "\n" not in str(info.value)
+    whole = [r.getMessage() for r in caplog.records if "whole message" in r.getMessage()]
+    assert whole and len(whole[0]) > 1000
