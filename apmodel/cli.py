@@ -142,11 +142,13 @@ def _user_frame(chain: list[BaseException]) -> str | None:
     ours = os.path.dirname(os.path.abspath(__file__))
     for exc in reversed(chain):  # innermost exception first
         frames = traceback.extract_tb(exc.__traceback__)
-        ours_at = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(ours)]
+        # apmodel's torch-function mode (capture's constants) runs inside the model's own calls: not a caller
+        ours_at = [i for i, f in enumerate(frames)
+                   if os.path.abspath(f.filename).startswith(ours) and f.name != "__torch_function__"]
         # only frames called from apmodel (the model's code), never the CLI machinery around it
         start = ours_at[-1] + 1 if ours_at else 0
         user = [f for f in frames[start:] if not f.filename.startswith("<")
-                and not os.path.abspath(f.filename).startswith(skip)]
+                and not os.path.abspath(f.filename).startswith((*skip, ours))]
         if user:
             f = user[-1]
             return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"

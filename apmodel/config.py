@@ -353,6 +353,8 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
 def load_config(path: str | Path) -> Config:
     """Read and validate a TOML configuration file (see the module docstring for its keys)."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO or a device would block the read
+        raise ConfigError(f"{path}: not a regular file")
     try:
         text = path.read_bytes().decode("utf-8")  # TOML is UTF-8, whatever the locale says
     except OSError as e:

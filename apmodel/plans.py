@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,8 +32,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Version of the plan file format; bump on incompatible changes.
-PLAN_FORMAT_VERSION = 1
+#: Version of the plan file format; bump on incompatible changes. 2: every node strategy records
+#: the rank of each tensor it places (``out_ndim`` / ``in_ndim``) and ``param_ndim`` that of each
+#: parameter, so a placement sharding a dimension the tensor lacks is refused on load. Version 1
+#: files (no ranks) are still read; their placements are checked against the mesh only.
+PLAN_FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 _LAYER = re.compile(r"^(.*?layers\.\d+)")
 
@@ -80,20 +85,84 @@ def _placements_from_json(s: Any, where: str, ndim: int | None = None, source: s
         raise PlanFileError(f"{source}: field {where!r}: {e}") from None
 
 
-def strategy_to_json(s: Strategy) -> dict[str, list[str | None]]:
-    return {"out": [_placements_to_json(p) for p in s.outputs], "in": [_placements_to_json(p) for p in s.inputs]}
+def strategy_to_json(s: Strategy, ranks: "TensorRanks | None" = None) -> dict[str, list[Any]]:
+    d: dict[str, list[Any]] = {"out": [_placements_to_json(p) for p in s.outputs],
+                               "in": [_placements_to_json(p) for p in s.inputs]}
+    if ranks is not None:
+        d["out_ndim"], d["in_ndim"] = list(ranks.outputs), list(ranks.inputs)
+    return d
+
+
+def _check_rank(placement: Any, rank: Any, where: str, source: str) -> None:
+    """A placement sharding dimension d needs a tensor of rank > d (None: not a tensor, no placement)."""
+    if placement is None:
+        return
+    if rank is None:
+        raise PlanFileError(f"{source}: field {where!r}: {pl.tuple_to_str(placement)} places a value that is not a tensor")
+    for p in placement:
+        dim = getattr(p, "dim", None)
+        if dim is not None and not 0 <= dim < rank:
+            raise PlanFileError(f"{source}: field {where!r}: {pl.tuple_to_str(placement)} shards dimension {dim} of a "
+                                f"tensor of rank {rank}")
+
+
+def _ranks_from_json(d: dict, key: str, count: int, where: str, source: str) -> list[int | None] | None:
+    ranks = d.get(key)
+    if ranks is None:
+        return None
+    if not isinstance(ranks, list) or len(ranks) != count or not all(r is None or (_is_int(r) and r >= 0) for r in ranks):
+        raise _bad(source, f"{where}.{key}", f"a list of {count} tensor ranks (non-negative ints or null)", ranks)
+    return ranks
 
 
 def strategy_from_json(d: Any, where: str, ndim: int | None = None, source: str = "plan file") -> Strategy:
-    """A :class:`Strategy` from ``{"out": [...], "in": [...]}``; PlanFileError names ``where`` if malformed."""
+    """A :class:`Strategy` from ``{"out": [...], "in": [...]}`` (with ``out_ndim`` / ``in_ndim``, the
+    tensors' ranks, checked against the placements); PlanFileError names ``where`` if malformed."""
     if not isinstance(d, dict) or not isinstance(d.get("out"), list) or not isinstance(d.get("in"), list):
         raise _bad(source, where, "an object with 'out' and 'in' lists of placement strings", d)
     if not d["out"]:
         raise _bad(source, f"{where}.out", "a non-empty list (every node has an output)", d["out"])
-    return Strategy(
+    strategy = Strategy(
         outputs=tuple(_placements_from_json(p, f"{where}.out[{i}]", ndim, source) for i, p in enumerate(d["out"])),
         inputs=tuple(_placements_from_json(p, f"{where}.in[{i}]", ndim, source) for i, p in enumerate(d["in"])),
     )
+    if ("out_ndim" in d) != ("in_ndim" in d):
+        raise PlanFileError(f"{source}: field {where!r}: 'out_ndim' and 'in_ndim' come together (or neither)")
+    for side, placements in (("out", strategy.outputs), ("in", strategy.inputs)):
+        ranks = _ranks_from_json(d, f"{side}_ndim", len(placements), where, source)
+        for i, (placement, rank) in enumerate(zip(placements, ranks or ())):
+            _check_rank(placement, rank, f"{where}.{side}[{i}]", source)
+    return strategy
+
+
+@dataclass(frozen=True)
+class TensorRanks:
+    """The rank of each output and input of a node (None where it is not a tensor)."""
+
+    outputs: tuple[int | None, ...]
+    inputs: tuple[int | None, ...]
+
+
+def tensor_ranks(node: Any) -> TensorRanks:
+    """The ranks of what a node's strategy places: its outputs, then its tensor inputs in slot order."""
+    from apmodel.strategies import input_slots
+
+    def rank(v: Any) -> int | None:
+        return v.dim() if hasattr(v, "dim") and hasattr(v, "shape") else None
+
+    val = node.meta.get("val")
+    outs = [rank(v) for v in (val if isinstance(val, (tuple, list)) else [val])]
+    ins = []
+    for producer, k in input_slots(node):
+        pv = producer.meta.get("val")
+        ins.append(rank(pv[k] if isinstance(pv, (tuple, list)) else pv))
+    return TensorRanks(tuple(outs), tuple(ins))
+
+
+def _finite(source: str, where: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise _bad(source, where, "a finite number", value)
+    return value
 
 
 def _str_keyed(source: str, where: str, value: Any, what: str) -> dict:
@@ -109,6 +178,7 @@ def _number_map(source: str, where: str, value: Any, *, ints: bool = False) -> d
     for k, v in _str_keyed(source, where, value, what).items():
         if not ok(v):
             raise _bad(source, f"{where}[{k!r}]", "an integer" if ints else "a number", v)
+        _finite(source, f"{where}[{k!r}]", float(v))
     return {k: (int(v) if ints else float(v)) for k, v in value.items()}
 
 
@@ -168,6 +238,9 @@ class Plan:
     #: Per-device bytes (:class:`apmodel.memory.MemoryEstimate` fields: params_bytes, grads_bytes,
     #: optimizer_bytes, activations_bytes, peak_bytes, hbm_bytes); empty in files without it.
     memory: dict[str, float | None] = field(default_factory=dict)
+    #: node -> ranks of the tensors its strategy places; fqn -> parameter rank (saved, checked on load)
+    node_ranks: dict[str, TensorRanks] = field(default_factory=dict, repr=False, compare=False)
+    param_ndim: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     # Transient: what the plan was solved on (not saved).
     model: "PlacementModel | None" = field(default=None, repr=False, compare=False)
 
@@ -205,8 +278,12 @@ class Plan:
             workload=dict(workload or {}),
             warnings=plan_warnings(pmodel, node_strategy),
             memory=pmodel.memory.estimate(node_strategy).to_json(),
+            node_ranks={name: tensor_ranks(pmodel.node_by_name[name]) for name in node_strategy},
+            param_ndim={fqn: pmodel.node_by_name[node].meta["val"].dim() for node, fqn in cap.param_fqn.items()},
             model=pmodel,
         )
+        for node, others in getattr(cap, "tied_params", {}).items():
+            plan.param_ndim.update({fqn: plan.param_ndim[cap.param_fqn[node]] for fqn in others})
         return plan
 
     @property
@@ -223,15 +300,16 @@ class Plan:
             "structure_fingerprint": self.structure_fingerprint,
             "workload": self.workload,
             "objective_us": self.objective_us,
-            "compute_us": self.compute_us,
-            "comm_us": self.comm_us,
+            # NaN: not recorded (a file written without them); left out rather than written as NaN
+            **{k: v for k, v in (("compute_us", self.compute_us), ("comm_us", self.comm_us)) if not math.isnan(v)},
             "comm_by_collective": self.comm_by_collective,
             "per_layer": self.per_layer,
             "solver": self.solver,
             "sizes": self.sizes,
             "timings": self.timings,
             "param_placements": {k: pl.tuple_to_str(v) for k, v in self.param_placements.items()},
-            "node_strategy": {k: strategy_to_json(v) for k, v in self.node_strategy.items()},
+            "param_ndim": dict(self.param_ndim),
+            "node_strategy": {k: strategy_to_json(v, self.node_ranks.get(k)) for k, v in self.node_strategy.items()},
             "warnings": list(self.warnings),
             "memory": dict(self.memory),
         }
@@ -252,8 +330,12 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != "apmodel-plan":
             raise PlanFileError(f"{source}: not an apmodel plan file (missing \"format\": \"apmodel-plan\")")
         version = data.get("version")
-        if not _is_int(version) or version != PLAN_FORMAT_VERSION:
-            raise PlanFileError(f"{source}: plan format version {_short(version)} is not supported (this apmodel reads {PLAN_FORMAT_VERSION})")
+        if not _is_int(version) or version not in READABLE_VERSIONS:
+            raise PlanFileError(f"{source}: plan format version {_short(version)} is not supported (this apmodel reads "
+                                f"{', '.join(map(str, READABLE_VERSIONS))})")
+        if version == 1:
+            logger.info("%s: plan format version 1 records no tensor ranks; its placements are checked against the "
+                        "mesh only (save it again to record them)", source)
         required = ["mesh_shape", "fingerprint", "structure_fingerprint", "node_strategy", "param_placements", "objective_us"]
         for key in required:
             if key not in data:
@@ -270,14 +352,26 @@ class Plan:
         if not raw_nodes:
             raise PlanFileError(f"{source}: field 'node_strategy' is empty: a plan places at least one node")
         nodes = {k: strategy_from_json(v, f"node_strategy[{k!r}]", ndim, source) for k, v in raw_nodes.items()}
+        node_ranks = {k: TensorRanks(tuple(v["out_ndim"]), tuple(v["in_ndim"]))
+                      for k, v in raw_nodes.items() if v.get("out_ndim") is not None and v.get("in_ndim") is not None}
         raw_params = _str_keyed(source, "param_placements", data["param_placements"], "an object mapping parameter names to placement strings")
         params = {k: _placements_from_json(v, f"param_placements[{k!r}]", ndim, source, optional=False) for k, v in raw_params.items()}
+        param_ndim = _number_map(source, "param_ndim", data.get("param_ndim", {}), ints=True)
+        for k, placement in params.items():
+            if k in param_ndim:
+                _check_rank(placement, param_ndim[k], f"param_placements[{k!r}]", source)
         numbers = {}
         for key in ("objective_us", "compute_us", "comm_us"):
-            v = data.get(key, float("nan"))  # only objective_us is required (checked above)
-            if not _is_number(v):
-                raise _bad(source, key, "a number (µs)", v)
-            numbers[key] = float(v)
+            if key not in data:  # only objective_us is required (checked above); NaN: not recorded
+                numbers[key] = float("nan")
+                continue
+            if not _is_number(data[key]):
+                raise _bad(source, key, "a number (µs)", data[key])
+            numbers[key] = _finite(source, key, float(data[key]))
+        solver = dict(_str_keyed(source, "solver", data.get("solver", {}), "an object"))
+        for k, v in solver.items():
+            if isinstance(v, float) and math.isnan(v):
+                raise _bad(source, f"solver[{k!r}]", "a number that is not NaN", v)
         per_layer = _str_keyed(source, "per_layer", data.get("per_layer", {}), "an object of {compute_us, comm_us} objects")
         warnings = data.get("warnings", [])  # absent in files written before warnings existed
         if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
@@ -286,6 +380,8 @@ class Plan:
         for k, v in memory.items():
             if v is not None and not _is_number(v):
                 raise _bad(source, f"memory[{k!r}]", "a number of bytes or null", v)
+            if v is not None:
+                _finite(source, f"memory[{k!r}]", float(v))
         return cls(
             mesh_shape=mesh_shape,
             fingerprint=data["fingerprint"],
@@ -295,17 +391,21 @@ class Plan:
             **numbers,
             comm_by_collective=_number_map(source, "comm_by_collective", data.get("comm_by_collective", {})),
             per_layer={k: _number_map(source, f"per_layer[{k!r}]", v) for k, v in per_layer.items()},
-            solver=dict(_str_keyed(source, "solver", data.get("solver", {}), "an object")),
+            solver=solver,
             sizes=_number_map(source, "sizes", data.get("sizes", {}), ints=True),
             timings=_number_map(source, "timings", data.get("timings", {})),
             workload=dict(_str_keyed(source, "workload", data.get("workload", {}), "an object")),
             warnings=list(warnings),
             memory={k: (None if v is None else float(v)) for k, v in memory.items()},
+            node_ranks=node_ranks,
+            param_ndim=param_ndim,
         )
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         """Read a plan written by :meth:`save`; a malformed file raises PlanFileError naming the field."""
+        if Path(path).exists() and not Path(path).is_file():  # a FIFO or a device would block the read
+            raise PlanFileError(f"{path}: not a regular file")
         try:
             text = Path(path).read_bytes().decode("utf-8")
         except OSError as e:

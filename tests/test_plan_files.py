@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import math
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,56 @@ def test_fuzz_plan_file_text(valid_text, data):
             assert str(e).startswith(str(path)), str(e)
             return
     _check_result(plan)
+
+
+# --- validated in full on load: ranks, finite numbers, regular files -------------------------------
+def test_a_placement_sharding_a_dimension_the_tensor_lacks_is_refused(valid_text):
+    d = _valid(valid_text)
+    node = next(k for k, v in d["node_strategy"].items() if v["out_ndim"][0] == 2)
+    d["node_strategy"][node]["out"][0] = "S(7)R"
+    with pytest.raises(PlanFileError, match=rf"node_strategy\['{node}'\]\.out\[0\].*S\(7\)R shards dimension 7 "
+                                            r"of a tensor of rank 2"):
+        Plan.from_json(d, "edited.json")
+    d = _valid(valid_text)
+    fqn = next(k for k, r in d["param_ndim"].items() if r == 1)  # a norm weight
+    d["param_placements"][fqn] = "S(1)S(0)"
+    with pytest.raises(PlanFileError, match=rf"param_placements\['{re.escape(fqn)}'\].*shards dimension 1 of a tensor of rank 1"):
+        Plan.from_json(d, "edited.json")
+    d = _valid(valid_text)
+    del d["node_strategy"][node]["in_ndim"]
+    with pytest.raises(PlanFileError, match="'out_ndim' and 'in_ndim' come together"):
+        Plan.from_json(d, "edited.json")
+
+
+@pytest.mark.parametrize("field,value", [("objective_us", float("nan")), ("comm_us", float("inf")),
+                                         ("timings", {"solve_s": float("nan")}),
+                                         ("memory", {"peak_bytes": float("inf")})])
+def test_numbers_that_are_not_finite_are_refused(valid_text, field, value):
+    d = _valid(valid_text)
+    d[field] = value
+    with pytest.raises(PlanFileError, match=rf"edited.json: field .{{0,2}}{field}.* must be a finite number"):
+        Plan.from_json(d, "edited.json")
+
+
+def test_a_version_1_file_still_loads_without_rank_checks(valid_text):
+    d = _valid(valid_text)
+    d["version"] = 1
+    del d["param_ndim"]
+    for v in d["node_strategy"].values():
+        del v["out_ndim"], v["in_ndim"]
+    plan = Plan.from_json(d, "old.json")
+    assert plan.node_strategy and not plan.node_ranks
+    assert Plan.from_json(plan.to_json(), "again.json").node_strategy == plan.node_strategy
+
+
+def test_a_fifo_is_refused_not_read(tmp_path):
+    import os
+
+    from apmodel.config import ConfigError, load_config
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(PlanFileError, match="not a regular file"):
+        Plan.load(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(fifo)

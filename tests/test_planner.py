@@ -189,7 +189,7 @@ def test_save_load_replay_roundtrip(llama_captured, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["mesh_shape"] == [2, 2]
+    assert data["version"] == 2 and data["mesh_shape"] == [2, 2]
     loaded = Plan.load(path)
     assert loaded.node_strategy == plan.node_strategy
     assert loaded.param_placements == plan.param_placements
