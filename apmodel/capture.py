@@ -706,7 +706,7 @@ class _Template:
 
     def stamp(self, n: int) -> fx.GraphModule:
         """The graph of the same step with ``n`` layers (``n >= 2``)."""
-        stack, k = self.stack, self.k
+        k = self.k
         # nodes go straight into the module's graph: the code is generated once, by _simplify
         gm = fx.GraphModule(self.gm, fx.Graph())
         gm.meta.update(self.gm.meta)

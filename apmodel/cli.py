@@ -442,7 +442,8 @@ def print_plan(result, cfg, console: Console) -> None:
                   f"of {cfg.device}, priced in {cfg.dtype}", highlight=False)
 
     t = Table(title="Problem and solver", show_header=False, title_justify="left")
-    t.add_column("what"); t.add_column("value", justify="right")
+    t.add_column("what")
+    t.add_column("value", justify="right")
     s = plan.sizes
     t.add_row("nodes / groups / states / edges", f"{s['nodes']:,} / {s['groups']:,} / {s['states']:,} / {s['edges']:,}")
     tm = plan.timings
@@ -463,7 +464,9 @@ def print_plan(result, cfg, console: Console) -> None:
     console.print(t)
 
     t = Table(title="Objective breakdown (µs per training step)", title_justify="left")
-    t.add_column("term"); t.add_column("µs", justify="right"); t.add_column("share", justify="right")
+    t.add_column("term")
+    t.add_column("µs", justify="right")
+    t.add_column("share", justify="right")
     total = max(plan.objective_us, 1e-12)
     t.add_row("compute", _fmt_us(plan.compute_us), f"{100 * plan.compute_us / total:.1f}%")
     t.add_row("communication", _fmt_us(plan.comm_us), f"{100 * plan.comm_us / total:.1f}%")
@@ -492,7 +495,9 @@ def print_plan(result, cfg, console: Console) -> None:
     console.print(t)
 
     t = Table(title="What emerged, per mesh axis", title_justify="left")
-    t.add_column("axis"); t.add_column("size", justify="right"); t.add_column("role")
+    t.add_column("axis")
+    t.add_column("size", justify="right")
+    t.add_column("role")
     for axis, desc in emerged(plan).items():
         t.add_row(axis.replace("axis", ""), str(mesh[int(axis[4:])]), desc)
     console.print(t)

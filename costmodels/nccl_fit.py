@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .calibration import SIZE_CLASSES, NcclTestsLog, parse_nccl_tests, size_class_medians
+from .calibration import SIZE_CLASSES as SIZE_CLASSES  # re-exported: the classes comparisons use
+from .calibration import NcclTestsLog, parse_nccl_tests, size_class_medians
 from .collectives import MeasuredNccl, NCCLCollectives
 from .hardware import NET_EFFICIENCY, device
 from .topology import Topology

@@ -64,7 +64,6 @@ def polish(problem: PairwiseProblem, x: np.ndarray, bound: float, margins: np.nd
         log.info("polish: highspy is not installed; the assignment is kept as it is")
         return x, bound
     offs = p.offsets[:-1]
-    var_of = np.repeat(np.arange(p.n_vars), p.n_states)
     allowed = np.isfinite(p.unary_flat)
     prev_kept = -1
     for frac in STAGES if margins is not None else (np.inf,):

@@ -53,7 +53,8 @@ def test_parallelize_trains_on_one_gpu(cuda_group, dtype):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for _ in range(3):
-        opt.zero_grad(); ref_opt.zero_grad()
+        opt.zero_grad()
+        ref_opt.zero_grad()
         loss = model(tokens, targets)
         loss.backward()
         opt.step()

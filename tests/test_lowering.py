@@ -242,10 +242,12 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         # training: AdamW on DTensor parameters against AdamW on the reference
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        opt.step(); ref_opt.step()  # the step-0 gradients from above
+        opt.step()  # the step-0 gradients from above
+        ref_opt.step()
         losses, ref_losses = [], []
         for _ in range(TRAIN_STEPS - 1):
-            opt.zero_grad(); ref_opt.zero_grad()
+            opt.zero_grad()
+            ref_opt.zero_grad()
             lp = model(tokens, targets)
             lp.backward()
             opt.step()

@@ -233,7 +233,8 @@ def _plan_then_train_worker(rank: int, world: int) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses, ref_losses = [], []
     for _ in range(STEPS):
-        opt.zero_grad(); ref_opt.zero_grad()
+        opt.zero_grad()
+        ref_opt.zero_grad()
         loss = model(tokens, targets)
         loss.backward()
         opt.step()
