@@ -127,6 +127,8 @@ def solve_model(
         "lower_bound_us": sol.lower_bound,
         "gap": sol.gap,
     }
+    if sol.info.get("runs"):  # a composition of backends says what ran (solvers.compositions)
+        stats["runs"] = sol.info["runs"]
     plan = Plan.from_assignment(pmodel, sol.assignment, solver=stats, timings=timings, workload=workload)
     logger.info(
         "plan: objective %.1f µs (compute %.1f, comm %.1f), solver %s %s in %.2f s",

@@ -138,21 +138,25 @@ UNDECLARED = Capabilities(exact=False, lower_bound=False, row_senses=ALL_SENSES,
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A built-in backend: where its adapter function lives and what it can do."""
+    """A built-in backend: where its adapter function lives, what it can do, and what runs (a
+    composition of leaf backends says so: see :mod:`solvers.compositions`)."""
 
     name: str
     module: str
     function: str
     capabilities: Capabilities
     title: str
+    runs: str = ""
 
 
 #: The built-in backends, imported lazily by the registry.  See the module docstring's table.
 BUILTIN_BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({s.name: s for s in (
-    BackendSpec("trws", "solvers.trws", "solve_trws", Capabilities(
-        exact=False, lower_bound=True, row_senses=INEQUALITY_SENSES, max_rows=1), "TRW-S message passing + local search"),
-    BackendSpec("highs", "solvers.highs_backend", "solve_highs", Capabilities(
-        exact=True, lower_bound=True, requires="highspy"), "MILP through HiGHS"),
+    BackendSpec("trws", "solvers.compositions", "trws", Capabilities(
+        exact=False, lower_bound=True, row_senses=INEQUALITY_SENSES, max_rows=1), "TRW-S message passing + local search",
+        runs="trws, then polish by highs when the certified gap is above 0.1%"),
+    BackendSpec("highs", "solvers.compositions", "highs", Capabilities(
+        exact=True, lower_bound=True, requires="highspy"), "MILP through HiGHS",
+        runs="highs, warm-started by trws under a time limit"),
     BackendSpec("cvxpy", "solvers.cvxpy_backend", "solve_cvxpy", Capabilities(
         exact=True, lower_bound=False, requires="cvxpy"), "MILP through cvxpy"),
     BackendSpec("pgmpy", "solvers.pgmpy_backend", "solve_pgmpy", Capabilities(
@@ -165,4 +169,4 @@ BUILTIN_BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({s.name: s for s 
 def help_text(names: Iterable[str] | None = None) -> str:
     """``trws (approximate, lower bound, ...); highs (exact, ...); ...``: one clause per backend."""
     specs = [BUILTIN_BACKENDS[n] for n in (names if names is not None else BUILTIN_BACKENDS)]
-    return "; ".join(f"{s.name} ({s.capabilities.summary()})" for s in specs)
+    return "; ".join(f"{s.name} ({s.capabilities.summary()}{'; runs ' + s.runs if s.runs else ''})" for s in specs)

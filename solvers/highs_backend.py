@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from .marginal import build_marginal_model
 from .problem import PairwiseProblem
-from .solution import BackendResult, Infeasible, SolverError, TimeLimitReached, Unsupported
+from .solution import BackendResult, Infeasible, SolverError, TimeLimitReached
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +84,13 @@ FALLBACK_TIME_SHARE = 0.5  # with a time limit: at most this share of what the L
 MIP_MIN_S = 0.01  # with a time limit: skip the MIP when less than this is left and a plan is known
 
 
-def _fallback_trws(problem: PairwiseProblem, time_limit: float) -> BackendResult | None:
-    """TRW-S (no polish) within ``time_limit``: a plan and a bound for a time-limited HiGHS, or None
-    when TRW-S cannot take the problem or finds no assignment of finite energy."""
-    from .trws import solve_trws
-
-    try:
-        return solve_trws(problem, time_limit=max(1e-3, time_limit), polish=False)
-    except (Unsupported, Infeasible, SolverError) as err:
-        log.info("highs: no TRW-S fallback plan (%s)", err)
-        return None
+#: ``(problem, seconds) -> result or None``: a plan and a bound found quickly, for a time-limited MIP
+Fallback = Callable[[PairwiseProblem, float], "BackendResult | None"]
 
 
 def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mip_rel_gap: float | None = None,
                 warm_start=None, compress: bool = True, threads: int | None = None,
-                options: dict | None = None, lp_first: bool = True, fallback: bool = True) -> BackendResult:
+                options: dict | None = None, lp_first: bool = True, fallback: Fallback | None = None) -> BackendResult:
     """Solve exactly with HiGHS.
 
     ``lp_first``: first solve the LP relaxation by dual simplex without presolve (fast on these
@@ -107,9 +100,10 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
     as a starting solution.  ``options``: further raw HiGHS options (MIP stage).  Returns HiGHS'
     dual bound as ``lower_bound`` (or a larger proven one: the LP optimum, TRW-S' bound).
 
-    ``fallback``: with a time limit, when the LP stage does not certify an optimum, run TRW-S
-    (without polish) on at most ``FALLBACK_TIME_SHARE`` of the time left before the MIP; its plan
-    warm-starts the MIP (when better than ``warm_start`` / the LP rounding) and its bound counts.
+    ``fallback``: with a time limit, when the LP stage does not certify an optimum, it runs on at
+    most ``FALLBACK_TIME_SHARE`` of the time left before the MIP; its plan warm-starts the MIP (when
+    better than ``warm_start`` / the LP rounding) and its bound counts (the composition ``highs``
+    hands in TRW-S, :mod:`solvers.compositions`).
     The result is the best plan known, with status ``"time_limit"`` when the MIP stopped there:
     a time limit never raises while any feasible plan is known (the warm start, the LP rounding,
     TRW-S's).  :class:`TimeLimitReached` is raised only when none is.
@@ -141,10 +135,10 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
             candidates.append((x_lp, "LP rounding"))
             if warm_start is None:
                 warm_start = x_lp
-    if fallback and time_limit is not None:
+    if fallback is not None and time_limit is not None:
         left = time_limit - (time.perf_counter() - t0)
         t1 = time.perf_counter()
-        fb = _fallback_trws(problem, FALLBACK_TIME_SHARE * left)
+        fb = fallback(problem, max(1e-3, FALLBACK_TIME_SHARE * left))
         stats["fallback_s"] = time.perf_counter() - t1
         if fb is not None:
             candidates.append((fb.assignment, "TRW-S"))

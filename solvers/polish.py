@@ -6,8 +6,8 @@ within a hair of) its minimum, and the decoder broke the ties inconsistently acr
 The optimum then lies within the near-minimal states: :func:`polish` restricts every variable to
 the states whose *margin* (``theta_v(s) - min theta_v``) is at most a small fraction of the
 absolute gap (plus the current state, so the current assignment stays feasible), solves that
-restricted problem exactly with HiGHS (through :func:`solvers.solve`, whose reductions remove
-the many variables left with one state), warm-started from the current assignment, and widens
+restricted problem exactly (HiGHS through the presolve and reductions, which remove the many
+variables left with one state; handed in by :mod:`solvers.compositions`), warm-started from the current assignment, and widens
 the fraction while the gap stays above the target and time remains.  The last stage is the whole
 problem, whose HiGHS dual bound is then a valid bound too (a restricted stage proves nothing
 about the unrestricted optimum, so it never raises the bound).
@@ -20,11 +20,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from .problem import PairwiseProblem
-from .solution import Infeasible, SolverError
+from .solution import Infeasible, Solution, SolverError
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,13 @@ def _gap(energy: float, bound: float) -> float:
     return max(0.0, (energy - bound) / max(1.0, abs(energy)))
 
 
+#: ``(problem, time_limit, warm_start) -> Solution``: the exact solver of each stage
+ExactSolve = Callable[[PairwiseProblem, "float | None", np.ndarray], Solution]
+
+
 def polish(problem: PairwiseProblem, x: np.ndarray, bound: float, margins: np.ndarray | None,
-           deadline: float | None, target_gap: float, info: dict | None = None) -> tuple[np.ndarray, float]:
+           deadline: float | None, target_gap: float, info: dict | None = None, *,
+           exact: ExactSolve) -> tuple[np.ndarray, float]:
     """Improve ``x`` (a feasible assignment of ``problem``) until ``(energy - bound) / max(1, |energy|)
     <= target_gap``, the stages run out, or ``deadline`` (``time.perf_counter()`` seconds) passes.
 
@@ -49,9 +55,8 @@ def polish(problem: PairwiseProblem, x: np.ndarray, bound: float, margins: np.nd
     the state in a reparametrisation (None: only the whole-problem stage runs).  Returns the best
     assignment and the best proven bound (``bound``, or HiGHS' on the whole problem when larger).
     ``info`` (optional) receives ``polish_stages``, ``polish_s`` and ``polish_energy_before``.
+    ``exact`` solves each stage (HiGHS through the presolve and reductions: :mod:`solvers.compositions`).
     """
-    from .registry import solve  # registry imports backends lazily: no import cycle at load time
-
     t0 = time.perf_counter()
     p = problem
     x = p.check_assignment(x)
@@ -87,7 +92,7 @@ def polish(problem: PairwiseProblem, x: np.ndarray, bound: float, margins: np.nd
         prev_kept = n_kept
         t1 = time.perf_counter()
         try:
-            sol = solve(sub, "highs", time_limit=left, warm_start=x, fallback=False)
+            sol = exact(sub, left, x)
         except (SolverError, Infeasible) as err:  # a time limit without a solution, or a failure
             stages.append({"margin": float(frac), "states": n_kept, "error": str(err)[:200],
                            "seconds": time.perf_counter() - t1})

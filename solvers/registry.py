@@ -195,6 +195,14 @@ def solve(problem: PairwiseProblem, backend: str = "trws", time_limit: float | N
         raise ValueError(f"time_limit must be positive seconds or None, got {time_limit!r}")
     check_capabilities(problem, backend, registry=registry, run_presolve=run_presolve, time_limit=time_limit)
     fn = (registry or default_registry()).get(backend)
+    return solve_with(problem, fn, backend, time_limit, run_presolve=run_presolve, reduce=reduce, **options)
+
+
+def solve_with(problem: PairwiseProblem, fn: Backend, backend: str, time_limit: float | None = None, *,
+               run_presolve: bool = True, reduce: bool = True, **options: Any) -> Solution:
+    """:func:`solve` with the backend function itself (``backend`` names it in messages): presolve,
+    reductions, the call, and the checks of what it returned. Compositions use it to run a leaf
+    backend without looking a name up in a registry a user may have changed."""
     t0 = time.perf_counter()
     if problem.n_vars == 0:
         return Solution(np.zeros(0, dtype=np.int64), 0.0, 0.0, "optimal", time.perf_counter() - t0, backend, 0.0)

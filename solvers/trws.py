@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,10 @@ from .local_search import LocalSearch
 from .marginal import _classes
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
+
+#: ``(problem, x, bound, margins, deadline, target_gap, info) -> (x, bound)``: improves a TRW-S result
+PolishStep = Callable[[PairwiseProblem, np.ndarray, float, "np.ndarray | None", "float | None", float, dict],
+                      tuple[np.ndarray, float]]
 
 log = logging.getLogger(__name__)
 
@@ -475,7 +480,8 @@ def _budget_row(p: PairwiseProblem):
 
 def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max_iter: int = DEFAULT_MAX_ITER,
                tol: float = DEFAULT_TOL, stall_gap: float = STALL_GAP, order=None, local_search: bool = True,
-               star_hubs: int = 16, polish: bool = True, polish_gap: float = POLISH_GAP) -> BackendResult:
+               star_hubs: int = 16, polish_step: PolishStep | None = None,
+               polish_gap: float = POLISH_GAP) -> BackendResult:
     """TRW-S + local search.
 
     Stops after ``max_iter`` forward+backward sweeps, at ``time_limit`` seconds, when the relative
@@ -483,10 +489,11 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
     is ``<= stall_gap`` and the best energy has not improved for ENERGY_PATIENCE sweeps.
     ``order``: variable processing order (default: index order; a topological order of the
     planner's graph gives long monotonic chains).  ``star_hubs``: how many highest-degree
-    variables get a star-block search.  ``polish``: when the certified gap is above ``polish_gap``,
-    solve the near-optimal states of the final reparametrisation exactly with HiGHS, widening
-    them while the gap stays above ``polish_gap`` (:func:`solvers.polish.polish`), within the
-    time limit (without one: ``max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)``).
+    variables get a star-block search.  ``polish_step``: when the certified gap is above
+    ``polish_gap``, ``polish_step(problem, x, bound, margins, deadline, polish_gap, info) -> (x,
+    bound)`` improves the result with the final reparametrisation's margins, within the time limit
+    (without one: ``max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)``); the composition
+    ``trws`` hands in :func:`solvers.polish.polish` with HiGHS (:mod:`solvers.compositions`).
     """
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + float(time_limit)
@@ -513,13 +520,12 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
             raise Infeasible(f"trws found no assignment satisfying constraint {name!r} (not proven infeasible)",
                              constraints=(name,), proven=False)
     e_true = p.energy(x)
-    if polish and np.isfinite(e_true) and np.isfinite(bound) and e_true - bound > polish_gap * max(1.0, abs(e_true)):
-        from .polish import polish as run_polish
-
+    if polish_step is not None and np.isfinite(e_true) and np.isfinite(bound) and \
+            e_true - bound > polish_gap * max(1.0, abs(e_true)):
         info["trws_seconds"] = time.perf_counter() - t0
         pdl = deadline if deadline is not None else (
             time.perf_counter() + max(POLISH_MIN_S, POLISH_FACTOR * info["trws_seconds"]))
-        x, bound = run_polish(p, x, bound, margins, pdl, polish_gap, info)
+        x, bound = polish_step(p, x, bound, margins, pdl, polish_gap, info)
         e_true = p.energy(x)
     if not np.isfinite(e_true):
         if bound > finite_cap:

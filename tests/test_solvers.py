@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -359,8 +361,8 @@ def test_capability_listing_and_help_text():
     assert list(table) == solvers.available()
     text = help_text()
     for name, spec in solvers.BUILTIN_BACKENDS.items():
-        assert f"{name} ({spec.capabilities.summary()})" in text
-    assert "trws (approximate, lower bound, one inequality row)" in text
+        assert f"{name} ({spec.capabilities.summary()}" in text
+    assert "trws (approximate, lower bound, one inequality row; runs trws, then polish by highs" in text
     assert solvers.capabilities("pgmpy").linear_rows == "none"
     assert solvers.capabilities("highs").to_dict()["linear_rows"] == "equality and inequality"
     with pytest.raises(ValueError, match="unknown solver backend 'nope'"):
@@ -653,8 +655,10 @@ def test_default_trws_closes_a_certified_gap(seed, layouts):
 def test_polish_solves_the_near_optimal_states_first():
     """Margins that single out the optimum (ties broken wrongly elsewhere): the first, restricted stage
     finds it; a restricted stage never raises the bound."""
-    from solvers.polish import STAGES, polish
+    from solvers.compositions import _highs_exact
+    from solvers.polish import STAGES, polish as polish_with
 
+    polish = functools.partial(polish_with, exact=_highs_exact)
     p = _grid_problem(3, 3, seed=2)
     ref = brute_or_none(p)
     x0 = (ref.assignment + 1) % p.n_states  # a feasible, worse assignment
@@ -691,3 +695,43 @@ def test_highs_time_limit_returns_the_best_plan_known(mip_runs):
     # an explicit warm start is a known plan too, without the TRW-S fallback
     sol = solvers.solve(p, "highs", time_limit=1e-3, fallback=False, warm_start=exact.assignment)
     assert sol.energy == pytest.approx(exact.energy, abs=TOL)
+
+
+# ------------------------------------------------------------------ backends are leaves
+def test_backend_modules_are_leaves_and_compositions_are_declared():
+    """No backend module imports another backend or calls solve(); the built-in compositions live
+    in solvers/compositions.py and say what ran in the solution (and so in the plan's record)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(solvers.__file__).parent
+    leaves = {"trws", "highs_backend", "cvxpy_backend", "pgmpy_backend", "brute", "polish"}
+    for name in leaves:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                imported = (node.module or "").split(".")[-1]
+                assert imported not in leaves | {"registry", "compositions"}, (name, node.module)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in ("solve", "solve_with"), (name, node.lineno)
+    assert solvers.BUILTIN_BACKENDS["trws"].module == "solvers.compositions"
+    assert solvers.BUILTIN_BACKENDS["trws"].runs and solvers.BUILTIN_BACKENDS["highs"].runs
+    p = _grid_problem(7, 4, seed=1)
+    assert "polish" in solvers.solve(p, "trws").info["runs"]
+    assert solvers.solve(p, "trws", polish=False).info["runs"] == "TRW-S + local search"
+
+
+def test_a_user_backend_named_highs_is_not_used_inside_trws():
+    """The polish inside the built-in trws runs the HiGHS leaf, whatever "highs" names in the registry."""
+    calls = []
+
+    def impostor(problem, time_limit=None, **options):
+        calls.append(1)
+        raise AssertionError("the registry's 'highs' was called inside trws")
+
+    registry = solvers.SolverRegistry()
+    registry.register("highs", impostor)
+    p = _grid_problem(7, 4, seed=2)
+    sol = solvers.solve(p, "trws", registry=registry, polish_gap=0.0)
+    assert sol.info["polish_stages"]  # the polish ran, on the HiGHS leaf
+    assert calls == [] and np.isfinite(sol.energy)
