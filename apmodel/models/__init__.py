@@ -19,6 +19,8 @@ name                layers  dim    heads  kv     ffn     vocab    notes
 llama3-debug        2      256     8      4      768     2048     head_dim 32, GQA 2:1, max_seq 512
 llama3-8b           32     4096    32     8      14336   128256   rope theta 5e5 (≈ 8.03e9 params)
 llama3-70b          80     8192    64     8      28672   128256   rope theta 5e5 (≈ 70.6e9 params)
+llama3-405b         126    16384   128    8      53248   128256   Llama 3.1 405B, 128K context (≈ 406e9)
+qwen3-32b           64     5120    64     8      25600   151936   head_dim 128, QK-norm (≈ 32.8e9 params)
 llama3-8b-cp        32     4096    32     8      14336   128256   llama3-8b, attention the context-parallel
                                                                   region, max_seq 131072 (LLaMA 3.1's)
 gpt2                12     768     12     12     3072    50257    ctx 1024, untied head (≈ 163M; tied 124M)
@@ -26,6 +28,8 @@ gpt2-medium         24     1024    16     16     4096    50257    ctx 1024, unti
 moe-debug           2      256     8      4      768     2048     8 routed (top-2) + 1 shared, 128 wide;
                                                                   layer 0 dense
 deepseek-moe-16b    28     2048    16     16     10944   102400   64 routed (top-6) + 2 shared, 1408 wide
+qwen3-235b-a22b     94     4096    64     4      —       151936   128 routed (top-8, renormalised), 1536
+                                                                  wide, no shared; head_dim 128, QK-norm
 ==================  =====  ======  =====  =====  ======  =======  =====================================
 
 The MoE presets route sparsely (top-k dispatch through the expert-parallel region,
@@ -75,6 +79,22 @@ PRESETS: MappingProxyType = MappingProxyType(
             dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, vocab_size=128256,
                  rope_theta=500000.0, max_seq_len=8192),
         ),
+        # Meta Llama 3.1 405B model card (params.json: dim 16384, 126 layers, 128 heads, 8 kv heads,
+        # ffn 53248, 128K context)
+        "llama3-405b": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden_dim=53248, vocab_size=128256,
+                 rope_theta=500000.0, max_seq_len=131072),
+        ),
+        # Qwen3-32B (Qwen/Qwen3-32B config.json: hidden 5120, 64 layers, 64 heads of 128, 8 kv heads,
+        # intermediate 25600, vocab 151936, rope theta 1e6, rms eps 1e-6, QK-norm, 40960 positions)
+        "qwen3-32b": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, attention_head_dim=128, ffn_hidden_dim=25600,
+                 vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=40960, qk_norm=True),
+        ),
         # OpenAI GPT-2 (2019) small and medium
         "gpt2": (GPT2Config, GPT2, dict(dim=768, n_layers=12, n_heads=12, vocab_size=50257, max_seq_len=1024)),
         "gpt2-medium": (
@@ -88,6 +108,17 @@ PRESETS: MappingProxyType = MappingProxyType(
             dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden_dim=768, moe_hidden_dim=128,
                  n_routed_experts=8, n_shared_experts=1, top_k=2, n_dense_layers=1, vocab_size=2048,
                  max_seq_len=512),
+        ),
+        # Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64 heads of 128,
+        # 4 kv heads, 128 experts of 1536, top-8 renormalised, no shared experts, every layer MoE,
+        # vocab 151936, rope theta 1e6, QK-norm, 40960 positions)
+        "qwen3-235b-a22b": (
+            MoEConfig,
+            MoETransformer,
+            dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, attention_head_dim=128, ffn_hidden_dim=12288,
+                 moe_hidden_dim=1536, n_routed_experts=128, n_shared_experts=0, top_k=8, n_dense_layers=0,
+                 renormalize_topk=True, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6,
+                 max_seq_len=40960, qk_norm=True),
         ),
         # DeepSeekMoE 16B (DeepSeek-AI 2024), with GQA-capable attention (n_kv_heads = n_heads: MHA)
         "deepseek-moe-16b": (

@@ -36,15 +36,19 @@ class LlamaConfig:
     attention_backend: str = "flash"
     # attention as a local_map region the planner may run context parallel (models.attention)
     context_parallel: bool = False
+    # per-head size when it is not dim // n_heads (Qwen3: 128 with dim 5120 and 64 heads)
+    attention_head_dim: int | None = None
+    # RMSNorm on each head's queries and keys before RoPE (Qwen3's QK-norm)
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
+        if self.attention_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"{type(self).__name__}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"{type(self).__name__}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
-        if (self.dim // self.n_heads) % 2:
+        if self.head_dim % 2:
             raise ValueError(f"{type(self).__name__}: head_dim must be even for RoPE")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -53,7 +57,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim if self.attention_head_dim is not None else self.dim // self.n_heads
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +109,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # QK-norm: per head, over head_dim
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.context_parallel:  # the region repeats the key/value heads itself, after any gather
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
@@ -126,6 +134,9 @@ class Attention(nn.Module):
         for lin in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.init_weights()
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -182,7 +193,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # a ModuleDict keyed "0", "1", ... gives the torchtitan FQNs layers.N.*
@@ -211,7 +222,7 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Fill parameters and RoPE tables (after ``to_empty(device=...)`` from meta)."""
         cos, sin = rope_tables(
-            self.config.dim // self.config.n_heads, self.config.max_seq_len, self.config.rope_theta, device=self.rope_cos.device
+            self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, device=self.rope_cos.device
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

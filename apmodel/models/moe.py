@@ -61,6 +61,8 @@ class MoEConfig(LlamaConfig):
     top_k: int = 6
     n_dense_layers: int = 1
     routing: str = "sparse"  # "sparse" (top-k dispatch, the region) or "dense" (see the module doc)
+    # the top-k router probabilities divided by their sum (Qwen3-MoE's norm_topk_prob; DeepSeekMoE: no)
+    renormalize_topk: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()  # head sizes and attention backend
@@ -108,6 +110,7 @@ class RoutedExperts:
     partial outputs). On one device (or replicated) it is a plain sparse dispatch."""
 
     top_k: int
+    renormalize: bool = False  # divide each token's top-k probabilities by their sum
 
     ALTERNATIVES: ClassVar[dict] = {
         "expert_parallel": (("S(0)", "S(0)", "S(0)", "S(0)", "S(0)"), ("S(0)",)),
@@ -116,7 +119,8 @@ class RoutedExperts:
     }
 
     def region(self) -> LocalRegion:
-        return local_map(self, name=f"routed_experts_top{self.top_k}", alternatives=self.ALTERNATIVES)
+        name = f"routed_experts_top{self.top_k}" + ("_renormalized" if self.renormalize else "")
+        return local_map(self, name=name, alternatives=self.ALTERNATIVES)
 
     def __call__(self, x: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  w3: torch.Tensor) -> torch.Tensor:
@@ -126,6 +130,8 @@ class RoutedExperts:
             raise ValueError(f"routed experts: {local} local experts x {ep.size} expert-parallel ranks != "
                              f"{n_experts} experts")
         gate, expert = probs.topk(self.top_k, dim=-1)  # [t, k]
+        if self.renormalize:
+            gate = gate / gate.sum(dim=-1, keepdim=True)
         if x.device.type == "meta":
             returned = self._uniform(x, w1, w2, w3, ep)
         else:
@@ -180,17 +186,21 @@ class MoE(nn.Module):
         self.top_k = cfg.top_k
         self.n_routed = cfg.n_routed_experts
         self.routing = cfg.routing
+        self.renormalize = cfg.renormalize_topk
         self.router = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_hidden_dim)
         # the shared experts act as one SwiGLU of width n_shared * moe_hidden (as in DeepSeek's code)
-        self.shared_experts = FeedForward(cfg.dim, cfg.n_shared_experts * cfg.moe_hidden_dim)
+        self.shared_experts = (FeedForward(cfg.dim, cfg.n_shared_experts * cfg.moe_hidden_dim)
+                               if cfg.n_shared_experts else None)
 
     def gate_weights(self, x: torch.Tensor) -> torch.Tensor:
         """Dense gate ``[tokens, n_routed]``: softmax router probability for the top-k experts of each
-        token, 0 for the others (DeepSeekMoE: no renormalisation over the top-k)."""
+        token, 0 for the others (DeepSeekMoE: no renormalisation over the top-k; ``renormalize_topk``:
+        divided by their sum, as Qwen3-MoE does)."""
         probs = F.softmax(self.router(x), dim=-1)
         kth_largest = torch.topk(probs, self.top_k, dim=-1).values[:, -1:]
-        return probs * (probs >= kth_largest).to(probs.dtype)
+        gates = probs * (probs >= kth_largest).to(probs.dtype)
+        return gates / gates.sum(dim=-1, keepdim=True) if self.renormalize else gates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape
@@ -198,17 +208,20 @@ class MoE(nn.Module):
         if self.routing == "sparse":
             probs = F.softmax(self.router(tokens), dim=-1)
             w = self.experts
-            combined = RoutedExperts(self.top_k).region()(tokens, probs, w.w1, w.w2, w.w3)
+            combined = RoutedExperts(self.top_k, self.renormalize).region()(tokens, probs, w.w1, w.w2, w.w3)
         else:
             gates = self.gate_weights(tokens)  # [tokens, E]
             routed = self.experts(tokens.unsqueeze(0).expand(self.n_routed, -1, -1))  # [E, tokens, dim]
             combined = (routed * gates.t().unsqueeze(-1)).sum(dim=0)
-        return (combined + self.shared_experts(tokens)).view(bs, seq, dim)
+        if self.shared_experts is not None:
+            combined = combined + self.shared_experts(tokens)
+        return combined.view(bs, seq, dim)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.router.weight, mean=0.0, std=init_std)
         self.experts.init_weights(init_std)
-        self.shared_experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
 
 
 class MoEBlock(nn.Module):
