@@ -1,5 +1,5 @@
 """Capture of repeated layers: a stack of identical layers is traced with three layers and the
-others are stamped (apmodel/capture.py, ``_trace_stamped``). The stamped graph must be the graph
+others are stamped (apmodel/stamping.py, ``_trace_stamped``). The stamped graph must be the graph
 of tracing every layer: the same nodes and names, wiring, values, descriptors and module
 metadata, the same labels and fingerprint, and the same plan."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import fx, nn
 
-from apmodel import capture as capture_module
+from apmodel import stamping, tracing
 from apmodel.api import plan
-from apmodel.capture import CapturedGraph, capture
+from apmodel.capture import CapturedGraph, InputSignature, capture
 from apmodel.models import build, sample_inputs
 
 B, S = 2, 32
@@ -51,17 +51,17 @@ def _both(name: str, layers: int, monkeypatch, stacked: int | None = None) -> tu
         model = build(name, n_layers=layers)
     inputs = sample_inputs(name, B, S)
     calls: list[str] = []
-    real = capture_module._Template.stamp
+    real = stamping._Template.stamp
 
     def counting(self, n):
         calls.append(n)
         return real(self, n)
 
-    monkeypatch.setattr(capture_module._Template, "stamp", counting)
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 4)
+    monkeypatch.setattr(stamping._Template, "stamp", counting)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 4)
     stamped = capture(model, inputs)
     assert calls == [stacked or layers], "the stack was not stamped"
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
     full = capture(model, inputs)
     assert calls == [stacked or layers]
     return stamped, full
@@ -100,11 +100,11 @@ def test_template_stamps_fewer_layers_as_traced(monkeypatch):
     def raw(layers):
         with torch.device("meta"):
             model = build("llama3-debug", n_layers=layers)
-        step = capture_module._TracedStep(model, None, capture_module.InputSignature(n_args=2))
-        return capture_module._trace(step, sample_inputs("llama3-debug", B, S), functionalize=False)[0]
+        step = tracing.TracedStep(model, None, InputSignature(n_args=2))
+        return tracing.trace(step, sample_inputs("llama3-debug", B, S), functionalize=False)[0]
 
-    stack = capture_module._LayerStack("layers", ["0", "1", "2"])
-    two = capture_module._Template(raw(3), stack).stamp(2)
+    stack = stamping._LayerStack("layers", ["0", "1", "2"])
+    two = stamping._Template(raw(3), stack).stamp(2)
     assert graph_record(two) == graph_record(raw(2))
 
 
@@ -147,37 +147,37 @@ def test_layers_that_differ_are_traced(kind, monkeypatch, caplog):
     with torch.device("meta"):
         model = _Stack(8, by_index=kind == "by_index", by_count=kind == "by_count")
     x = torch.empty(4, 16, device="meta")
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 4)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 4)
     with caplog.at_level("INFO", logger="apmodel.capture"):
         a = capture(model, (x,))
     stamped = "stamped the others" in caplog.text
     assert stamped == (kind == "plain"), caplog.text
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
     assert_same_capture(a, capture(model, (x,)))
 
 
 def test_small_or_unequal_stacks_are_not_stamped():
     with torch.device("meta"):
         llama = build("llama3-debug", n_layers=5)
-    assert capture_module._repeated_stack(llama) is None  # fewer than _STAMP_MIN_LAYERS
+    assert stamping._repeated_stack(llama) is None  # fewer than _STAMP_MIN_LAYERS
     with torch.device("meta"):
         model = _Stack(8)
     model.layers[3] = nn.Sequential(nn.Linear(16, 16))
-    assert capture_module._repeated_stack(model) is None  # 4 identical layers after the odd one
+    assert stamping._repeated_stack(model) is None  # 4 identical layers after the odd one
     # differing layers ahead of a long enough run stay outside it (DeepSeek-MoE's dense first layer)
     with torch.device("meta"):
         model = _Stack(9)
     model.layers[1] = nn.Sequential(nn.Linear(16, 16))
-    stack = capture_module._repeated_stack(model)
+    stack = stamping._repeated_stack(model)
     assert stack.before == ("0", "1") and stack.keys == tuple(map(str, range(2, 9)))
     # a differing last layer: no stack (the truncated template would lose it)
     with torch.device("meta"):
         model = _Stack(9)
     model.layers[8] = nn.Sequential(nn.Linear(16, 16))
-    assert capture_module._repeated_stack(model) is None
+    assert stamping._repeated_stack(model) is None
     with torch.device("meta"):
         deepseek = build("deepseek-moe-16b")
-    stack = capture_module._repeated_stack(deepseek)
+    stack = stamping._repeated_stack(deepseek)
     assert stack.path == "layers" and stack.before == ("0",) and len(stack.keys) == 27
 
 
@@ -213,7 +213,7 @@ def test_buffer_updates_and_functionalized_traces_are_stamped(functionalize, mon
         a = capture(model, (x,), functionalize=functionalize)
     assert "stamped the others" in caplog.text
     assert len(a.buffer_update) == 7 * 3  # running mean, running var, batches tracked per layer
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
     assert_same_capture(a, capture(model, (x,), functionalize=functionalize))
 
 
@@ -231,7 +231,7 @@ def test_hugging_face_stacks_are_stamped(spec, monkeypatch, caplog):
     with caplog.at_level("INFO", logger="apmodel.capture"):
         stamped = trace()
     assert "stamped the others" in caplog.text  # six layers: stamped at the default threshold
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
     assert_same_capture(stamped, trace())
 
 
@@ -260,7 +260,7 @@ def test_layers_differing_in_a_slice_are_traced(window, monkeypatch, caplog):
     with caplog.at_level("INFO", logger="apmodel.capture"):
         a = capture(model, (x,))
     assert ("stamped the others" in caplog.text) == (window == 16)
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
     assert_same_capture(a, capture(model, (x,)))
 
 
@@ -288,5 +288,5 @@ def test_a_first_layer_without_input_gradient_is_stamped(layers, monkeypatch, ca
     with caplog.at_level("INFO", logger="apmodel.capture"):
         a = capture(model, (x,), loss, targets=(y,))
     assert "stamped the others" in caplog.text
-    monkeypatch.setattr(capture_module, "_STAMP_MIN_LAYERS", 10**9)
+    monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
     assert_same_capture(a, capture(model, (x,), loss, targets=(y,)))
