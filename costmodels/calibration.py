@@ -129,7 +129,8 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
     if kind is not None and kind not in KINDS:
         raise ValueError(f"{src}: unknown collective kind {kind!r}")
     if kind is not None and named is not None and named != kind:
-        raise ValueError(f"{src}: the log is from {m.group(1)} ({named}), not {kind}: fit it as {named} "
+        origin = m.group(1) if m else "its file name"
+        raise ValueError(f"{src}: the log is from {origin} ({named}), not {kind}: fit it as {named} "
                          f"(--kind {named}) or give a {kind} log")
     kind = kind or named
     log = NcclTestsLog(kind=kind, ranks=None, source=src)
@@ -285,6 +286,12 @@ class CorrectionCurve:
     def __call__(self, nbytes: float) -> float:
         return float(np.interp(math.log2(max(nbytes, 1.0)), self._x, self._y))
 
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        """The measured message sizes (bytes), first and last; set by ``__post_init__``."""
+        assert self.min_bytes is not None and self.max_bytes is not None
+        return self.min_bytes, self.max_bytes
+
 
 class Calibration:
     """Per-(collective, axis) correction curves, fitted from nccl-tests logs.
@@ -370,6 +377,8 @@ class Calibration:
         out = []
         for log, axis in logs:
             kind = log.kind
+            if kind is None:
+                raise ValueError(f"{log.source}: collective kind unknown; pass kind= to parse_nccl_tests")
             before = size_class_medians((r.size_bytes, _measured_time_us(r, use) / base.time_us(kind, r.size_bytes, axis))
                                         for r in log.rows)
             after = size_class_medians((r.size_bytes, _measured_time_us(r, use) / calibrated.time_us(kind, r.size_bytes, axis))
@@ -515,14 +524,16 @@ class CalibratedCollectives:
         curve = self.calibration.curves.get((kind, axis))
         if curve is None:
             return t
-        if not curve.min_bytes <= nbytes <= curve.max_bytes:
+        lo, hi = curve.byte_range
+        if not lo <= nbytes <= hi:
             self._note_clamp(kind, axis, nbytes, curve)
         return t * curve(nbytes)
 
     def _note_clamp(self, kind: str, axis: int, nbytes: float, curve: CorrectionCurve) -> None:
         rec = self.clamped.get((kind, axis))
         if rec is None:
-            self.clamped[(kind, axis)] = {"fitted_min_bytes": curve.min_bytes, "fitted_max_bytes": curve.max_bytes,
+            lo, hi = curve.byte_range
+            self.clamped[(kind, axis)] = {"fitted_min_bytes": lo, "fitted_max_bytes": hi,
                                           "requested_min_bytes": nbytes, "requested_max_bytes": nbytes}
             logger.warning("calibration of %s on axis %d was measured on %d – %d bytes; %s bytes is outside, "
                            "so the correction at the nearest measured size is used (further sizes outside "

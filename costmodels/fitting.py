@@ -588,7 +588,7 @@ def prediction_report(model: Any, calls: Sequence[ms.Call], measured_us: Sequenc
     """Predicted (``model.time_us`` of each meta call) against measured µs: per call the factor
     ``max(pred/meas, meas/pred)``; overall the median factor, the largest, and the share of calls
     within ``factor``."""
-    items = []
+    items: list[dict[str, Any]] = []
     for c, meas in zip(calls, measured_us):
         pred = float(model.time_us(c.op, c.args, c.kwargs, c.out))
         items.append({"op": str(c.op), "shapes": [list(t.shape) for t in ms._tensors(c.args)],
@@ -596,7 +596,7 @@ def prediction_report(model: Any, calls: Sequence[ms.Call], measured_us: Sequenc
                       "factor": max(pred / meas, meas / pred) if pred > 0 else math.inf})
     if not items:
         return {"ops": 0}
-    factors = sorted(it["factor"] for it in items)
+    factors: list[float] = sorted(float(it["factor"]) for it in items)
     return {"ops": len(items), "median_factor": ms._median(factors), "max_factor": factors[-1],
             "within": sum(f <= factor for f in factors) / len(factors), "factor": factor,
             "worst": sorted(items, key=lambda it: -it["factor"])[:worst], "items": items}

@@ -236,11 +236,11 @@ def _cpu_rows(quick: bool) -> list[dict[str, Any]]:
             ((1000, 64, 16), (5000, 128, 512), (16000, 256, 2048), (30000, 256, 8192)):
         rows.append({"op": "embedding", "shapes": [[vocab, dim], [tokens]], "dtype": f32})
         rows.append(_embedding_backward_row(vocab, dim, tokens, f32))
-    att = ((1, 2, 16, 16), (1, 4, 128, 32), (2, 4, 128, 64)) if quick else \
+    att: tuple[tuple[int, int, int, int], ...] = ((1, 2, 16, 16), (1, 4, 128, 32), (2, 4, 128, 64)) if quick else \
         ((1, 2, 16, 16), (1, 4, 128, 32), (2, 8, 256, 64), (1, 8, 512, 128), (4, 4, 1024, 64))
-    for shape in att:
+    for att_shape in att:
         for kind in ("sdpa_flash_fwd", "sdpa_flash_fwd_plus_bwd"):
-            rows.append({"op": kind, "shapes": [list(shape)], "dtype": f32, "causal": True})
+            rows.append({"op": kind, "shapes": [list(att_shape)], "dtype": f32, "causal": True})
     for r in rows:
         r["device_type"] = "cpu"
         r["harness"] = "aten"

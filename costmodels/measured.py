@@ -708,7 +708,7 @@ class MeasuredCompute:
         if name in ("mm", "bmm"):
             if len(args) < 2:
                 return None
-            a, b, extra = args[0], args[1], ()
+            a, b, extra = args[0], args[1], tuple[Any, ...]()
         else:
             if len(args) < 3:
                 return None

@@ -18,6 +18,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -153,9 +154,13 @@ def fit(logs: Sequence[PublishedLog], start: MeasuredNccl | None = None) -> tupl
     upper = [hi for _, _, hi in FITTED_FIELDS] + [NET_EFFICIENCY_BOUNDS[1]]
     x0 = list(np.clip(x0, lower, upper))
 
+    def with_values(x: Sequence[float] | np.ndarray) -> MeasuredNccl:
+        changes: dict[str, Any] = {name: float(v) for name, v in zip(names, x)}
+        return dataclasses.replace(start, **changes)
+
     def residuals(x: np.ndarray) -> np.ndarray:
-        measured = dataclasses.replace(start, **dict(zip(names, (float(v) for v in x[:-1]))))
-        res = []
+        measured = with_values(x[:-1])
+        res: list[float] = []
         for cmp in compare(logs, measured, float(x[-1])):
             w = 1.0 / math.sqrt(len(cmp.rows))
             res.extend(w * math.log(r) for r in cmp.ratios)
@@ -163,12 +168,11 @@ def fit(logs: Sequence[PublishedLog], start: MeasuredNccl | None = None) -> tupl
 
     # the loss has a local minimum where the tree loses to the ring everywhere; start on both sides
     tree = names.index("tree_algbw_ratio")
-    best = None
+    best: Any = None
     for tree_start in (0.5, 0.8):
         x = list(x0)
         x[tree] = tree_start
         sol = least_squares(residuals, x, bounds=(lower, upper), loss="soft_l1", f_scale=0.1)
         if best is None or sol.cost < best.cost:
             best = sol
-    fitted = dataclasses.replace(start, **dict(zip(names, (float(v) for v in best.x[:-1]))))
-    return fitted, float(best.x[-1])
+    return with_values(best.x[:-1]), float(best.x[-1])

@@ -413,7 +413,8 @@ def redistribution_matrix(comm: Any, global_shape: tuple[int, ...], itemsize_byt
     itemsize = int(itemsize_bytes)
     srcs, dsts = tuple(tuple(s) for s in srcs), tuple(tuple(d) for d in dsts)
     cache = _matrix_cache(comm)
-    src_codes, dst_codes = [], []
+    src_codes: list[Any] = []
+    dst_codes: list[Any] = []
     for plist, codes, what in ((srcs, src_codes, "source placement"), (dsts, dst_codes, "target placement")):
         for p in plist:
             c, top = _placement_codes(cache, p, D, what)

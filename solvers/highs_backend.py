@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -114,7 +115,7 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
     model = build_marginal_model(problem, compress=compress)
     build_s = time.perf_counter() - t0
     a = model.matrix
-    stats = {"build_s": build_s, "cols": model.n_cols, "rows": int(a.shape[0]), "nnz": int(a.nnz)}
+    stats: dict[str, Any] = {"build_s": build_s, "cols": model.n_cols, "rows": int(a.shape[0]), "nnz": int(a.nnz)}
     bounds: list[float] = []  # proven lower bounds from every stage
     candidates: list[tuple[np.ndarray, str]] = []  # feasible plans known besides the MIP's
     if warm_start is not None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -503,7 +504,7 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
     ls = LocalSearch(p, tr.unary, tr.big, budget=None if budget is None else (budget[1], budget[2]),
                      star_hubs=star_hubs) if local_search else None
     finite_cap = tr.scale  # any assignment of finite true energy has internal energy <= scale
-    info = {"levels_fwd": tr.n_lev_f, "levels_bwd": tr.n_lev_b}
+    info: dict[str, Any] = {"levels_fwd": tr.n_lev_f, "levels_bwd": tr.n_lev_b}
     if budget is None:
         x, e, lb, it = tr.run(max_iter, tol, deadline, ls, stall_gap=stall_gap)
         info["iterations"] = it

@@ -117,7 +117,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bs, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bs, seq, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # QK-norm: per head, over head_dim
+        if self.q_norm is not None and self.k_norm is not None:  # QK-norm: per head, over head_dim
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.context_parallel:  # the region repeats the key/value heads itself, after any gather
@@ -189,6 +189,9 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """LLaMA-3-style decoder: ``tokens [batch, seq] (int64) -> logits [batch, seq, vocab]`` (or the loss, given targets)."""
 
+    rope_cos: torch.Tensor  # buffers [max_seq_len, head_dim]
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -228,7 +231,7 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
         nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
-            layer.init_weights()
+            layer.init_weights()  # type: ignore[operator]  # nn.Module.__getattr__ says Tensor | Module
         self.norm.init_weights()
         final_std = self.config.dim**-0.5
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
