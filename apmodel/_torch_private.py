@@ -94,6 +94,7 @@ __all__ = [
     "composite_autograd_on_meta",
     "fused_attention_on_meta",
     "library_sees_tracing",
+    "causal_mask_detection_off",
     "without_redistribute_costs",
     "fake_mesh",
     "has_sharding_rule",
@@ -518,6 +519,30 @@ def library_sees_tracing() -> Iterator[None]:
         yield
     finally:
         compiler._is_compiling_flag = previous
+
+
+@contextlib.contextmanager
+def causal_mask_detection_off() -> Iterator[None]:
+    """While inside, ``nn.TransformerEncoder``/``Decoder`` do not compare a given attention mask with
+    a causal one to decide whether to pass ``is_causal`` (``_detect_is_causal_mask`` calls ``bool()``
+    on the comparison, which a trace on the meta device cannot answer): only an explicit
+    ``is_causal=True`` counts, and the mask itself is applied, which computes the same values.
+    Restored on exit; a release without the helper leaves nothing to patch. Not thread-safe."""
+    import torch.nn.modules.transformer as transformer
+
+    detect = getattr(transformer, "_detect_is_causal_mask", None)
+    if detect is None:
+        yield
+        return
+
+    def explicit_only(mask: Any, is_causal: bool | None = None, size: int | None = None) -> bool:
+        return is_causal is True
+
+    transformer._detect_is_causal_mask = explicit_only
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
 
 
 @contextlib.contextmanager
