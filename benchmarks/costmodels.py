@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(*cells)
         console.print(table)
     if json_path is not None:
-        console.print(f"results written to {json_path}", markup=False, highlight=False)
+        console.print(f"results written to {json_path}", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
