@@ -3,6 +3,7 @@ causal one by value) traces on the meta device, plans, and runs like the eager m
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -58,6 +59,7 @@ def _worker(rank: int, world: int, plan_json: dict) -> tuple[float, float]:
     return float(got.full_tensor() if hasattr(got, "full_tensor") else got), float(_loss(ref(tokens, memory), targets))
 
 
+@pytest.mark.slow
 def test_transformer_decoder_with_causal_detection_traces_plans_and_runs():
     tokens, memory, targets = _batch()
     with torch.device("meta"):
