@@ -24,7 +24,7 @@ from apmodel import hf  # noqa: E402
 from apmodel.capture import capture  # noqa: E402
 
 from _dist_utils import run_distributed  # noqa: E402
-from _helpers import full_weights  # noqa: E402
+from _helpers import full_weights, train  # noqa: E402
 
 MESH = (2, 2)
 STEPS = 3
@@ -73,6 +73,12 @@ def _meta_capture(family: str):
     return model, capture(model, (ids.to("meta"),), hf.hf_loss, kwargs={"labels": labels.to("meta")})
 
 
+def _train(model: torch.nn.Module, loss_of: Any) -> list[float]:
+    """STEPS AdamW steps (lr 1e-3) on the same batches for every model (a fresh generator each)."""
+    g = torch.Generator().manual_seed(11)
+    return train(model, lambda m: loss_of(m, *_batch(g)), STEPS, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+
+
 def _train_worker(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -90,22 +96,8 @@ def _train_worker(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any
         model = lower(model, mesh, Plan.load(plan_path), captured)
         model.to_empty(device="cpu")
         load_full_state_dict(model, full)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(11)
-        losses, ref_losses = [], []
-        for _ in range(STEPS):
-            ids, labels = _batch(g)
-            opt.zero_grad()
-            loss = model(ids, labels=labels)
-            loss.backward()
-            opt.step()
-            ref_opt.zero_grad()
-            ref_loss = ref(ids, labels=labels).loss
-            ref_loss.backward()
-            ref_opt.step()
-            losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
-            ref_losses.append(ref_loss.item())
+        losses = _train(model, lambda m, ids, labels: m(ids, labels=labels))  # the lowered step returns the loss
+        ref_losses = _train(ref, lambda m, ids, labels: m(ids, labels=labels).loss)
         state = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
         err = max((state[k].double() - v.double()).abs().max().item() for k, v in ref.state_dict().items())
         out[family] = {"losses": losses, "ref_losses": ref_losses, "state_err": err}
