@@ -1,0 +1,200 @@
+"""What ``apmodel plan`` prints: the JSON object of ``--json`` and the rich tables."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from apmodel.formatting import fmt_bytes as _fmt_bytes
+from apmodel.formatting import fmt_us as _fmt_us
+
+def _itemsize(dtype: str) -> int:
+    from apmodel.options import PRICING_DTYPE_BYTES
+
+    return PRICING_DTYPE_BYTES[dtype]
+
+
+#: Keys the ``plan --json`` object always has (docs/design.md, "Public contracts").
+JSON_KEYS = (
+    "model", "mesh", "device", "solver", "nodes", "groups", "states", "edges",
+    "trace_s", "build_s", "solve_s", "total_s", "objective_us", "lower_bound_us", "status",
+    "compute_us", "comm_us", "param_placements",
+)
+
+
+def plan_json(result, cfg) -> dict[str, Any]:
+    """The ``--json`` object (docs/design.md keys first, then extras)."""
+    from apmodel import placements as pl
+    from apmodel.roles import emerged
+
+    plan = result.plan
+    lb = plan.solver.get("lower_bound_us")
+    data: dict[str, Any] = {
+        "model": cfg.model,
+        "mesh": list(plan.mesh_shape),
+        "device": cfg.device,
+        "solver": cfg.solver,
+        **{k: plan.sizes[k] for k in ("nodes", "groups", "states", "edges")},
+        "trace_s": plan.timings.get("trace_s"),
+        "build_s": plan.timings.get("build_s"),
+        "solve_s": plan.timings.get("solve_s"),
+        "total_s": plan.timings.get("total_s"),
+        "objective_us": plan.objective_us,
+        "lower_bound_us": None if lb is None or not math.isfinite(lb) else float(lb),
+        "status": plan.solver.get("status"),
+        "timings_s": dict(plan.timings),  # trace_s, build_s, solve_s, total_s of the found plan
+        "compute_us": plan.compute_us,
+        "comm_us": plan.comm_us,
+        "param_placements": {k: pl.tuple_to_str(v) for k, v in plan.param_placements.items()},
+        "seq": plan.workload.get("seq", cfg.seq),  # as planned (an hf: model caps it at its position table)
+        "batch": cfg.batch,
+        "dtype": cfg.dtype,
+        "layers": cfg.layers,
+        "comm_by_collective": plan.comm_by_collective,
+        "param_bytes_per_device": result.param_bytes,
+        "emerged": emerged(plan),
+        "warnings": list(result.warnings),
+        "memory": dict(plan.memory),
+        "memory_limit_bytes": result.memory_limit_bytes,
+    }
+    if result.recipes is not None:
+        data["recipes"] = {r.name: r.objective_us for r in result.recipes}
+        data["recipes_detail"] = {
+            r.name: {"status": r.status, "reason": r.reason, "param_policy": r.param_policy,
+                     "objective_us": r.objective_us, "compute_us": r.compute_us, "comm_us": r.comm_us,
+                     "param_bytes_per_device": r.param_bytes,
+                     "peak_bytes": None if r.plan is None else r.plan.memory.get("peak_bytes"),
+                     "fits_memory": result.fits(r.plan)}
+            for r in result.recipes
+        }
+        data["free_policy_objective_us"] = result.free_plan.objective_us
+    return data
+
+
+def print_plan(result, cfg, console: Console) -> None:
+    """Readable summary: solver stats, objective breakdown, one layer's parameters, emerged roles."""
+    from apmodel import placements as pl
+    from apmodel.plans import parse_collective_key
+    from apmodel.roles import emerged, param_uses
+
+    plan = result.plan
+    mesh = tuple(plan.mesh_shape)
+    seq = plan.workload.get("seq", cfg.seq)  # as planned (an hf: model caps it at its position table)
+    console.print(f"[bold]apmodel plan[/]: {escape(str(cfg.model))} (seq {seq}, batch {cfg.batch}"
+                  f"{f', {cfg.layers} layers' if cfg.layers else ''}) on mesh {'x'.join(map(str, mesh))} "
+                  f"of {cfg.device}, priced in {cfg.dtype}", highlight=False)
+
+    t = Table(title="Problem and solver", show_header=False, title_justify="left")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    s = plan.sizes
+    t.add_row("nodes / groups / states / edges", f"{s['nodes']:,} / {s['groups']:,} / {s['states']:,} / {s['edges']:,}")
+    tm = plan.timings
+    t.add_row("trace / build / solve / total (s)",
+              f"{tm.get('trace_s', 0):.2f} / {tm.get('build_s', 0):.2f} / {tm.get('solve_s', 0):.2f} / {tm.get('total_s', 0):.2f}")
+    lb = plan.solver.get("lower_bound_us")
+    t.add_row("backend / status", f"{plan.solver.get('backend')} / {plan.solver.get('status')}")
+    t.add_row("objective (µs)", _fmt_us(plan.objective_us))
+    if lb is not None and math.isfinite(lb):
+        gap = (plan.objective_us - lb) / max(abs(plan.objective_us), 1e-12)
+        t.add_row("lower bound (µs) / gap", f"{_fmt_us(lb)} / {100 * gap:.2f}%")
+    t.add_row(f"parameter bytes per device ({cfg.dtype})", _fmt_bytes(result.param_bytes))
+    mem = plan.memory
+    if mem.get("peak_bytes") is not None:
+        t.add_row("memory per device: peak / HBM", f"{_fmt_bytes(mem['peak_bytes'])} / {_fmt_bytes(mem['hbm_bytes'])}")
+        t.add_row("  params / grads / optimizer / activations",
+                  " / ".join(_fmt_bytes(mem[k]) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")))
+    console.print(t)
+
+    t = Table(title="Objective breakdown (µs per training step)", title_justify="left")
+    t.add_column("term")
+    t.add_column("µs", justify="right")
+    t.add_column("share", justify="right")
+    total = max(plan.objective_us, 1e-12)
+    t.add_row("compute", _fmt_us(plan.compute_us), f"{100 * plan.compute_us / total:.1f}%")
+    t.add_row("communication", _fmt_us(plan.comm_us), f"{100 * plan.comm_us / total:.1f}%")
+    for key, us in sorted(plan.comm_by_collective.items(), key=lambda kv: -kv[1]):
+        kind, axis = key.split("@")  # "all_gather@axis0"; a region's own: "all_to_all (moe)@axis0+1"
+        ranks = math.prod(mesh[a] for a in parse_collective_key(key)[2])
+        t.add_row(f"  {kind} on {axis.replace('axis', 'axis ')} ({ranks} ranks)", _fmt_us(us), f"{100 * us / total:.1f}%")
+    t.add_row("total", _fmt_us(plan.objective_us), "100.0%", style="bold")
+    console.print(t)
+
+    pm = plan.model
+    layer0 = sorted(f for f in plan.param_placements if ".0." in f or not any(ch.isdigit() for ch in f))
+    t = Table(title="Parameter placements (layer 0 and the non-layer parameters)", title_justify="left")
+    for col in ("parameter", "shape", "stored", "used as", "bytes/device"):
+        t.add_column(col, justify="right" if col == "bytes/device" else "left")
+    itemsize = _itemsize(cfg.dtype)
+    tied = {alias: node for node, aliases in pm.captured.tied_params.items() for alias in aliases}
+    for fqn in layer0:
+        node = pm.fqn_to_node.get(fqn) or tied[fqn]  # a tied alias is read through its parameter's node
+        val = pm.node_by_name[node].meta["val"]
+        stored = plan.param_placements[fqn]
+        uses = sorted({"".join(u[1]) for u in param_uses(pm, plan.node_strategy, pm.captured.param_fqn[node])})
+        local = pl.local_shape(tuple(val.shape), stored, mesh)
+        t.add_row(fqn, "x".join(map(str, val.shape)), pl.tuple_to_str(stored), ", ".join(uses) or "—",
+                  _fmt_bytes(math.prod(local) * itemsize))
+    console.print(t)
+
+    t = Table(title="What emerged, per mesh axis", title_justify="left")
+    t.add_column("axis")
+    t.add_column("size", justify="right")
+    t.add_column("role")
+    for axis, desc in emerged(plan).items():
+        t.add_row(axis.replace("axis", ""), str(mesh[int(axis[4:])]), desc)
+    console.print(t)
+
+    if result.recipes is not None:
+        _print_recipes(result, cfg, console)
+    for w in result.warnings:  # plan warnings and recipe checks; literal text, never markup
+        console.print(Text.assemble(("WARNING:", "bold red"), " ", w))
+
+
+def _print_recipes(result, cfg, console: Console) -> None:
+    from apmodel import recipes as R
+
+    plan = result.plan
+    base = plan.objective_us
+    t = Table(title="Found plan versus hand-written recipes (same cost model, same solver)", title_justify="left")
+    for col in ("plan", "param storage", "objective µs", "compute µs", "comm µs", "params/device", "peak memory",
+                "vs found"):
+        t.add_column(col, justify="left" if col in ("plan", "param storage") else "right")
+
+    def peak(p) -> Text:
+        """Peak memory per device, red and marked when it does not fit the limit."""
+        fits = result.fits(p)
+        text = _fmt_bytes(None if p is None else p.memory.get("peak_bytes"))
+        return Text(text + (" (over)" if fits is False else ""), style="red" if fits is False else "")
+
+    def pct(x: float) -> str:
+        return f"{100 * (x - base) / base:+.1f}%"
+
+    t.add_row("[bold]apmodel (found)[/]", cfg.param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
+              _fmt_us(plan.comm_us), _fmt_bytes(result.param_bytes), peak(plan), "0.0%")
+    ff = result.free_plan
+    if ff is not plan:
+        t.add_row("apmodel (free storage)", "free", _fmt_us(ff.objective_us), _fmt_us(ff.compute_us),
+                  _fmt_us(ff.comm_us), _fmt_bytes(result.free_plan_param_bytes), peak(ff), pct(ff.objective_us))
+    notes = []
+    for r in result.recipes:
+        policy = r.param_policy + ("" if R.within_default_space(R.get(r.name)) else " *")
+        if r.objective_us is None:
+            t.add_row(r.title, policy, Text(r.status, style="yellow"), "", "", "", "", "")
+            notes.append(f"{r.name}: {r.status} — {r.reason.splitlines()[0][:300]}")
+            continue
+        t.add_row(r.title, policy, _fmt_us(r.objective_us), _fmt_us(r.compute_us), _fmt_us(r.comm_us),
+                  _fmt_bytes(r.param_bytes), peak(r.plan), pct(r.objective_us))
+    console.print(t)
+    console.print("* outside the default search space (parameters not fully sharded: more bytes per device); "
+                  "compared with the free-storage plan, which contains every recipe.", style="dim", highlight=False)
+    if result.memory_limit_bytes is not None:
+        console.print(f"peak memory per device against the limit of {_fmt_bytes(result.memory_limit_bytes)} "
+                      "(--memory-limit-gb; default HBM less 10%); (over): does not fit.", style="dim", highlight=False)
+    for n in notes:
+        console.print(f"  {n}", style="dim", highlight=False, markup=False)
