@@ -131,7 +131,7 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
     if kind is not None and named is not None and named != kind:
         origin = m.group(1) if m else "its file name"
         raise ValueError(f"{src}: the log is from {origin} ({named}), not {kind}: fit it as {named} "
-                         f"(--kind {named}) or give a {kind} log")
+                         f"(--kind {named}) or give an nccl-tests log of {kind}")
     kind = kind or named
     log = NcclTestsLog(kind=kind, ranks=None, source=src)
     ranks = 0
