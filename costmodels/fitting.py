@@ -28,7 +28,6 @@ device with :mod:`costmodels.kernel_timing` and fits.
 from __future__ import annotations
 
 import copy
-import datetime as _dt
 import logging
 import math
 import time
@@ -573,11 +572,6 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
            "unconstrained_note": "no measured kernel depends on these parameters: starting values kept"}
     profile = result.profile.replace(provenance=prov, fit=fit)
     return Calibrated(doc, profile, reports, result)
-
-
-def utc_now() -> str:
-    """The current UTC time, ISO 8601 to the second (recorded as a measurement's date)."""
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
 # ----------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ are also replayed from a CUDA graph (``meas_graph_us``).
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import gc
 import logging
 import math
@@ -127,6 +128,11 @@ def local_spec(dev: torch.device, device_name: str | None = None) -> DeviceSpec:
         if key in name:
             return _device(spec_name)
     raise ValueError(f"cannot tell which device spec {name!r} is; pass --device-name (see `apmodel devices`)")
+
+
+def utc_now() -> str:
+    """The current UTC time, ISO 8601 to the second (recorded as a measurement's date)."""
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
 def describe_device(dev: torch.device) -> str:
@@ -542,7 +548,6 @@ def measurements_document(rows: Sequence[Mapping[str, Any]], skipped: Sequence[M
                           dev: torch.device, spec: DeviceSpec, *, quick: bool, threads: int) -> dict[str, Any]:
     """The JSON document of a measurement (schema :data:`costmodels.measured.MEASUREMENTS_SCHEMA`,
     loadable with :func:`costmodels.measured.load_measurements`)."""
-    from .fitting import utc_now
 
     hardware = describe_device(dev)
     software = f"PyTorch {torch.__version__} eager" + (f", {threads} CPU threads" if dev.type == "cpu" else "")

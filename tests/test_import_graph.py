@@ -1,5 +1,6 @@
-"""The import graph inside ``apmodel``: no cycles (counting imports inside functions), the CLI and
-the API on top, lowering the last stage (it imports no orchestration and no reference model)."""
+"""The import graph of the three packages (``apmodel``, ``costmodels``, ``solvers``): no cycles
+(counting imports inside functions, relative ones resolved), the CLI and the API on top, lowering
+the last stage (it imports no orchestration and no reference model)."""
 
 from __future__ import annotations
 
@@ -8,37 +9,50 @@ from pathlib import Path
 
 import apmodel
 
-ROOT = Path(apmodel.__file__).parent
+PACKAGES = ("apmodel", "costmodels", "solvers")
+ROOT = Path(apmodel.__file__).parent.parent
 
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for path in ROOT.rglob("*.py"):
-        parts = ("apmodel",) + path.with_suffix("").relative_to(ROOT).parts
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.with_suffix("").relative_to(ROOT).parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return mods
 
 
+def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module name of ``from {'.' * level}{module} import ...`` in ``module``'s file."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for _ in range(node.level - 1):
+        package = package.rsplit(".", 1)[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
 def import_graph() -> dict[str, set[str]]:
-    """module -> the apmodel modules it imports anywhere in its source (TYPE_CHECKING included)."""
+    """module -> the package modules it imports anywhere in its source (TYPE_CHECKING included)."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             targets: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = ([f"{node.module}.{a.name}" for a in node.names] if node.module == "apmodel"
-                           else [node.module])
+            if isinstance(node, ast.ImportFrom) and (node.level or node.module):
+                base = _absolute(name, path, node) if node.level else node.module
+                assert base is not None
+                # "from package import submodule" names the submodule
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             for t in targets:
                 while t not in mods and "." in t:
                     t = t.rsplit(".", 1)[0]
-                if t in mods and t.startswith("apmodel") and t != name:
+                if t in mods and t != name and t not in PACKAGES:
                     found.add(t)
         graph[name] = found
-    graph["apmodel"] = set()  # the package itself only maps public names to modules, lazily
+    for package in PACKAGES:  # a package's __init__ only maps public names to modules
+        graph[package] = set()
     return graph
 
 
@@ -65,7 +79,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert len(graph) > 30
+    assert len(graph) > 60 and {m.split(".")[0] for m in graph} == set(PACKAGES)
     assert _cycles(graph) == []
 
 
