@@ -95,6 +95,7 @@ __all__ = [
     "fused_attention_on_meta",
     "library_sees_tracing",
     "causal_mask_detection_off",
+    "with_children",
     "without_redistribute_costs",
     "fake_mesh",
     "has_sharding_rule",
@@ -519,6 +520,17 @@ def library_sees_tracing() -> Iterator[None]:
         yield
     finally:
         compiler._is_compiling_flag = previous
+
+
+def with_children(module: torch.nn.Module, children: dict[str, torch.nn.Module]) -> torch.nn.Module:
+    """A shallow copy of ``module`` whose child modules are exactly ``children`` (in that order):
+    the same parameters, buffers and attributes otherwise. ``nn.Module`` has no public way to
+    replace its children wholesale (``_modules`` is the registry ``add_module`` writes)."""
+    import copy
+
+    new = copy.copy(module)
+    new._modules = dict(children)
+    return new
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ Anything that does not fit falls back to the full trace (:func:`apmodel.tracing.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import re
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from apmodel._torch_private import with_children
 from apmodel.tracing import WRAPPED, TracedStep, trace, user_fqn
 
 logger = logging.getLogger("apmodel.capture")
@@ -117,13 +117,11 @@ def _truncated(model: nn.Module, stack: _LayerStack, k: int) -> nn.Module:
     names = stack.path.split(".") if stack.path else []
 
     def rebuild(module: nn.Module, depth: int) -> nn.Module:
-        new = copy.copy(module)
+        children = dict(module.named_children())
         if depth == len(names):
-            new._modules = {key: module._modules[key] for key in (*stack.before, *stack.keys[:k])}
-        else:
-            new._modules = dict(module._modules)
-            new._modules[names[depth]] = rebuild(module._modules[names[depth]], depth + 1)
-        return new
+            return with_children(module, {key: children[key] for key in (*stack.before, *stack.keys[:k])})
+        children[names[depth]] = rebuild(children[names[depth]], depth + 1)
+        return with_children(module, children)
 
     return rebuild(model, 0)
 

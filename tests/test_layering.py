@@ -29,7 +29,7 @@ SCANNED_PACKAGES = ("apmodel", "costmodels", "solvers")
 #: receiver's type in the syntax tree; each is one apmodel once read outside the boundary
 TORCH_PRIVATE_ATTRIBUTES = frozenset({
     "_schema", "_overloadname", "_overloadpacket", "_op_dk", "_dispatch_cache", "_codegen",
-    "_op_dispatcher", "_local_tensor", "_spec",
+    "_op_dispatcher", "_local_tensor", "_spec", "_modules", "_parameters", "_buffers",
 })
 
 
