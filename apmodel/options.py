@@ -32,6 +32,18 @@ EXECUTIONS: tuple[str, ...] = get_args(Execution)
 PRICING_DTYPES: tuple[str, ...] = get_args(PricingDtype)
 #: Bytes per element of each pricing dtype (``torch.<dtype>.itemsize``; fp8 is e4m3).
 PRICING_DTYPE_BYTES: Mapping[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+#: The torch dtype each pricing dtype names (the one table of dtype names in apmodel).
+TORCH_DTYPE_NAMES: Mapping[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                                        "fp8": "float8_e4m3fn"}
+
+
+def torch_dtype(name: str) -> Any:
+    """``torch.bfloat16`` for ``"bf16"`` and so on (torch imported here, not at module load)."""
+    import torch
+
+    if name not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(TORCH_DTYPE_NAMES)}")
+    return getattr(torch, TORCH_DTYPE_NAMES[name])
 
 #: Topology keys a configuration may override (``costmodels.Topology`` keyword arguments).
 TOPOLOGY_KEYS = ("intra_GBps", "inter_GBps", "intra_latency_us", "inter_latency_us", "nvls")

@@ -22,18 +22,13 @@ import costmodels
 from apmodel import placements as pl
 from apmodel._torch_private import tree_flatten, tree_unflatten
 from apmodel.regions import is_backward, region_of
-from apmodel.options import PlanOptions
+from apmodel.options import PRICING_DTYPES, PlanOptions, torch_dtype
 from apmodel.strategies import Strategy
 
 logger = logging.getLogger(__name__)
 
 #: Pricing dtypes by their option names (:data:`apmodel.options.PRICING_DTYPES`).
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-}
+DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in PRICING_DTYPES}
 
 #: Ops that only relabel memory; priced at 0 without asking the compute model.
 _FREE_TARGETS = {"getitem"}

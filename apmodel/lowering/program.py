@@ -37,7 +37,7 @@ from apmodel.lowering.graph import (
 )
 from apmodel.lowering.records import Redistribution
 from apmodel.options import run_precision_of
-from apmodel.pricing import DTYPES
+from apmodel.options import torch_dtype
 from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
 
 logger = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class LoweredProgram:
         self.reduce_dtype: torch.dtype | None = None
         """mixed precision: parameter gradients are cast to this dtype before they are reduced"""
         if precision is not None:
-            self.param_dtype, self.reduce_dtype = (DTYPES[name] for name in precision)
+            self.param_dtype, self.reduce_dtype = (torch_dtype(name) for name in precision)
             traced = {n.meta["val"].dtype for n in self.params if n.meta["val"].is_floating_point()}
             if traced - {self.param_dtype}:
                 raise ValueError(

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from apmodel.lowering.graph import _tensor_leaves, _tensor_vals, _tokens
 from apmodel.options import run_precision_of
-from apmodel.pricing import DTYPES
+from apmodel.options import torch_dtype
 
 # ----------------------------------------------------------------------------------------------
 # records
@@ -52,7 +52,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
     out: list[Redistribution] = []
     is_bwd = captured.is_backward
     precision = run_precision_of(getattr(plan, "workload", None) or {})
-    reduce_dtype = DTYPES[precision[1]] if precision is not None else None
+    reduce_dtype = torch_dtype(precision[1]) if precision is not None else None
 
     def moved_dtype(val: torch.Tensor, gradient: bool) -> torch.dtype:  # gradients move in the reduce dtype
         return reduce_dtype if gradient and reduce_dtype is not None and val.is_floating_point() else val.dtype
