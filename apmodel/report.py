@@ -328,7 +328,9 @@ def _recipe_rows(plan: "Plan", recipes: Sequence[Any], free_plan: "Plan | None")
         except (KeyError, ValueError):  # a recipe registered elsewhere: no claim about the space
             inside = True
         rows.append({"name": r.title, "policy": r.param_policy + ("" if inside else " *"), "objective": r.objective_us,
-                     "compute": r.compute_us, "comm": r.comm_us, "bytes": r.param_bytes, "status": r.status,
+                     "compute": r.compute_us, "comm": r.comm_us, "status": r.status,
+                     # what a device stores, as for the found plan (fp32 masters under mixed precision)
+                     "bytes": None if r.plan is None else r.plan.memory.get("params_bytes"),
                      "reason": (r.reason or "").splitlines()[0][:300] if r.reason else "; ".join(getattr(r, "notes", ()))})
     return rows
 

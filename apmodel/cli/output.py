@@ -162,8 +162,8 @@ def _print_recipes(result, cfg, console: Console) -> None:
     plan = result.plan
     base = plan.objective_us
     t = Table(title="Found plan versus hand-written recipes (same cost model, same solver)", title_justify="left")
-    for col in ("plan", "param storage", "objective µs", "compute µs", "comm µs", "params/device", "peak memory",
-                "vs found"):
+    for col in ("plan", "param storage", "objective µs", "compute µs", "comm µs", "params/device stored",
+                "peak memory", "vs found"):
         t.add_column(col, justify="left" if col in ("plan", "param storage") else "right")
 
     def peak(p) -> Text:
@@ -172,15 +172,20 @@ def _print_recipes(result, cfg, console: Console) -> None:
         text = _fmt_bytes(None if p is None else p.memory.get("peak_bytes"))
         return Text(text + (" (over)" if fits is False else ""), style="red" if fits is False else "")
 
+    def stored(p) -> str:
+        """Parameter bytes a device holds (the memory model's: fp32 masters under mixed precision),
+        the same figure the report shows for every row."""
+        return _fmt_bytes(None if p is None else p.memory.get("params_bytes"))
+
     def pct(x: float) -> str:
         return f"{100 * (x - base) / base:+.1f}%"
 
     t.add_row("[bold]apmodel (found)[/]", cfg.param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
-              _fmt_us(plan.comm_us), _fmt_bytes(result.param_bytes), peak(plan), "0.0%")
+              _fmt_us(plan.comm_us), stored(plan), peak(plan), "0.0%")
     ff = result.free_plan
     if ff is not plan:
         t.add_row("apmodel (free storage)", "free", _fmt_us(ff.objective_us), _fmt_us(ff.compute_us),
-                  _fmt_us(ff.comm_us), _fmt_bytes(result.free_plan_param_bytes), peak(ff), pct(ff.objective_us))
+                  _fmt_us(ff.comm_us), stored(ff), peak(ff), pct(ff.objective_us))
     notes = []
     for r in result.recipes:
         policy = r.param_policy + ("" if R.within_default_space(R.get(r.name)) else " *")
@@ -189,7 +194,7 @@ def _print_recipes(result, cfg, console: Console) -> None:
             notes.append(f"{r.name}: {r.status} — {r.reason.splitlines()[0][:300]}")
             continue
         t.add_row(r.title, policy, _fmt_us(r.objective_us), _fmt_us(r.compute_us), _fmt_us(r.comm_us),
-                  _fmt_bytes(r.param_bytes), peak(r.plan), pct(r.objective_us))
+                  stored(r.plan), peak(r.plan), pct(r.objective_us))
     console.print(t)
     console.print("* outside the default search space (parameters not fully sharded: more bytes per device); "
                   "compared with the free-storage plan, which contains every recipe.", style="dim", highlight=False)
