@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 ROLES: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     "fsdp": ("FSDP", "#3b6fb6", "sharded in storage, all-gathered for use"),
     "tp": ("TP", "#f28e2b", "used sharded by the op that computes with it"),
+    "ep": ("EP", "#76b7b2", "experts split over the axis; tokens travel to them (expert parallelism)"),
     "dp": ("data parallel", "#59a14f", "activation sharded on the batch dim S(0)"),
     "sp": ("sequence parallel", "#b07aa1", "activation sharded on the sequence dim S(1)"),
     "sharded": ("sharded", "#a0cbe8", "sharded in storage; use not known or not read by the forward"),
@@ -194,6 +195,21 @@ def _param_role(stored: str, uses: list[str] | None) -> str:
     return "replicated"
 
 
+def _expert_parallel_use(pm: Any, ns: Mapping[str, Any], uses: list, axis: int) -> bool:
+    """Whether a parameter is read sharded on ``axis`` by a ``local_map`` region that runs its
+    expert-parallel alternative there (stacked expert weights: EP, not tensor parallelism)."""
+    from apmodel.regions import is_backward, region_of
+
+    for name, placements in uses:
+        node = pm.node_by_name.get(name)
+        region = region_of(node.target) if node is not None and node.op == "call_function" else None
+        if region is None or is_backward(node.target) or name not in ns or not placements[axis].startswith("S"):
+            continue
+        if (region.alternative_on_axes(ns[name].inputs, backward=False)[axis] or "").startswith("expert"):
+            return True
+    return False
+
+
 def _activation_role(token: str) -> str:
     if token == "S(0)":
         return "dp"
@@ -230,6 +246,8 @@ def _placement_data(plan: "Plan") -> tuple[list[_Block], list[_ParamRow]]:
         for a in axes:
             used = None if uses is None else sorted({u[1][a] for u in uses})
             role = _param_role(stored[a], used)
+            if role == "tp" and uses is not None and _expert_parallel_use(pm, ns, uses, a):
+                role = "ep"
             roles.append(role)
             use_text = "?" if used is None else "/".join(used) or "–"
             text = stored[a] if used is None else f"{stored[a]}→{use_text}"

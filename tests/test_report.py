@@ -369,3 +369,21 @@ def test_page_renders_in_a_headless_browser(page, tmp_path):
         rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
         hits = int((np.abs(img - rgb).max(axis=-1) < 0.03).sum())
         assert hits > 200, f"{colour}: {hits} pixels"
+
+
+def test_expert_parallel_weights_are_labelled_ep_not_tp():
+    """Stacked expert weights read sharded by the MoE region's expert-parallel alternative are EP on
+    that axis; the same weights split by its tensor-parallel alternative stay TP."""
+    import torch
+
+    import apmodel
+    from apmodel.models import build, sample_inputs
+
+    with torch.device("meta"):
+        model = build("moe-debug")
+    plan = apmodel.plan(model, (2, 4), sample_inputs("moe-debug", 8, 256), device="h100",
+                        constraints=[apmodel.region_as("routed_experts_*", "tensor_parallel", "expert_parallel")])
+    _, table = report._placement_data(plan)
+    experts = [r for r in table if ".moe.experts." in r.name]
+    assert experts and all(r.roles == ["tp", "ep"] for r in experts), [(r.name, r.roles) for r in experts]
+    assert "EP" in report.ROLES["ep"][0]
