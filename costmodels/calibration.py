@@ -235,9 +235,16 @@ def size_class_medians(rows: Iterable[tuple[int, float]]) -> dict[str, float]:
     return out
 
 
-def _measured_time_us(row: "NcclTestsRow", use: str) -> float:
+def measured_time_us(row: "NcclTestsRow", use: str) -> float:
+    """A row's measured µs: ``use`` is "out_of_place", "in_place" or "min" (of the two)."""
     return {"out_of_place": row.oop_time_us, "in_place": row.ip_time_us,
             "min": min(row.oop_time_us, row.ip_time_us)}[use]
+
+
+def _require_comm_model(where: str, base: Any) -> None:
+    if not callable(getattr(base, "time_us", None)):
+        raise TypeError(f"{where}: base must be a collective model with time_us(kind, nbytes, axis) "
+                        f"(costmodels.NCCLCollectives), got {type(base).__name__}")
 
 
 class CalibrationMismatch(ValueError):
@@ -322,9 +329,7 @@ class Calibration:
         if use not in ("out_of_place", "in_place", "min"):
             raise ValueError(f"use must be 'out_of_place', 'in_place' or 'min', got {use!r}")
         mesh = tuple(int(n) for n in (getattr(base, "mesh_shape", None) or ()))
-        if not callable(getattr(base, "time_us", None)):
-            raise TypeError(f"Calibration.fit: base must be a collective model with time_us(kind, nbytes, axis) "
-                            f"(costmodels.NCCLCollectives), got {type(base).__name__}")
+        _require_comm_model("Calibration.fit", base)
         logs = list(logs)
         for i, item in enumerate(logs):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], NcclTestsLog)
@@ -350,7 +355,7 @@ class Calibration:
             for r in log.rows:
                 if r.size_bytes < min_bytes:
                     continue
-                meas = _measured_time_us(r, use)
+                meas = measured_time_us(r, use)
                 model = float(base.time_us(log.kind, r.size_bytes, axis))
                 if model <= 0:
                     raise ValueError(f"{log.source}: line {r.line}: model time is 0 for "
@@ -379,9 +384,9 @@ class Calibration:
             kind = log.kind
             if kind is None:
                 raise ValueError(f"{log.source}: collective kind unknown; pass kind= to parse_nccl_tests")
-            before = size_class_medians((r.size_bytes, _measured_time_us(r, use) / base.time_us(kind, r.size_bytes, axis))
+            before = size_class_medians((r.size_bytes, measured_time_us(r, use) / base.time_us(kind, r.size_bytes, axis))
                                         for r in log.rows)
-            after = size_class_medians((r.size_bytes, _measured_time_us(r, use) / calibrated.time_us(kind, r.size_bytes, axis))
+            after = size_class_medians((r.size_bytes, measured_time_us(r, use) / calibrated.time_us(kind, r.size_bytes, axis))
                                        for r in log.rows)
             for name in before:
                 worse = abs(math.log(after[name])) > abs(math.log(before[name])) + 1e-9
@@ -483,9 +488,7 @@ class CalibratedCollectives:
         if not isinstance(calibration, Calibration):
             raise TypeError(f"CalibratedCollectives: calibration must be a Calibration (Calibration.load(path) for a "
                             f"saved file), got {type(calibration).__name__}")
-        if not callable(getattr(base, "time_us", None)):
-            raise TypeError(f"CalibratedCollectives: base must be a collective model with time_us(kind, nbytes, axis), "
-                            f"got {type(base).__name__}")
+        _require_comm_model("CalibratedCollectives", base)
         self.base = base
         self.calibration = calibration
         self.mesh_shape = tuple(getattr(base, "mesh_shape", ()))

@@ -55,6 +55,11 @@ NET_OVERHEAD_SIMPLE_FACTOR = 3.0
 # Protocol bandwidth fractions (NCCL tuning.cc "model refinements"):
 #: LL sends 8-byte lines of 4 B data + 4 B flag: ring busBw * .5, capped at llMaxBw.
 LL_BW_FRACTION = 0.5
+#: Tree bus bandwidth -> algorithm bandwidth in NCCL's model: every byte goes up and down the tree.
+TREE_ALGBW_RATIO = 0.5
+#: NVLS all-reduce algorithm bandwidth / NVLink line rate before the fit: published 8 x H100 NVLS
+#: all-reduce reaches ~275 GB/s algbw on 450 GB/s links (NVIDIA/nccl-tests issue #212), 0.61.
+NVLS_ALGBW_FRACTION_PUBLISHED = 0.60
 #: LL128 sends 128-byte lines with 120 B of data; NCCL uses 0.92 ("120.0/128.0").
 LL128_BW_FRACTION = 0.92
 #: Tree all-reduce: busBw * .92; tree LL: busBw / 3.8; tree LL128 (single node): 7/9.
@@ -117,7 +122,8 @@ class MeasuredNccl:
     def nccl_tuning_table(cls) -> "MeasuredNccl":
         """NCCL's tuning model alone: no launch, NCCL's LL, NVLS and tree figures, every tree."""
         return cls(launch_us=0.0, ll_bw_fraction=LL_BW_FRACTION, nvls_latency_us=HW_LATENCY_US_NVLS,
-                   nvls_algbw_fraction=0.60, tree_algbw_ratio=0.5, tree_max_nodes=1 << 30,
+                   nvls_algbw_fraction=NVLS_ALGBW_FRACTION_PUBLISHED, tree_algbw_ratio=TREE_ALGBW_RATIO,
+                   tree_max_nodes=1 << 30,
                    all_to_all_bw_fraction=1.0, all_to_all_peer_us=None)
 
 
@@ -264,7 +270,7 @@ class NCCLCollectives:
         elif algo == NVLS:
             algbw = link.intra_GBps * self.measured.nvls_algbw_fraction
         elif algo == TREE:
-            algbw = bus * (0.5 if nodes == 1 else self.measured.tree_algbw_ratio)
+            algbw = bus * (TREE_ALGBW_RATIO if nodes == 1 else self.measured.tree_algbw_ratio)
         else:  # PAT: bus bandwidth as all-gather/reduce-scatter
             algbw = bus * n / (n - 1)
 

@@ -60,6 +60,9 @@ RING_EFFICIENCY_AMPERE = 235.0 / 300.0
 #: to the 2- and 4-node logs in tests/data/nccl_published/ (0.79; a raw ib_write_bw reaches
 #: ~0.92 of a 400 Gb/s ConnectX-7, which NCCL's protocol overheads do not).
 NET_EFFICIENCY = 0.79
+#: What the collective model assumed before the fit: ib_write_bw on a 400 Gb/s ConnectX-7 reaches
+#: ~46 of 50 GB/s.
+RAW_NIC_EFFICIENCY = 0.92
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from .calibration import SIZE_CLASSES as SIZE_CLASSES  # re-exported: the classes comparisons use
-from .calibration import NcclTestsLog, parse_nccl_tests, size_class_medians
+from .calibration import NcclTestsLog, measured_time_us, parse_nccl_tests, size_class_medians
 from .collectives import MeasuredNccl, NCCLCollectives
-from .hardware import NET_EFFICIENCY, device
+from .hardware import NET_EFFICIENCY, RAW_NIC_EFFICIENCY, device
 from .topology import Topology
 
 #: The constants :func:`fit` varies, with their bounds: wide enough not to decide the result.
@@ -51,8 +51,7 @@ class PublishedLog:
 
     def measured_us(self) -> list[tuple[int, float]]:
         """(size in bytes, measured µs) of every row, from the column the post reports."""
-        pick = (lambda r: r.ip_time_us) if self.column == "in_place" else (lambda r: r.oop_time_us)
-        return [(r.size_bytes, pick(r)) for r in self.log.rows]
+        return [(r.size_bytes, measured_time_us(r, self.column)) for r in self.log.rows]
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,7 @@ def compare(logs: Sequence[PublishedLog], measured: MeasuredNccl | None = None,
 
 def nccl_table_constants() -> tuple[MeasuredNccl, float]:
     """NCCL's own tuning model with nothing measured added: the constants before the fit."""
-    return MeasuredNccl.nccl_tuning_table(), 0.92
+    return MeasuredNccl.nccl_tuning_table(), RAW_NIC_EFFICIENCY
 
 
 def fit(logs: Sequence[PublishedLog], start: MeasuredNccl | None = None) -> tuple[MeasuredNccl, float]:

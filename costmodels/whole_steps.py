@@ -138,16 +138,14 @@ def load_steps(path: str | Path | None = None, device: str = "h200") -> list[Mea
 
 def predict_step(model: MeasuredCompute, step: MeasuredStep) -> StepPrediction:
     """The eager step on one stream: every call's host time against kernels plus gaps."""
-    prices = []
-    for c in step.calls:
-        prices.extend([model.price(c.call.op, c.call.args, c.call.kwargs, c.call.out, None)] * c.count)
+    distinct = [model.price(c.call.op, c.call.args, c.call.kwargs, c.call.out, None) for c in step.calls]
+    prices = [p for p, c in zip(distinct, step.calls) for _ in range(c.count)]
     host_only = step.n_calls - len(prices)
     host_only_us = host_only * model.host_only_call_us
     predicted = model.stream_us(prices, extra_cpu_us=host_only_us)
     host = sum(p.cpu_us for p in prices) + host_only_us
     gpu = sum(p.gpu_us for p in prices) + sum(1 for p in prices if p.gpu_us > 0) * model.launch_gap_us
-    per_call = tuple(model.time_us(c.call.op, c.call.args, c.call.kwargs, c.call.out) for c in step.calls)
-    return StepPrediction(step, predicted, host, gpu, per_call)
+    return StepPrediction(step, predicted, host, gpu, tuple(model.combine(p) for p in distinct))
 
 
 def spearman(predictions: Sequence[StepPrediction]) -> float:
