@@ -8,7 +8,7 @@
     python benchmarks/compute_profile.py --execution graphs   # rows with CUDA-graph timings
 
 The measurements are ``costmodels/profiles/<device>_kernels.json`` (or ``--measurements PATH``);
-each row is turned into the ATen calls it ran (:func:`costmodels.measured.row_calls`) and priced by
+each row is turned into the ATen calls it ran (:func:`costmodels.measurements.row_calls`) and priced by
 :class:`costmodels.MeasuredCompute`. The fit is :func:`costmodels.fitting.fit_profile` (least
 squares on ``ln(predicted / measured)`` by class, see :mod:`costmodels.fitting`); this script is a
 thin command line over it (``apmodel calibrate-compute`` is the other one: it measures the local
@@ -34,6 +34,7 @@ sys.path.insert(0, str(_HERE.parent))
 import costmodels as cm  # noqa: E402
 from costmodels import fitting  # noqa: E402
 from costmodels import measured as ms  # noqa: E402
+from costmodels import measurements as mr  # noqa: E402
 
 
 def fit(data: fitting.Rows, device: str, log: Callable[[str], None]) -> ms.ComputeProfile:
@@ -113,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     quiet = args.json == "-"
     log = (lambda s: print(s, file=sys.stderr)) if quiet else print
-    meas = ms.load_measurements(args.measurements, device=args.device)
+    meas = mr.load_measurements(args.measurements, device=args.device)
     data = fitting.Rows(meas["rows"])
     if args.fit:
         prof = fit(data, args.device, log)
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for mode, field, cache in (("eager", "meas_us", "warm"), ("graphs", "meas_graph_us", "warm"),
                                ("eager_cold", "meas_us", "cold")):
         model = ms.MeasuredCompute(args.device, prof, execution=mode.split("_")[0], cache=cache)
-        reports[mode] = ms.fit_report(model, data.rows, measured=field, worst=max(args.worst, 5))
+        reports[mode] = mr.fit_report(model, data.rows, measured=field, worst=max(args.worst, 5))
     if args.fit:
         name = Path(args.measurements).name if args.measurements else f"{args.device}_kernels.json"
         prof = with_provenance(prof, meas, reports["eager"], reports["graphs"], name)

@@ -40,6 +40,7 @@ import costmodels as cm  # noqa: E402
 from costmodels import fitting  # noqa: E402
 from costmodels import kernel_timing as kt  # noqa: E402
 from costmodels import measured as ms  # noqa: E402
+from costmodels import measurements as mr  # noqa: E402
 
 #: Factor within which an op counts as predicted.
 FACTOR = 1.5
@@ -134,20 +135,20 @@ def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREAD
     calls = [c for c in recorded if fitted.time_us(*c.on_meta()) > 0]   # views and getitem are free
     fit_shapes = {tuple(tuple(s) for s in r["shapes"]) for r in fit_rows or ()}
     overlap = [str(c.op) for c in calls
-               if tuple(tuple(t.shape) for t in ms._tensors(c.args)) in fit_shapes]
+               if tuple(tuple(t.shape) for t in cm.compute._tensors(c.args)) in fit_shapes]
     reference = list(fit_rows or ())[::max(1, len(fit_rows or ()) // DRIFT_REFERENCE_ROWS)][:DRIFT_REFERENCE_ROWS]
     cpu = torch.device("cpu")
     factories = [c.runner for c in calls] + [
-        (lambda row=row, i=i: kt.runner(kt.materialize(ms.row_calls(row), cpu, seed=i)))
+        (lambda row=row, i=i: kt.runner(kt.materialize(mr.row_calls(row), cpu, seed=i)))
         for i, row in enumerate(reference)]
     with kt.threads_set(threads) as n_threads:
         all_times = kt.time_interleaved(factories, cpu, quick=quick)
-    bad = [(str(f), t) for f, t in zip([str(c.op) for c in calls] + [ms.describe_row(r) for r in reference],
+    bad = [(str(f), t) for f, t in zip([str(c.op) for c in calls] + [mr.describe_row(r) for r in reference],
                                        all_times) if not isinstance(t, float)]
     if bad:
         raise RuntimeError(f"could not time {bad[0][0]}: {bad[0][1]}")
     times, again = all_times[:len(calls)], all_times[len(calls):]
-    drift = ms._median(sorted(now / row["meas_us"] for now, row in zip(again, reference))) if reference else 1.0
+    drift = mr._median(sorted(now / row["meas_us"] for now, row in zip(again, reference))) if reference else 1.0
     metas = [c.on_meta() for c in calls]
     return {
         "recorded": len(recorded), "threads": n_threads, "in_fit_set": overlap, "drift": drift,

@@ -1,6 +1,6 @@
-"""Fit a :class:`~costmodels.measured.ComputeProfile` to kernel timings (least squares).
+"""Fit a :class:`~costmodels.compute_profile.ComputeProfile` to kernel timings (least squares).
 
-Each measured row (see :func:`costmodels.measured.row_calls`) is turned into the ATen calls it ran
+Each measured row (see :func:`costmodels.measurements.row_calls`) is turned into the ATen calls it ran
 and priced by :class:`~costmodels.measured.MeasuredCompute` with ``cache="warm"`` (a measurement
 replays one op on the same buffers). The fit minimises the squared ``ln(predicted / measured)``
 by class, a few interpretable parameters each (see the module docstring of
@@ -37,6 +37,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import measured as ms
+from . import measurements as mr
+from .compute import _tensors
+from .compute_profile import _thaw
 from .hardware import DeviceSpec, device as _device
 
 logger = logging.getLogger(__name__)
@@ -245,7 +248,7 @@ def settings_for(device: str | DeviceSpec, *, sm_count: int | None = None,
     initial = initial_params()
     h200 = ms.ComputeProfile(device="h200", params=initial, reference=reference_of("h200"))
     if not h200.matches(spec):
-        initial = ms._thaw(h200.scaled_to(spec).params)
+        initial = _thaw(h200.scaled_to(spec).params)
     if cache_MiB is not None:
         initial["memory"]["l2_MiB"] = float(cache_MiB)
     return FitSettings(initial=initial, reference=reference)
@@ -291,7 +294,7 @@ class Rows:
 
     def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
         self.rows = list(rows)
-        self.calls = [ms.row_calls(r) for r in self.rows]
+        self.calls = [mr.row_calls(r) for r in self.rows]
 
     def subset(self, pred: Callable[[Mapping[str, Any]], bool]) -> list[int]:
         return [i for i, r in enumerate(self.rows) if pred(r)]
@@ -308,12 +311,12 @@ def _residuals(params: dict, reference: Mapping[str, Any], device: DeviceSpec, d
     eager = ms.MeasuredCompute(device, prof, execution="eager", cache="warm")
     for i in idx:
         r = data.rows[i]
-        res.append(math.log(ms.predict_row(eager, r, data.calls[i]) / float(r["meas_us"])))
+        res.append(math.log(mr.predict_row(eager, r, data.calls[i]) / float(r["meas_us"])))
     if graph_idx:
         graphs = ms.MeasuredCompute(device, prof, execution="graphs", cache="warm")
         for i in graph_idx:
             r = data.rows[i]
-            res.append(graph_weight * math.log(ms.predict_row(graphs, r, data.calls[i]) / float(r["meas_graph_us"])))
+            res.append(graph_weight * math.log(mr.predict_row(graphs, r, data.calls[i]) / float(r["meas_graph_us"])))
     return np.asarray(res)
 
 
@@ -387,7 +390,7 @@ def fit_profile(rows: Rows | Sequence[Mapping[str, Any]], device: str | DeviceSp
     data = rows if isinstance(rows, Rows) else Rows(rows)
     say: Log = log or (lambda s: logger.info("%s", s))
     reference = settings.reference
-    params = copy.deepcopy(ms._thaw(settings.initial))
+    params = copy.deepcopy(_thaw(settings.initial))
     # a backend without measurements (cuDNN on a CPU) takes flash's parameters
     att_rows = {r["op"].split("_")[1] for r in data.rows if r["op"].startswith("sdpa_") and r.get("meas_us") is not None}
     if att_rows and "flash" in att_rows:
@@ -458,7 +461,7 @@ def _rounded(x: Any) -> Any:
 # ----------------------------------------------------------------------------------------
 def fit_reports(profile: ms.ComputeProfile, rows: Sequence[Mapping[str, Any]], device: str | DeviceSpec,
                 worst: int = 10) -> dict[str, dict[str, Any]]:
-    """Predicted vs measured (:func:`costmodels.measured.fit_report`) in the measurement
+    """Predicted vs measured (:func:`costmodels.measurements.fit_report`) in the measurement
     condition, eager and (where the profile has them) CUDA graphs, and eager with the planner's
     default ``cache="cold"``."""
     out = {}
@@ -469,12 +472,12 @@ def fit_reports(profile: ms.ComputeProfile, rows: Sequence[Mapping[str, Any]], d
             out[mode] = {"rows": 0}
             continue
         model = ms.MeasuredCompute(device, profile, execution=execution, cache=cache)
-        out[mode] = ms.fit_report(model, rows, measured=fld, worst=worst)
+        out[mode] = mr.fit_report(model, rows, measured=fld, worst=worst)
     return out
 
 
 def summary(rep: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON-sized summary of a :func:`costmodels.measured.fit_report` (rounded; 5 worst rows)."""
+    """The JSON-sized summary of a :func:`costmodels.measurements.fit_report` (rounded; 5 worst rows)."""
     if not rep.get("rows"):
         return {"rows": 0}
     return {
@@ -499,7 +502,7 @@ FITTED_BY = "apmodel calibrate-compute (costmodels.fitting: least squares on ln(
 @dataclass
 class Calibrated:
     """Result of :func:`calibrate_compute`: the measurement document (JSON-ready; schema
-    :data:`costmodels.measured.MEASUREMENTS_SCHEMA`), the fitted profile with provenance and fit
+    :data:`costmodels.measurements.MEASUREMENTS_SCHEMA`), the fitted profile with provenance and fit
     summary, and the reports behind it."""
 
     measurements: dict[str, Any]
@@ -577,7 +580,7 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
 # ----------------------------------------------------------------------------------------
 # Held-out checks
 # ----------------------------------------------------------------------------------------
-def prediction_report(model: Any, calls: Sequence[ms.Call], measured_us: Sequence[float],
+def prediction_report(model: Any, calls: Sequence[mr.Call], measured_us: Sequence[float],
                       factor: float = 1.5, worst: int = 10) -> dict[str, Any]:
     """Predicted (``model.time_us`` of each meta call) against measured µs: per call the factor
     ``max(pred/meas, meas/pred)``; overall the median factor, the largest, and the share of calls
@@ -585,12 +588,12 @@ def prediction_report(model: Any, calls: Sequence[ms.Call], measured_us: Sequenc
     items: list[dict[str, Any]] = []
     for c, meas in zip(calls, measured_us):
         pred = float(model.time_us(c.op, c.args, c.kwargs, c.out))
-        items.append({"op": str(c.op), "shapes": [list(t.shape) for t in ms._tensors(c.args)],
+        items.append({"op": str(c.op), "shapes": [list(t.shape) for t in _tensors(c.args)],
                       "meas_us": float(meas), "pred_us": pred,
                       "factor": max(pred / meas, meas / pred) if pred > 0 else math.inf})
     if not items:
         return {"ops": 0}
     factors: list[float] = sorted(float(it["factor"]) for it in items)
-    return {"ops": len(items), "median_factor": ms._median(factors), "max_factor": factors[-1],
+    return {"ops": len(items), "median_factor": mr._median(factors), "max_factor": factors[-1],
             "within": sum(f <= factor for f in factors) / len(factors), "factor": factor,
             "worst": sorted(items, key=lambda it: -it["factor"])[:worst], "items": items}

@@ -1,7 +1,7 @@
 """Time kernels on the local device: the kernel set a compute profile is fitted to, and the timer.
 
 A kernel set is a list of rows in the format of ``profiles/h200_kernels.json`` (``op``, ``shapes``,
-``dtype``; see :func:`costmodels.measured.row_calls`): a matmul grid with misaligned dimensions,
+``dtype``; see :func:`costmodels.measurements.row_calls`): a matmul grid with misaligned dimensions,
 memory-bound ops of several sizes (elementwise, transcendental, dtype conversion, reductions,
 norms, softmax and log-softmax), embedding forward and backward, fused attention where the device
 has it, and the smallest sizes, which measure the launch floor. On a GPU it is the H200 file's
@@ -9,7 +9,7 @@ rows (the quick set: those that move at most :data:`CUDA_QUICK_MAX_BYTES` and do
 :data:`CUDA_QUICK_MAX_FLOPS`); on a CPU a smaller set of the same kinds, in fp32 (CPU training's
 dtype) with a few bf16 matmuls and conversions.
 
-Every row is run as the ATen calls :func:`~costmodels.measured.row_calls` prices, on real tensors
+Every row is run as the ATen calls :func:`~costmodels.measurements.row_calls` prices, on real tensors
 (:func:`materialize`), so what is timed is exactly what is predicted. The method
 (:data:`METHOD`, :func:`time_interleaved`): a few passes over the whole set, in each a warm-up per
 kernel, then repeats of back-to-back calls and their median time per call; a kernel's time is
@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from . import measured as ms
+from . import measurements as mr
+from .compute import _op_name, _tensors
 from .hardware import DeviceSpec, device as _device
 
 logger = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ def _cpu_rows(quick: bool) -> list[dict[str, Any]]:
 def _embedding_backward_row(vocab: int, dim: int, tokens: int, dtype: str) -> dict[str, Any]:
     """An ``embedding_dense_backward`` row; ``bytes`` (table + gradient rows + int64 indices)
     carries the table size, as in the H200 file."""
-    isz = ms._DTYPES_BY_NAME[dtype].itemsize
+    isz = mr._DTYPES_BY_NAME[dtype].itemsize
     return {"op": "embedding_dense_backward", "shapes": [[tokens, dim], [tokens]], "dtype": dtype,
             "bytes": vocab * dim * isz + tokens * dim * isz + tokens * 8}
 
@@ -265,7 +266,7 @@ def _cuda_rows(quick: bool) -> list[dict[str, Any]]:
     """The GPU kernel set: the rows of the shipped H200 measurements (their shapes only)."""
     keep = ("op", "shapes", "dtype", "causal", "flops", "bytes")
     rows = []
-    for r in ms.load_measurements(device="h200")["rows"]:
+    for r in mr.load_measurements(device="h200")["rows"]:
         if quick and (float(r.get("bytes", 0)) > CUDA_QUICK_MAX_BYTES or float(r.get("flops", 0)) > CUDA_QUICK_MAX_FLOPS):
             continue
         row = {k: r[k] for k in keep if k in r}
@@ -291,7 +292,7 @@ def kernel_rows(device_type: str, *, quick: bool = False) -> list[dict[str, Any]
 def _index_bound(op: Any, args: tuple) -> int:
     """Exclusive upper bound of the integer index arguments of ``op`` (rows of the table an
     embedding reads, classes of a loss); 1 (all zeros) for other ops."""
-    name = ms._op_name(op)
+    name = _op_name(op)
     if name == "embedding" and isinstance(args[0], torch.Tensor):
         return int(args[0].shape[0])
     if name == "embedding_dense_backward":
@@ -301,7 +302,7 @@ def _index_bound(op: Any, args: tuple) -> int:
     return 1
 
 
-def materialize(calls: Sequence[ms.Call], dev: torch.device, seed: int = 0) -> list[tuple[Any, tuple, dict]]:
+def materialize(calls: Sequence[mr.Call], dev: torch.device, seed: int = 0) -> list[tuple[Any, tuple, dict]]:
     """``(op, args, kwargs)`` on real tensors of ``dev`` for meta ``calls``: each meta tensor
     becomes a tensor of the same shape, strides and dtype (normal values; indices within the
     table or class count they index); a call's outputs feed the later calls that used them."""
@@ -484,11 +485,11 @@ def time_interleaved(factories: Sequence[Callable[[], Callable[[], None]]], dev:
 # ----------------------------------------------------------------------------------------
 # Measuring a kernel set
 # ----------------------------------------------------------------------------------------
-def _row_bytes(calls: Sequence[ms.Call]) -> int:
+def _row_bytes(calls: Sequence[mr.Call]) -> int:
     seen: set[int] = set()
     total = 0
     for c in calls:
-        for t in ms._tensors(c.args) + ms._tensors(c.kwargs) + ms._tensors(c.out):
+        for t in _tensors(c.args) + _tensors(c.kwargs) + _tensors(c.out):
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
@@ -511,7 +512,7 @@ def measure_rows(rows: Sequence[Mapping[str, Any]], dev: torch.device, *, quick:
 
     def factory(i: int, row: Mapping[str, Any]) -> Callable[[], Callable[[], None]]:
         def build() -> Callable[[], None]:
-            calls = ms.row_calls(row)
+            calls = mr.row_calls(row)
             if free is not None and _row_bytes(calls) > CUDA_MEMORY_SHARE * free:
                 raise MemoryError(f"needs {_row_bytes(calls) / 2**30:.1f} GiB of the GPU's "
                                   f"{free / 2**30:.1f} GiB free")
@@ -522,7 +523,7 @@ def measure_rows(rows: Sequence[Mapping[str, Any]], dev: torch.device, *, quick:
                     graph_us[i] = time_graph_us(run, dev, quick=quick)
                 except RuntimeError as e:  # capture refused: keep the eager timing
                     graph_us[i] = math.nan
-                    logger.warning("CUDA graph of %s failed (%s); eager timing only", ms.describe_row(row), e)
+                    logger.warning("CUDA graph of %s failed (%s); eager timing only", mr.describe_row(row), e)
             return run
         return build
 
@@ -531,29 +532,29 @@ def measure_rows(rows: Sequence[Mapping[str, Any]], dev: torch.device, *, quick:
     skipped: list[dict[str, Any]] = []
     for i, (row, t) in enumerate(zip(rows, times)):
         if isinstance(t, BaseException):
-            logger.warning("skipped %s: %s", ms.describe_row(row), _error_text(t))
-            skipped.append({"row": ms.describe_row(row), "error": _error_text(t)})
+            logger.warning("skipped %s: %s", mr.describe_row(row), _error_text(t))
+            skipped.append({"row": mr.describe_row(row), "error": _error_text(t)})
             continue
         out = dict(row)
         out["meas_us"] = t
         if math.isfinite(graph_us.get(i, math.nan)):
             out["meas_graph_us"] = graph_us[i]
         measured.append(out)
-        logger.info("kernel %d/%d: %s: %.2f µs%s", i + 1, len(rows), ms.describe_row(row), t,
+        logger.info("kernel %d/%d: %s: %.2f µs%s", i + 1, len(rows), mr.describe_row(row), t,
                     f" (graph {out['meas_graph_us']:.2f} µs)" if "meas_graph_us" in out else "")
     return measured, skipped
 
 
 def measurements_document(rows: Sequence[Mapping[str, Any]], skipped: Sequence[Mapping[str, Any]],
                           dev: torch.device, spec: DeviceSpec, *, quick: bool, threads: int) -> dict[str, Any]:
-    """The JSON document of a measurement (schema :data:`costmodels.measured.MEASUREMENTS_SCHEMA`,
-    loadable with :func:`costmodels.measured.load_measurements`)."""
+    """The JSON document of a measurement (schema :data:`costmodels.measurements.MEASUREMENTS_SCHEMA`,
+    loadable with :func:`costmodels.measurements.load_measurements`)."""
 
     hardware = describe_device(dev)
     software = f"PyTorch {torch.__version__} eager" + (f", {threads} CPU threads" if dev.type == "cpu" else "")
     method = method_text(dev.type, quick)
     return {
-        "schema": ms.MEASUREMENTS_SCHEMA,
+        "schema": mr.MEASUREMENTS_SCHEMA,
         "device": spec.name,
         "device_type": dev.type,
         "hardware": hardware,
@@ -566,7 +567,7 @@ def measurements_document(rows: Sequence[Mapping[str, Any]], skipped: Sequence[M
         "provenance": {"origin": "apmodel calibrate-compute", "hardware": hardware, "software": software,
                        "method": method},
         "fields": {
-            "op": "what was run (see costmodels.measured.row_calls: mm, mm_tt, bmm, sdpa_<backend>_fwd / "
+            "op": "what was run (see costmodels.measurements.row_calls: mm, mm_tt, bmm, sdpa_<backend>_fwd / "
                   "_fwd_plus_bwd, elementwise / reduction / copy / norm / cross-entropy / embedding ops by name)",
             "shapes": "operand shapes", "dtype": "operand dtype",
             "device_type": "cpu: flash attention rows ran the CPU kernels (_scaled_dot_product_flash_attention_for_cpu)",
@@ -622,9 +623,9 @@ class RecordedCall(NamedTuple):
         """The call with copies of its tensors (the originals may change later in the step)."""
         return cls(op, map_tensors(copy_tensor, args), map_tensors(copy_tensor, kwargs), map_tensors(copy_tensor, out))
 
-    def on_meta(self) -> ms.Call:
+    def on_meta(self) -> mr.Call:
         """The call on meta tensors of the same shapes, strides and dtypes (what a model prices)."""
-        return ms.Call(self.op, map_tensors(to_meta, self.args), map_tensors(to_meta, self.kwargs),
+        return mr.Call(self.op, map_tensors(to_meta, self.args), map_tensors(to_meta, self.kwargs),
                        map_tensors(to_meta, self.out))
 
     def runner(self) -> Callable[[], None]:

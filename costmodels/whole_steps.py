@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from .measured import Call, MeasuredCompute, profiles_dir
+from .compute_profile import profiles_dir
+from .measured import MeasuredCompute
+from .measurements import Call
 
 #: ``enum`` values the step files use
 _ENUMS: Mapping[str, Any] = {"strided": torch.strided, "contiguous_format": torch.contiguous_format,

@@ -31,6 +31,7 @@ from apmodel.config import ConfigError, parse_config_text
 from costmodels import fitting
 from costmodels import kernel_timing as kt
 from costmodels import measured as ms
+from costmodels import measurements as mr
 
 from _helpers import benchmark_script
 
@@ -86,14 +87,14 @@ def test_calibrate_compute_writes_a_profile_that_round_trips(calibrated):
     assert "median" in prov["method"] and "perf_counter" in prov["method"]
     assert prov["date"][:4].isdigit() and "T" in prov["date"]
     # the measurements file: every row priced, timed, reproducible by the fit
-    meas = ms.load_measurements(meas_path)
-    assert meas["schema"] == ms.MEASUREMENTS_SCHEMA and meas["device_type"] == "cpu"
+    meas = mr.load_measurements(meas_path)
+    assert meas["schema"] == mr.MEASUREMENTS_SCHEMA and meas["device_type"] == "cpu"
     rows = meas["rows"]
     assert len(rows) == prof.fit["eager"]["rows"] >= 60
     assert {r["op"] for r in rows} >= {"mm", "mm_tt", "bmm", "add", "copy_", "gelu", "sum", "sum_dim0", "layer_norm",
                                        "softmax", "log_softmax", "embedding", "embedding_dense_backward",
                                        "sdpa_flash_fwd", "sdpa_flash_fwd_plus_bwd"}
-    assert all(r["meas_us"] > 0 and ms.row_calls(r) for r in rows)
+    assert all(r["meas_us"] > 0 and mr.row_calls(r) for r in rows)
     # the profile's fit summary is its predictions of the file's rows (the measurement condition:
     # cache warm), and it reproduces them
     again = fitting.summary(fitting.fit_reports(prof, rows, "cpu")["eager"])
@@ -132,7 +133,7 @@ def _script():
 def test_cpu_profile_predicts_held_out_training_ops(calibrated):
     check = _script()
     prof = cm.load_profile(str(calibrated["out"]))
-    rows = ms.load_measurements(calibrated["measurements"])["rows"]
+    rows = mr.load_measurements(calibrated["measurements"])["rows"]
     rep = check.held_out(prof, threads=THREADS, quick=True, fit_rows=rows)
     # judged at the fit's machine speed: re-timed fitted kernels measure how much slower this
     # shared machine runs now than a few seconds ago (it has been seen at 2x), and that is divided out
@@ -162,34 +163,34 @@ def test_cpu_kernel_set_is_priced_and_stays_below_the_allocator_threshold():
     full = kt.kernel_rows("cpu", quick=False)
     assert len(rows) < len(full)
     for r in full:
-        calls = ms.row_calls(r)
+        calls = mr.row_calls(r)
         for c in calls:
-            for t in ms._tensors(c.out):
-                assert t.numel() * t.element_size() < kt.HOST_ALLOCATOR_WARM_BYTES, ms.describe_row(r)
+            for t in cm.compute._tensors(c.out):
+                assert t.numel() * t.element_size() < kt.HOST_ALLOCATOR_WARM_BYTES, mr.describe_row(r)
     shapes = {tuple(map(tuple, r["shapes"])) for r in rows if r["op"] == "mm"}
     assert ((256, 256), (256, 255)) in shapes and ((256, 255), (255, 256)) in shapes     # misaligned pitches
     assert min(math.prod(r["shapes"][0]) for r in rows if r["op"] == "add") <= 1024          # the launch floor
     # the CPU's flash-attention kernels are priced as flash attention
     model = cm.compute_model("h200")
     att = [r for r in rows if r["op"] == "sdpa_flash_fwd_plus_bwd"][0]
-    kinds = [model.breakdown(c.op, c.args, c.kwargs, c.out)["kind"] for c in ms.row_calls(att)]
+    kinds = [model.breakdown(c.op, c.args, c.kwargs, c.out)["kind"] for c in mr.row_calls(att)]
     assert kinds == ["attention:flash:fwd", "attention:flash:bwd"]
-    assert ms.row_harness_cpu_us(model, att) == 0.0        # timed as ATen calls, no autograd harness
+    assert mr.row_harness_cpu_us(model, att) == 0.0        # timed as ATen calls, no autograd harness
 
 
 def test_materialized_calls_run_what_is_priced():
     row = {"op": "cross_entropy_fp32", "shapes": [[8, 50]], "dtype": "float32"}
-    calls = ms.row_calls(row)
+    calls = mr.row_calls(row)
     seq = kt.materialize(calls, torch.device("cpu"))
     assert [op for op, _, _ in seq] == [c.op for c in calls]
     # the log-softmax reads the upcast's output, the loss reads the log-softmax's; targets index classes
     (_, a0, _), (_, a1, _), (_, a2, _) = seq
     assert a2[1].dtype == torch.int64 and 0 <= int(a2[1].min()) and int(a2[1].max()) < 50
     for (op, args, kwargs), c in zip(seq, calls):
-        for real, fake in zip(ms._tensors(args), ms._tensors(c.args)):
+        for real, fake in zip(cm.compute._tensors(args), cm.compute._tensors(c.args)):
             assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
     kt.runner(seq)()
-    emb = ms.row_calls({"op": "embedding_dense_backward", "shapes": [[16, 8], [16]], "dtype": "float32",
+    emb = mr.row_calls({"op": "embedding_dense_backward", "shapes": [[16, 8], [16]], "dtype": "float32",
                         "bytes": 100 * 8 * 4 + 16 * 8 * 4 + 16 * 8})
     (op, args, kwargs), = kt.materialize(emb, torch.device("cpu"))
     assert args[2] == 100 and int(args[1].max()) < 100

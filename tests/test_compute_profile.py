@@ -9,6 +9,7 @@ import torch
 
 import costmodels as cm
 from costmodels import measured as ms
+from costmodels import measurements as mr
 
 from _helpers import benchmark_script
 
@@ -30,7 +31,7 @@ def _script():
 
 @pytest.fixture(scope="module")
 def rows():
-    return ms.load_measurements(device="h200")["rows"]
+    return mr.load_measurements(device="h200")["rows"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def h200():
 
 # --- fit quality -----------------------------------------------------------------------------
 def test_shipped_measurements_are_the_issue_data(rows):
-    data = ms.load_measurements(device="h200")
+    data = mr.load_measurements(device="h200")
     assert len(rows) == 314
     assert "H200" in data["gpu"] and data["provenance"]["software"].startswith("PyTorch 2.11")
     assert {r["op"] for r in rows} >= {"mm", "mm_tt", "bmm", "sdpa_flash_fwd", "sdpa_cudnn_fwd_plus_bwd",
@@ -51,19 +52,19 @@ def test_shipped_measurements_are_the_issue_data(rows):
 def test_fitted_h200_predicts_every_row_within_1_5x(rows, cache):
     # "warm": the measurement condition (one op replayed on the same buffers); "cold": as planned
     model = ms.MeasuredCompute("h200", execution="eager", cache=cache)
-    rep = ms.fit_report(model, rows)
+    rep = mr.fit_report(model, rows)
     assert rep["rows"] == len(rows)
     bad = [(it["row"], round(it["ratio"], 2)) for it in rep["items"] if not 1 / 1.5 <= it["ratio"] <= 1.5]
     assert not bad, bad
     assert rep["median_abs_rel_err"] <= 0.15
     # the default model is the cold one
     if cache == "cold":
-        assert ms.fit_report(cm.compute_model("h200"), rows)["median_abs_rel_err"] == rep["median_abs_rel_err"]
+        assert mr.fit_report(cm.compute_model("h200"), rows)["median_abs_rel_err"] == rep["median_abs_rel_err"]
 
 
 def test_cuda_graph_timings_within_1_5x(rows):
     model = ms.MeasuredCompute("h200", execution="graphs", cache="warm")
-    rep = ms.fit_report(model, rows, measured="meas_graph_us")
+    rep = mr.fit_report(model, rows, measured="meas_graph_us")
     assert rep["rows"] == sum(1 for r in rows if r.get("meas_graph_us") is not None) > 0
     assert rep["max_factor"] <= 1.5
     assert rep["median_abs_rel_err"] <= 0.15
@@ -72,10 +73,10 @@ def test_cuda_graph_timings_within_1_5x(rows):
 def test_single_op_rows_equal_time_us(rows, h200):
     """A one-op row's prediction is exactly what the planner pays for that op."""
     for r in rows[:40]:
-        calls = ms.row_calls(r)
+        calls = mr.row_calls(r)
         if len(calls) == 1:
             c = calls[0]
-            assert ms.predict_row(h200, r, calls) == pytest.approx(h200.time_us(c.op, c.args, c.kwargs, c.out))
+            assert mr.predict_row(h200, r, calls) == pytest.approx(h200.time_us(c.op, c.args, c.kwargs, c.out))
 
 
 def test_profile_states_provenance_and_fit():
