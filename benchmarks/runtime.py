@@ -19,6 +19,10 @@ them alike. Variants:
 
 The planner's own plan is priced for H100s and NVLink; on gloo over loopback a collective costs
 ~100 µs whatever its size, so a plan with more, smaller collectives can lose here and win there.
+"gloo-calibrated plan" is the plan priced for this machine instead: the CPU device, its collective
+model corrected by all-reduce, all-gather and reduce-scatter timed on the benchmark's own gloo
+group just before (:func:`costmodels.collective_timing.time_collectives`, then
+``Calibration.fit``, as ``apmodel calibrate`` does with nccl-tests logs).
 Every variant uses AdamW with ``foreach=True`` (torchtitan's default).
 
 ``host_us_per_node``: on mesh (1,), the step time apmodel adds to plain eager, divided by the nodes
@@ -125,8 +129,10 @@ def _trainer(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Cal
     return step
 
 
-def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool,
-                     recipe: str | None = None) -> tuple[Callable[[], float], int]:
+def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe: str | None = None,
+                     planned_for: dict[str, Any] | None = None) -> tuple[Callable[[], float], int]:
+    """apmodel's program for ``mesh``; ``planned_for``: the options of the hardware the plan is priced
+    for (default: H100s)."""
     device = mesh.device_type
     import apmodel
     from apmodel import recipes
@@ -136,17 +142,38 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool,
     ref = _build(name, device)
     full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
     del ref
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(planned_for or {"device": "h100"})
     if recipe is not None:  # the same parallelism as the hand-written baseline, to compare runtimes alone
         r = recipes.get(recipe)
-        extra = dict(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
+        extra.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
     model = apmodel.parallelize(_build(name, "meta"), mesh, (tokens,), targets=(targets,), loss_fn=_loss,
-                                lowering=lowering, device="h100", **extra)
+                                lowering=lowering, **extra)
     model.to_empty(device=device)
     load_full_state_dict(model, full)
     nodes = sum(1 for n in model._apmodel_program.captured.gm.graph.nodes if n.op == "call_function")
     run = torch.compile(model, fullgraph=True) if compiled else model
     return _trainer(model, lambda: run(tokens, targets)), nodes
+
+
+def _calibrate_gloo(out_dir: str) -> dict[str, Any]:
+    """Plan options for this machine: the CPU device with the collective model corrected by
+    collectives timed on the world's gloo group now (``apmodel calibrate`` from live timings).
+    Every rank measures; rank 0 fits and writes the calibration, the others wait for it."""
+    import torch.distributed as dist
+
+    import costmodels
+    from costmodels.collective_timing import time_collectives
+
+    logs = time_collectives()
+    path = Path(out_dir, "gloo_calibration.json")
+    if dist.get_rank() == 0:
+        base = costmodels.NCCLCollectives(costmodels.Topology((dist.get_world_size(),), costmodels.device("cpu")))
+        costmodels.Calibration.fit(base, [(log, 0) for log in logs]).save(path)
+        for log in logs:
+            logger.warning("gloo %s, %d ranks: %s", log.kind, log.ranks,
+                           ", ".join(f"{r.size_bytes // 1024} KiB {r.oop_time_us:.0f} µs" for r in log.rows))
+    dist.barrier()
+    return {"device": "cpu", "dtype": "fp32", "calibration": str(path)}
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], compile_: bool, warmup: int,
@@ -164,6 +191,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
         if device == "cuda":
             torch.cuda.set_device(rank)
         mesh = init_device_mesh(device, (world,))
+        this_machine = _calibrate_gloo(out_dir) if device == "cpu" and world > 1 else None
         for name in names:
             tokens, targets = _batch(name, device)
             variants: list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]] = []
@@ -173,6 +201,9 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
                 variants.append(("DDP", lambda: (_ddp(name, tokens, targets), None)))
                 variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
             variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False)))
+            if this_machine is not None:
+                variants.append(("apmodel native, gloo-calibrated plan",
+                                 lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine)))
             if world > 1:
                 variants.append(("apmodel native, DDP plan", lambda: _apmodel_variant(name, mesh, "native", False, "ddp")))
                 variants.append(("apmodel native, FSDP plan",
@@ -242,7 +273,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for name in sorted({r["model"] for r in rows}):
         plain = by.get((name, 1, "plain eager"))
         s: dict[str, Any] = {}
-        for variant in ("apmodel native", "apmodel native compiled", "apmodel interpreter", "apmodel native, FSDP plan"):
+        for variant in ("apmodel native", "apmodel native, gloo-calibrated plan", "apmodel native compiled",
+                        "apmodel interpreter", "apmodel native, FSDP plan"):
             one = by.get((name, 1, variant))
             if one and plain:
                 s[f"{variant} / plain eager"] = one["step_ms"] / plain["step_ms"]

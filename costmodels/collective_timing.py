@@ -1,0 +1,102 @@
+"""Time collectives on a live process group, the way nccl-tests does, to calibrate the collective
+model to the machine a mesh runs on (gloo over a CPU host's loopback, or NCCL where nccl-tests is
+not installed).
+
+:func:`time_collectives` runs each collective kind at each message size on every rank of a
+``torch.distributed`` group and returns one :class:`~costmodels.calibration.NcclTestsLog` per kind,
+as :func:`~costmodels.calibration.parse_nccl_tests` would read it from nccl-tests' output, so
+:meth:`Calibration.fit <costmodels.calibration.Calibration.fit>` takes it unchanged. Sizes follow
+nccl-tests: an all-reduce's size is its buffer, an all-gather's its gathered output, a
+reduce-scatter's its full input. A size's time is the median of ``iters`` back-to-back calls after
+``warmup`` calls (each call waited for), the largest over the ranks (the slowest rank is the
+collective's time), the same on every rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .calibration import NcclTestsLog, NcclTestsRow
+from .collectives import bus_bandwidth_factor
+
+#: Kinds :func:`time_collectives` can run (those a dense model's plan issues).
+TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: Default message sizes, bytes: 1 KiB to 16 MiB in factors of 4 (the latency-bound sizes and the
+#: per-layer gathers of small and mid-size models).
+DEFAULT_SIZES_BYTES = tuple(2**10 * 4**i for i in range(8))
+
+
+def _call(kind: str, group: Any, size_bytes: int, itemsize: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """A function running one ``kind`` collective of nccl-tests' ``size_bytes`` on ``group``."""
+    n = dist.get_world_size(group)
+    elems = max(size_bytes // itemsize // n * n, n)
+    if kind == "all_reduce":
+        buf = torch.ones(elems, dtype=dtype, device=device)
+        return lambda: dist.all_reduce(buf, group=group)
+    if kind == "all_gather":
+        out = torch.empty(elems, dtype=dtype, device=device)
+        shard = torch.ones(elems // n, dtype=dtype, device=device)
+        return lambda: dist.all_gather_into_tensor(out, shard, group=group)
+    if kind == "reduce_scatter":
+        full = torch.ones(elems, dtype=dtype, device=device)
+        shard = torch.empty(elems // n, dtype=dtype, device=device)
+        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+    raise ValueError(f"time_collectives: kind {kind!r} is not one of {TIMED_KINDS}")
+
+
+def time_collectives(group: Any = None, kinds: Sequence[str] = TIMED_KINDS,
+                     sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, *, warmup: int = 3, iters: int = 10,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device | None = None) -> list[NcclTestsLog]:
+    """Measure ``kinds`` at ``sizes_bytes`` on ``group`` (default: the world); call on every rank.
+
+    ``device``: where the buffers live (default: the current CUDA device for NCCL, else the CPU).
+    Returns one log per kind, rows in ``sizes_bytes`` order, times in µs, identical on every rank.
+    """
+    for kind in kinds:
+        if kind not in TIMED_KINDS:
+            raise ValueError(f"time_collectives: kind {kind!r} is not one of {TIMED_KINDS}")
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"time_collectives: warmup={warmup} must be >= 0 and iters={iters} >= 1")
+    if device is None:
+        on_gpu = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ranks = dist.get_world_size(group)
+    medians_us: list[float] = []
+    for kind in kinds:
+        for size in sizes_bytes:
+            run = _call(kind, group, int(size), itemsize, dtype, device)
+            for _ in range(warmup):
+                run()
+            sync()
+            times = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                run()
+                sync()
+                times.append((time.perf_counter() - start) * 1e6)
+            medians_us.append(statistics.median(times))
+    slowest = torch.tensor(medians_us, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    it = iter(slowest.tolist())
+    logs = []
+    for kind in kinds:
+        rows = []
+        for line, size in enumerate(sizes_bytes):
+            t = next(it)
+            algbw = size / (t * 1e3)
+            busbw = algbw * bus_bandwidth_factor(kind, ranks)
+            rows.append(NcclTestsRow(size_bytes=int(size), count=int(size) // itemsize, dtype=str(dtype).replace("torch.", ""),
+                                     redop="sum" if kind != "all_gather" else "none", root=-1,
+                                     oop_time_us=t, oop_algbw_GBps=algbw, oop_busbw_GBps=busbw,
+                                     ip_time_us=t, ip_algbw_GBps=algbw, ip_busbw_GBps=busbw, line=line + 1))
+        logs.append(NcclTestsLog(kind=kind, ranks=ranks, rows=rows,
+                                 source=f"time_collectives({kind}, {dist.get_backend(group)}, {ranks} ranks)"))
+    return logs

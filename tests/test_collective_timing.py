@@ -1,0 +1,53 @@
+"""costmodels.collective_timing: collectives timed on a live gloo group come back as nccl-tests logs
+the calibration reads unchanged (the same numbers on every rank, nccl-tests' bandwidth columns)."""
+
+from __future__ import annotations
+
+import pytest
+from _dist_utils import run_distributed
+
+import costmodels
+from costmodels.calibration import format_nccl_tests, parse_nccl_tests
+from costmodels.collectives import bus_bandwidth_factor
+
+SIZES = (1024, 64 * 1024)
+
+
+def _timing_worker(rank: int, world: int) -> list:
+    from costmodels.collective_timing import time_collectives
+
+    logs = time_collectives(sizes_bytes=SIZES, warmup=1, iters=3)
+    return [(log.kind, log.ranks, [(r.size_bytes, r.oop_time_us, r.oop_algbw_GBps, r.oop_busbw_GBps) for r in log.rows])
+            for log in logs]
+
+
+@pytest.mark.slow
+def test_timed_collectives_are_logs_the_calibration_fits() -> None:
+    per_rank = run_distributed(_timing_worker, 2)
+    assert per_rank[0] == per_rank[1]  # the slowest rank's time, agreed by all
+    kinds = [k for k, _, _ in per_rank[0]]
+    assert kinds == ["all_reduce", "all_gather", "reduce_scatter"]
+    logs = []
+    for kind, ranks, rows in per_rank[0]:
+        assert ranks == 2 and [r[0] for r in rows] == list(SIZES)
+        for size, t_us, algbw, busbw in rows:
+            assert t_us > 0
+            assert algbw == pytest.approx(size / (t_us * 1e3))
+            assert busbw == pytest.approx(algbw * bus_bandwidth_factor(kind, 2))
+        # written in nccl-tests' format and read back: the same times (what `apmodel calibrate` reads)
+        text = format_nccl_tests(kind, 2, [(size, t) for size, t, _, _ in rows])
+        log = parse_nccl_tests(text)
+        assert [r.oop_time_us for r in log.rows] == pytest.approx([t for _, t, _, _ in rows], rel=1e-3)
+        logs.append((log, 0))
+    base = costmodels.NCCLCollectives(costmodels.Topology((2,), costmodels.device("cpu")))
+    cal = costmodels.Calibration.fit(base, logs)
+    for kind, _, rows in per_rank[0]:
+        for size, t_us, _, _ in rows:  # the calibrated model reproduces every timed point
+            assert cal.factor(kind, 0, size) * base.time_us(kind, size, 0) == pytest.approx(t_us, rel=1e-3)
+
+
+def test_unknown_kind_is_named() -> None:
+    from costmodels.collective_timing import time_collectives
+
+    with pytest.raises(ValueError, match="all_to_all"):
+        time_collectives(kinds=("all_to_all",))
