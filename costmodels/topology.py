@@ -67,16 +67,24 @@ class AxisLink:
 class Topology:
     """``Topology(mesh_shape, device, gpus_per_node=8)``; every mesh axis gets its own
     :class:`AxisLink` (``topo.axis(i)``). Bandwidth/latency keyword arguments override the
-    device's defaults (per GPU, one direction, GB/s; µs)."""
+    device's defaults (per GPU, one direction, GB/s; µs). ``strides``: the rank distance between
+    neighbours along each axis, for a sub-mesh whose ranks are not numbered row-major over its own
+    shape (default: row-major)."""
 
     def __init__(self, mesh_shape: tuple[int, ...] | list[int], device: DeviceSpec | str,
                  gpus_per_node: int = 8, *, intra_GBps: float | None = None,
                  intra_latency_us: float | None = None, inter_GBps: float | None = None,
                  inter_latency_us: float | None = None, nvls: bool | None = None,
-                 net_efficiency: float = NET_EFFICIENCY) -> None:
+                 net_efficiency: float = NET_EFFICIENCY, strides: tuple[int, ...] | None = None) -> None:
         shape = tuple(int(s) for s in mesh_shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}")
+        if strides is not None and (len(strides) != len(shape) or any(int(s) < 1 for s in strides)):
+            raise ValueError(f"strides {strides!r}: expected one positive rank stride per mesh axis of {shape}")
+        #: rank distance between neighbours along each axis: row-major over ``mesh_shape`` unless
+        #: given (a sub-mesh of a larger mesh, e.g. the stage mesh of a pipeline, keeps its parent's)
+        self.strides: tuple[int, ...] = (tuple(int(s) for s in strides) if strides is not None
+                                         else tuple(math.prod(shape[i + 1:]) for i in range(len(shape))))
         if int(gpus_per_node) < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
         self.mesh_shape: tuple[int, ...] = shape
@@ -111,7 +119,7 @@ class Topology:
 
     def _make_axis(self, i: int, nvls_ok: bool, net_eff: float) -> AxisLink:
         size = self.mesh_shape[i]
-        stride = math.prod(self.mesh_shape[i + 1:])
+        stride = self.strides[i]
         # the group containing rank 0; every group has the same shape (row-major layout)
         nodes = len({(j * stride) // self.gpus_per_node for j in range(size)})
         ppn = max(1, size // nodes)
