@@ -29,6 +29,8 @@ Surface:
 - :func:`library_sees_tracing` – context in which ``torch.compiler.is_compiling()`` says a trace is running.
 - :func:`without_redistribute_costs` – context in which torch's own redistribution pricing
   (unused by apmodel, 85% of enumeration time) is skipped.
+- :func:`grouped_mm_runs` / :func:`grouped_mm` – ``torch._grouped_mm`` (one grouped GEMM over
+  row groups, the routed experts' kernel) and whether it runs on given operands.
 
 Two registries hold the rules (on ``DTensor._op_dispatcher.sharding_propagator``):
 
@@ -109,6 +111,8 @@ __all__ = [
     "tracing_graph",
     "dtensor_like",
     "bucket_collectives",
+    "grouped_mm",
+    "grouped_mm_runs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -210,6 +214,40 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
         if node.op == "call_function" and "wait_tensor" in str(node.target) and isinstance(node.args[0], torch.fx.Node):
             node.args[0].append(node)
     gm.recompile()
+
+
+#: dtypes ``torch._grouped_mm`` takes, per device type (torch 2.13): the CPU kernel takes the three
+#: floating types; CUDA's grouped kernel (CUTLASS) takes bf16 only (other dtypes go through a
+#: loop over the groups), and torch's meta function mirrors CUDA (bf16 only).
+_GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,),
+                      "meta": (torch.bfloat16,)}
+#: CUDA compute capabilities (major) with the grouped kernel: Hopper (9) and Blackwell (10)
+_GROUPED_MM_CUDA_MAJORS = (9, 10)
+#: row strides ``torch._grouped_mm`` requires to be a multiple of (bytes), every device
+_GROUPED_MM_ALIGN_BYTES = 16
+
+
+def grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm(a, b, offs=...)`` (``a [rows, k]``, ``b [groups, k, n]``) runs as
+    one grouped kernel here: the release has it, the device and dtype have the kernel (CUDA:
+    bf16 on compute capability 9.x / 10.x), and both operands' rows are 16-byte aligned."""
+    if getattr(torch, "_grouped_mm", None) is None or a.dtype != b.dtype or a.dim() != 2 or b.dim() != 3:
+        return False
+    if a.dtype not in _GROUPED_MM_DTYPES.get(a.device.type, ()):
+        return False
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] not in _GROUPED_MM_CUDA_MAJORS:
+        return False
+    return all(t.shape[-1] * t.element_size() % _GROUPED_MM_ALIGN_BYTES == 0 for t in (a, b))
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``: ``a [rows, k]`` whose rows ``offs[i-1]:offs[i]`` (``offs`` int32, the
+    groups' cumulative ends) are multiplied by ``b[i]`` (``[groups, k, n]``) -> ``[rows, n]``, one
+    kernel (differentiable; check :func:`grouped_mm_runs` first)."""
+    op = getattr(torch, "_grouped_mm", None)
+    if op is None:
+        raise MissingTorchFeature(f"torch {torch.__version__} has no torch._grouped_mm (the grouped GEMM)")
+    return op(a.contiguous(), b.contiguous(), offs=offs)
 
 
 def tracing_graph() -> Any:

@@ -1,4 +1,4 @@
-"""Reference models: LLaMA-3-style dense, DeepSeek-MoE-style, GPT-2-style.
+"""Reference models: LLaMA-3-style dense, DeepSeek-MoE-style, DeepSeek-V3-style, GPT-2-style.
 
 >>> import torch
 >>> from apmodel.models import build, sample_inputs, cross_entropy_loss
@@ -30,6 +30,15 @@ moe-debug           2      256     8      4      768     2048     8 routed (top-
 deepseek-moe-16b    28     2048    16     16     10944   102400   64 routed (top-6) + 2 shared, 1408 wide
 qwen3-235b-a22b     94     4096    64     4      —       151936   128 routed (top-8, renormalised), 1536
                                                                   wide, no shared; head_dim 128, QK-norm
+deepseek-v3         61     7168    128    MLA    18432   129280   MLA (q_lora 1536, kv_lora 512, nope 128,
+                                                                  rope 64, v 128); 256 routed (top-8 of 4
+                                                                  of 8 groups, sigmoid, scaled 2.5) + 1
+                                                                  shared, 2048 wide; 3 dense (≈ 671e9)
+deepseek-v3-16b     27     2048    16     MLA    10944   102400   DeepSeek-V2-Lite's sizes (kv_lora 512, no
+                                                                  q compression), V3's sigmoid routing;
+                                                                  64 routed (top-6) + 2 shared, 1408 wide
+deepseek-v3-debug   2      256     8      MLA    768     2048     q_lora 64, kv_lora 32, 8 routed (top-2 of
+                                                                  2 of 4 groups) + 1 shared; layer 0 dense
 ==================  =====  ======  =====  =====  ======  =======  =====================================
 
 The MoE presets route sparsely (top-k dispatch through the expert-parallel region,
@@ -48,6 +57,7 @@ from torch import nn
 from apmodel.models.gpt2 import GPT2, GPT2Config
 from apmodel.models.llama3 import LlamaConfig, Transformer
 from apmodel.models.loss import cross_entropy_loss
+from apmodel.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Transformer
 from apmodel.models.moe import MoEConfig, MoETransformer
 
 # name -> (config class, model class, config fields)
@@ -120,6 +130,33 @@ PRESETS: MappingProxyType = MappingProxyType(
                  renormalize_topk=True, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6,
                  max_seq_len=40960, qk_norm=True),
         ),
+        # DeepSeek-V3 671B (deepseek-ai/DeepSeek-V3 config.json and the technical report, arXiv:2412.19437:
+        # hidden 7168, 61 layers, 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64,
+        # v 128, 256 routed experts of 2048 + 1 shared, 8 per token from 4 of 8 groups, sigmoid scores,
+        # norm_topk_prob, routed_scaling_factor 2.5, first_k_dense_replace 3 with intermediate 18432,
+        # vocab 129280, rms eps 1e-6, rope theta 1e4; 4K pretraining context, before YaRN's extension)
+        "deepseek-v3": (DeepSeekV3Config, DeepSeekV3Transformer, dict()),
+        # the paper's "16B MoE with the DeepSeek-V3 architecture": no published config, so
+        # DeepSeek-V2-Lite's published sizes (deepseek-ai/DeepSeek-V2-Lite config.json, 15.7B parameters:
+        # hidden 2048, 27 layers, 16 heads, no q compression, kv_lora_rank 512, qk_nope 128, qk_rope 64,
+        # v 128, 64 routed experts of 1408 + 2 shared, top-6, first layer dense with intermediate 10944,
+        # vocab 102400, routed_scaling_factor 1.0, one expert group) with V3's routing (sigmoid scores,
+        # normalised top-k, selection bias) in place of V2-Lite's softmax
+        "deepseek-v3-16b": (
+            DeepSeekV3Config,
+            DeepSeekV3Transformer,
+            dict(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, ffn_hidden_dim=10944, moe_hidden_dim=1408,
+                 n_routed_experts=64, n_shared_experts=2, top_k=6, n_dense_layers=1, vocab_size=102400,
+                 q_lora_rank=0, n_group=1, topk_group=1, routed_scaling_factor=1.0),
+        ),
+        "deepseek-v3-debug": (
+            DeepSeekV3Config,
+            DeepSeekV3Transformer,
+            dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden_dim=768, moe_hidden_dim=128,
+                 n_routed_experts=8, n_shared_experts=1, top_k=2, n_dense_layers=1, vocab_size=2048,
+                 max_seq_len=512, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                 v_head_dim=32, n_group=4, topk_group=2),
+        ),
         # DeepSeekMoE 16B (DeepSeek-AI 2024), with GQA-capable attention (n_kv_heads = n_heads: MHA)
         "deepseek-moe-16b": (
             MoEConfig,
@@ -131,7 +168,7 @@ PRESETS: MappingProxyType = MappingProxyType(
     }
 )
 
-ModelConfig = LlamaConfig | GPT2Config | MoEConfig
+ModelConfig = LlamaConfig | GPT2Config | MoEConfig | DeepSeekV3Config
 
 
 def config(name: str, **overrides: Any) -> ModelConfig:
@@ -150,7 +187,8 @@ def build(name: str | ModelConfig, **overrides: Any) -> nn.Module:
     """Build a model from a preset name (or a config object). Builds on the current default device:
     wrap in ``with torch.device("meta"):`` to build without allocating memory."""
     cfg = dataclasses.replace(name, **overrides) if not isinstance(name, str) else config(name, **overrides)
-    model_cls = {LlamaConfig: Transformer, GPT2Config: GPT2, MoEConfig: MoETransformer}.get(type(cfg))
+    model_cls = {LlamaConfig: Transformer, GPT2Config: GPT2, MoEConfig: MoETransformer,
+                 DeepSeekV3Config: DeepSeekV3Transformer}.get(type(cfg))
     if model_cls is None:
         raise TypeError(f"build: expected a preset name or a model config, got {type(cfg).__name__}")
     model = model_cls(cfg)
@@ -181,6 +219,8 @@ def sample_inputs(
 
 __all__ = [
     "PRESETS",
+    "DeepSeekV3Config",
+    "DeepSeekV3Transformer",
     "GPT2",
     "GPT2Config",
     "LlamaConfig",

@@ -14,21 +14,27 @@ as torchtitan's grouped experts. Two routings compute the same function:
   the token's top-k. ``n_routed_experts / top_k`` times the routed FLOPs (10.7x on
   deepseek-moe-16b); kept as the independent reference the sparse path is tested against.
 
+The routed experts run as one grouped GEMM per weight (:class:`ExpertGroups`): ``torch._grouped_mm``
+where it runs on the operands (CPU; CUDA bf16 on Hopper and Blackwell), else one batched matmul
+over the groups padded to the largest; never a kernel per expert.
+
 Expert-parallel pricing: which rank receives how many tokens depends on the data, so the region
 is priced at uniform routing with the busiest rank receiving :data:`EXPERT_LOAD_IMBALANCE` times
-the mean (its all-to-all bytes and its expert matmuls).
+the mean (its all-to-all bytes and its expert matmuls, traced through the same
+:class:`ExpertGroups`: the grouped kernel on meta bf16 tensors, a plain ``bmm`` otherwise).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from apmodel._torch_private import grouped_mm, grouped_mm_runs
 from apmodel.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, Transformer
 from apmodel.regions import LocalRegion, RegionComm, local_map, region_comm
 
@@ -92,8 +98,46 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
 
-def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    return (F.silu(x @ w1) * (x @ w3)) @ w2
+class ExpertGroups:
+    """Rows grouped by expert, ``sizes[i]`` consecutive rows for expert ``i`` (``counts``: the same
+    as an int64 tensor on the rows' device). :meth:`matmul` multiplies every group by its expert's
+    matrix in one kernel: ``torch._grouped_mm`` where it runs on the operands
+    (:func:`apmodel._torch_private.grouped_mm_runs`), else one ``bmm`` over the groups padded with
+    zero rows to the largest (no padding when the groups are equal)."""
+
+    def __init__(self, counts: torch.Tensor, sizes: Sequence[int]) -> None:
+        if counts.dim() != 1 or len(sizes) != counts.shape[0] or any(s < 0 for s in sizes):
+            raise ValueError(f"expert groups: {len(sizes)} sizes {list(sizes)[:8]} do not match counts of shape "
+                             f"{tuple(counts.shape)}")
+        self.counts, self.sizes = counts, [int(s) for s in sizes]
+        self.rows, self.width = sum(self.sizes), max(self.sizes, default=0)
+        self._offsets: torch.Tensor | None = None  # int32 cumulative ends (the grouped kernel's offs)
+        self._slots: torch.Tensor | None = None  # each row's slot in the padded [groups * width] rows
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x [rows, k]`` (grouped as above) times ``w [groups, k, n]`` -> ``[rows, n]``."""
+        groups, k, n = w.shape
+        if x.shape != (self.rows, k) or groups != len(self.sizes):
+            raise ValueError(f"expert groups: rows {tuple(x.shape)} and weights {tuple(w.shape)} do not fit "
+                             f"{len(self.sizes)} groups of {self.rows} rows in all")
+        if grouped_mm_runs(x, w):
+            if self._offsets is None:
+                self._offsets = self.counts.cumsum(0).to(torch.int32)
+            return grouped_mm(x, w, self._offsets)
+        if all(s == self.width for s in self.sizes):
+            return torch.bmm(x.view(groups, self.width, k), w).view(self.rows, n)
+        if self._slots is None:
+            starts = self.counts.cumsum(0) - self.counts
+            first_slot = torch.arange(groups, device=x.device) * self.width - starts  # row r of group g: slot
+            self._slots = torch.arange(self.rows, device=x.device) + first_slot.repeat_interleave(self.counts,
+                                                                                                  output_size=self.rows)
+        padded = x.new_zeros(groups * self.width, k).index_copy(0, self._slots, x)
+        return torch.bmm(padded.view(groups, self.width, k), w).view(groups * self.width, n).index_select(0, self._slots)
+
+    def swiglu(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+        """Each group through its expert's SwiGLU (``w1, w3 [groups, dim, hidden]``, ``w2 [groups,
+        hidden, dim]``): three grouped GEMMs."""
+        return self.matmul(F.silu(self.matmul(x, w1)) * self.matmul(x, w3), w2)
 
 
 @dataclass(frozen=True)
@@ -153,9 +197,9 @@ class RoutedExperts:
         got = ep.all_to_all(rows, send_rows, recv_rows)  # by source rank, then expert
         expert_of_row = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(recv_counts.flatten())
         by_expert = torch.argsort(expert_of_row, stable=True)
-        sizes = recv_counts.sum(dim=0).tolist()
-        outs = [_swiglu(chunk, w1[i], w2[i], w3[i]) for i, chunk in enumerate(got[by_expert].split(sizes))]
-        done = torch.cat(outs)[torch.argsort(by_expert)]
+        per_expert = recv_counts.sum(dim=0)
+        groups = ExpertGroups(per_expert, per_expert.tolist())
+        done = groups.swiglu(got[by_expert], w1, w2, w3)[torch.argsort(by_expert)]
         back = ep.all_to_all(done, recv_rows, send_rows)
         return back[torch.argsort(order)]
 
@@ -175,8 +219,8 @@ class RoutedExperts:
         if ep.size > 1:  # the per-expert counts first, as _dispatch exchanges them
             ep.all_to_all(x.new_empty(local * ep.size, 1, dtype=torch.int64), [local] * ep.size, [local] * ep.size)
         got = ep.all_to_all(rows, send, recv) if ep.size > 1 else rows.new_empty(per_expert * local, dim)
-        h = got.view(local, per_expert, dim)
-        done = torch.bmm(F.silu(torch.bmm(h, w1)) * torch.bmm(h, w3), w2).reshape(-1, dim)
+        counts = torch.full((local,), per_expert, dtype=torch.int64, device=x.device)
+        done = ExpertGroups(counts, [per_expert] * local).swiglu(got, w1, w2, w3)
         return done[:pairs] if ep.size == 1 else ep.all_to_all(done, recv, send)
 
 
@@ -202,13 +246,19 @@ class MoE(nn.Module):
         gates = probs * (probs >= kth_largest).to(probs.dtype)
         return gates / gates.sum(dim=-1, keepdim=True) if self.renormalize else gates
 
+    def routed_region(self, tokens: torch.Tensor) -> tuple[LocalRegion, torch.Tensor]:
+        """The sparse path's region and the ``[tokens, n_routed]`` scores whose top-k it follows:
+        here the softmax router probabilities (the region takes the top-k and renormalises them
+        when asked)."""
+        return RoutedExperts(self.top_k, self.renormalize).region(), F.softmax(self.router(tokens), dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape
         tokens = x.reshape(bs * seq, dim)
         if self.routing == "sparse":
-            probs = F.softmax(self.router(tokens), dim=-1)
+            region, scores = self.routed_region(tokens)
             w = self.experts
-            combined = RoutedExperts(self.top_k, self.renormalize).region()(tokens, probs, w.w1, w.w2, w.w3)
+            combined = region(tokens, scores, w.w1, w.w2, w.w3)
         else:
             gates = self.gate_weights(tokens)  # [tokens, E]
             routed = self.experts(tokens.unsqueeze(0).expand(self.n_routed, -1, -1))  # [E, tokens, dim]
@@ -227,15 +277,23 @@ class MoE(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, layer_id: int, cfg: MoEConfig) -> None:
         super().__init__()
-        self.attention = Attention(cfg)
+        self.attention = self.make_attention(cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe_enabled = layer_id >= cfg.n_dense_layers
         if self.moe_enabled:
-            self.moe = MoE(cfg)
+            self.moe = self.make_moe(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
         self.init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def make_attention(self, cfg: MoEConfig) -> nn.Module:
+        """The attention of the block (subclasses swap it, e.g. multi-head latent attention)."""
+        return Attention(cfg)
+
+    def make_moe(self, cfg: MoEConfig) -> nn.Module:
+        """The MoE feed-forward of the block (subclasses swap the routing)."""
+        return MoE(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
