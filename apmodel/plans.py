@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from apmodel import placements as pl
 from apmodel.clustering import local_signature
+from apmodel.cost_labels import node_labels
 from apmodel.regions import region_of
 from apmodel.strategies import Strategy
 
@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 #: the rank of each tensor it places (``out_ndim`` / ``in_ndim``) and ``param_ndim`` that of each
 #: parameter, so a placement sharding a dimension the tensor lacks is refused on load. Version 1
 #: files (no ranks) are still read; their placements are checked against the mesh only.
+#: 3: a plan with pipeline stages (``pipeline``: degree, schedule, microbatches, stages, price,
+#: alternatives); written only for such plans, so a reader of versions 1-2 refuses what it cannot
+#: run, and plans without a pipeline stay version 2.
 PLAN_FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-
-_LAYER = re.compile(r"^(.*?layers\.\d+)")
-
+PIPELINE_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 class PlanMismatch(ValueError):
     """A plan used with a mesh or model other than the one it was made for."""
@@ -196,26 +197,13 @@ def parse_collective_key(key: str) -> tuple[str, str | None, tuple[int, ...]]:
     return kind, region[:-1] or None, tuple(int(a) for a in axes.split("+") if a.isdigit())
 
 
-def layer_of(node_meta: Mapping[str, Any], fallback: str = "other") -> str:
-    """Layer label ("layers.3") of a node from its module stack, else ``fallback``."""
-    for key in ("nn_module_stack", "fwd_nn_module_stack"):
-        stack = node_meta.get(key)
-        if stack:
-            for path, _ in reversed(list(stack.values())):
-                m = _LAYER.match(str(path))
-                if m:
-                    return m.group(1)
-            return str(list(stack.values())[0][0]) or fallback
-    return fallback
-
-
 @dataclass
 class Plan:
     """A solved placement plan. Costs in µs, times in seconds.
 
     ``comm_by_collective`` maps ``"all_gather@axis0"``-style keys to µs (a ``local_map`` region's own
     collectives: ``"all_to_all (routed_experts_top6)@axis1"``, ``@axis0+1`` over two axes); ``per_layer`` maps a layer
-    label to ``{"compute_us": .., "comm_us": ..}``; ``solver`` holds backend, status, seconds,
+    label to ``{"compute_us": .., "comm_us": ..}`` (how nodes are booked: :mod:`apmodel.cost_labels`); ``solver`` holds backend, status, seconds,
     lower bound and gap; ``sizes`` holds nodes, groups, states, edges.
     """
 
@@ -241,6 +229,9 @@ class Plan:
     #: node -> ranks of the tensors its strategy places; fqn -> parameter rank (saved, checked on load)
     node_ranks: dict[str, TensorRanks] = field(default_factory=dict, repr=False, compare=False)
     param_ndim: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    #: The pipeline this plan is a stage plan of (:meth:`apmodel.pipeline_record.PipelineChoice.to_json`:
+    #: degree, schedule, microbatches, stages, price, alternatives); None for a plan without one.
+    pipeline: dict[str, Any] | None = None
     # Transient: what the plan was solved on (not saved).
     model: "PlacementModel | None" = field(default=None, repr=False, compare=False)
 
@@ -294,7 +285,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": "apmodel-plan",
-            "version": PLAN_FORMAT_VERSION,
+            "version": PLAN_FORMAT_VERSION if self.pipeline is None else PIPELINE_FORMAT_VERSION,
             "mesh_shape": list(self.mesh_shape),
             "fingerprint": self.fingerprint,
             "structure_fingerprint": self.structure_fingerprint,
@@ -312,6 +303,7 @@ class Plan:
             "node_strategy": {k: strategy_to_json(v, self.node_ranks.get(k)) for k, v in self.node_strategy.items()},
             "warnings": list(self.warnings),
             "memory": dict(self.memory),
+            **({} if self.pipeline is None else {"pipeline": self.pipeline}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -376,6 +368,14 @@ class Plan:
         warnings = data.get("warnings", [])  # absent in files written before warnings existed
         if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
             raise _bad(source, "warnings", "a list of strings", warnings)
+        pipeline = None
+        if data.get("pipeline") is not None:
+            from apmodel.pipeline_record import PipelineChoice, PipelineError
+
+            try:
+                pipeline = PipelineChoice.from_json(data["pipeline"], source).to_json()
+            except PipelineError as e:
+                raise PlanFileError(str(e)) from None
         memory = _str_keyed(source, "memory", data.get("memory", {}), "an object of byte counts")
         for k, v in memory.items():
             if v is not None and not _is_number(v):
@@ -399,6 +399,7 @@ class Plan:
             memory={k: (None if v is None else float(v)) for k, v in memory.items()},
             node_ranks=node_ranks,
             param_ndim=param_ndim,
+            pipeline=pipeline,
         )
 
     @classmethod
@@ -472,6 +473,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     compute_total = 0.0
     per_layer: dict[str, dict[str, float]] = defaultdict(lambda: {"compute_us": 0.0, "comm_us": 0.0})
     compute_memo: dict[Any, float] = {}
+    label = node_labels(pmodel.nodes, pmodel.captured.is_backward)  # where each node's cost is booked
     region_nodes = [n for n in pmodel.nodes if n.op == "call_function" and region_of(n.target) is not None]
     for n in pmodel.nodes:
         s = node_strategy[n.name]
@@ -480,7 +482,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
         if c is None:
             c = compute_memo[key] = float(cost.compute_vector(n, [s])[0])
         compute_total += c
-        per_layer[layer_of(n.meta)]["compute_us"] += c
+        per_layer[label[n.name]]["compute_us"] += c
     by_collective: dict[str, float] = defaultdict(float)
     comm_total = 0.0
     for n in region_nodes:  # a local_map region's own collectives: comm, not compute
@@ -488,8 +490,8 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
             by_collective[collective_key(kind, axes, region_of(n.target).name)] += us
             compute_total -= us
             comm_total += us
-            per_layer[layer_of(n.meta)]["compute_us"] -= us
-            per_layer[layer_of(n.meta)]["comm_us"] += us
+            per_layer[label[n.name]]["compute_us"] -= us
+            per_layer[label[n.name]]["comm_us"] += us
 
     def add_steps(shape, dtype, src, dst, layer, gradient=False):
         nonlocal comm_total
@@ -507,7 +509,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
         if src is None or dst_p is None:
             continue
         dst = tuple(pl.to_str(x) for x in dst_p)
-        add_steps(tuple(val.shape), val.dtype, src, dst, layer_of(pmodel.node_by_name[e.consumer].meta),
+        add_steps(tuple(val.shape), val.dtype, src, dst, label[e.consumer],
                   gradient=pmodel.is_param_gradient(e))
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
@@ -517,7 +519,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
         "compute_us": compute_total,
         "comm_us": comm_total,
         "comm_by_collective": dict(sorted(by_collective.items())),
-        "per_layer": {k: dict(v) for k, v in per_layer.items()},
+        "per_layer": {k: dict(v) for k, v in per_layer.items() if v["compute_us"] or v["comm_us"]},
     }
 
 
