@@ -1,16 +1,19 @@
 """What a plan does with each parameter and each mesh axis, read off the solved placements.
 
 :func:`param_uses` follows a parameter to the forward ops that compute with it and reports the
-placements they read it in; :func:`emerged` names what each mesh axis ended up doing (FSDP, tensor
-parallel, sequence parallel, data parallel, all-to-all). The CLI tables, the plan report and the
-recipe tests read plans through these two functions. Without the plan's model (a plan read from
-a file) only storage can be read: :func:`storage_roles` says that much and no more.
+placements they read it in; :func:`read_param` is one parameter's storage, uses and role per mesh
+axis (what the CLI's table and the report's grid both show); :func:`emerged` names what each mesh
+axis ended up doing (FSDP, tensor parallel, sequence parallel, data parallel, all-to-all). The CLI
+tables, the plan report and the recipe tests read plans through these functions. Without the
+plan's model (a plan read from a file) only storage can be read: :func:`storage_roles` says that
+much and no more.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from apmodel import placements as pl
 from apmodel.conventions import derive
@@ -47,6 +50,81 @@ def param_uses(pmodel: Any, node_strategy: dict[str, Any], fqn: str, *, through_
                 if src is prod and p is not None:
                     out.append((user.name, tuple(pl.to_str(x) for x in p)))
     return out
+
+
+def param_role(stored: str, used: Sequence[str] | None) -> str:
+    """Role of a parameter on one mesh axis from its storage token and the tokens its computing ops
+    read it in (None: not known, the plan's model is not attached): "tp" (read sharded), "fsdp"
+    (stored sharded, read whole), "sharded" (stored sharded, use not known or not read by the
+    forward), "partial", "replicated". :func:`read_param` refines "tp" to "ep" for expert weights."""
+    if any(u.startswith("S") for u in used or ()):
+        return "tp"
+    if stored.startswith("S"):
+        return "fsdp" if used and all(u == "R" for u in used) else "sharded"
+    if stored.startswith("P") or any(u.startswith("P") for u in used or ()):
+        return "partial"
+    return "replicated"
+
+
+def _expert_parallel_use(pm: Any, ns: Mapping[str, Any], uses: Sequence[tuple[str, tuple[str, ...]]], axis: int) -> bool:
+    """Whether a parameter is read sharded on ``axis`` by a ``local_map`` region that runs its
+    expert-parallel alternative there (stacked expert weights: EP, not tensor parallelism)."""
+    for name, placements in uses:
+        node = pm.node_by_name.get(name)
+        region = region_of(node.target) if node is not None and node.op == "call_function" else None
+        if region is None or is_backward(node.target) or name not in ns or not placements[axis].startswith("S"):
+            continue
+        if (region.alternative_on_axes(ns[name].inputs, backward=False)[axis] or "").startswith("expert"):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class ParamReading:
+    """How a plan stores and uses one parameter, per mesh axis: the one reading the CLI's table and
+    the report's grid both show (:func:`read_param`)."""
+
+    fqn: str
+    #: storage placement token per mesh axis ("S(0)", "R")
+    stored: tuple[str, ...]
+    #: (computing forward op, the placement tokens it reads the weight in), followed through views
+    #: (``t``, ``view``...): a transposed weight's S(0) is its S(1); None when the model is not attached
+    uses: tuple[tuple[str, tuple[str, ...]], ...] | None
+    #: role per mesh axis (:func:`param_role`; "ep" for expert weights split by an expert-parallel region)
+    roles: tuple[str, ...]
+
+    def used(self, axis: int) -> tuple[str, ...] | None:
+        """The distinct tokens the computing ops read on ``axis`` (sorted); None: not known."""
+        return None if self.uses is None else tuple(sorted({p[axis] for _, p in self.uses}))
+
+    @property
+    def used_as(self) -> str:
+        """The distinct placements the computing ops read ("RR", "S(0)R, RS(1)"); "—" when no
+        forward op reads it, "?" when not known."""
+        if self.uses is None:
+            return "?"
+        return ", ".join(sorted({"".join(p) for _, p in self.uses})) or "—"
+
+
+def read_param(plan: Any, fqn: str) -> ParamReading:
+    """How ``plan`` stores and uses parameter ``fqn`` (a tied alias reads as the parameter it shares).
+    Uses need ``plan.model``; without it only storage is known."""
+    stored = tuple(pl.to_str(p) for p in plan.param_placements[fqn])
+    pm, ns = plan.model, plan.node_strategy
+    uses = None
+    if pm is not None:
+        tied = {alias: node for node, aliases in pm.captured.tied_params.items() for alias in aliases}
+        node = pm.fqn_to_node.get(fqn) or tied.get(fqn)
+        if node is not None:
+            uses = tuple(param_uses(pm, ns, pm.captured.param_fqn[node], through_views=True))
+    roles = []
+    for a in range(len(stored)):
+        used = None if uses is None else sorted({p[a] for _, p in uses})
+        role = param_role(stored[a], used)
+        if role == "tp" and uses is not None and _expert_parallel_use(pm, ns, uses, a):
+            role = "ep"
+        roles.append(role)
+    return ParamReading(fqn, stored, uses, tuple(roles))
 
 
 #: The reading of a mesh axis of size 1: a "shard" on it is the whole tensor, nothing moves.

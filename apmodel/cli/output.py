@@ -80,7 +80,7 @@ def print_plan(result, cfg, console: Console) -> None:
     """Readable summary: solver stats, objective breakdown, one layer's parameters, emerged roles."""
     from apmodel import placements as pl
     from apmodel.plans import parse_collective_key
-    from apmodel.roles import emerged, param_uses
+    from apmodel.roles import emerged, read_param
 
     plan = result.plan
     mesh = tuple(plan.mesh_shape)
@@ -136,9 +136,9 @@ def print_plan(result, cfg, console: Console) -> None:
         node = pm.fqn_to_node.get(fqn) or tied[fqn]  # a tied alias is read through its parameter's node
         val = pm.node_by_name[node].meta["val"]
         stored = plan.param_placements[fqn]
-        uses = sorted({"".join(u[1]) for u in param_uses(pm, plan.node_strategy, pm.captured.param_fqn[node])})
         local = pl.local_shape(tuple(val.shape), stored, mesh)
-        t.add_row(fqn, "x".join(map(str, val.shape)), pl.tuple_to_str(stored), ", ".join(uses) or "—",
+        # what the computing ops read, after views: the report's grid shows the same reading
+        t.add_row(fqn, "x".join(map(str, val.shape)), pl.tuple_to_str(stored), read_param(plan, fqn).used_as,
                   _fmt_bytes(math.prod(local) * itemsize))
     console.print(t)
 
