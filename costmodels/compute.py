@@ -6,6 +6,9 @@
   convolution and its backward, the flash / efficient SDPA kernels and their backwards...);
   those ops run on tensor cores at ``peak(dtype) x matmul_efficiency``. Other ops count one
   FLOP per output element on the CUDA-core fp32 rate (they are memory bound anyway).
+* ``_grouped_mm`` (one grouped GEMM over row groups: the routed experts of a MoE) is counted as
+  the batched GEMM it equals when its groups are equal (:func:`grouped_mm_as_bmm`), the way the
+  planner traces the experts (at uniform routing).
 * Bytes are the sizes of all input and output tensors (one read, one write), except
   ``embedding`` which reads only the gathered rows.
 * Views and metadata ops cost nothing.
@@ -44,6 +47,38 @@ _DTYPE_KEY = {
 }
 
 
+#: The grouped GEMM's packet name (``torch._grouped_mm``); its FLOPs are not in torch's registry.
+GROUPED_MM = "_grouped_mm"
+
+
+def grouped_mm_as_bmm(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(groups, m, k, n)`` of the batched GEMM ``[groups, m, k] @ [groups, k, n]`` that
+    ``_grouped_mm(a, b, offs)`` computes when its groups are equal (uneven groups: the largest
+    share, rows rounded up). The forms: ``a [M, K] @ b [G, K, N]`` (rows grouped: the experts'
+    forward and input gradient), ``a [K, M] @ b [M, N] -> [G, K, N]`` (the contraction grouped:
+    the weight gradient), ``a [G, M, K] @ b [K, N]`` (columns grouped) and ``[G, M, K] @ [G, K, N]``."""
+    if a.dim() == 2 and b.dim() == 3:
+        g, k, n = (int(s) for s in b.shape)
+        return g, -(-int(a.shape[0]) // g), k, n
+    if a.dim() == 3 and b.dim() == 3:
+        g, m, k = (int(s) for s in a.shape)
+        return g, m, k, int(b.shape[-1])
+    if a.dim() == 3 and b.dim() == 2:
+        g, m, k = (int(s) for s in a.shape)
+        return g, m, k, -(-int(b.shape[1]) // g)
+    raise ValueError(f"_grouped_mm of shapes {tuple(a.shape)} and {tuple(b.shape)}: 2-D by 2-D needs the "
+                     f"output's group count (use grouped_mm_dims)")
+
+
+def grouped_mm_dims(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int, int]:
+    """:func:`grouped_mm_as_bmm` for every form, the 2-D by 2-D one (``a [K, M] @ b [M, N] -> out
+    [G, K, N]``) read from its output."""
+    if a.dim() == 2 and b.dim() == 2:
+        g, k, n = (int(s) for s in out.shape)
+        return g, k, -(-int(a.shape[1]) // g), n
+    return grouped_mm_as_bmm(a, b)
+
+
 def _op_name(op: Any) -> str:
     pkt = getattr(op, "overloadpacket", None)
     if pkt is not None:
@@ -79,7 +114,12 @@ class RooflineCompute:
         return memoized_time_us(self._cache, key, lambda: self._price(op, args, kwargs or {}, out, dtype))
 
     def flops(self, op: Any, args: tuple, kwargs: dict | None, out: Any) -> int:
-        """FLOPs by torch's flop counter (0 when the op is not registered)."""
+        """FLOPs by torch's flop counter, the grouped GEMM's as its batched GEMM (0 when the op is
+        not registered)."""
+        ins, outs = _tensors(args) + _tensors(kwargs or {}), _tensors(out)
+        if _op_name(op) == GROUPED_MM and len(ins) >= 2 and outs:
+            g, m, k, n = grouped_mm_dims(ins[0], ins[1], outs[0])
+            return 2 * g * m * k * n
         f = flop_registry.get(getattr(op, "overloadpacket", None))
         if f is None:
             return 0
@@ -106,7 +146,11 @@ class RooflineCompute:
         nbytes = self._bytes(name, ins, outs, dtype)
         pkt = getattr(op, "overloadpacket", None)
         f = flop_registry.get(pkt) if pkt is not None else None
-        if f is not None:
+        if name == GROUPED_MM and len(ins) >= 2 and outs:
+            g, m, k, n = grouped_mm_dims(ins[0], ins[1], outs[0])
+            flops = 2 * g * m * k * n
+            rate = self._tensor_core_rate(ins, dtype)
+        elif f is not None:
             try:
                 flops = int(f(*args, **kwargs, out_val=out))
             except Exception as e:  # malformed args for the formula

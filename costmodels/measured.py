@@ -58,7 +58,8 @@ from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.utils.flop_counter import flop_registry
 
 from .compute import GATHER_OPS as _ROOFLINE_GATHER_OPS
-from .compute import VIEW_OPS, RooflineCompute, _DTYPE_KEY, _op_name, _tensors, call_key, memoized_time_us
+from .compute import (GROUPED_MM, VIEW_OPS, RooflineCompute, _DTYPE_KEY, _op_name, _tensors, call_key,
+                      grouped_mm_dims, memoized_time_us)
 from .compute_profile import (ALIGN_CLASSES, BUILTIN_PROFILES, EXECUTIONS, FLOOR_CLASSES, OPTIONAL_TRAFFIC_KINDS,
                               PROFILE_SCHEMA, TRAFFIC_KINDS, ComputeProfile, ProfileError, builtin_profile,
                               load_profile, profiles_dir)
@@ -353,6 +354,13 @@ class MeasuredCompute:
             return self._fp32_internal(op, name, args, kwargs, out, ins, outs, dtype)
         if name in MATMUL_OPS:
             p = self._matmul(name, args, outs, dtype)
+            if p is not None:
+                return p
+        if name == GROUPED_MM and len(ins) >= 2 and outs:
+            # no measured curve of the grouped kernel: the cuBLAS batched GEMM it equals at equal groups
+            g, m, k, n = grouped_mm_dims(ins[0], ins[1], outs[0])
+            a, b = (torch.empty(shape, dtype=ins[0].dtype, device="meta") for shape in ((g, m, k), (g, k, n)))
+            p = self._matmul("bmm", (a, b), [torch.empty((g, m, n), dtype=outs[0].dtype, device="meta")], dtype)
             if p is not None:
                 return p
         if name in ATTENTION_OPS:

@@ -224,6 +224,32 @@ def test_many_experts_run_as_three_grouped_kernels_not_one_per_expert():
     assert _matmuls(make_fx(routed, tracing_mode="fake")(*meta32)) == {"mm": 0, "bmm": 3, "_grouped_mm": 0}
 
 
+@pytest.mark.parametrize("model", ["measured", "roofline"])
+def test_the_grouped_kernel_is_priced_as_the_batched_gemm_it_equals(model):
+    """Each form autograd runs (forward, input and weight gradients) at DeepSeek-V3's expert sizes:
+    the FLOPs of the whole grouped GEMM at tensor-core speed, not an elementwise op's price."""
+    from costmodels.compute import RooflineCompute
+    from costmodels.measured import compute_model
+
+    cost = compute_model("h100") if model == "measured" else RooflineCompute("h100")
+    aten, meta = torch.ops.aten, dict(device="meta", dtype=torch.bfloat16)
+    groups, rows, dim, hidden = 32, 32768, 7168, 2048
+    offs = torch.empty(groups, dtype=torch.int32, device="meta")
+    x, w, dy = torch.empty(rows, dim, **meta), torch.empty(groups, dim, hidden, **meta), torch.empty(rows, hidden, **meta)
+    forms = {"forward": (x, w, (groups, rows // groups, dim, hidden)),
+             "input_grad": (dy, w.transpose(1, 2), (groups, rows // groups, hidden, dim)),
+             "weight_grad": (x.t(), dy, (groups, dim, rows // groups, hidden))}
+    for name, (a, b, (g, m, k, n)) in forms.items():
+        out = aten._grouped_mm.default(a, b, offs)
+        got = cost.time_us(aten._grouped_mm.default, (a, b, offs), {}, out, dtype=torch.bfloat16)
+        bmm_args = (torch.empty(g, m, k, **meta), torch.empty(g, k, n, **meta))
+        want = cost.time_us(aten.bmm.default, bmm_args, {}, torch.empty(g, m, n, **meta), dtype=torch.bfloat16)
+        assert got == pytest.approx(want, rel=1e-9), name
+        assert cost.flops(aten._grouped_mm.default, (a, b, offs), {}, out) == 2 * rows * dim * hidden, name
+        # at H100's ~1e15 bf16 FLOP/s the 2.9e12 FLOPs take milliseconds
+        assert got > 1000.0, name
+
+
 # ---------------------------------------------------------------------------------------------
 # planning and training
 
