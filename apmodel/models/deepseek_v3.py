@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apmodel.models.attention import causal_attention
-from apmodel.models.llama3 import RMSNorm, apply_rope
+from apmodel.models.llama3 import LlamaConfig, RMSNorm, apply_rope
 from apmodel.models.moe import MoE, MoEBlock, MoEConfig, MoETransformer, RoutedExperts
 from apmodel.regions import LocalRegion
 
@@ -227,5 +227,5 @@ class DeepSeekV3Transformer(MoETransformer):
     """``tokens [batch, seq] (int64) -> logits [batch, seq, vocab]`` (or the loss, given targets):
     the decoder with :class:`DeepSeekV3Block` blocks (RoPE tables of ``qk_rope_head_dim``)."""
 
-    def make_block(self, layer_id: int, cfg: MoEConfig) -> nn.Module:
-        return DeepSeekV3Block(layer_id, cfg)
+    def make_block(self, layer_id: int, cfg: LlamaConfig) -> nn.Module:
+        return DeepSeekV3Block(layer_id, cast(DeepSeekV3Config, cfg))
