@@ -98,7 +98,8 @@ def test_orchestration_is_on_top_and_lowering_is_last():
     assert "apmodel.api" in graph["apmodel.cli"]
     lowering = {m: deps for m, deps in graph.items() if m.startswith("apmodel.lowering")}
     assert len(lowering) >= 5
-    forbidden = {"apmodel.api", "apmodel.cli", "apmodel.search", "apmodel.recipes", "apmodel.report"}
+    forbidden = {"apmodel.api", "apmodel.cli", "apmodel.search", "apmodel.recipes", "apmodel.report",
+                 "apmodel.report_data", "apmodel.report_figures"}
     for module, deps in lowering.items():
         assert not deps & forbidden, (module, deps & forbidden)
         assert not any(d.startswith("apmodel.models") for d in deps), (module, deps)

@@ -15,10 +15,11 @@ import torch
 from typer.testing import CliRunner
 
 import apmodel
-from apmodel import models, report
+from apmodel import models, report, report_data, report_figures
 from apmodel import placements as pl
 from apmodel.cli import app
-from apmodel.roles import param_uses
+from apmodel.formatting import fmt_bytes
+from apmodel.roles import param_role, param_uses
 from apmodel.plans import Plan
 from apmodel.recipes import RecipeResult
 
@@ -136,31 +137,31 @@ def test_page_shows_the_plans_numbers_and_placements(plan, page):
     assert "Not compared" in text  # no recipes given
     assert "warnings" in doc.ids and ("none" in text if not plan.warnings else plan.warnings[0] in text)
     mem = plan.memory
-    assert "peak" in text and report._fmt_bytes(mem["peak_bytes"]) in text
+    assert "peak" in text and fmt_bytes(mem["peak_bytes"]) in text
 
 
 def test_roles_follow_storage_and_use():
-    assert report._param_role("S(0)", ["R"]) == "fsdp"
-    assert report._param_role("S(1)", ["S(0)"]) == "tp"
-    assert report._param_role("R", ["S(1)"]) == "tp"
-    assert report._param_role("R", ["R"]) == "replicated"
-    assert report._param_role("S(0)", None) == "sharded"  # use unknown
-    assert report._param_role("S(0)", []) == "sharded"  # not read by the forward
-    assert [report._activation_role(t) for t in ("S(0)", "S(1)", "S(2)", "R", "P")] == ["dp", "sp", "sharded", "replicated", "partial"]
+    assert param_role("S(0)", ["R"]) == "fsdp"
+    assert param_role("S(1)", ["S(0)"]) == "tp"
+    assert param_role("R", ["S(1)"]) == "tp"
+    assert param_role("R", ["R"]) == "replicated"
+    assert param_role("S(0)", None) == "sharded"  # use unknown
+    assert param_role("S(0)", []) == "sharded"  # not read by the forward
+    assert [report_data.activation_role(t) for t in ("S(0)", "S(1)", "S(2)", "R", "P")] == ["dp", "sp", "sharded", "replicated", "partial"]
 
 
 def test_grid_colours_each_axis_by_the_role_the_plan_gives_it(plan):
-    blocks, rows = report._placement_data(plan)
+    blocks, rows = report_data.placement_data(plan)
     by_name = {r.name: r for r in rows}
     for fqn, placement in plan.param_placements.items():
         uses = param_uses(plan.model, plan.node_strategy, fqn, through_views=True)
         for a, p in enumerate(placement):
             used = sorted({u[1][a] for u in uses})
-            want = report._param_role(pl.to_str(p), used)
+            want = param_role(pl.to_str(p), used)
             assert by_name[fqn].roles[a] == want, (fqn, a)
     layer_rows = [label for b in blocks for label, _ in b.rows]
     assert layer_rows == ["layers.0", "layers.1", "model"]
-    svg = report._svg(report.plan_figures(plan)[0])
+    svg = report_figures.svg(report.plan_figures(plan)[0])
     for role in {r for row in rows for r in row.roles}:
         assert report.ROLES[role][1] in svg and report.ROLES[role][0] in svg  # fill and legend
 
@@ -210,13 +211,13 @@ def test_grid_groups_parameters_by_the_models_own_layers(tmp_path):
     p = apmodel.plan(m, (2,), (tokens,), loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), y.flatten()), targets=(tokens,))
     want = ["h.0", "h.1", "h.2", "model"]
-    blocks, _ = report._placement_data(p)
+    blocks, _ = report_data.placement_data(p)
     assert [label for b in blocks for label, _ in b.rows] == want
     assert "ln out" in blocks[0].columns  # the norm's output: ln.weight is a norm weight by the conventions
     p.save(tmp_path / "h.json")
     alone = Plan.load(tmp_path / "h.json")
     assert alone.model is None
-    blocks, _ = report._placement_data(alone)
+    blocks, _ = report_data.placement_data(alone)
     assert [label for b in blocks for label, _ in b.rows] == want
     roles = emerged(alone)
     n = len(alone.param_placements)
@@ -383,7 +384,7 @@ def test_expert_parallel_weights_are_labelled_ep_not_tp():
         model = build("moe-debug")
     plan = apmodel.plan(model, (2, 4), sample_inputs("moe-debug", 8, 256), device="h100",
                         constraints=[apmodel.region_as("routed_experts_*", "tensor_parallel", "expert_parallel")])
-    _, table = report._placement_data(plan)
+    _, table = report_data.placement_data(plan)
     experts = [r for r in table if ".moe.experts." in r.name]
     assert experts and all(r.roles == ["tp", "ep"] for r in experts), [(r.name, r.roles) for r in experts]
     assert "EP" in report.ROLES["ep"][0]
