@@ -149,7 +149,7 @@ def _summary_section(plan: "Plan", param_note: str) -> str:
             ("communication", f"{fmt_us(plan.comm_us)} µs ({pct(plan.comm_us, total)})")]
     lb, gap = _gap(plan)
     solver = [("backend / status", f"{s.get('backend', '—')} / {s.get('status', '—')}"),
-              ("lower bound / gap", "—" if lb is None else f"{fmt_us(lb)} µs / {100 * gap:.3f}%"),
+              ("lower bound / gap", "—" if lb is None or gap is None else f"{fmt_us(lb)} µs / {100 * gap:.3f}%"),
               ("nodes / groups / states / edges", " / ".join(f"{plan.sizes[k]:,}" if k in plan.sizes else "—"
                                                              for k in ("nodes", "groups", "states", "edges"))),
               ("trace / build / solve / total (s)", " / ".join(f"{tm[k]:.2f}" if k in tm else "—"
@@ -289,10 +289,11 @@ def diff_page(a: "Plan", b: "Plan", *, names: tuple[str, str] = ("a", "b"), node
     for key in sorted(set(a.comm_by_collective) | set(b.comm_by_collective), key=natural):
         x, y = a.comm_by_collective.get(key, 0.0), b.comm_by_collective.get(key, 0.0)
         summary.append((f"  {collective_label(key)} µs", fmt_us(x), fmt_us(y), *delta(x, y)))
-    if a.memory.get("peak_bytes") is not None and b.memory.get("peak_bytes") is not None:
-        x, y = a.memory["peak_bytes"], b.memory["peak_bytes"]
-        summary.append(("peak memory", fmt_bytes(x), fmt_bytes(y), ("+" if y >= x else "−") + fmt_bytes(abs(y - x)),
-                        f"{100 * (y - x) / x:+.2f}%" if x else "—"))
+    peak_a, peak_b = a.memory.get("peak_bytes"), b.memory.get("peak_bytes")
+    if peak_a is not None and peak_b is not None:
+        summary.append(("peak memory", fmt_bytes(peak_a), fmt_bytes(peak_b),
+                        ("+" if peak_b >= peak_a else "−") + fmt_bytes(abs(peak_b - peak_a)),
+                        f"{100 * (peak_b - peak_a) / peak_a:+.2f}%" if peak_a else "—"))
     else:
         summary.append(("peak memory", fmt_bytes(a.memory.get("peak_bytes")) if a.memory else "not recorded",
                         fmt_bytes(b.memory.get("peak_bytes")) if b.memory else "not recorded", "—", "—"))
