@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import shutil
 import subprocess
@@ -372,19 +374,213 @@ def test_page_renders_in_a_headless_browser(page, tmp_path):
         assert hits > 200, f"{colour}: {hits} pixels"
 
 
-def test_expert_parallel_weights_are_labelled_ep_not_tp():
-    """Stacked expert weights read sharded by the MoE region's expert-parallel alternative are EP on
-    that axis; the same weights split by its tensor-parallel alternative stay TP."""
-    import torch
-
-    import apmodel
+@pytest.fixture(scope="module")
+def moe_plan() -> Plan:
+    """moe-debug on (2, 4), its routed experts tensor parallel on axis 0 and expert parallel on axis 1."""
     from apmodel.models import build, sample_inputs
 
     with torch.device("meta"):
         model = build("moe-debug")
-    plan = apmodel.plan(model, (2, 4), sample_inputs("moe-debug", 8, 256), device="h100",
+    return apmodel.plan(model, (2, 4), sample_inputs("moe-debug", 8, 256), device="h100",
                         constraints=[apmodel.region_as("routed_experts_*", "tensor_parallel", "expert_parallel")])
+
+
+def test_expert_parallel_weights_are_labelled_ep_not_tp(moe_plan):
+    """Stacked expert weights read sharded by the MoE region's expert-parallel alternative are EP on
+    that axis; the same weights split by its tensor-parallel alternative stay TP."""
+    plan = moe_plan
     _, table = report_data.placement_data(plan)
     experts = [r for r in table if ".moe.experts." in r.name]
     assert experts and all(r.roles == ["tp", "ep"] for r in experts), [(r.name, r.roles) for r in experts]
     assert "EP" in report.ROLES["ep"][0]
+
+
+# ------------------------------------------- the page's figures against the plan file and the CLI
+#: The main job of the README at two layers (the same figures, a quicker trace).
+MAIN_JOB = ["plan", "--model", "llama3-8b", "--mesh", "4x8", "--device", "h100", "--gpus-per-node", "8",
+            "--seq", "2048", "--batch", "8", "--layers", "2"]
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+class Tables(HTMLParser):
+    """The page's tables as rows of cell texts, by the id of the section holding them."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.section = ""
+        self.tables: dict[str, list[list[list[str]]]] = {}
+        self._cell: list[str] | None = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "section":
+            self.section = dict(attrs).get("id") or ""
+        elif tag == "table":
+            self.tables.setdefault(self.section, []).append([])
+        elif tag == "tr":
+            self.tables[self.section][-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.tables[self.section][-1][-1].append(" ".join("".join(self._cell).split()))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _number(text: str) -> tuple[float, float]:
+    """A number as the page writes it ("31,685.9", "177.25 MiB") and half its last digit."""
+    value, _, unit = text.strip().partition(" ")
+    decimals = len(value.partition(".")[2])
+    scale = _UNITS.get(unit, 1)
+    return float(value.replace(",", "")) * scale, 0.5 * 10.0 ** -decimals * scale
+
+
+def _close(text: str, want: float) -> bool:
+    got, tol = _number(text)
+    return abs(got - want) <= tol * 1.0001
+
+
+def _bar_tips(page: str, figure: str) -> dict[tuple[str, str], str]:
+    """(row, segment) -> the value a bar segment's tooltip gives, in the figure with id ``figure``."""
+    svg = re.search(rf'<svg id="{figure}".*?</svg>', page, re.S)
+    assert svg, figure
+    tips = {}
+    for tip in re.findall(r"<rect [^>]*><title>([^<]*)</title></rect>", svg.group(0)):
+        m = re.fullmatch(r"(.*?): (.*) ([\d,.]+(?: µs| [KMG]iB| B)) \([\d.]+%\)", html.unescape(tip))
+        assert m, tip
+        tips[(m.group(1), m.group(2))] = m.group(3).removesuffix(" µs")
+    return tips
+
+
+def _check_page_against_plan(page: str, data: dict) -> None:
+    """The page's figures are the plan file's: objective, compute, each collective, each layer, memory."""
+    doc = check_self_contained(page)
+    objective = data["objective_us"]
+    lead = re.search(r"Objective ([\d,.]+) µs per step: compute ([\d,.]+) µs .*?communication ([\d,.]+) µs", doc.text)
+    assert lead and _close(lead.group(1), objective)
+    assert _close(lead.group(2), data["compute_us"]) and _close(lead.group(3), data["comm_us"])
+
+    step = _bar_tips(page, "time-breakdown")
+    want = {"compute": data["compute_us"]}
+    for key, us in data["comm_by_collective"].items():
+        kind, _, axes = key.partition("@axis")
+        want[f"{kind} axis {axes}"] = us
+    assert {seg for _, seg in step} == {k for k, v in want.items() if v > 0}
+    for (_, seg), text in step.items():
+        assert _close(text, want[seg]), (seg, text, want[seg])
+    time_table = {r[0]: r[1] for r in Tables(page).tables["time"][0][1:]}
+    for seg, us in want.items():
+        assert _close(time_table[seg], us), seg
+    assert _close(time_table["total"], objective)
+
+    layers = _bar_tips(page, "per-layer")
+    assert {row for row, _ in layers} == set(data["per_layer"]) and "other" not in data["per_layer"]
+    for (row, seg), text in layers.items():
+        assert _close(text, data["per_layer"][row]["compute_us" if seg == "compute" else "comm_us"]), (row, seg)
+    shown = sum(_number(t)[0] for t in layers.values())
+    assert shown == pytest.approx(objective, abs=0.05 * len(layers) + 1e-6)  # the bars sum to the objective
+
+    mem = data["memory"]
+    bars = _bar_tips(page, "memory")
+    for seg, key in (("parameters", "params_bytes"), ("gradients", "grads_bytes"), ("optimizer state", "optimizer_bytes"),
+                     ("activations", "activations_bytes")):
+        assert _close(bars[("per device", seg)], mem[key]), seg
+    mem_table = {r[0]: r[1] for r in Tables(page).tables["memory"][0][1:]}
+    for row, key in (("parameters", "params_bytes"), ("peak", "peak_bytes"), ("HBM", "hbm_bytes")):
+        assert _close(mem_table[row], mem[key]), row
+
+
+def _cli_table(output: str, title: str) -> list[list[str]]:
+    """The rows of one rich table of the CLI's output (cells stripped), by its title."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(title))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip() or line.strip()[0] not in "│┃┏┡└┌├╇━┗":
+            break
+        if line.strip().startswith("│"):
+            rows.append([c.strip() for c in line.strip().strip("│").split("│")])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("main")
+    res = CliRunner().invoke(app, [*MAIN_JOB, "--compare-recipes", "--out", str(d / "p.json"), "--report", str(d / "p.html")],
+                             env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return res.output, json.loads((d / "p.json").read_text()), (d / "p.html").read_text(encoding="utf-8")
+
+
+def test_main_job_page_shows_the_plans_figures(main_job):
+    _, data, page = main_job
+    _check_page_against_plan(page, data)
+
+
+def test_main_job_page_and_cli_agree_on_uses_and_parameter_bytes(main_job):
+    """The CLI's "used as" column and the report's grid and table read each parameter alike (one
+    function, roles.read_param); the recipe tables give the same objectives and parameter bytes."""
+    output, data, page = main_job
+    cli = {r[0]: r for r in _cli_table(output, "Parameter placements")}
+    assert len(cli) == 12 and "layers.0.attention.wo.weight" in cli and "output.weight" in cli  # layer 0 and 3 more
+    table = {r[0]: r for r in Tables(page).tables["placements"][0][1:]}
+    tips = {}
+    for tip in re.findall(r"<title>([^<]*), axis (\d+): stored ([^,]*), used ([^:]*): [^<]*</title>", page):
+        tips[(re.sub(r"^(\w+)\.(\d+)–\d+\.", r"\1.\2.", html.unescape(tip[0])), int(tip[1]))] = tip[3]
+    for fqn, (_, _, stored, used_as, _) in cli.items():
+        assert table[fqn][2] == stored
+        placements = set(used_as.split(", "))
+        # the page's table: "op: placements; ..." after views
+        assert {u.split(": ")[1] for u in table[fqn][3].split("; ")} == placements, fqn
+        tokens = [pl.to_str(p) for p in pl.parse(next(iter(placements)))]
+        for a in range(len(tokens)):  # the grid's stripe on each axis: the tokens the CLI's placements hold there
+            want = sorted({pl.to_str(pl.parse(p)[a]) for p in placements})
+            assert tips[(fqn, a)] == "/".join(want), (fqn, a)
+
+    mem = data["memory"]
+    recipes_page = {r[0]: r for r in Tables(page).tables["recipes"][0][1:]}
+    recipes_cli = {r[0]: r for r in _cli_table(output, "Found plan versus hand-written recipes") if r[0]}
+    assert _close(recipes_page["apmodel (found)"][5], mem["params_bytes"])
+    assert _close(recipes_page["apmodel (found)"][2], data["objective_us"])
+    priced = [name for name, r in recipes_page.items() if r[2][:1].isdigit()]
+    assert len(priced) >= 3
+    for name in priced:
+        row = next(r for n, r in recipes_cli.items() if name.startswith(n))  # a long title wraps in the terminal
+        assert row[2] == recipes_page[name][2] and row[5] == recipes_page[name][5], name
+
+
+def test_moe_page_shows_the_plans_figures(moe_plan):
+    """An MoE plan whose routed experts run expert parallel on axis 1: its page against its JSON,
+    the region's own all-to-alls among the figures, its grid no wider than the page."""
+    data = moe_plan.to_json()
+    page = report.plan_page(moe_plan)
+    assert any(" (routed_experts" in k for k in data["comm_by_collective"])
+    _check_page_against_plan(page, data)
+    grid = re.search(r'<svg id="placement-grid"[^>]*width="([\d.]+)"', page)
+    assert grid and float(grid.group(1)) <= report_figures.GRID_MAX_WIDTH
+
+
+def test_grid_folds_alike_layers_and_wraps_wide_rows():
+    """32 layers that read alike are one row; 20 columns on a 4-axis mesh wrap into bands no wider
+    than the page; a layer that differs keeps its own row, and every column is drawn."""
+    stripe = report_data._Stripe("fsdp", "S(0)→R", "tip")
+    other = report_data._Stripe("tp", "S(0)→S(0)", "tip")
+    columns = [f"block.w{i}" for i in range(20)]
+
+    def cells(s):
+        return [report_data._Cell(f"c{i}", (s,) * 4) for i in range(len(columns))]
+
+    rows = [(f"layers.{i}", cells(other if i == 7 else stripe)) for i in range(32)]
+    d = report_figures.layout_grid([report_data.Block("per layer", columns, rows)], (2, 2, 2, 4))
+    texts = [s.text for s in d.shapes if isinstance(s, report_figures._Text)]
+    assert d.width <= report_figures.GRID_MAX_WIDTH
+    bands = sum(t in ("per layer", "per layer (continued)") for t in texts)
+    assert bands >= 2 and [t for t in texts if t.startswith("layers.")] == ["layers.0–6", "layers.7", "layers.8–31"] * bands
+    assert all(c in texts for c in columns)
+    tips = [s.tip for s in d.shapes if isinstance(s, report_figures._Rect) and s.tip]
+    assert len(tips) == 3 * 20 * 4
