@@ -168,7 +168,9 @@ def natural_item(kv: tuple[str, float]) -> list[Any]:
 def layer_bars(plan: "Plan") -> Bars:
     rows = [(k, [("compute", v.get("compute_us", 0.0)), ("communication", v.get("comm_us", 0.0))])
             for k, v in sorted(plan.per_layer.items(), key=lambda kv: natural(kv[0]))]
-    caption = "Compute and communication per layer."
+    caption = ("Compute and communication per layer; the modules outside the repeated layers and the loss function "
+               "have rows of their own, and a parameter's gradient reduction counts in its own layer "
+               "(apmodel.cost_labels), so the rows sum to the objective.")
     if len(rows) == 1:
         caption = (f"The plan records no per-layer split: every node fell in {rows[0][0]!r} "
                    "(the traced graph carried no module paths).")
