@@ -76,8 +76,9 @@ def assert_same_capture(a: CapturedGraph, b: CapturedGraph) -> None:
         assert getattr(a, label) == getattr(b, label), label
 
 
+# the MoE models: layer 0 dense, traced as it is
 @pytest.mark.parametrize("name, layers, stacked", [("llama3-debug", 4, 4), ("llama3-debug", 7, 7), ("gpt2", 5, 5),
-                                                  ("moe-debug", 6, 5)])  # moe: layer 0 dense, traced as it is
+                                                  ("moe-debug", 6, 5), ("deepseek-v3-debug", 6, 5)])
 def test_stamped_graph_is_the_traced_graph(name, layers, stacked, monkeypatch):
     stamped, full = _both(name, layers, monkeypatch, stacked)
     assert_same_capture(stamped, full)
