@@ -36,7 +36,8 @@ deepseek-v3         61     7168    128    MLA    18432   129280   MLA (q_lora 15
                                                                   shared, 2048 wide; 3 dense (≈ 671e9)
 deepseek-v3-16b     27     2048    16     MLA    10944   102400   DeepSeek-V2-Lite's sizes (kv_lora 512, no
                                                                   q compression), V3's sigmoid routing;
-                                                                  64 routed (top-6) + 2 shared, 1408 wide
+                                                                  64 routed (top-6) + 2 shared, 1408 wide;
+                                                                  max_seq 16384 (≈ 15.7e9)
 deepseek-v3-debug   2      256     8      MLA    768     2048     q_lora 64, kv_lora 32, 8 routed (top-2 of
                                                                   2 of 4 groups) + 1 shared; layer 0 dense
 ==================  =====  ======  =====  =====  ======  =======  =====================================
@@ -141,13 +142,14 @@ PRESETS: MappingProxyType = MappingProxyType(
         # hidden 2048, 27 layers, 16 heads, no q compression, kv_lora_rank 512, qk_nope 128, qk_rope 64,
         # v 128, 64 routed experts of 1408 + 2 shared, top-6, first layer dense with intermediate 10944,
         # vocab 102400, routed_scaling_factor 1.0, one expert group) with V3's routing (sigmoid scores,
-        # normalised top-k, selection bias) in place of V2-Lite's softmax
+        # normalised top-k, selection bias) in place of V2-Lite's softmax; 16384 positions as the
+        # paper's baseline (TorchTitan's DeepSeek-V3 16B) has them, for the paper's 8K sequences
         "deepseek-v3-16b": (
             DeepSeekV3Config,
             DeepSeekV3Transformer,
             dict(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, ffn_hidden_dim=10944, moe_hidden_dim=1408,
                  n_routed_experts=64, n_shared_experts=2, top_k=6, n_dense_layers=1, vocab_size=102400,
-                 q_lora_rank=0, n_group=1, topk_group=1, routed_scaling_factor=1.0),
+                 q_lora_rank=0, n_group=1, topk_group=1, routed_scaling_factor=1.0, max_seq_len=16384),
         ),
         "deepseek-v3-debug": (
             DeepSeekV3Config,
