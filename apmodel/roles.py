@@ -85,6 +85,8 @@ class ParamReading:
     the report's grid both show (:func:`read_param`)."""
 
     fqn: str
+    #: the graph placeholder holding it (a tied alias: its parameter's); None without the model
+    node: str | None
     #: storage placement token per mesh axis ("S(0)", "R")
     stored: tuple[str, ...]
     #: (computing forward op, the placement tokens it reads the weight in), followed through views
@@ -111,7 +113,7 @@ def read_param(plan: Any, fqn: str) -> ParamReading:
     Uses need ``plan.model``; without it only storage is known."""
     stored = tuple(pl.to_str(p) for p in plan.param_placements[fqn])
     pm, ns = plan.model, plan.node_strategy
-    uses = None
+    uses, node = None, None
     if pm is not None:
         tied = {alias: node for node, aliases in pm.captured.tied_params.items() for alias in aliases}
         node = pm.fqn_to_node.get(fqn) or tied.get(fqn)
@@ -124,7 +126,7 @@ def read_param(plan: Any, fqn: str) -> ParamReading:
         if role == "tp" and uses is not None and _expert_parallel_use(pm, ns, uses, a):
             role = "ep"
         roles.append(role)
-    return ParamReading(fqn, stored, uses, tuple(roles))
+    return ParamReading(fqn, node, stored, uses, tuple(roles))
 
 
 #: The reading of a mesh axis of size 1: a "shard" on it is the whole tensor, nothing moves.
