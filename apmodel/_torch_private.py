@@ -60,6 +60,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -219,8 +220,8 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
 #: dtypes ``torch._grouped_mm`` takes, per device type (torch 2.13): the CPU kernel takes the three
 #: floating types; CUDA's grouped kernel (CUTLASS) takes bf16 only (other dtypes go through a
 #: loop over the groups), and torch's meta function mirrors CUDA (bf16 only).
-_GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,),
-                      "meta": (torch.bfloat16,)}
+_GROUPED_MM_DTYPES = MappingProxyType({"cpu": (torch.float32, torch.bfloat16, torch.float16),
+                                       "cuda": (torch.bfloat16,), "meta": (torch.bfloat16,)})
 #: CUDA compute capabilities (major) with the grouped kernel: Hopper (9) and Blackwell (10)
 _GROUPED_MM_CUDA_MAJORS = (9, 10)
 #: row strides ``torch._grouped_mm`` requires to be a multiple of (bytes), every device
