@@ -17,13 +17,19 @@ variables and forbidden states, which the exact reductions of ``solvers.reduce``
 instances can be read with ``--npz`` (keys ``u0..u{n-1}`` unary vectors, ``e0..e{m-1}`` edge
 matrices, ``edge_uv`` (m, 2) endpoints, ``n_vars``).
 
-Prints a table (median seconds over repeats, energy, bound, gap to the HiGHS optimum).
+The "redist" sizes price edges like redistributions instead (:func:`redistribution_like`: strategies
+producing placements on a 2-D mesh, alpha-beta collectives per axis; few dominated states).
+``--planner llama3-8b@8,llama3-8b@4x8`` adds the planner's own problems (built by apmodel, torch needed).
+
+Prints a table (median seconds over interleaved repeats, the first run's seconds, energy, bound,
+certified gap, gap to the HiGHS optimum) and the machine's load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,10 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solvers  # noqa: E402
 
-SIZES = {  # name: (variables, states, edges); "planner" is built by planner_like (edges = compute nodes)
+SIZES = {  # name: (variables, states, edges); "planner" is built by planner_like (edges = compute nodes),
+    # "redist-*" by redistribution_like, the others by placement_like
     "small": (500, 20, 1_000),
     "large": (5_000, 30, 10_000),
     "planner": (331, 36, 120),
+    "redist-small": (500, 20, 1_000),
+    "redist-large": (5_000, 30, 10_000),
 }
 N_LAYOUTS = 8  # distinct layouts (placement tuples of one tensor)
 LAYER_WIDTH = 10  # variables per DAG layer
@@ -76,6 +85,91 @@ def placement_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0) -> s
     for (u, v), s in zip(pairs, size):
         edges.append((u, v, s * transfer[layout[u][:, None], layout[v][None, :]]))
     return solvers.PairwiseProblem(list(unary), edges)
+
+
+# redistribution-shaped instances: a tensor's state is one placement per mesh axis (R, P or S(d)), the
+# edge cost the alpha-beta time of the per-axis collectives that turn one into the other
+REDIST_MESH = (4, 8)  # axis 0 across nodes, axis 1 inside one (the planner's (4, 8) main job)
+REDIST_GBPS = (50.0, 450.0)  # per-axis bus bandwidth, GB/s: 400 Gb/s NIC, NVLink 4 (H100 SXM)
+REDIST_ALPHA_US = (10.0, 3.0)  # per-step latency of a collective on each axis, µs
+REDIST_COMPUTE_US = 500.0  # median compute time of an op on one device
+REDIST_BYTES = 4e6  # median tensor size (a 2048 x 1024 bf16 activation)
+REDIST_RANK = 3  # tensor rank: per axis R, P, S(0..2), so 25 placement tuples
+REDIST_LAYOUTS = 8  # output placements an op can produce among them
+REDIST_SAME = 0.9  # probability that a strategy wants an input in its own output placement
+REDIST_LOOKBACK = 1  # inputs from the previous layer only (chains with branches, like a network's graph)
+
+
+def _axis_cost(a: str, b: str, n: int, nbytes: float, axis: int) -> float:
+    """µs to turn per-axis placement ``a`` into ``b`` on an axis of ``n`` devices for a local tensor of
+    ``nbytes`` (before this axis splits it): all-gather, reduce-scatter, all-reduce, all-to-all, free slice."""
+    if a == b or (a == "R" and b.startswith("S")):
+        return 0.0
+    if b == "P":
+        return np.inf  # nothing turns into a pending sum
+    alpha, beta = REDIST_ALPHA_US[axis], 1e-3 / REDIST_GBPS[axis]  # µs per byte
+    frac = (n - 1) / n
+    if a == "P":  # all-reduce to R, reduce-scatter to S
+        return 2 * (n - 1) * alpha + 2 * frac * nbytes * beta if b == "R" else (n - 1) * alpha + frac * nbytes * beta
+    if b == "R":  # all-gather
+        return (n - 1) * alpha + frac * nbytes * beta
+    return (n - 1) * alpha + frac * nbytes * beta / n  # S(i) -> S(j): all-to-all
+
+
+def _redistribution_table() -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
+    """Placement tuples of a rank-``REDIST_RANK`` tensor on ``REDIST_MESH`` and, for every pair, the
+    latency (µs) and per-byte (µs per byte of the whole tensor) parts of redistributing one into the other."""
+    per_axis = ["R", "P"] + [f"S{d}" for d in range(REDIST_RANK)]
+    tuples = [(a, b) for a in per_axis for b in per_axis]
+    n_t = len(tuples)
+    lat, per_byte = np.zeros((n_t, n_t)), np.zeros((n_t, n_t))
+    for i, ta in enumerate(tuples):
+        for j, tb in enumerate(tuples):
+            for ax in range(2):
+                other = REDIST_MESH[1 - ax] if ta[1 - ax].startswith("S") else 1  # the other axis's split
+                c0 = _axis_cost(ta[ax], tb[ax], REDIST_MESH[ax], 0.0, ax)
+                c1 = _axis_cost(ta[ax], tb[ax], REDIST_MESH[ax], 1.0, ax)
+                lat[i, j] += c0
+                per_byte[i, j] += (c1 - c0) / other if np.isfinite(c1) else np.inf
+    return tuples, lat, per_byte
+
+
+def redistribution_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0) -> solvers.PairwiseProblem:
+    """Placement problem priced like the planner's: strategies, placements on a 2-D mesh, collectives.
+
+    A variable is an op with ``n_states`` strategies.  Each strategy produces its output in one of
+    ``REDIST_LAYOUTS`` placement tuples the op can produce, and wants each input in a placement (its
+    output's with probability ``REDIST_SAME``, as a matmul sharded on rows wants its input so, else any
+    tuple); unary = compute time divided by the devices splitting the output (P counts: a split
+    contraction) times a per-strategy factor; the edges a layered DAG (inputs from the previous layer),
+    costing the alpha-beta time of the per-axis collectives (``_axis_cost``, summed over the axes)
+    from the producer's output placement to the placement the consumer wants, for a tensor of
+    lognormal size.  Rows repeat where strategies share an output placement (as in the planner).
+    """
+    rng = np.random.default_rng(seed)
+    tuples, lat, per_byte = _redistribution_table()
+    n_t = len(tuples)
+    split = np.array([np.prod([REDIST_MESH[i] for i in range(2) if t[i] != "R"]) for t in tuples], dtype=float)
+    out = []
+    for _ in range(n_vars):
+        layouts = rng.choice(n_t, size=REDIST_LAYOUTS, replace=False)
+        out.append(layouts[rng.integers(0, REDIST_LAYOUTS, size=n_states)])
+    base = rng.lognormal(mean=np.log(REDIST_COMPUTE_US), sigma=1.0, size=n_vars)  # µs of compute on one device
+    unary = [base[v] / split[out[v]] * rng.uniform(0.8, 1.25, size=n_states) for v in range(n_vars)]
+    layer = np.arange(n_vars) // LAYER_WIDTH
+    per_var = max(1, round(n_edges / max(1, n_vars - LAYER_WIDTH)))
+    pairs = set()
+    for v in range(LAYER_WIDTH, n_vars):
+        lo = max(0, (layer[v] - REDIST_LOOKBACK) * LAYER_WIDTH)
+        for u in rng.integers(lo, layer[v] * LAYER_WIDTH, size=per_var):
+            pairs.add((int(u), v))
+    pairs = sorted(pairs)[:n_edges]
+    sizes = rng.lognormal(mean=np.log(REDIST_BYTES), sigma=1.0, size=len(pairs))  # bytes of the whole tensor
+    edges = []
+    for (u, v), nb in zip(pairs, sizes):
+        want = np.where(rng.random(n_states) < REDIST_SAME, out[v], rng.integers(0, n_t, size=n_states))
+        edges.append((u, v, lat[out[u][:, None], want[None, :]] + nb * per_byte[out[u][:, None], want[None, :]]))
+    return solvers.PairwiseProblem(unary, edges)
 
 
 FOLLOWERS = (0, 3)  # views / transposes between two compute nodes (inclusive range)
@@ -149,39 +243,70 @@ def parse_backend(spec: str) -> tuple[str, dict]:
     return name, opts
 
 
+SLOW_REPEAT_S = 10.0  # a backend whose first run took longer is not repeated (its one time is its median)
+
+
+def planner_problem(model: str, mesh: tuple[int, ...]) -> solvers.PairwiseProblem:
+    """The planner's own problem for a preset on a mesh (seq 2048, batch 8, H100 cost model, 8 GPUs a
+    node, default options: what ``apmodel plan`` solves); imports torch and apmodel."""
+    import torch
+
+    from apmodel import models
+    from apmodel.api import build_model
+    from apmodel.capture import capture
+
+    cfg = models.config(model, max_seq_len=max(2048, models.config(model).max_seq_len))
+    with torch.device("meta"):
+        module = models.build(cfg)
+    captured = capture(module, models.sample_inputs(cfg, batch=8, seq=2048))
+    return build_model(captured, mesh, device="h100", gpus_per_node=8).compile()
+
+
+def _instance(name: str, path: Path | None) -> solvers.PairwiseProblem:
+    if path is not None:
+        return load_npz(path)
+    if "@" in name:  # model@mesh: the planner's own problem
+        model, mesh = name.split("@")
+        return planner_problem(model, tuple(int(x) for x in mesh.split("x")))
+    if name == "planner":
+        return planner_like(*SIZES[name], seed=1)
+    if name.startswith("redist"):
+        return redistribution_like(*SIZES[name], seed=1)
+    return placement_like(*SIZES[name], seed=1)
+
+
 def run(sizes: list[str], repeats: int, backends: list[str], highs_time_limit: float,
         npz: list[Path] = (), reduce: bool = True) -> list[dict]:
+    """One row per instance and backend: median seconds over ``repeats`` runs, the backends taking
+    turns run by run (interleaved, so a change of the machine's load hits every backend alike);
+    ``first_s`` is the first run's seconds (it includes one-time costs such as numba's loading)."""
     rows = []
     cases = [(name, None) for name in sizes] + [(path.stem, path) for path in npz]
     for name, path in cases:
         t0 = time.perf_counter()
-        if path is not None:
-            prob = load_npz(path)
-        elif name == "planner":
-            prob = planner_like(*SIZES[name], seed=1)
-        else:
-            prob = placement_like(*SIZES[name], seed=1)
+        prob = _instance(name, path)
         n, s = prob.n_vars, int(prob.n_states.max())
         build_s = time.perf_counter() - t0
-        ref = None
+        times: dict[str, list[float]] = {spec: [] for spec in backends}
+        sols: dict[str, solvers.Solution] = {}
+        for rep in range(repeats):
+            for spec in backends:
+                if rep and times[spec][0] > SLOW_REPEAT_S:
+                    continue
+                backend, extra = parse_backend(spec)
+                opts = {"time_limit": highs_time_limit} if backend in ("highs", "cvxpy") else {}
+                opts["reduce"] = reduce
+                opts.update(extra)
+                sols[spec] = solvers.solve(prob, backend, **opts)
+                times[spec].append(sols[spec].seconds)
+        ref = sols.get("highs")
         for spec in backends:
-            backend, extra = parse_backend(spec)
-            times, sol = [], None
-            reps = repeats if backend != "highs" or name == "small" else 1
-            opts = {"time_limit": highs_time_limit} if backend in ("highs", "cvxpy") else {}
-            opts["reduce"] = reduce
-            opts.update(extra)
-            for _ in range(reps):
-                sol = solvers.solve(prob, backend, **opts)
-                times.append(sol.seconds)
-            if spec == "highs":
-                ref = sol
+            sol = sols[spec]
             rows.append({"instance": name, "vars": n, "states": s, "edges": prob.n_edges, "build_s": build_s,
-                         "backend": spec, "seconds": statistics.median(times), "repeats": reps,
-                         "energy": sol.energy, "bound": sol.lower_bound, "status": sol.status})
-        for r in rows:
-            if r["instance"] == name:
-                r["gap_to_highs"] = None if ref is None else (r["energy"] - ref.energy) / abs(ref.energy)
+                         "backend": spec, "seconds": statistics.median(times[spec]), "first_s": times[spec][0],
+                         "repeats": len(times[spec]), "energy": sol.energy, "bound": sol.lower_bound,
+                         "certified_gap": sol.gap, "status": sol.status,
+                         "gap_to_highs": None if ref is None else (sol.energy - ref.energy) / abs(ref.energy)})
     return rows
 
 
@@ -189,9 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sizes", default="small,large,planner", help="synthetic sizes ('' for none)")
+    ap.add_argument("--sizes", default="small,large,planner,redist-small,redist-large",
+                    help="synthetic sizes ('' for none)")
+    ap.add_argument("--planner", default="",
+                    help="the planner's own problems, model@mesh comma-separated, e.g. llama3-8b@8,llama3-8b@4x8")
     ap.add_argument("--npz", type=Path, nargs="*", default=[], help="saved planner problems (.npz) to add")
-    ap.add_argument("--backends", default="highs,trws",
+    ap.add_argument("--backends", default="highs,trws,trws:kernel=numpy",
                     help="comma-separated; options after a colon, ';'-separated: trws:polish=false;max_iter=50")
     ap.add_argument("--no-reduce", action="store_true", help="skip the exact reductions (solvers.reduce)")
     ap.add_argument("--highs-time-limit", type=float, default=300.0)
@@ -200,20 +328,29 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in sizes if x not in SIZES]
     if unknown:
         ap.error(f"unknown size(s) {unknown}; choose from {sorted(SIZES)}")
+    planner = [x for x in args.planner.split(",") if x]
+    bad = [x for x in planner if x.count("@") != 1]
+    if bad:
+        ap.error(f"--planner: {bad} is not model@mesh (e.g. llama3-8b@4x8)")
+    sizes += planner
     rows = run(sizes, args.repeats, args.backends.split(","), args.highs_time_limit, args.npz, not args.no_reduce)
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="solvers on placement-like instances (median seconds over repeats)")
-    for col in ("instance", "backend", "seconds", "energy", "bound", "gap to HiGHS", "status"):
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    table = Table(title=f"solvers on placement-like instances (median seconds over interleaved repeats; "
+                        f"load average {load:.1f} at the end, {os.cpu_count()} CPUs)")
+    for col in ("instance", "backend", "seconds", "first s", "energy", "bound", "certified gap", "gap to HiGHS",
+                "status"):
         table.add_column(col, justify="right" if col not in ("instance", "backend", "status") else "left",
                          no_wrap=True)
     for r in rows:
         table.add_row(f"{r['instance']} {r['vars']}x{r['states']}, {r['edges']} edges", r["backend"],
-                      f"{r['seconds']:.3f}", f"{r['energy']:.3f}",
+                      f"{r['seconds']:.3f}", f"{r['first_s']:.3f}", f"{r['energy']:.3f}",
                       "-" if r["bound"] is None else f"{r['bound']:.3f}",
+                      "-" if r["certified_gap"] is None else f"{100 * r['certified_gap']:.4f}%",
                       "-" if r["gap_to_highs"] is None else f"{100 * r['gap_to_highs']:.4f}%", r["status"])
-    Console(width=140).print(table)
+    Console(width=170).print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

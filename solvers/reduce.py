@@ -134,7 +134,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
                              "neighbours: every state is forbidden)", variables=(p.var_name(v),))
         counts["states_removed"] += int((~keep).sum())
         for w in adj[v]:
-            dirty[w] = True  # w's rows lost entries: a state of w may now dominate another
+            dirty[w] = stale[w] = True  # w's rows lost entries: a state may now dominate another, or be forbidden
         unary[v] = unary[v][keep]
         states[v] = states[v][keep]
         for w, m in adj[v].items():
@@ -144,6 +144,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
 
     def prune(v: int, dominated: bool) -> None:
         """Drop forbidden states of v, then (when ``dominated``, unless frozen) dominated ones."""
+        stale[v] = False
         keep = np.isfinite(unary[v])
         for m in adj[v].values():
             keep &= np.isfinite(m).any(axis=1)
@@ -180,7 +181,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         if k == 1:
             for w, m in adj[v].items():
                 unary[w] = unary[w] + m[0]
-                dirty[w] = True
+                dirty[w] = stale[w] = True
             offset += float(unary[v][0])
             records.append(_Record("fixed", v, value=int(states[v][0])))
             counts["fixed"] += 1
@@ -197,7 +198,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             tot = unary[v][:, None] + m  # (k, n_w)
             arg = tot.argmin(axis=0)
             unary[w] = unary[w] + tot[arg, np.arange(tot.shape[1])]
-            dirty[w] = True
+            dirty[w] = stale[w] = True
             records.append(_Record("leaf", v, states=states[v], a=w, pos_a=_positions(states[w], n_orig[w]),
                                    table=arg))
             counts["leaf"] += 1
@@ -217,12 +218,13 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             if b in adj[a]:
                 prod = adj[a][b] + prod  # parallel edges are summed
             adj[a][b] = prod
-            dirty[a] = dirty[b] = True
+            dirty[a] = dirty[b] = stale[a] = stale[b] = True
             adj[b][a] = prod.T
             return [a, b]
         return None
 
     dirty = np.ones(n, dtype=bool)  # variables whose dominance test may find something new
+    stale = np.ones(n, dtype=bool)  # variables whose unary or edges changed since their last prune
     for _round in range(MAX_ROUNDS):
         # (a) dominance, once per changed variable (the costly test); (b) eliminations to a fixpoint,
         # pruning only forbidden states on the way
@@ -239,7 +241,8 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             queued[v] = False
             if not alive[v]:
                 continue
-            prune(v, False)
+            if stale[v]:  # otherwise pruning finds nothing new
+                prune(v, False)
             revisit = None if frozen[v] else eliminate(v)
             for w in revisit or ():
                 if alive[w] and not queued[w]:

@@ -20,6 +20,12 @@ e.g. the planner's reduced problems) every edge joins them, otherwise the remain
 (incompressible, large) edges are handled per ``(n_u, n_v)`` shape group as contiguous slices of
 stacked cost arrays.
 
+Kernels.  The above is the numpy kernel; its cost is numpy's per-call overhead times the levels
+(the planner's problems: ~80 levels for ~200 variables).  :mod:`solvers.trws_compiled` runs the
+same sweeps as compiled loops (numba, optional: the ``fast`` extra), 10-50x faster per sweep, with
+the same messages (the order inside a level does not matter).  ``kernel="auto"`` (the default)
+starts on numpy and switches, messages carried over, once the run has lasted ``COMPILED_AFTER_S``.
+
 Forbidden states and pairs use a large finite cost internally (``inf - inf`` would give NaN);
 the returned assignment is checked to have finite true energy.
 
@@ -41,6 +47,7 @@ import numpy as np
 
 from .local_search import LocalSearch
 from .marginal import _classes
+from . import trws_compiled
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
 
@@ -51,7 +58,7 @@ PolishStep = Callable[[PairwiseProblem, np.ndarray, float, "np.ndarray | None", 
 log = logging.getLogger(__name__)
 
 BIG_FACTOR = 1e6  # forbidden cost = BIG_FACTOR * (sum of the largest finite |cost| of every term + 1)
-DEFAULT_MAX_ITER = 200  # forward+backward sweeps
+DEFAULT_MAX_ITER = 1000  # forward+backward sweeps
 DEFAULT_TOL = 1e-5  # relative: stop at this gap, or when the bound improved less over PATIENCE sweeps
 PATIENCE = 5
 BOUND_EVERY = 2  # after the first PATIENCE sweeps, compute the bound every this many sweeps (or on a new best energy)
@@ -62,6 +69,29 @@ POLISH_GAP = 1e-3  # relative: above this certified gap, polish exactly (solvers
 POLISH_MIN_S = 5.0  # without a time limit, the polish may take max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)
 POLISH_FACTOR = 1.0
 COMPRESS_RATIO = 0.5  # use class-compressed messages when they shrink the cost block at least this much
+KERNELS = ("auto", "numba", "numpy")  # "auto": numpy, then compiled (numba installed) after COMPILED_AFTER_S
+# numba's first use in a process costs ~0.6 s (import, typing context, cached code; measured on the 2-core
+# CI machine), ~40x a planner problem's numpy sweep: "auto" switches only when the run lasts longer than this
+COMPILED_AFTER_S = 0.25
+
+
+def _compiled_kernel(kernel: str) -> bool:
+    """Whether to run the compiled sweeps of :mod:`solvers.trws_compiled` for ``kernel`` (see ``KERNELS``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"trws kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "numpy" or (kernel == "auto" and not trws_compiled.available()):
+        return False
+    if not trws_compiled.available():
+        raise ValueError("trws kernel 'numba' needs the numba package, which is not installed (pip install "
+                         "numba, or apmodel's 'fast' extra); kernels 'auto' and 'numpy' run without it")
+    try:
+        trws_compiled.kernels()
+    except Exception as err:  # numba present but unusable (e.g. a numpy it does not support)
+        if kernel == "numba":
+            raise ValueError(f"trws kernel 'numba' is not usable here: {type(err).__name__}: {err}") from err
+        log.warning("trws: the compiled kernel is not usable (%s: %s); using numpy", type(err).__name__, err)
+        return False
+    return True
 
 
 def _levels(n: int, lo_nbr_ptr: np.ndarray, lo_nbr: np.ndarray) -> np.ndarray:
@@ -100,6 +130,7 @@ class _Directed:
     pair: int = -1  # index of the same edges' arrays in the other direction's list
     raw: np.ndarray | None = None  # forward only: original-order costs (+inf allowed), for decoding
     eid: np.ndarray | None = None  # position of each sorted edge in ``raw``
+    cid: np.ndarray | None = None  # the same edge's index in :class:`~solvers.trws_compiled.RaggedEdges`
 
 
 def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
@@ -165,6 +196,7 @@ class _Unified:
     """
 
     def __init__(self, p: PairwiseProblem, src, dst, lsrc, ptr_s, ldst, ptr_d, blk, order, lev, n_levels, gamma):
+        self.order = order
         self.src, self.dst = src[order], dst[order]
         self.lsrc, self.sptr = _ragged_take(lsrc, ptr_s, order)
         self.ldst, self.dptr = _ragged_take(ldst, ptr_d, order)
@@ -187,7 +219,10 @@ class _Unified:
 class TRWS:
     """Message-passing state for one problem (reusable across unary changes, e.g. Lagrangian)."""
 
-    def __init__(self, problem: PairwiseProblem, order: np.ndarray | None = None) -> None:
+    def __init__(self, problem: PairwiseProblem, order: np.ndarray | None = None, kernel: str = "auto") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"trws kernel must be one of {KERNELS}, got {kernel!r}")
+        self.t0 = time.perf_counter()
         p = problem
         self.p = p
         V = p.n_vars
@@ -238,11 +273,55 @@ class TRWS:
         self.scale = scale + 1.0
         self.big = BIG_FACTOR * self.scale
         self.unary = np.where(fin_u, p.unary_flat, self.big)
-        # phase 2: directed arrays sorted by source level
-        self.fwd: list[_Directed] = []
-        self.bwd: list[_Directed] = []
         self.n_lev_f = int(self.lev_f.max(initial=-1)) + 1
         self.n_lev_b = int(self.lev_b.max(initial=-1)) + 1
+        self.msum_lo = np.zeros(self.N)  # messages into v from earlier neighbours
+        self.msum_hi = np.zeros(self.N)  # from later neighbours
+        # phase 2: the compiled kernel's ragged edges, or the numpy kernel's arrays sorted by source level
+        self.fwd: list[_Directed] = []
+        self.bwd: list[_Directed] = []
+        self.ufwd = self.ubwd = None
+        self.edges: trws_compiled.RaggedEdges | None = None
+        self._ucanon = np.zeros(0, np.int64)  # index in RaggedEdges of every edge of the unified block
+        # kept to switch kernels mid-run ("auto")
+        self._parts = parts if kernel == "auto" and trws_compiled.available() else None
+        if kernel == "auto":  # a problem whose setup alone took that long goes compiled at once
+            self.maybe_compile()
+        elif _compiled_kernel(kernel):
+            self.edges = self._ragged(parts)
+        if self.edges is None:
+            self._build_numpy(parts)
+
+    def _ragged(self, parts) -> trws_compiled.RaggedEdges:
+        return trws_compiled.RaggedEdges(parts, self.p.n_states, self.p.offsets, self.gamma, self.big, self.lev_f,
+                                         self.lev_b)
+
+    def maybe_compile(self) -> None:
+        """Kernel "auto": once this object has run COMPILED_AFTER_S (at once when this process has run the
+        compiled sweeps before), continue with the compiled sweeps, carrying every message over (the
+        sweeps then go on exactly as the numpy kernel's would)."""
+        if self._parts is None or (time.perf_counter() - self.t0 < COMPILED_AFTER_S and not trws_compiled.warm()):
+            return
+        parts, self._parts = self._parts, None
+        if not _compiled_kernel("auto"):
+            return
+        e = self._ragged(parts)
+        for d, into_v in ((self.ufwd, True), (self.ubwd, False)):  # messages of the numpy kernel, if built
+            if d is not None:
+                c = self._ucanon[d.order]
+                ptr = e.vptr if into_v else e.uptr
+                counts = np.diff(d.dptr)
+                (e.msg_f if into_v else e.msg_b)[np.repeat(ptr[c] - d.dptr[:-1], counts) + np.arange(d.dptr[-1])] = d.msg
+        for dset, into_v in ((self.fwd, True), (self.bwd, False)):
+            for d in dset:
+                c = d.cid[d.eid]
+                ptr = e.vptr if into_v else e.uptr
+                (e.msg_f if into_v else e.msg_b)[ptr[c][:, None] + np.arange(d.msg.shape[1])[None, :]] = d.msg
+        self.edges, self.ufwd, self.ubwd, self.fwd, self.bwd = e, None, None, [], []
+        log.info("trws: compiled sweeps after %.2f s", time.perf_counter() - self.t0)
+
+    def _build_numpy(self, parts) -> None:
+        """The numpy kernel's arrays (see the module docstring: unified block and shape groups)."""
         # edges whose class counts fit the padding the compressible ones need anyway join them
         sizes = [max(t[7].shape[1:]) for t in parts if t[7] is not None and max(t[7].shape[1:]) <= UNIFIED_MAX_CLASSES]
         cap = max(sizes) if sizes else UNIFIED_SMALL
@@ -250,24 +329,25 @@ class TRWS:
         padded = sum(len(t[1]) for t in parts) * max((max(int(t[4].max()), int(t[6].max())) for t in parts), default=0) ** 2
         if padded <= UNIFIED_ALL_ENTRIES:
             cap = max(cap, max((max(int(t[4].max()), int(t[6].max())) for t in parts), default=0))
-        uparts = []
+        uparts, ucanon, start = [], [], 0
         for raw, u, v, lu, cu, lv, cv, block in parts:
+            cid = np.arange(start, start + len(u))
+            start += len(u)
             if max(int(cu.max()), int(cv.max())) <= cap:
                 if block is None:
                     block = _class_block(raw, lu, cu, lv, cv)
                 uparts.append((u, v, lu, lv, block))
+                ucanon.append(cid)
             else:
-                self._add_part(raw, u, v)
-        self.ufwd = self.ubwd = None
+                self._add_part(raw, u, v, cid)
         if uparts:
+            self._ucanon = np.concatenate(ucanon)
             self._build_unified(uparts)
         self.vars_f = self._vars_by_level(self.lev_f, self.n_lev_f)
         self.vars_b = self._vars_by_level(self.lev_b, self.n_lev_b)
         for dset, lev, nl in ((self.fwd, self.lev_f, self.n_lev_f), (self.bwd, self.lev_b, self.n_lev_b)):
             for d in dset:
                 d.level_ptr = np.searchsorted(lev[d.src], np.arange(nl + 1), side="left")
-        self.msum_lo = np.zeros(self.N)  # messages into v from earlier neighbours
-        self.msum_hi = np.zeros(self.N)  # from later neighbours
 
     def _build_unified(self, uparts) -> None:
         p = self.p
@@ -299,8 +379,9 @@ class TRWS:
         b.rev = np.repeat(f.dptr[:-1][inv_f[ob]] - b.sptr[:-1], b.ns) + np.arange(b.sptr[-1])
         self.ufwd, self.ubwd = f, b
 
-    def _add_part(self, raw, u, v) -> None:
-        """Uncompressed edges u (earlier) -> v (later), raw costs (k, n_u, n_v) (+inf allowed, maybe a view)."""
+    def _add_part(self, raw, u, v, cid) -> None:
+        """Uncompressed edges u (earlier) -> v (later), raw costs (k, n_u, n_v) (+inf allowed, maybe a view);
+        ``cid``: their indices in :class:`~solvers.trws_compiled.RaggedEdges`."""
         p = self.p
         of = np.argsort(self.lev_f[u], kind="stable")
         ob = np.argsort(self.lev_b[v], kind="stable")
@@ -314,9 +395,9 @@ class TRWS:
             return p.offsets[vars_][:, None] + np.arange(n)[None, :]
 
         df = _Directed(u[of], v[of], None, idx(u[of], a), idx(v[of], b), np.zeros((len(u), b)), inv_b[of], None,
-                       len(self.bwd), raw=raw, eid=of)
+                       len(self.bwd), raw=raw, eid=of, cid=cid)
         db = _Directed(v[ob], u[ob], None, idx(v[ob], b), idx(u[ob], a), np.zeros((len(u), a)), inv_f[ob], None,
-                       len(self.fwd), raw=None, eid=ob)
+                       len(self.fwd), raw=None, eid=ob, cid=cid)
         fin = np.where(np.isfinite(raw), raw, self.big)
         df.costs = np.ascontiguousarray(fin[of])
         db.costs = np.ascontiguousarray(fin[ob].transpose(0, 2, 1))
@@ -341,6 +422,9 @@ class TRWS:
     # ------------------------------------------------------------------ sweeps
     def sweep(self, forward: bool, x: np.ndarray | None = None) -> None:
         """One sweep; when ``x`` is given (forward only), decode into it by sequential conditioning."""
+        if self.edges is not None:
+            self.edges.sweep(forward, self.unary, self.msum_lo, self.msum_hi, x)
+            return
         dirs, other = (self.fwd, self.bwd) if forward else (self.bwd, self.fwd)
         levels = self.vars_f if forward else self.vars_b
         msum_dst = self.msum_lo if forward else self.msum_hi
@@ -397,6 +481,8 @@ class TRWS:
         offs = self.p.offsets[:-1]
         rest = 1.0 - self.n_out * self.gamma
         total = float((rest * np.minimum.reduceat(theta, offs)).sum()) if self.p.n_vars else 0.0
+        if self.edges is not None:
+            total += self.edges.edge_bound(theta)
         if self.ufwd is not None:
             uf = self.ufwd
             k = len(uf.src)
@@ -423,6 +509,8 @@ class TRWS:
 
     def internal_energy(self, x: np.ndarray) -> float:
         """Energy with the internal unary; forbidden pairs count +inf."""
+        if self.edges is not None:
+            return self.edges.energy(self.unary, x, self.big)
         e = float(self.unary[self.p.offsets[:-1] + x].sum())
         for g in self.p.groups:
             e += float(g.costs[np.arange(len(g)), x[g.u], x[g.v]].sum())
@@ -442,6 +530,7 @@ class TRWS:
         best_lb, hist = -np.inf, []
         it = last_improved = 0
         for it in range(1, max_iter + 1):
+            self.maybe_compile()
             self.sweep(True, x)
             e = self.internal_energy(x)
             if e < best_e:
@@ -482,7 +571,7 @@ def _budget_row(p: PairwiseProblem):
 def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max_iter: int = DEFAULT_MAX_ITER,
                tol: float = DEFAULT_TOL, stall_gap: float = STALL_GAP, order=None, local_search: bool = True,
                star_hubs: int = 16, polish_step: PolishStep | None = None,
-               polish_gap: float = POLISH_GAP) -> BackendResult:
+               polish_gap: float = POLISH_GAP, kernel: str = "auto") -> BackendResult:
     """TRW-S + local search.
 
     Stops after ``max_iter`` forward+backward sweeps, at ``time_limit`` seconds, when the relative
@@ -495,12 +584,15 @@ def solve_trws(problem: PairwiseProblem, time_limit: float | None = None, *, max
     bound)`` improves the result with the final reparametrisation's margins, within the time limit
     (without one: ``max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)``); the composition
     ``trws`` hands in :func:`solvers.polish.polish` with HiGHS (:mod:`solvers.compositions`).
+    ``kernel``: ``"numba"`` (the compiled sweeps of :mod:`solvers.trws_compiled`), ``"numpy"``, or
+    ``"auto"`` (numpy, switching to the compiled sweeps, numba installed, once the run has taken
+    ``COMPILED_AFTER_S``: numba's first use in a process costs more than a small problem's whole run).
     """
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + float(time_limit)
     p = problem
     budget = _budget_row(p)
-    tr = TRWS(p, order)
+    tr = TRWS(p, order, kernel)
     ls = LocalSearch(p, tr.unary, tr.big, budget=None if budget is None else (budget[1], budget[2]),
                      star_hubs=star_hubs) if local_search else None
     finite_cap = tr.scale  # any assignment of finite true energy has internal energy <= scale

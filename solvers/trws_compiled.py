@@ -1,0 +1,281 @@
+"""Compiled TRW-S sweeps: the optional accelerator of :mod:`solvers.trws` (numba).
+
+The numpy kernel of :mod:`solvers.trws` processes a *level* of variables per handful of numpy
+calls; on the planner's problems (a few hundred variables, ~80 levels, deep chains of views) the
+cost of a sweep is those calls' overhead, not arithmetic.  Here one sweep is one compiled loop over
+the edges in level order: the same messages, in the same order (no two variables of a level are
+adjacent, so the order inside a level does not matter), up to floating-point summation order.
+
+Edges are stored once, in the forward orientation (``eu[e]`` earlier than ``ev[e]`` in the
+processing order), as *ragged* class blocks: edge ``e`` has ``mu[e] x mv[e]`` class-pair costs
+row-major at ``blk[bptr[e]:]``, the class of each state of ``eu[e]`` at ``lu[uptr[e]:]`` and of
+``ev[e]`` at ``lv[vptr[e]:]`` (an incompressible edge has one class per state and its raw matrix
+as block).  ``msg_f[vptr[e]:]`` is the message into ``ev[e]``, ``msg_b[uptr[e]:]`` into ``eu[e]``.
+No padding, so every edge, compressible or not, is one loop.
+
+The functions here are plain Python over numpy arrays; :func:`kernels` compiles them with
+``numba.njit(cache=True)`` on first use (a few seconds once, then read from numba's cache next to
+this file).  Without numba installed, :func:`available` is False and TRW-S runs the numpy kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def available() -> bool:
+    """Whether numba is installed (nothing is imported or compiled)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled functions (see the module docstring for the arrays they take)."""
+
+    sweep_forward: Any
+    sweep_backward: Any
+    edge_bound: Any
+    energy: Any
+
+
+def warm() -> bool:
+    """Whether this process has already run the compiled sweeps (so using them costs nothing more)."""
+    return kernels.cache_info().currsize > 0 and bool(kernels().sweep_forward.signatures)
+
+
+@functools.lru_cache(maxsize=1)
+def kernels() -> Kernels:
+    """Compile (or load from numba's on-disk cache) the kernels; raises ImportError without numba."""
+    import numba
+
+    jit = numba.njit(cache=True, nogil=True)
+    return Kernels(jit(_sweep_forward), jit(_sweep_backward), jit(_edge_bound), jit(_energy))
+
+
+class RaggedEdges:
+    """Every edge of a problem as ragged class blocks in the forward orientation, with the messages
+    of both directions and the level orders of both sweeps (see the module docstring).
+
+    ``parts``: per group of edges ``(raw, u, v, lu, cu, lv, cv, block)`` as :class:`solvers.trws.TRWS`
+    builds them: costs ``raw`` (k, n_u, n_v) with ``u`` earlier than ``v``, class labels and counts
+    of rows and columns, and the padded class block (NaN padding) or None (the edge's raw matrix
+    is used, one class per state).  ``big``: the finite stand-in of a forbidden pair.
+    """
+
+    def __init__(self, parts, n_states: np.ndarray, offsets: np.ndarray, gamma: np.ndarray, big: float,
+                 lev_f: np.ndarray, lev_b: np.ndarray) -> None:
+        eu, ev, lu, lv, mu, mv, blk = [], [], [], [], [], [], []
+        for raw, u, v, lab_u, cu, lab_v, cv, block in parts:
+            k, a, b = raw.shape
+            if block is None:  # one class per state: the raw matrix is the block
+                lab_u = np.broadcast_to(np.arange(a), (k, a))
+                lab_v = np.broadcast_to(np.arange(b), (k, b))
+                cu, cv = np.full(k, a), np.full(k, b)
+                flat = raw.reshape(-1)
+            else:  # each edge's valid (cu, cv) corner, row-major, edge after edge
+                flat = block[~np.isnan(block)]
+            eu.append(u)
+            ev.append(v)
+            lu.append(np.asarray(lab_u, dtype=np.int64).reshape(-1))
+            lv.append(np.asarray(lab_v, dtype=np.int64).reshape(-1))
+            mu.append(np.asarray(cu, dtype=np.int64))
+            mv.append(np.asarray(cv, dtype=np.int64))
+            blk.append(np.where(np.isfinite(flat), flat, big))
+
+        def cat(xs, dtype):
+            return np.ascontiguousarray(np.concatenate(xs).astype(dtype, copy=False)) if xs else np.zeros(0, dtype)
+
+        def ptr(sizes):
+            return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+        self.eu, self.ev = cat(eu, np.int64), cat(ev, np.int64)
+        self.lu, self.lv = cat(lu, np.int64), cat(lv, np.int64)
+        self.mu, self.mv = cat(mu, np.int64), cat(mv, np.int64)
+        self.blk = cat(blk, np.float64)
+        self.uptr, self.vptr = ptr(n_states[self.eu]), ptr(n_states[self.ev])
+        self.bptr = ptr(self.mu * self.mv)
+        self.msg_f = np.zeros(self.vptr[-1])
+        self.msg_b = np.zeros(self.uptr[-1])
+        self.n_states = np.ascontiguousarray(n_states, dtype=np.int64)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        self.gamma = np.ascontiguousarray(gamma, dtype=np.float64)
+        n_lev_f, n_lev_b = int(lev_f.max(initial=-1)) + 1, int(lev_b.max(initial=-1)) + 1
+        self.order_f, self.level_ptr_f = _by_level(lev_f[self.eu], n_lev_f)
+        self.order_b, self.level_ptr_b = _by_level(lev_b[self.ev], n_lev_b)
+        self.vorder_f, self.vlevel_ptr_f = _by_level(lev_f, n_lev_f)
+        m = 1 + int(max(self.mu.max(initial=0), self.mv.max(initial=0)))
+        self._s1, self._s2 = np.empty(m), np.empty(m)
+
+    def sweep(self, forward: bool, unary: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+              x: np.ndarray | None) -> None:
+        """One sweep (forward: into ``lo``, decoding into ``x`` when given; backward: into ``hi``)."""
+        k = kernels()
+        common = (self.eu, self.ev, self.uptr, self.vptr, self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk,
+                  self.gamma, self.offsets, self.n_states, unary, lo, hi, self.msg_f, self.msg_b)
+        if forward:
+            decode = x is not None
+            xx = x if x is not None else np.zeros(len(self.n_states), dtype=np.int64)
+            cond = np.zeros(len(unary)) if decode else np.zeros(0)
+            k.sweep_forward(self.level_ptr_f, self.order_f, self.vlevel_ptr_f, self.vorder_f, *common, decode, xx,
+                            cond, self._s1, self._s2)
+        else:
+            k.sweep_backward(self.level_ptr_b, self.order_b, *common, self._s1, self._s2)
+
+    def energy(self, unary: np.ndarray, x: np.ndarray, big: float) -> float:
+        """Energy of ``x`` with the internal ``unary``; +inf when it takes a forbidden pair (cost ``big``)."""
+        return float(kernels().energy(self.eu, self.ev, self.uptr, self.vptr, self.lu, self.lv, self.mv, self.bptr,
+                                      self.blk, self.offsets, unary, x, big))
+
+    def edge_bound(self, theta: np.ndarray) -> float:
+        """The edges' part of the lower bound for the reparametrised unary ``theta``."""
+        return float(kernels().edge_bound(self.eu, self.ev, self.uptr, self.vptr, self.lu, self.lv, self.mu,
+                                          self.mv, self.bptr, self.blk, self.gamma, self.offsets, self.n_states,
+                                          theta, self.msg_f, self.msg_b, self._s1, self._s2))
+
+
+def _by_level(lev: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices sorted by level (stable) and the start of every level among them."""
+    order = np.argsort(lev, kind="stable").astype(np.int64)
+    return order, np.searchsorted(lev[order], np.arange(n_levels + 1)).astype(np.int64)
+
+
+def _sweep_forward(level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk,
+                   gamma, offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc):  # pragma: no cover
+    """Messages from every edge's earlier endpoint into its later one, level by level; ``lo`` (messages
+    from earlier neighbours) kept in step.  With ``decode``: before a level's edges, its variables take
+    the state minimising unary + messages from later neighbours + the costs to their already decoded
+    earlier neighbours (``cond``).  ``hm``, ``nc``: scratch of at least the largest class count."""
+    for L in range(len(level_ptr) - 1):
+        if decode:
+            for k in range(vlevel_ptr[L], vlevel_ptr[L + 1]):
+                v = vorder[k]
+                o = offsets[v]
+                best, arg = np.inf, 0
+                for s in range(n_states[v]):
+                    t = unary[o + s] + hi[o + s] + cond[o + s]
+                    if t < best:
+                        best, arg = t, s
+                x[v] = arg
+        for k in range(level_ptr[L], level_ptr[L + 1]):
+            e = order[k]
+            u, v = eu[e], ev[e]
+            a, b, cu, cv = n_states[u], n_states[v], mu[e], mv[e]
+            ou, ov, pu, pv, pb = offsets[u], offsets[v], uptr[e], vptr[e], bptr[e]
+            g = gamma[u]
+            for c in range(cu):
+                hm[c] = np.inf
+            for s in range(a):
+                i = ou + s
+                h = g * (unary[i] + lo[i] + hi[i]) - msg_b[pu + s]
+                c = lu[pu + s]
+                if h < hm[c]:
+                    hm[c] = h
+            low = np.inf
+            for d in range(cv):
+                best = np.inf
+                for c in range(cu):
+                    t = hm[c] + blk[pb + c * cv + d]
+                    if t < best:
+                        best = t
+                nc[d] = best
+                if best < low:
+                    low = best
+            for t in range(b):
+                new = nc[lv[pv + t]] - low
+                lo[ov + t] += new - msg_f[pv + t]
+                msg_f[pv + t] = new
+            if decode:
+                row = pb + lu[pu + x[u]] * cv
+                for t in range(b):
+                    cond[ov + t] += blk[row + lv[pv + t]]
+
+
+def _sweep_backward(level_ptr, order, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma, offsets, n_states,
+                    unary, lo, hi, msg_f, msg_b, hm, nc):  # pragma: no cover
+    """Messages from every edge's later endpoint into its earlier one, in backward level order;
+    ``hi`` (messages from later neighbours) kept in step."""
+    for L in range(len(level_ptr) - 1):
+        for k in range(level_ptr[L], level_ptr[L + 1]):
+            e = order[k]
+            u, v = eu[e], ev[e]
+            a, b, cu, cv = n_states[u], n_states[v], mu[e], mv[e]
+            ou, ov, pu, pv, pb = offsets[u], offsets[v], uptr[e], vptr[e], bptr[e]
+            g = gamma[v]
+            for d in range(cv):
+                hm[d] = np.inf
+            for t in range(b):
+                i = ov + t
+                h = g * (unary[i] + lo[i] + hi[i]) - msg_f[pv + t]
+                d = lv[pv + t]
+                if h < hm[d]:
+                    hm[d] = h
+            low = np.inf
+            for c in range(cu):
+                best = np.inf
+                row = pb + c * cv
+                for d in range(cv):
+                    t = hm[d] + blk[row + d]
+                    if t < best:
+                        best = t
+                nc[c] = best
+                if best < low:
+                    low = best
+            for s in range(a):
+                new = nc[lu[pu + s]] - low
+                hi[ou + s] += new - msg_b[pu + s]
+                msg_b[pu + s] = new
+
+
+def _edge_bound(eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma, offsets, n_states, theta, msg_f,
+                msg_b, hu, hv):  # pragma: no cover
+    """Sum over edges of ``min_{i,j} blk[i, j] + gamma_u * theta_u[i] - msg_b[i] - msg_f[j]`` (the edge parts
+    of :meth:`solvers.trws.TRWS.lower_bound`)."""
+    total = 0.0
+    for e in range(len(eu)):
+        u, v = eu[e], ev[e]
+        cu, cv, ou, pu, pv, pb = mu[e], mv[e], offsets[u], uptr[e], vptr[e], bptr[e]
+        g = gamma[u]
+        for c in range(cu):
+            hu[c] = np.inf
+        for d in range(cv):
+            hv[d] = np.inf
+        for s in range(n_states[u]):
+            h = g * theta[ou + s] - msg_b[pu + s]
+            c = lu[pu + s]
+            if h < hu[c]:
+                hu[c] = h
+        for t in range(n_states[v]):
+            h = -msg_f[pv + t]
+            d = lv[pv + t]
+            if h < hv[d]:
+                hv[d] = h
+        best = np.inf
+        for c in range(cu):
+            row = pb + c * cv
+            for d in range(cv):
+                t = blk[row + d] + hu[c] + hv[d]
+                if t < best:
+                    best = t
+        total += best
+    return total
+
+
+def _energy(eu, ev, uptr, vptr, lu, lv, mv, bptr, blk, offsets, unary, x, big):  # pragma: no cover
+    """Unary plus edge costs of assignment ``x``; +inf at the first forbidden pair (a cost ``>= big``)."""
+    total = 0.0
+    for v in range(len(x)):
+        total += unary[offsets[v] + x[v]]
+    for e in range(len(eu)):
+        c = blk[bptr[e] + lu[uptr[e] + x[eu[e]]] * mv[e] + lv[vptr[e] + x[ev[e]]]]
+        if c >= big:
+            return np.inf
+        total += c
+    return total

@@ -1,0 +1,162 @@
+"""TRW-S's two kernels (numpy, compiled) against each other and against brute force.
+
+The compiled kernel's functions are plain Python until numba compiles them, so without numba the
+same loops run interpreted (slow, on small problems only) and these tests still check them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import solvers
+from solvers import trws, trws_compiled
+from test_solvers import TOL, brute_or_none, random_problem, with_budget
+
+HAS_NUMBA = trws_compiled.available()
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The compiled kernel: numba's when installed, else the same functions interpreted."""
+    if not HAS_NUMBA:
+        plain = trws_compiled.Kernels(trws_compiled._sweep_forward, trws_compiled._sweep_backward,
+                                      trws_compiled._edge_bound, trws_compiled._energy)
+        monkeypatch.setattr(trws_compiled, "kernels", lambda: plain)
+        monkeypatch.setattr(trws_compiled, "available", lambda: True)
+    return "numba"
+
+
+def _mixed_problem(seed: int, n: int = 40) -> solvers.PairwiseProblem:
+    """Mixed state counts, +inf entries, compressible (layout) and incompressible edges, both orientations."""
+    rng = np.random.default_rng(seed)
+    ns = rng.integers(1, 9, size=n)
+    unary = []
+    for k in ns:
+        u = rng.normal(size=k)
+        u[rng.random(k) < 0.1] = np.inf
+        u[0] = abs(u[0]) if np.isfinite(u[0]) else 1.0  # every variable keeps a finite state
+        unary.append(u)
+    edges = []
+    for v in range(1, n):
+        for u in rng.choice(v, size=min(v, 2), replace=False):
+            a, b = ns[u], ns[v]
+            if rng.random() < 0.5:  # layout-structured: repeated rows and columns
+                t = rng.uniform(0, 2, size=(3, 3))
+                m = t[np.arange(a)[:, None] % 3, np.arange(b)[None, :] % 3]
+            else:
+                m = rng.normal(scale=1.5, size=(a, b))
+            m[rng.random(m.shape) < 0.05] = np.inf
+            edges.append((int(u), v, m) if rng.random() < 0.5 else (v, int(u), m.T))
+    return solvers.PairwiseProblem(unary, edges)
+
+
+def _run(tr: trws.TRWS, sweeps: int, switch_after: int | None = None):
+    x = np.zeros(tr.p.n_vars, dtype=np.int64)
+    history = []
+    for it in range(sweeps):
+        if switch_after is not None and it == switch_after:
+            tr.t0 -= trws.COMPILED_AFTER_S  # as if the numpy sweeps had taken that long
+            tr.maybe_compile()
+            assert tr.edges is not None
+        tr.sweep(True, x)
+        history.append((x.copy(), tr.internal_energy(x), tr.lower_bound()))
+        tr.sweep(False)
+    return history, tr.msum_lo.copy(), tr.msum_hi.copy()
+
+
+@pytest.mark.parametrize("unified", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_sweeps_equal_numpy(compiled, monkeypatch, seed, unified):
+    """Every sweep's messages, decoded assignment, energy and bound are the numpy kernel's (the order
+    inside a level does not matter; only float summation order may differ)."""
+    if not unified:  # the numpy kernel's per-shape groups instead of its one padded block (mostly)
+        monkeypatch.setattr(trws, "UNIFIED_ALL_ENTRIES", 0)
+        monkeypatch.setattr(trws, "UNIFIED_MAX_CLASSES", 1)
+        monkeypatch.setattr(trws, "UNIFIED_SMALL", 1)
+    p = _mixed_problem(seed)
+    ref = trws.TRWS(p, kernel="numpy")
+    assert (len(ref.fwd) > 0) != unified  # per-shape groups (beside edges of single-state variables) or none
+    got = trws.TRWS(p, kernel=compiled)
+    assert got.edges is not None
+    h_ref, lo_ref, hi_ref = _run(ref, 8)
+    h_got, lo_got, hi_got = _run(got, 8)
+    np.testing.assert_allclose(lo_got, lo_ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(hi_got, hi_ref, rtol=1e-9, atol=1e-9)
+    for (x1, e1, b1), (x2, e2, b2) in zip(h_ref, h_got):
+        np.testing.assert_array_equal(x1, x2)
+        assert e2 == pytest.approx(e1, rel=1e-12) and b2 == pytest.approx(b1, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_auto_switch_carries_every_message_over(compiled, monkeypatch, unified):
+    """Switching to the compiled kernel mid-run continues exactly where the numpy kernel was."""
+    if not unified:
+        monkeypatch.setattr(trws, "UNIFIED_ALL_ENTRIES", 0)
+        monkeypatch.setattr(trws, "UNIFIED_MAX_CLASSES", 1)
+        monkeypatch.setattr(trws, "UNIFIED_SMALL", 1)
+    monkeypatch.setattr(trws_compiled, "warm", lambda: False)  # a warm process would start compiled
+    p = _mixed_problem(11)
+    h_ref, lo_ref, hi_ref = _run(trws.TRWS(p, kernel="numpy"), 8)
+    auto = trws.TRWS(p, kernel="auto")
+    assert auto.edges is None  # starts on numpy
+    h_got, lo_got, hi_got = _run(auto, 8, switch_after=3)
+    np.testing.assert_allclose(lo_got, lo_ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(hi_got, hi_ref, rtol=1e-9, atol=1e-9)
+    assert [e for _, e, _ in h_got] == pytest.approx([e for _, e, _ in h_ref], rel=1e-12)
+    monkeypatch.undo()
+    if HAS_NUMBA:  # once the process has run the compiled sweeps, "auto" starts with them
+        assert trws_compiled.warm() and trws.TRWS(p, kernel="auto").edges is not None
+
+
+@pytest.mark.parametrize("layouts", [0, 2])
+def test_compiled_kernel_against_brute_force(compiled, layouts):
+    for seed in range(60):
+        p = random_problem(seed, max_states=6 if layouts else 4, layouts=layouts)
+        ref = brute_or_none(p)
+        try:
+            got = solvers.solve(p, "trws", kernel=compiled, reduce=seed % 2 == 0)
+        except solvers.Infeasible as err:
+            assert ref is None or not err.proven, seed
+            continue
+        assert ref is not None, seed
+        assert got.energy >= ref.energy - TOL and got.lower_bound <= ref.energy + TOL, seed
+
+
+@pytest.mark.parametrize("graph", ["chain", "tree"])
+def test_compiled_kernel_exact_on_chains_and_trees(compiled, graph):
+    for seed in range(40):
+        p = random_problem(seed, graph=graph, max_vars=9)
+        ref = brute_or_none(p)
+        if ref is None:
+            continue
+        got = solvers.solve(p, "trws", kernel=compiled, local_search=False, reduce=False)
+        assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+        assert got.lower_bound == pytest.approx(ref.energy, abs=1e-5), seed
+
+
+def test_compiled_kernel_with_a_budget_row(compiled):
+    """The Lagrangian changes the unary between runs; the compiled sweeps read the current one."""
+    for seed in range(20):
+        p = with_budget(random_problem(seed, max_vars=7), seed)
+        ref = brute_or_none(p)
+        try:
+            got = solvers.solve(p, "trws", kernel=compiled)
+        except solvers.Infeasible:
+            continue
+        assert ref is not None and not p.violated_constraints(got.assignment), seed
+        assert got.energy >= ref.energy - TOL and got.lower_bound <= ref.energy + TOL, seed
+
+
+def test_kernel_option_errors(monkeypatch):
+    p = random_problem(0)
+    with pytest.raises(ValueError, match=r"trws kernel must be one of \('auto', 'numba', 'numpy'\), got 'cuda'"):
+        solvers.solve(p, "trws", kernel="cuda", reduce=False)
+    monkeypatch.setattr(trws_compiled, "available", lambda: False)
+    with pytest.raises(ValueError, match="trws kernel 'numba' needs the numba package"):
+        solvers.solve(p, "trws", kernel="numba", reduce=False)
+    # "auto" without numba never switches
+    tr = trws.TRWS(_mixed_problem(1), kernel="auto")
+    tr.t0 -= 10 * trws.COMPILED_AFTER_S
+    tr.maybe_compile()
+    assert tr.edges is None and tr.ufwd is not None
