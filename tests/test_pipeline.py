@@ -1,0 +1,251 @@
+"""Pipeline stages composed with SPMD plans: schedules against their textbook timelines, stage
+splits against brute force, per-unit costs against the plan's own price, a planned pipeline
+against brute force over the splits of unequal layers, plan files, named errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+import costmodels
+from apmodel import api, schedules
+from apmodel.options import PlanOptions
+from apmodel.pipeline import (PipelineChoice, PipelineError, PipelineOptions, plan_pipeline, stage_mesh,
+                              stage_rank)
+from apmodel.plans import Plan, PlanFileError
+from apmodel.stage_costs import step_units
+from apmodel.workloads import Workload
+from costmodels.p2p import peer_link, send_recv_us
+
+
+# ------------------------------------------------------------------------------ schedules
+@pytest.mark.parametrize("degree,microbatches", [(2, 2), (2, 5), (4, 4), (4, 8), (3, 7)])
+def test_1f1b_timeline_is_the_textbook_one(degree, microbatches):
+    f, b = 1.5, 2.75
+    t = schedules.simulate("1f1b", degree, microbatches, [f] * degree, [b] * degree)
+    assert t.step_us == pytest.approx((microbatches + degree - 1) * (f + b))
+    assert t.bubble_us == pytest.approx((degree - 1) * (f + b))
+    # stage s holds min(m, d - s) microbatches of activations (PipeDream-Flush's bound)
+    assert t.in_flight == tuple(min(microbatches, degree - s) for s in range(degree))
+
+
+@pytest.mark.parametrize("degree,microbatches", [(2, 4), (4, 8), (4, 12), (2, 2)])
+def test_interleaved_timeline_is_megatrons(degree, microbatches):
+    v = schedules.INTERLEAVED_STAGES_PER_RANK
+    f, b = 1.0, 2.0  # the whole model per microbatch: f·d forward, split in d·v chunks
+    n = degree * v
+    t = schedules.simulate("interleaved", degree, microbatches, [f / v] * n, [b / v] * n)
+    # Narayanan et al. 2021, §2.2: bubble (d - 1)·(f + b) / v beside m·(f + b)
+    assert t.step_us == pytest.approx(microbatches * (f + b) + (degree - 1) * (f + b) / v)
+
+
+@pytest.mark.parametrize("schedule,degree,microbatches", [("1f1b", 4, 6), ("interleaved", 3, 6)])
+def test_orders_run_every_action_once_on_its_rank(schedule, degree, microbatches):
+    orders = schedules.orders(schedule, degree, microbatches)
+    v = schedules.stages_per_rank(schedule)
+    for r, acts in enumerate(orders):
+        want = {(k, s, i) for k in "FB" for s in range(r, degree * v, degree) for i in range(microbatches)}
+        assert sorted((a.kind, a.stage, a.microbatch) for a in acts) == sorted(want)
+        for a in acts:  # a stage runs its microbatches in order, and a backward after its forward
+            if a.kind == "B":
+                assert acts.index(schedules.Action("F", a.stage, a.microbatch)) < acts.index(a)
+
+
+def test_transfers_delay_the_receiver():
+    no = schedules.simulate("1f1b", 2, 2, [1, 1], [1, 1])
+    yes = schedules.simulate("1f1b", 2, 2, [1, 1], [1, 1], [0.5])
+    # first forward waits once, the first backward's gradient once, the last backward once more
+    assert yes.step_us > no.step_us
+    assert schedules.simulate("1f1b", 1, 3, [1], [2]).step_us == pytest.approx(9)
+
+
+def test_balanced_split_matches_brute_force():
+    rng = random.Random(7)
+    for _ in range(150):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([0.5, 1.0, 3.0]) * rng.random() for _ in range(n)]
+        first, last = rng.random() * 2, rng.random() * 2
+        dp = schedules.balanced_split(costs, k, first_us=first, last_us=last)
+        brute = schedules.brute_force_split(costs, k, first_us=first, last_us=last)
+        assert schedules.split_cost(costs, dp, first_us=first, last_us=last) == pytest.approx(
+            schedules.split_cost(costs, brute, first_us=first, last_us=last))
+        assert [a for a, _ in dp][0] == 0 and dp[-1][1] == n - 1
+
+
+def test_balanced_split_honours_memory():
+    costs = [1.0] * 6
+    # stage 0 may hold at most 2 layers (in 1F1B it keeps the most microbatches in flight)
+    split = schedules.balanced_split(costs, 2, fits=lambda k, i, j: k != 0 or j - i + 1 <= 2)
+    assert split == ((0, 1), (2, 5))
+    brute = min((s for s in itertools.combinations(range(1, 6), 1)),
+                key=lambda c: max(c[0], 6 - c[0]) if c[0] <= 2 else math.inf)
+    assert split[0][1] + 1 == brute[0]
+    with pytest.raises(schedules.ScheduleError, match="fits the memory limit"):
+        schedules.balanced_split(costs, 2, fits=lambda k, i, j: False)
+
+
+# ------------------------------------------------------------------------------ named errors
+def test_bad_requests_are_named():
+    with pytest.raises(schedules.ScheduleError, match="5 pipeline stages but the model has 4 repeated layers"):
+        schedules.balanced_split([1.0] * 4, 5)
+    with pytest.raises(PipelineError, match="microbatches 3 does not divide the batch 8"):
+        PipelineOptions(axis=0, microbatches=3).resolve((2, 2), 8)
+    with pytest.raises(PipelineError, match="pp_axis 2 is out of range for mesh"):
+        PipelineOptions(axis=2).resolve((2, 2), 8)
+    with pytest.raises(PipelineError, match="degree 3 does not divide the size 4"):
+        PipelineOptions(axis=0, degrees=(1, 3)).resolve((4, 2), 8)
+    with pytest.raises(PipelineError, match="2 microbatches cannot fill a 1f1b pipeline of degree 4"):
+        PipelineOptions(axis=0, degrees=(4,), microbatches=2).resolve((4, 2), 8)
+    with pytest.raises(PipelineError, match="pp_schedule 'zb'"):
+        PipelineOptions(axis=0, schedule="zb")
+    assert PipelineOptions(axis=0).resolve((4, 2), 64) == ((1, 2, 4), 8)  # 2 microbatches per stage
+
+
+def test_stage_mesh_keeps_rank_strides():
+    assert stage_mesh((4, 8, 8), 0, 4) == ((8, 8), (8, 1))
+    assert stage_mesh((4, 8, 8), 0, 2) == ((2, 8, 8), (64, 8, 1))
+    assert stage_mesh((4, 8, 8), 0, 1) == ((4, 8, 8), (64, 8, 1))
+    assert stage_mesh((8, 4), 1, 4) == ((8,), (4,))           # the pipeline inside a node
+    assert stage_rank((4, 8, 8), 0, 2, 1) == 128              # pipeline rank 1 of degree 2: coordinate 2
+    topo = costmodels.Topology((8, 4), "h100", 8, strides=(4, 1))
+    assert topo.axis(0).nodes == 4                            # stride 4: 8 ranks over 4 nodes of 8
+
+
+def test_p2p_price():
+    topo = costmodels.Topology((4, 8), "h100", 8)
+    across, inside = peer_link(topo, 0, 8), peer_link(topo, 0, 1)
+    assert across.inter_node and not inside.inter_node
+    nbytes = 64 * 2**20
+    assert send_recv_us(nbytes, across) > send_recv_us(nbytes, inside) > 0
+    # 400 Gb/s NIC at the fitted 0.79: about 39.5 GB/s
+    assert send_recv_us(nbytes, across) == pytest.approx(across.latency_us + nbytes / 39.5e3, rel=1e-3)
+    assert send_recv_us(0, across) == 0
+
+
+# ------------------------------------------------------------------------------ per-unit costs
+class _Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Unequal(nn.Module):
+    """Layers of very different widths: the balanced split is not the even one."""
+
+    def __init__(self, hiddens: tuple[int, ...], dim: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, dim, bias=False)
+        self.layers = nn.ModuleList(_Block(dim, h) for h in hiddens)
+        self.head = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h).pow(2).mean()
+
+
+HIDDENS = (8192, 8192, 256, 256, 256, 256)
+
+
+def _unequal_workload(mesh: tuple[int, ...]) -> Workload:
+    with torch.device("meta"):
+        model = _Unequal(HIDDENS)
+    return Workload(model, mesh, (torch.empty(64, 512, 16, device="meta"),))
+
+
+def _plan_spmd(workload, options, record):
+    return api.plan_workload(workload, options, record=record).plan
+
+
+@pytest.fixture(scope="module")
+def unequal_plan() -> Plan:
+    return _plan_spmd(_unequal_workload((2,)), PlanOptions(device="h100"), {})
+
+
+def test_units_add_up_to_the_plan(unequal_plan):
+    units = step_units(unequal_plan.model, unequal_plan.node_strategy)
+    assert len(units.layers) == len(HIDDENS)
+    assert units.total_us == pytest.approx(unequal_plan.objective_us, rel=1e-9)
+    everything = [units.pre, *units.layers, units.post]
+    mem = unequal_plan.memory
+    assert sum(u.state_bytes for u in everything) == pytest.approx(
+        mem["params_bytes"] + mem["grads_bytes"] + mem["optimizer_bytes"])
+    assert sum(u.activation_bytes for u in everything) == pytest.approx(mem["activations_bytes"])
+    # the widest layers cost most; the plan's own per-layer breakdown (booked by another path) agrees
+    per_layer = [sum(unequal_plan.per_layer[f"layers.{i}"].values()) for i in range(len(HIDDENS))]
+    assert [u.total_us for u in units.layers] == pytest.approx(per_layer, rel=1e-6)
+    assert units.layers[0].total_us > 2 * units.layers[2].total_us
+    # the residual stream crosses every boundary, the last one into the head
+    assert all(b > 0 for b in units.boundary_bytes)
+
+
+def test_planned_split_is_brute_force_over_splits():
+    """Degree 2 on a (2, 2) mesh: the chosen split of the unequal layers is the one brute force
+    over every split finds with the stage plan's per-layer price (the plan's own per_layer)."""
+    workload = _unequal_workload((2, 2))
+    plan, choice = plan_pipeline(workload, PlanOptions(device="h100"), PipelineOptions(axis=0, degrees=(1, 2)),
+                                 _plan_spmd)
+    by_degree = {a.degree: a for a in choice.alternatives}
+    assert set(by_degree) == {1, 2}
+    two = by_degree[2]
+    # the stage plan is the whole model at the microbatch on the (2,) stage mesh
+    stage_plan = _plan_spmd(Workload(workload.model, (2,), (torch.empty(64 // choice.microbatches, 512, 16,
+                                                                         device="meta"),)),
+                            PlanOptions(device="h100", memory_limit_bytes=math.inf), {})
+    layer_us = [sum(stage_plan.per_layer[f"layers.{i}"].values()) for i in range(len(HIDDENS))]
+    rest = stage_plan.objective_us - sum(layer_us)
+    units = step_units(stage_plan.model, stage_plan.node_strategy)
+    first, last = units.pre.total_us, units.post.total_us
+    assert first + last == pytest.approx(rest, rel=1e-6)
+    brute = schedules.brute_force_split(layer_us, 2, first_us=first, last_us=last)
+    assert two.stages == brute
+    assert two.stages != ((0, 2), (3, 5))  # not the even split: the wide layers sit apart
+    # the choice is the cheapest degree that fits
+    assert choice.degree == min(choice.alternatives, key=lambda a: a.objective_us).degree
+    assert plan.pipeline is not None and plan.pipeline["degree"] == choice.degree
+    assert tuple(by_degree[1].stage_mesh) == (2, 2) and tuple(two.stage_mesh) == (2,)
+
+
+# ------------------------------------------------------------------------------ plan files
+def _choice() -> PipelineChoice:
+    from apmodel.pipeline_record import DegreePrice
+
+    two = DegreePrice(2, 1234.5, 2e9, True, (8, 8), ((0, 39), (40, 79)), 100.0, 20.0, (600.0, 610.0))
+    one = DegreePrice(1, 2000.0, 5e9, True, (2, 8, 8), stage_us=(2000.0,))
+    return PipelineChoice(axis=0, mesh=(2, 8, 8), schedule="1f1b", microbatches=8, chosen=two, alternatives=[one, two])
+
+
+def test_plan_file_records_the_pipeline(unequal_plan, tmp_path):
+    plan = Plan.from_json(unequal_plan.to_json())
+    assert plan.to_json()["version"] == 2 and "pipeline" not in plan.to_json()
+    plan.pipeline = _choice().to_json()
+    path = tmp_path / "pp.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 3
+    assert data["pipeline"]["stages"] == [[0, 39], [40, 79]] and data["pipeline"]["degree"] == 2
+    assert [a["degree"] for a in data["pipeline"]["alternatives"]] == [1, 2]
+    again = Plan.load(path)
+    assert again.pipeline == plan.pipeline
+    assert PipelineChoice.from_json(again.pipeline).chosen.stages == ((0, 39), (40, 79))
+    data["pipeline"]["degree"] = "two"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"pipeline\.degree"):
+        Plan.load(path)
+    data["pipeline"]["degree"] = 2
+    data["pipeline"]["schedule"] = "zero-bubble"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"pipeline\.schedule"):
+        Plan.load(path)
