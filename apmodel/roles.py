@@ -26,29 +26,62 @@ _VIEW_OPS = frozenset({"t", "transpose", "view", "_unsafe_view", "reshape", "per
                        "_to_copy", "detach", "clone", "contiguous"})
 
 
+def _view_dims(view: Any, dims: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The parameter dim each dim of ``view``'s output is (``dims``: the same for its input); None
+    where a reshape mixes dims. Transposes and permutes move dims; dtype casts and copies keep them."""
+    if dims is None:
+        return None
+    op = getattr(view.target, "__name__", str(view.target)).split(".")[0]
+    if op == "t" and len(dims) == 2:
+        return dims[::-1]
+    if op == "transpose":
+        a, b = (int(d) % len(dims) for d in view.args[1:3])
+        out = list(dims)
+        out[a], out[b] = out[b], out[a]
+        return tuple(out)
+    if op == "permute":
+        return tuple(dims[int(d) % len(dims)] for d in view.args[1])
+    src, val = view.args[0], view.meta.get("val")
+    src_val = getattr(src, "meta", {}).get("val")
+    if val is not None and src_val is not None and tuple(val.shape) == tuple(src_val.shape):
+        return dims  # a cast, copy or a view that keeps the shape
+    return None
+
+
+def _in_param_dims(token: str, dims: tuple[int, ...] | None) -> str:
+    """A placement token read on a view, in the parameter's own dims ("S(1)" of ``w.t()`` is "S(0)")."""
+    if dims is None or not token.startswith("S("):
+        return token
+    return f"S({dims[int(token[2:-1])]})"
+
+
 def param_uses(pmodel: Any, node_strategy: dict[str, Any], fqn: str, *, through_views: bool = False) -> list[tuple[str, tuple[str, ...]]]:
     """(consumer node, placement strings) for each forward op that reads parameter ``fqn``.
 
     With ``through_views``, follow view-like ops (``t``, ``view``...) to the computing forward ops
     (mm, embedding, mul...) and report the placements they expect for the weight (a redistribution
-    after a transpose counts)."""
+    after a transpose counts), in the parameter's own dims: ``mm`` reading ``w.t()`` split on its
+    dim 1 reads ``w`` split on dim 0, "S(0)" (a reshape that mixes dims keeps the view's token)."""
     out = []
-    frontier = [pmodel.node_by_name[pmodel.fqn_to_node[fqn]]]
+    root = pmodel.node_by_name[pmodel.fqn_to_node[fqn]]
+    root_val = root.meta.get("val")
+    frontier: list[tuple[Any, tuple[int, ...] | None]] = [
+        (root, tuple(range(root_val.dim())) if root_val is not None else None)]
     seen = set()
     while frontier:
-        prod = frontier.pop()
+        prod, dims = frontier.pop()
         for user in prod.users:
             if user.name in seen or user.name not in node_strategy or pmodel.captured.is_backward.get(user.name, False):
                 continue
             seen.add(user.name)
             op = getattr(user.target, "__name__", str(user.target)).split(".")[0]
             if through_views and op in _VIEW_OPS:
-                frontier.append(user)
+                frontier.append((user, _view_dims(user, dims)))
                 continue
             for j, (src, _k) in enumerate(input_slots(user)):
                 p = node_strategy[user.name].inputs[j] if j < len(node_strategy[user.name].inputs) else None
                 if src is prod and p is not None:
-                    out.append((user.name, tuple(pl.to_str(x) for x in p)))
+                    out.append((user.name, tuple(_in_param_dims(pl.to_str(x), dims) for x in p)))
     return out
 
 
