@@ -34,6 +34,7 @@ _EXPORTS = {
     "PlanMismatch": "apmodel.plans",
     "diff": "apmodel.plans",
     "parallelize": "apmodel.api",
+    "parallelize_pipeline": "apmodel.api",
     "PlanOptions": "apmodel.options",
     "Workload": "apmodel.workloads",
     "plan_workload": "apmodel.api",

@@ -543,3 +543,55 @@ def parallelize(
         captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
     return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering,
                                   bucket_cap_mb=bucket_cap_mb)
+
+
+def parallelize_pipeline(
+    make_model: Callable[[], nn.Module],
+    mesh: DeviceMesh,
+    sample_inputs: Sequence[Any],
+    *,
+    loss_fn: Callable[..., torch.Tensor],
+    pp_axis: int,
+    stages: Sequence[Sequence[int]] | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    plan: Plan | None = None,
+    lowering: str = "native",
+    options: PlanOptions | None = None,
+    **option_values: Any,
+) -> Any:
+    """Pipeline stages over mesh dimension ``pp_axis`` of ``mesh``, each stage's step planned and
+    lowered on the stage mesh (see :mod:`apmodel.lowering.pipeline`); returns a
+    :class:`~apmodel.lowering.pipeline.PipelinedModel` whose ``step(inputs, target=...)`` runs a
+    training step (the loss on the rank of the last stage) and whose ``stages`` hold this rank's
+    parameters.
+
+    ``make_model()``: a fresh full model, ideally on meta (called once per stage cut).
+    ``sample_inputs``: the model's inputs for the whole batch (targets go to ``loss_fn(output,
+    target)`` on the last stage). ``stages`` (``[first, last]`` layers per stage), ``microbatches``
+    and ``schedule`` (``"1f1b"``, ``"interleaved"``): as planned, or read from ``plan.pipeline``
+    (a plan made with a pipeline axis). Options: as for :func:`parallelize`, for every stage plan."""
+    from apmodel import lowering as lowering_stage
+    from apmodel.lowering import pipeline as lowered_pipeline
+
+    if plan is not None:
+        if not plan.pipeline:
+            raise ValueError("apmodel.parallelize_pipeline: the plan records no pipeline (plan with a pipeline axis)")
+        record = plan.pipeline
+        stages = stages or [tuple(s) for s in record["stages"]]
+        microbatches = microbatches or record["microbatches"]
+        schedule = schedule or record["schedule"]
+    if not stages or microbatches is None:
+        raise TypeError("apmodel.parallelize_pipeline: give stages and microbatches (or a plan with a pipeline)")
+    opts = make_options(options, **option_values)
+
+    def plan_stage(module: nn.Module, shape: tuple[int, ...], inputs: tuple[torch.Tensor, ...]) -> Plan:
+        captured = checkpoint(lowering_stage.capture_on_meta(module, inputs, None), opts.ac)
+        return plan_workload(Workload(captured, shape), opts).plan
+
+    def lower_stage(module: nn.Module, sub_mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...], stage_plan: Plan) -> nn.Module:
+        return parallelize(module, sub_mesh, inputs, plan=stage_plan, lowering=lowering)
+
+    return lowered_pipeline.build(make_model, mesh, pp_axis, [(int(a), int(b)) for a, b in stages], microbatches,
+                                  sample_inputs, loss_fn=loss_fn, plan_stage=plan_stage, lower_stage=lower_stage,
+                                  schedule=schedule or "1f1b")

@@ -210,14 +210,21 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (scalar) when ``targets``
-        (int64 ``[batch, seq]``) is given."""
+        (int64 ``[batch, seq]``) is given.
+
+        A pipeline stage (:mod:`apmodel.lowering.pipeline`, torchtitan's convention) holds some of
+        the layers and sets the modules it does not run to None: without ``tok_embeddings`` the
+        input is the hidden state ``[batch, seq, dim]``; without ``output`` (and ``norm``) the
+        hidden state is returned."""
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"{type(self).__name__}: sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if self.output is None:
+            return h
         logits = self.output(self.norm(h))
         return logits if targets is None else cross_entropy_loss(logits, targets)
 
@@ -229,9 +236,12 @@ class Transformer(nn.Module):
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        nn.init.normal_(self.tok_embeddings.weight)
+        if self.tok_embeddings is not None:  # a pipeline stage may not hold it (see forward)
+            nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights()  # type: ignore[operator]  # nn.Module.__getattr__ says Tensor | Module
-        self.norm.init_weights()
-        final_std = self.config.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None:
+            final_std = self.config.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
