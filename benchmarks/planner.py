@@ -20,6 +20,23 @@ Table 2 (replanning): a plan made at the base sequence length is replayed
 (``apmodel.replay_constraints``) at longer sequences and priced, against a fresh plan at each
 length; the gain is ``(replayed - fresh) / replayed``. All lengths are traced with the same
 ``max_seq_len`` so that only the sequence length differs between the graphs.
+
+Table 3 (frontier, issue 27): the planning targets at scale, each planned end to end as a user
+runs it (``python -m apmodel.cli plan ... --json``, default options, memory model on) in its own
+child process, so that the planner's peak resident memory is that child's ``ru_maxrss`` (read
+with ``os.wait4``). Columns: trace, build, solve and total seconds as the CLI reports them, the
+target beside them, peak RSS, objective, certified gap, the plan's peak memory per device beside
+80 GB, and which targets pass. The table's title names the machine's load average at the start and
+end of the run (``os.getloadavg``). Run by default: its seven plans are a few minutes together
+(estimated from single runs, not measured as one: 405B about 40 s, DeepSeek-V3 45-70 s, the
+unseeded 4-D 8B about 60 s, llama3-8b-cp about 40 s, the rest under 20 s each, plus 10-15 s of
+interpreter start per child; more on a loaded machine), short beside Table 1. ``--frontier-only``
+runs it alone, ``--frontier NAME,...`` picks workloads (``--frontier ''`` or ``--no-frontier``:
+none) and ``--frontier-layers N`` shortens every model for a quick check (the targets then do not
+apply)::
+
+    python benchmarks/planner.py --frontier-only --json frontier.json      # the issue-27 table
+    python benchmarks/planner.py --frontier-only --frontier qwen3-32b --frontier-layers 2
 """
 
 from __future__ import annotations
@@ -30,8 +47,11 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +227,233 @@ def replanning(args, console: Console) -> list[dict[str, Any]]:
     return rows
 
 
+#: Issue 27's "plans fit in 80 GB per device" (an H100 SXM's HBM, as the issue states it, in GB).
+FRONTIER_DEVICE_MEMORY_BYTES = 80e9
+#: Issue 27: "peak resident memory of the planner <= 4 GiB" (405B and DeepSeek-V3).
+FRONTIER_MAX_RSS_GIB = 4.0
+#: Issue 27: "(2,2,2,4) <= 30 s at the unseeded optimum (certified gap <= 0.01%)".
+FRONTIER_MAX_GAP = 1e-4
+#: Linux reports ``ru_maxrss`` in KiB (getrusage(2)).
+RU_MAXRSS_BYTES = 1024
+#: Wall-clock cap of one frontier plan (a hung child is killed and reported, not waited on forever).
+DEFAULT_FRONTIER_TIMEOUT_S = 1800.0
+#: How often the parent checks whether a frontier child has finished.
+FRONTIER_POLL_S = 0.1
+#: Characters the frontier table is printed in at least (its sixteen columns, unwrapped).
+FRONTIER_TABLE_WIDTH = 200
+
+
+@dataclass(frozen=True)
+class FrontierWorkload:
+    """One planning target of issue 27: an ``apmodel plan`` command line and the limits it is held
+    to (``None``: reported for information only)."""
+
+    name: str
+    model: str
+    mesh: str
+    flags: tuple[str, ...] = ()
+    target_s: float | None = None
+    max_rss_gib: float | None = None
+    must_fit: bool = False
+    max_gap: float | None = None
+    note: str = ""
+
+    def command(self, device: str, gpus_per_node: int, layers: int | None) -> list[str]:
+        cmd = [sys.executable, "-m", "apmodel.cli", "plan", "--model", self.model, "--mesh", self.mesh,
+               "--device", device, "--gpus-per-node", str(gpus_per_node), *self.flags, "--json"]
+        if layers is not None:
+            cmd += ["--layers", str(layers)]
+        return cmd
+
+
+#: The workloads of issue 27's "Planning at scale" (item 2), with its limits; Qwen3 for information.
+FRONTIER_WORKLOADS: tuple[FrontierWorkload, ...] = (
+    FrontierWorkload("llama3-8b", "llama3-8b", "4x8", ("--seq", "2048", "--batch", "8"), target_s=2.5,
+                     note="defaults"),
+    FrontierWorkload("llama3-8b-unseeded", "llama3-8b", "2x2x2x4", ("--seq", "2048", "--batch", "8", "--no-seeding"),
+                     target_s=30.0, max_gap=FRONTIER_MAX_GAP, note="unseeded optimum"),
+    FrontierWorkload("llama3-405b", "llama3-405b", "8x8x16", ("--seq", "8192", "--batch", "128", "--ac", "full"),
+                     target_s=60.0, max_rss_gib=FRONTIER_MAX_RSS_GIB, must_fit=True),
+    FrontierWorkload("deepseek-v3", "deepseek-v3", "8x8x8", ("--seq", "4096", "--batch", "64"),
+                     target_s=60.0, max_rss_gib=FRONTIER_MAX_RSS_GIB, must_fit=True),
+    FrontierWorkload("qwen3-235b-a22b", "qwen3-235b-a22b", "8x8x8", ("--seq", "4096", "--batch", "64"),
+                     note="information"),
+    FrontierWorkload("qwen3-32b", "qwen3-32b", "8x8", ("--seq", "4096", "--batch", "32"), note="information"),
+    FrontierWorkload("llama3-8b-cp", "llama3-8b-cp", "2x2x2x4", ("--seq", "32768", "--batch", "4", "--ac", "selective"),
+                     target_s=30.0),
+)
+FRONTIER_NAMES = tuple(w.name for w in FRONTIER_WORKLOADS)
+
+
+@dataclass
+class ChildRun:
+    """A finished child process: exit code, wall seconds, peak resident bytes, its stdout and stderr."""
+
+    returncode: int
+    wall_s: float
+    maxrss_bytes: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+
+def run_child(cmd: list[str], timeout_s: float, cwd: Path | None = None) -> ChildRun:
+    """Run ``cmd`` to completion and read its own resource usage with ``os.wait4`` (the peak
+    resident set of that child alone, not of earlier children as ``RUSAGE_CHILDREN`` would mix in).
+    Output goes to files, so a large JSON cannot block the child on a full pipe."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd or root, env=env)
+        deadline = t0 + timeout_s
+        timed_out = False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid == proc.pid:
+                break
+            if time.perf_counter() > deadline:
+                timed_out = True
+                proc.kill()
+                _pid, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(FRONTIER_POLL_S)
+        wall_s = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        out.seek(0)
+        err.seek(0)
+        return ChildRun(returncode=proc.returncode, wall_s=wall_s, maxrss_bytes=usage.ru_maxrss * RU_MAXRSS_BYTES,
+                        stdout=out.read().decode(errors="replace"), stderr=err.read().decode(errors="replace"),
+                        timed_out=timed_out)
+
+
+def _plan_json(stdout: str) -> dict[str, Any]:
+    """The plan's JSON object on the child's stdout (anything printed before it is skipped)."""
+    start = stdout.find("{")
+    if start < 0:
+        raise ValueError("no JSON object on stdout")
+    obj, _end = json.JSONDecoder().raw_decode(stdout[start:])
+    return obj
+
+
+def frontier_row(workload: FrontierWorkload, run: ChildRun, layers: int | None) -> dict[str, Any]:
+    """One table/JSON row from a finished ``apmodel plan --json`` child, with its checks."""
+    row: dict[str, Any] = {
+        "name": workload.name, "model": workload.model, "mesh": workload.mesh, "flags": list(workload.flags),
+        "note": workload.note, "layers": layers, "gpus": math.prod(int(a) for a in workload.mesh.split("x")),
+        "wall_s": run.wall_s, "returncode": run.returncode, "timed_out": run.timed_out,
+        "peak_rss_bytes": run.maxrss_bytes, "peak_rss_gib": run.maxrss_bytes / 2**30,
+        "target_s": workload.target_s, "max_rss_gib": workload.max_rss_gib, "max_gap": workload.max_gap,
+        "device_memory_bytes": FRONTIER_DEVICE_MEMORY_BYTES if workload.must_fit else None,
+    }
+    plan: dict[str, Any] | None = None
+    if run.returncode == 0 and not run.timed_out:
+        try:
+            plan = _plan_json(run.stdout)
+        except ValueError as e:
+            row["error"] = f"unreadable JSON: {e}"
+    else:
+        tail = run.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
+        row["error"] = ("timed out after %.0f s" % run.wall_s) if run.timed_out else f"exit {run.returncode}: {tail[0][:200]}"
+    memory = (plan or {}).get("memory") or {}
+    row.update({
+        "nodes": None if plan is None else plan.get("nodes"),
+        **{k: None if plan is None else plan.get(k) for k in ("trace_s", "build_s", "solve_s", "total_s")},
+        "objective_us": None if plan is None else plan.get("objective_us"),
+        "lower_bound_us": None if plan is None else plan.get("lower_bound_us"),
+        "status": "error" if plan is None else plan.get("status"),
+        "peak_bytes": memory.get("peak_bytes"), "memory": memory,
+        "memory_limit_bytes": None if plan is None else plan.get("memory_limit_bytes"),
+        "emerged": None if plan is None else plan.get("emerged"),
+        "warnings": [] if plan is None else plan.get("warnings") or [],
+    })
+    obj, bound = row["objective_us"], row["lower_bound_us"]
+    row["gap"] = (None if obj is None or bound is None or not math.isfinite(bound) or obj == 0
+                  else (obj - bound) / obj)
+    checks: dict[str, bool] = {}
+    if workload.target_s is not None:
+        checks["time"] = row["total_s"] is not None and row["total_s"] <= workload.target_s
+    if workload.max_rss_gib is not None:
+        checks["rss"] = plan is not None and row["peak_rss_gib"] <= workload.max_rss_gib
+    if workload.must_fit:
+        checks["fit"] = row["peak_bytes"] is not None and row["peak_bytes"] <= FRONTIER_DEVICE_MEMORY_BYTES
+    if workload.max_gap is not None:
+        checks["gap"] = row["gap"] is not None and row["gap"] <= workload.max_gap
+    row["checks"] = checks
+    row["passed"] = None if not checks else (plan is not None and all(checks.values()))
+    return row
+
+
+def frontier(args, console: Console) -> list[dict[str, Any]]:
+    """Each selected frontier workload planned by the CLI in a child process of its own."""
+    rows: list[dict[str, Any]] = []
+    by_name = {w.name: w for w in FRONTIER_WORKLOADS}
+    for name in args.frontier:
+        workload = by_name[name]
+        cmd = workload.command(args.device, args.gpus_per_node, args.frontier_layers)
+        logger.info("frontier %s: %s", name, " ".join(cmd[1:]))
+        load_before = os.getloadavg()
+        run = run_child(cmd, args.frontier_timeout)
+        row = frontier_row(workload, run, args.frontier_layers)
+        row["command"] = " ".join(["python", *cmd[1:]])
+        row["load_before"] = list(load_before)
+        rows.append(row)
+        if "error" in row:
+            logger.warning("frontier %s failed: %s\n%s", name, row["error"], run.stderr[-2000:])
+        verdict = {None: "information", True: "pass", False: "FAIL"}[row["passed"]]
+        if args.frontier_layers is not None:
+            verdict += f" ({args.frontier_layers} layers: not the target)"
+        console.print(f"  frontier {name} on {workload.mesh}: "
+                      + (row["error"] if "error" in row else
+                         f"{row['objective_us']:,.1f} µs in {row['total_s']:.1f} s (trace {row['trace_s']:.1f}, "
+                         f"build {row['build_s']:.1f}, solve {row['solve_s']:.1f}), peak RSS "
+                         f"{row['peak_rss_gib']:.2f} GiB")
+                      + f": {verdict}", highlight=False)
+    return rows
+
+
+def _load_str(load: list[float] | tuple[float, ...] | None) -> str:
+    return "—" if load is None else "/".join(f"{x:.2f}" for x in load)
+
+
+def print_frontier(result: dict[str, Any], console: Console) -> None:
+    a = result["args"]
+    load = result.get("load_average", {})
+    layers = a.get("frontier_layers")
+    t = Table(title=f"Frontier (issue 27): apmodel plan per workload in its own process, {a['device']}, "
+                    f"{a['gpus_per_node']} GPUs per node"
+                    + (f", {layers} layers (quick check: the targets do not apply)" if layers else "")
+                    + f"; load average (1/5/15 min) {_load_str(load.get('start'))} at start, "
+                    f"{_load_str(load.get('end'))} at end, {result.get('cpus')} CPUs", title_justify="left")
+    left = ("workload", "mesh", "result")
+    # the limits sit right of the values they bound: "≤ s" (total seconds), "≤ GiB" (planner RSS),
+    # "≤ GB" (the plan's peak memory per device)
+    for col in ("workload", "mesh", "GPUs", "nodes", "trace s", "build s", "solve s", "total s", "≤ s",
+                "RSS GiB", "≤ GiB", "objective µs", "gap", "peak GB", "≤ GB", "result"):
+        t.add_column(col, justify="left" if col in left else "right", no_wrap=True)
+    for r in result["frontier"]:
+        checks = r["checks"]
+        failed = [k for k, ok in checks.items() if not ok]
+        verdict = ("error" if "error" in r else "info" if not checks
+                   else "pass" if not failed else "FAIL: " + ", ".join(failed))
+        if layers is not None:
+            verdict = f"({verdict})"  # a shortened model: the targets do not apply
+        t.add_row(r["name"], r["mesh"], f"{r['gpus']:,}", _f(r["nodes"], ","), _f(r["trace_s"]), _f(r["build_s"]),
+                  _f(r["solve_s"]), _f(r["total_s"]), _f(r["target_s"], "g"),
+                  _f(r["peak_rss_gib"], ".2f"), _f(r["max_rss_gib"], "g"), _f(r["objective_us"]),
+                  "—" if r["gap"] is None else f"{100 * r['gap']:.3f}%",
+                  _f(None if r["peak_bytes"] is None else r["peak_bytes"] / 1e9, ".1f"),
+                  _f(None if r["device_memory_bytes"] is None else r["device_memory_bytes"] / 1e9, "g"), verdict)
+    # sixteen columns: never truncated to a narrow terminal's width (the table is pasted as is)
+    saved = console.width
+    console.width = max(saved, FRONTIER_TABLE_WIDTH)
+    try:
+        console.print(t)
+    finally:
+        console.width = saved
+
+
 def _f(x: float | None, fmt: str = ",.1f") -> str:
     return "—" if x is None else format(x, fmt)
 
@@ -242,6 +489,8 @@ def print_tables(result: dict[str, Any], console: Console) -> None:
             t.add_row(str(r["seq"]), _f(r["replayed_us"]), _f(r["fresh_us"]),
                       "—" if r["gain"] is None else f"{100 * r['gain']:.1f}%")
         console.print(t)
+    if result.get("frontier"):
+        print_frontier(result, console)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -265,6 +514,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--e2e-meshes", default="8,4x8", help="meshes of the end-to-end table ('' for none)")
     p.add_argument("--e2e-variants", default="default,mixed+selective",
                    help=f"comma-separated variants of the end-to-end table: {', '.join(E2E_VARIANTS)}")
+    p.add_argument("--frontier", default=",".join(FRONTIER_NAMES),
+                   help=f"comma-separated frontier workloads (issue 27's targets; '' for none): {', '.join(FRONTIER_NAMES)}")
+    p.add_argument("--no-frontier", dest="frontier", action="store_const", const="", help="skip the frontier table")
+    p.add_argument("--frontier-only", action="store_true",
+                   help="only the frontier table (no end-to-end, scalability or replanning tables)")
+    p.add_argument("--frontier-layers", type=int, default=None,
+                   help="override n_layers of every frontier model (quick check; the targets then do not apply)")
+    p.add_argument("--frontier-timeout", type=float, default=DEFAULT_FRONTIER_TIMEOUT_S,
+                   help=f"seconds before a frontier plan is killed (default {DEFAULT_FRONTIER_TIMEOUT_S:g})")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -278,13 +536,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.replan_mesh = parse_mesh(args.replan_mesh)
     args.e2e_meshes = [parse_mesh(m) for m in args.e2e_meshes.split(",") if m]
     args.e2e_variants = [v for v in args.e2e_variants.split(",") if v]
+    args.frontier = [w for w in args.frontier.split(",") if w]
+    unknown = [w for w in args.frontier if w not in FRONTIER_NAMES]
+    if unknown:
+        p.error(f"frontier workloads {unknown} are not among {list(FRONTIER_NAMES)}")
+    if args.frontier_only:
+        if not args.frontier:
+            p.error("--frontier-only with no frontier workloads selected")
+        args.e2e_meshes, args.scalability, args.replan = [], False, False
     unknown = [v for v in args.e2e_variants if v not in E2E_VARIANTS]
     if unknown:
         p.error(f"end-to-end variants {unknown} are not among {list(E2E_VARIANTS)}")
     console = Console(width=160) if not Console().is_terminal else Console()
+    load_start = os.getloadavg()
     result: dict[str, Any] = {
         "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "json"},
         "torch": torch.__version__,
+        "cpus": os.cpu_count(),
     }
     result["args"]["meshes"] = [list(m) for m in args.meshes]
     result["args"]["replan_mesh"] = "x".join(map(str, args.replan_mesh))
@@ -292,6 +560,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["end_to_end"] = end_to_end(args, console)
     result["scalability"] = scalability(args, console) if args.scalability else []
     result["replanning"] = replanning(args, console) if args.replan else []
+    result["frontier"] = frontier(args, console)
+    result["load_average"] = {"start": list(load_start), "end": list(os.getloadavg())}
     print_tables(result, console)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1, default=str))
