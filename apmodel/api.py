@@ -595,3 +595,39 @@ def parallelize_pipeline(
     return lowered_pipeline.build(make_model, mesh, pp_axis, [(int(a), int(b)) for a, b in stages], microbatches,
                                   sample_inputs, loss_fn=loss_fn, plan_stage=plan_stage, lower_stage=lower_stage,
                                   schedule=schedule or "1f1b")
+
+
+def plan_pipelined(
+    workload: Workload,
+    options: PlanOptions,
+    pipeline: Any,
+    *,
+    constraints: Sequence[ConstraintLike] = (),
+    replay: Plan | str | Path | None = None,
+    record: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> PlanResult:
+    """Plan ``workload`` with a pipeline (:class:`apmodel.pipeline.PipelineOptions`): every allowed
+    degree priced, the cheapest that fits chosen (:func:`apmodel.pipeline.plan_pipeline`), each
+    SPMD plan made by :func:`plan_workload`. Returns the chosen degree's stage plan (on its stage
+    mesh, at the microbatch size; ``plan.pipeline`` holds the choice and every degree's price)."""
+    from apmodel import pipeline as P
+    from apmodel import recipes as R
+
+    progress = progress or LogProgress()
+    saved = Plan.load(replay) if isinstance(replay, (str, Path)) else replay
+
+    def plan_spmd(wl: Workload, opts: PlanOptions, rec: Mapping[str, Any]) -> Plan:
+        return plan_workload(wl, opts, constraints=constraints, replay=saved, record={**dict(record or {}), **rec},
+                             progress=progress).plan
+
+    plan, choice = P.plan_pipeline(workload, options, pipeline, plan_spmd, replay=saved, progress=progress.stage)
+    captured = plan.captured
+    if captured is None:
+        raise P.PipelineError("the chosen stage plan lost its captured graph")
+    itemsize = options.dtype_bytes
+    limit = None if plan.model is None else search.memory_limit_bytes(options, plan.model)
+    progress.done(f"pipeline degree {choice.degree} ({choice.schedule}, {choice.microbatches} microbatches): "
+                  f"{choice.chosen.objective_us:,.1f} µs")
+    return PlanResult(plan, captured, options, R.param_bytes_per_device(plan, captured, itemsize),
+                      warnings=list(dict.fromkeys(plan.warnings or [])), memory_limit_bytes=limit)

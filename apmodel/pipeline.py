@@ -305,14 +305,19 @@ def plan_pipeline(
     """Price every allowed degree and choose one (see the module docstring). Returns the chosen
     degree's SPMD plan (on its stage mesh, at the microbatch size; degree 1: the full mesh and
     batch) with ``plan.pipeline`` set, and the choice. ``replay``: a plan with a recorded pipeline
-    (its degree, split and schedule are kept; its placements forced by the caller)."""
+    (its axis, degree, microbatches, schedule and split are kept instead of ``pp``'s; its placements
+    are forced by the caller's ``plan_spmd``)."""
     mesh = tuple(workload.mesh_shape)
     batch = batch_of(workload)
-    degrees, m = pp.resolve(mesh, batch)
-    fixed_stages = None
-    if replay is not None and replay.pipeline:
+    fixed_stages, fixed_layers = None, None
+    if replay is not None and replay.pipeline:  # the recorded degree, split and schedule; the stage plan replayed
         recorded = PipelineChoice.from_json(replay.pipeline, "replayed plan")
-        degrees, fixed_stages = (recorded.degree,), recorded.chosen.stages
+        if tuple(recorded.mesh) != mesh:
+            raise PipelineError(f"the replayed plan's pipeline was made for mesh {tuple(recorded.mesh)}, got {mesh}")
+        pp = PipelineOptions(axis=recorded.axis, degrees=(recorded.degree,), microbatches=recorded.microbatches,
+                             schedule=recorded.schedule)
+        fixed_stages, fixed_layers = recorded.chosen.stages or None, recorded.chosen.stage_plan_layers
+    degrees, m = pp.resolve(mesh, batch)
     full_topo = costmodels.Topology(mesh, costmodels.device(options.device) if isinstance(options.device, str)
                                     else options.device, options.gpus_per_node, **options.topology)
     record = {"comm_model": options.to_record()["comm_model"], "memory_limit_bytes": options.memory_limit_bytes,
@@ -341,7 +346,7 @@ def plan_pipeline(
             plans[1] = plan
             continue
         v = schedules.stages_per_rank(pp.schedule)
-        k_layers = min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
+        k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
         progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.schedule}; "
                  f"stage plan of {k_layers} layers")
         micro, cut = microbatch_workload(workload, sub, m, k_layers)

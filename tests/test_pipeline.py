@@ -249,3 +249,21 @@ def test_plan_file_records_the_pipeline(unequal_plan, tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match=r"pipeline\.schedule"):
         Plan.load(path)
+
+
+def test_a_pipelined_plan_replays(tmp_path):
+    """Saved with its pipeline (version 3) and replayed: same degree, split, stage placements and price."""
+    workload = _unequal_workload((2, 2))
+    first = api.plan_pipelined(workload, PlanOptions(device="h100"), PipelineOptions(axis=0, degrees=(2,)))
+    assert first.plan.pipeline["degree"] == 2 and tuple(first.plan.mesh_shape) == (2,)
+    path = tmp_path / "pp.json"
+    first.plan.save(path)
+    again = api.plan_pipelined(_unequal_workload((2, 2)), PlanOptions(device="h100"),
+                               PipelineOptions(axis=0, degrees=(1, 2), microbatches=2), replay=path)
+    assert again.plan.node_strategy == first.plan.node_strategy
+    for key in ("degree", "stages", "microbatches", "schedule"):
+        assert again.plan.pipeline[key] == first.plan.pipeline[key], key
+    for key in ("objective_us", "bubble_us", "p2p_us"):
+        assert again.plan.pipeline[key] == pytest.approx(first.plan.pipeline[key]), key
+    with pytest.raises(PipelineError, match=r"made for mesh \(2, 2\), got \(4,\)"):
+        api.plan_pipelined(_unequal_workload((4,)), PlanOptions(device="h100"), PipelineOptions(axis=0), replay=path)

@@ -195,8 +195,11 @@ def build(
         first, last = stages[k]
         module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=k == n_stages - 1)
         inputs = micro if k == 0 else (boundary[k - 1],)
-        plan = plan_on_group(lambda module=module, inputs=inputs: plan_stage(module, tuple(sub_mesh.shape), inputs),
-                             sub_group, ranks[0])
+
+        def solve(module: nn.Module = module, inputs: tuple[torch.Tensor, ...] = inputs) -> Any:
+            return plan_stage(module, tuple(sub_mesh.shape), inputs)
+
+        plan = plan_on_group(solve, sub_group, ranks[0])
         mine.append(lower_stage(module, sub_mesh, inputs, plan))
         indices.append(k)
     pipeline_stages = [PipelineStage(StageModule(m), k, n_stages, device, group=pp_group)
