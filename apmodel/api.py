@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import solvers
 from apmodel import search
 from apmodel.capture import CapturedGraph, capture
 from apmodel.checkpointing import checkpoint, policy_of
@@ -164,7 +163,7 @@ def _build(
     """Strategies and the constrained model; seeded candidates that conflict with the constraints
     are discarded and the full space is built instead (the same on every entry point)."""
     mesh_shape = tuple(cost.mesh_shape)
-    use_seeding = len(mesh_shape) >= 3 if options.seeding is None else bool(options.seeding)
+    use_seeding = options.uses_seeding(len(mesh_shape))
     progress.stage(f"enumerating strategies on mesh {mesh_shape}" + (" (seeded per axis)" if use_seeding else ""))
     strategies, seeded = search.candidate_strategies(captured, cost, options, mesh=mesh, timings=timings)
     progress.done(f"strategies in {timings['seeding_s'] + timings['strategies_s']:.1f} s")
@@ -254,8 +253,7 @@ def plan_workload(
     options = options or PlanOptions()
     options.check_mesh(workload.mesh_shape)
     progress = progress or LogProgress()
-    if options.solver not in solvers.available():
-        raise ValueError(f"solver {options.solver!r} is not an available backend: {solvers.available()}")
+    options.check_available()
     constraints = list(constraints)
     if replay is not None:
         constraints.append(replay_constraints(replay))

@@ -1,7 +1,11 @@
-"""The ``apmodel`` configuration file (TOML): solver, device, topology, cost models, constraints.
+"""The ``apmodel`` configuration file (TOML): the workload, every planning option, constraints.
 
 Every section and key is optional; command-line flags override the file. An unknown key, or a
-value of the wrong type, raises ``ConfigError`` naming the file and the key (``solver.time_limit``)::
+value of the wrong type or out of range, raises ``ConfigError`` naming the file and the key
+(``solver.time_limit``). The keys of the planning options, their types, ranges and defaults are
+not listed here: they are declared once, on :class:`~apmodel.options.PlanOptions` (each field's
+``toml``), and the README's options table lists them. Beside them, ``[workload]`` names what to
+plan and ``[[constraints]]`` adds user constraints::
 
     [workload]            # what to plan (the command line may give these instead)
     model = "llama3-8b"   # a preset of apmodel.models, or "package.module:factory"
@@ -10,39 +14,12 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     batch = 8
     layers = 32           # override of the preset's n_layers
 
-    [solver]
-    backend = "trws"      # a name of solvers.available()
-    time_limit = 60.0     # seconds
-    options = { max_iters = 300 }   # passed to the backend
-
-    [device]
-    name = "h100"         # costmodels.device() name
-    dtype = "bf16"        # pricing dtype: bf16 | fp16 | fp32 | fp8
-    mixed_precision = true  # fp32 master weights and gradient reductions (default: priced so for bf16/fp16; set: also traced and run so)
-    execution = "eager"   # eager | graphs (CUDA-graph replay: no launch cost per op; GPU profiles only)
-
-    [topology]
+    [solver]              # options: backend, time_limit, options = { max_iters = 300 }, ...
+    backend = "trws"
+    [topology]            # gpus_per_node and the topology's overrides (intra_GBps, ...)
     gpus_per_node = 8
-    intra_GBps = 450.0    # per GPU, one direction (overrides the device's fabric)
-    inter_GBps = 50.0     # per GPU NIC, one direction
-    intra_latency_us = 0.0
-    inter_latency_us = 0.0
-    nvls = true
-
-    [cost]
-    calibration = "calibration.json"           # from `apmodel calibrate`; relative to this file
-    compute_profile = "compute_profile.json"   # from `apmodel calibrate-compute`; relative to this file
-    compute_model = "mypkg.costs:MyCompute"     # constructed with the DeviceSpec
-    comm_model = "mypkg.costs:MyCollectives"    # constructed with the Topology
-
-    [planner]
-    param_policy = "full_shard"   # or "free"
-    replicate_axes = []           # mesh axes on which parameters stay replicated (HSDP)
-    param_memory_fraction = 0.25  # optional per-device parameter budget (instead of full_shard)
-    param_budget_ratio = 0.125    # or the paper's storage budget "high": mean local/global ratio per tensor
-    optimizer = "adamw"           # optimizer state in the memory model: adamw | sgd | none
-    ac = "selective"              # activation checkpointing: none (default) | selective | full
-    memory_limit_GB = 70.0        # per-device memory limit (default: the device's HBM less 10%)
+    [planner]             # param_policy, ac, memory_limit_GB, ...
+    ac = "selective"
 
     [[constraints]]
     fix = "layers.*.attention.wo.weight"
@@ -56,11 +33,12 @@ value of the wrong type, raises ``ConfigError`` naming the file and the key (``s
     terms = [["layers.*.ffn_norm.weight", "RR", 1.0]]
     sense = "<="
     rhs = 4
+
+``examples/apmodel.toml`` is a commented example.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import sys
@@ -75,129 +53,54 @@ else:  # pragma: no cover
 
 from apmodel import constraints as C
 from apmodel import placements as pl
-from apmodel.options import TOPOLOGY_KEYS, OptionsError, PlanOptions
+from apmodel.options import BadValue, OptionsError, OptionSpec, PlanOptions, option_spec, toml_keys
 
 
 class ConfigError(ValueError):
     """A configuration file is malformed; the message names the file and the key."""
 
 
+#: The ``[workload]`` keys: what to plan (not planning options; the CLI's --model, --mesh, ...).
+WORKLOAD_KEYS: dict[str, OptionSpec] = {
+    "model": OptionSpec(help="A preset of apmodel.models, package.module:factory or hf:NAME.", toml="workload.model",
+                        flag="--model"),
+    "mesh": OptionSpec(help='Mesh shape, axis sizes joined by "x".', toml="workload.mesh", flag="--mesh"),
+    "seq": OptionSpec(help="Sequence length.", toml="workload.seq", flag="--seq", kind="int", range="[1, inf)"),
+    "batch": OptionSpec(help="Global batch size.", toml="workload.batch", flag="--batch", kind="int",
+                        range="[1, inf)"),
+    "layers": OptionSpec(help="Override of the preset's number of layers.", toml="workload.layers", flag="--layers",
+                         kind="int", range="[1, inf)"),
+}
+
+
 @dataclass
 class Config:
-    """Everything the configuration file can set (``None`` = not set, use the default)."""
+    """What a configuration file sets: the workload (``None``: not set), the planning options it
+    sets (``options``: :class:`~apmodel.options.PlanOptions` field -> value, in the field's units;
+    what it leaves out keeps the field's default) and the constraints."""
 
-    # [workload]
     model: str | None = None
     mesh: str | None = None
     seq: int | None = None
     batch: int | None = None
     layers: int | None = None
-    # [solver]
-    solver: str | None = None
-    time_limit: float | None = None
-    solver_options: dict[str, Any] = field(default_factory=dict)
-    # [device]
-    device: str | None = None
-    dtype: str | None = None
-    execution: str | None = None
-    # [topology]
-    gpus_per_node: int | None = None
-    intra_GBps: float | None = None
-    inter_GBps: float | None = None
-    intra_latency_us: float | None = None
-    inter_latency_us: float | None = None
-    nvls: bool | None = None
-    # [cost]
-    calibration: str | None = None
-    compute_profile: str | None = None
-    compute_model: str | None = None
-    comm_model: str | None = None
-    # [planner]
-    param_policy: str | None = None
-    replicate_axes: list[int] | None = None
-    param_memory_fraction: float | None = None
-    param_budget_ratio: float | None = None
-    optimizer: str | None = None
-    ac: str | None = None
-    memory_limit_GB: float | None = None
-    mixed_precision: bool | None = None
-    # [[constraints]]
+    options: dict[str, Any] = field(default_factory=dict)
     constraints: list[Any] = field(default_factory=list)
     source: str = "<defaults>"
 
-    def topology_overrides(self) -> dict[str, Any]:
-        """Keyword arguments for ``costmodels.Topology`` beyond mesh, device and gpus_per_node."""
-        return {k: getattr(self, k) for k in TOPOLOGY_KEYS if getattr(self, k) is not None}
-
     def plan_options(self) -> PlanOptions:
-        """The planning options this configuration sets; what it leaves unset keeps the default
-        of :class:`~apmodel.options.PlanOptions` (the one place defaults live)."""
-        values = {
-            "device": self.device, "gpus_per_node": self.gpus_per_node, "dtype": self.dtype,
-            "mixed_precision": self.mixed_precision, "compute_model": self.compute_model,
-            "comm_model": self.comm_model, "calibration": self.calibration,
-            "compute_profile": self.compute_profile, "execution": self.execution,
-            "topology": self.topology_overrides(), "optimizer": self.optimizer, "ac": self.ac,
-            "memory_limit_bytes": None if self.memory_limit_GB is None else self.memory_limit_GB * 1e9,
-            "param_policy": self.param_policy,
-            "replicate_axes": None if self.replicate_axes is None else tuple(self.replicate_axes),
-            "param_memory_fraction": self.param_memory_fraction, "param_budget_ratio": self.param_budget_ratio,
-            "solver": self.solver,
-            "time_limit": self.time_limit, "solver_options": self.solver_options,
-        }
-        return PlanOptions(**{k: v for k, v in values.items() if v is not None})
+        """The planning options this configuration sets; the rest keep the defaults of
+        :class:`~apmodel.options.PlanOptions` (the one place defaults live)."""
+        return PlanOptions(**self.options)
 
 
-# section -> key -> (Config field, expected type(s), description for errors)
-_SCHEMA: dict[str, dict[str, tuple[str, tuple[type, ...], str]]] = {
-    "workload": {
-        "model": ("model", (str,), "a string"),
-        "mesh": ("mesh", (str,), 'a string like "4x8"'),
-        "seq": ("seq", (int,), "an integer"),
-        "batch": ("batch", (int,), "an integer"),
-        "layers": ("layers", (int,), "an integer"),
-    },
-    "solver": {
-        "backend": ("solver", (str,), "a string"),
-        "time_limit": ("time_limit", (int, float), "a number of seconds"),
-        "options": ("solver_options", (dict,), "a table"),
-    },
-    "device": {
-        "name": ("device", (str,), "a string"),
-        "dtype": ("dtype", (str,), "a string"),
-        "mixed_precision": ("mixed_precision", (bool,), "true or false"),
-        "execution": ("execution", (str,), '"eager" or "graphs"'),
-    },
-    "topology": {
-        "gpus_per_node": ("gpus_per_node", (int,), "an integer"),
-        "intra_GBps": ("intra_GBps", (int, float), "a number (GB/s)"),
-        "inter_GBps": ("inter_GBps", (int, float), "a number (GB/s)"),
-        "intra_latency_us": ("intra_latency_us", (int, float), "a number (µs)"),
-        "inter_latency_us": ("inter_latency_us", (int, float), "a number (µs)"),
-        "nvls": ("nvls", (bool,), "true or false"),
-    },
-    "cost": {
-        "calibration": ("calibration", (str,), "a path"),
-        "compute_profile": ("compute_profile", (str,), "a path to a compute profile JSON file"),
-        "compute_model": ("compute_model", (str,), 'a dotted name "package.module:Name"'),
-        "comm_model": ("comm_model", (str,), 'a dotted name "package.module:Name"'),
-    },
-    "planner": {
-        "param_policy": ("param_policy", (str,), '"full_shard" or "free"'),
-        "replicate_axes": ("replicate_axes", (list,), "a list of mesh axes"),
-        "param_memory_fraction": ("param_memory_fraction", (int, float), "a number in (0, 1]"),
-        "param_budget_ratio": ("param_budget_ratio", (int, float), "a number in (0, 1]"),
-        "optimizer": ("optimizer", (str,), '"adamw" or "sgd"'),
-        "ac": ("ac", (str,), '"none", "selective" or "full"'),
-        "memory_limit_GB": ("memory_limit_GB", (int, float), "a number of GB (1e9 bytes) per device"),
-    },
+#: section -> key -> (Config attribute or PlanOptions field, sub-key of a ``keys`` option or None, spec):
+#: every key a configuration may hold but the constraints, generated from the declarations.
+_SCHEMA: dict[str, dict[str, tuple[str, str | None, OptionSpec]]] = {
+    "workload": {key: (key, None, spec) for key, spec in WORKLOAD_KEYS.items()},
 }
-
-#: PlanOptions field -> the TOML key that sets it (for the options' own error messages).
-_TOML_KEYS: dict[str, str] = {
-    **{attr: f"{section}.{key}" for section, keys in _SCHEMA.items() for key, (attr, _, _) in keys.items()},
-    "memory_limit_bytes": "planner.memory_limit_GB",
-}
+for (_section, _key), _entry in toml_keys().items():
+    _SCHEMA.setdefault(_section, {})[_key] = _entry
 
 _CONSTRAINT_KEYS = {
     "fix": {"fix", "placement", "on", "name"},
@@ -209,7 +112,6 @@ _CONSTRAINT_KEYS = {
 # "4x8", "4,8", "4×8" or "8": what ``apmodel.workloads.parse_mesh`` reads
 _MESH_AXIS = re.compile(r"\s*[0-9]+\s*")
 _ON = re.compile(r"output|input(:[0-9]+)?")
-_OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
 
 
 def _short(v: Any, limit: int = 80) -> str:
@@ -292,6 +194,14 @@ def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Line
     return C.linear(name, parsed, sense, float(rhs))
 
 
+def toml_key_of(name: str) -> str:
+    """The TOML key that sets option ``name`` (``planner.memory_limit_GB`` for ``memory_limit_bytes``)."""
+    try:
+        return option_spec(name).toml
+    except OptionsError:
+        return name
+
+
 def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path | None = None) -> Config:
     """Validate a parsed TOML document; relative file paths are resolved against ``base_dir``."""
     cfg = Config(source=source)
@@ -312,41 +222,27 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
         for key, value in body.items():
             if key not in schema:
                 raise ConfigError(f"{source}: unknown key '{section}.{key}' (known: {', '.join(sorted(schema))})")
-            attr, types, what = schema[key]
-            _check_type(source, f"{section}.{key}", value, types, what)
-            setattr(cfg, attr, value)
-    if cfg.replicate_axes is not None:
-        if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in cfg.replicate_axes):
-            raise ConfigError(f"{source}: key 'planner.replicate_axes' must list non-negative integers, got {_short(cfg.replicate_axes)}")
+            name, sub, spec = schema[key]
+            try:
+                read = spec.read(value)
+            except BadValue as e:
+                raise ConfigError(f"{source}: key '{section}.{key}' must be {e.what}, got {_short(value)}") from None
+            if section == "workload":
+                setattr(cfg, name, read)
+            elif sub is not None:
+                cfg.options.setdefault(name, {})[sub] = read
+            else:
+                cfg.options[name] = read
     if cfg.mesh is not None:
         _check_mesh(source, cfg.mesh)
-    if cfg.compute_profile is not None and not cfg.compute_profile.lower().endswith(".json"):
-        raise ConfigError(f"{source}: key 'cost.compute_profile' must be a path to a JSON file "
-                          f"(from `apmodel calibrate-compute`), got {_short(cfg.compute_profile)}")
-    for key in ("compute_model", "comm_model"):
-        v = getattr(cfg, key)
-        if v is not None and not _OBJECT_SPEC.fullmatch(v):
-            raise ConfigError(f"{source}: key 'cost.{key}' must look like \"package.module:Name\", got {_short(v)}")
-    for key in ("seq", "batch", "layers"):
-        v = getattr(cfg, key)
-        if v is not None and v < 1:
-            raise ConfigError(f"{source}: key 'workload.{key}' must be >= 1, got {v}")
-    for key in ("intra_GBps", "inter_GBps"):  # bandwidths divide message sizes
-        v = getattr(cfg, key)
-        if v is not None and not 0 < v < math.inf:
-            raise ConfigError(f"{source}: key 'topology.{key}' must be a finite number > 0, got {v}")
-    for key in ("intra_latency_us", "inter_latency_us"):
-        v = getattr(cfg, key)
-        if v is not None and not 0 <= v < math.inf:
-            raise ConfigError(f"{source}: key 'topology.{key}' must be a finite number >= 0, got {v}")
     try:  # the planning options' own checks (ranges, policies), reported under their TOML keys
         cfg.plan_options()
     except OptionsError as e:
-        raise ConfigError(f"{source}: key '{_TOML_KEYS.get(e.option or '', e.option)}': {e}") from None
-    if cfg.calibration is not None and base_dir is not None and not Path(cfg.calibration).is_absolute():
-        cfg.calibration = str(base_dir / cfg.calibration)
-    if cfg.compute_profile is not None and base_dir is not None and not Path(cfg.compute_profile).is_absolute():
-        cfg.compute_profile = str(base_dir / cfg.compute_profile)
+        raise ConfigError(f"{source}: key '{toml_key_of(e.option or '')}': {e}") from None
+    if base_dir is not None:
+        for name, value in cfg.options.items():
+            if option_spec(name).relative and not Path(value).is_absolute():
+                cfg.options[name] = str(base_dir / value)
     return cfg
 
 
@@ -373,8 +269,3 @@ def parse_config_text(text: str, source: str = "<config>", base_dir: Path | None
     except RecursionError:
         raise ConfigError(f"{source}: not valid TOML: nested too deeply") from None
     return parse_config(data, source, base_dir)
-
-
-def merge(cfg: Config, **flags: Any) -> Config:
-    """A copy of ``cfg`` with every flag that is not ``None`` taking precedence."""
-    return dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})

@@ -1,4 +1,4 @@
-"""Every option of a planning run in one frozen object, with its defaults in one place.
+"""Every option of a planning run in one frozen object, each declared once, here.
 
 :class:`PlanOptions` holds what the planner searches over (parameter storage policy, replicated
 axes, seeding), how it prices a plan (device, topology, pricing dtype, mixed precision, cost
@@ -8,15 +8,54 @@ and its flags), the recipes and the benchmarks all build one, and a plan file re
 ``workload`` (:meth:`PlanOptions.to_record`), from which ``apmodel explain`` and ``apmodel report``
 rebuild the model (:meth:`PlanOptions.from_record`).
 
+Each field carries its whole declaration in its metadata (:class:`OptionSpec`, made by
+:func:`option`): default, help text, TOML section and key, command-line flag, kind of value,
+allowed values or range, unit. Everything else is generated from it:
+
+* the flags of ``apmodel plan`` (and of ``apmodel calibrate`` for the device's; :mod:`apmodel.cli.flags`),
+  read with the same checks as the TOML keys and named in their errors,
+* the TOML schema and its validation (:mod:`apmodel.config`),
+* the checks of :meth:`PlanOptions.__post_init__` (allowed values, ranges, sub-keys),
+* the README's options tables (:func:`options_table`; ``python tools/options_table.py`` rewrites
+  them between ``<!-- options-table:start -->`` and ``<!-- options-table:end -->``;
+  ``tests/test_readme.py`` checks they are current).
+
+The pipeline passes the options object whole: :mod:`apmodel.search` and :mod:`apmodel.seeding` read
+what they need from it, and the placement model gets the fields marked ``model=True`` as its
+keyword arguments (:meth:`PlanOptions.model_kwargs`).
+
+**Adding an option** is a one-place change:
+
+1. add a field to :class:`PlanOptions`, in its group (``group="pricing"``, ``"search"`` or
+   ``"solving"``), declared with :func:`option`::
+
+       microbatches: int | None = option(
+           None, help="Microbatches per step.", toml="pipeline.microbatches", flag="--microbatches",
+           group="search", kind="int", range="[1, inf)", default_doc="the number of stages")
+
+   (``choices=`` for a closed set of strings, ``kind="bool"`` for a ``--x/--no-x`` flag, ``"ints"``
+   (each item in ``range``) or ``"placements"`` for a repeated flag, ``"table"`` for
+   ``--flag KEY=VALUE``; a new TOML section such as ``[pipeline]`` needs nothing more: the sections
+   are the ones the specs name; a new group is one entry of :data:`GROUPS`);
+2. read it where the pipeline needs it (``options.microbatches``); cross-field checks go in
+   ``__post_init__``, checks against the mesh in :meth:`PlanOptions.check_mesh`;
+3. run ``python tools/options_table.py`` to regenerate the README's table.
+
+``tests/test_options.py`` then checks, for every field and without a list of its own, that it has
+a flag, a TOML key and a README row, and that a value set through the TOML key and through the
+flag lands in ``PlanOptions`` alike.
+
 This module imports no torch: the CLI validates options before the slow imports.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
-from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence, get_args
+import re
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 ParamPolicy = Literal["full_shard", "free"]
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-nomomentum", "none"]
@@ -45,16 +84,16 @@ def torch_dtype(name: str) -> Any:
         raise ValueError(f"dtype {name!r} is not one of {sorted(TORCH_DTYPE_NAMES)}")
     return getattr(torch, TORCH_DTYPE_NAMES[name])
 
-#: Topology keys a configuration may override (``costmodels.Topology`` keyword arguments).
-TOPOLOGY_KEYS = ("intra_GBps", "inter_GBps", "intra_latency_us", "inter_latency_us", "nvls")
 
 #: Hamming radius of split-dimension seeding (:mod:`apmodel.seeding`); the AutoParallel paper's
 #: default (§4.3, r = 2).
 DEFAULT_SEED_RADIUS = 2
 
-
 #: Param dtypes a mixed-precision step can compute in (the reduce dtype is always fp32).
 MIXED_PARAM_DTYPES = ("bf16", "fp16")
+
+#: The groups of the options, in the order the README and ``apmodel plan --help`` show them.
+GROUPS = {"pricing": "Pricing", "search": "Search space", "solving": "Solving"}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -65,7 +104,8 @@ def _dtype_name(dtype: Any) -> str:
 
 def run_precision_of(record: Mapping[str, Any]) -> tuple[str, str] | None:
     """:attr:`PlanOptions.run_precision` of a plan file's ``workload`` record."""
-    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(record.get("dtype"), record.get("dtype"))  # torch names
+    recorded = str(record.get("dtype"))
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(recorded, recorded)  # torch names
     if record.get("mixed_precision") is True and dtype in MIXED_PARAM_DTYPES:
         return (str(dtype), "fp32")
     return None
@@ -80,80 +120,351 @@ class OptionsError(ValueError):
         self.option = option
 
 
+class BadValue(ValueError):
+    """A value given on a surface (TOML, a flag) is not what its option takes: ``what`` it must be."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+# ------------------------------------------------------------------------------- the specs
+#: What a value is, on the surfaces (TOML, flags), for each ``OptionSpec.kind``.
+KINDS = ("str", "path", "object", "int", "float", "bool", "ints", "placements", "table", "keys")
+_OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
+_RANGE = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """The declaration of one option (a :class:`PlanOptions` field's metadata; :func:`option`).
+
+    ``kind`` is what a value is on the surfaces (:data:`KINDS`): ``str``, ``path`` (a file; with
+    ``suffix``; ``relative``: read relative to the configuration file), ``object`` (a dotted name
+    ``"package.module:Name"``), ``int``, ``float`` (``unit``; ``scale`` turns it into the field's
+    unit), ``bool`` (flag ``--x/--no-x``), ``ints`` (integers; a repeated flag), ``placements``
+    (one placement string per input or output, ``"default"`` for the default; a repeated flag),
+    ``table`` (free keys; ``--flag KEY=VALUE``, repeated) and ``keys`` (the sub-keys ``keys``, which
+    sit directly in the TOML section ``toml``; ``--flag KEY=VALUE``, repeated). ``range`` is an
+    interval such as ``"(0, 1]"`` or ``"[0, inf)"`` (of each item for ``ints``). ``default_doc`` says
+    what a ``None`` default means; ``python`` what the Python API takes beyond the surfaces (values
+    of another type are not checked against ``choices``); ``help_from`` names a function
+    (``"module:function"``) whose text ``--help`` appends; ``registry`` one (``"module:function"``)
+    listing the backends the option may name, checked before planning (:meth:`PlanOptions.check_available`);
+    ``model``: the option is a keyword argument of the placement model (:meth:`PlanOptions.model_kwargs`).
+    """
+
+    help: str
+    toml: str
+    flag: str
+    kind: str = "str"
+    group: str = "pricing"
+    choices: tuple[str, ...] = ()
+    range: str = ""
+    unit: str = ""
+    scale: float = 1.0
+    suffix: str = ""
+    relative: bool = False
+    default_doc: str = ""
+    python: str = ""
+    help_from: str = ""
+    registry: str = ""
+    model: bool = False
+    keys: Mapping[str, "OptionSpec"] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"option kind {self.kind!r} is not one of {KINDS}")
+        if self.group not in GROUPS:
+            raise ValueError(f"option group {self.group!r} is not one of {tuple(GROUPS)}")
+        if self.range and _RANGE.fullmatch(self.range) is None:
+            raise ValueError(f"option range {self.range!r}: expected an interval such as '(0, 1]' or '[0, inf)'")
+
+    # ------------------------------------------------------------------------ reading
+    @property
+    def section(self) -> str:
+        return self.toml.split(".")[0]
+
+    @property
+    def key(self) -> str:
+        """The TOML key within the section (``""`` for ``keys``: its sub-keys sit in the section)."""
+        return self.toml.partition(".")[2]
+
+    def bounds(self) -> tuple[float, bool, float, bool] | None:
+        """``(low, low_open, high, high_open)`` of ``range``."""
+        m = _RANGE.fullmatch(self.range) if self.range else None
+        if m is None:
+            return None
+        return float(m.group(2)), m.group(1) == "(", float(m.group(3)), m.group(4) == ")"
+
+    def in_range(self, v: float, scale: float = 1.0) -> bool:
+        """Whether ``v`` lies in ``range`` (its bounds times ``scale``); NaN never does."""
+        b = self.bounds()
+        if b is None:
+            return not (isinstance(v, float) and math.isnan(v))
+        lo, lo_open, hi, hi_open = b[0] * scale, b[1], b[2] * scale, b[3]
+        return (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+
+    def range_text(self) -> str:
+        """``" in (0, 1]"``, ``" > 0"``, ``" >= 1"`` (finiteness is said by :meth:`what`)."""
+        b = self.bounds()
+        if b is None:
+            return ""
+        lo, lo_open, hi, _ = b
+        if math.isinf(hi):
+            return f" {'>' if lo_open else '>='} {lo:g}"
+        return f" in {self.range.strip()}"
+
+    def what(self, quote: bool = True) -> str:
+        """What a value must be, for error messages (``quote``: choices as TOML strings)."""
+        k = self.kind
+        if k == "str":
+            if self.registry:
+                return f"a backend of {self.registry.replace(':', '.')}()"
+            if self.choices:
+                return "one of " + ", ".join(f'"{c}"' if quote else c for c in self.choices)
+            return "a string"
+        if k == "path":
+            return f"a path to a {self.suffix} file" if self.suffix else "a path"
+        if k == "object":
+            return 'a dotted name "package.module:Name"'
+        if k == "int":
+            return f"an integer{self.range_text()}"
+        if k == "float":
+            b = self.bounds()
+            finite = "a finite number" if b is not None and math.isinf(b[2]) and b[3] else "a number"
+            return f"{finite}{self.range_text()}" + (f" ({self.unit})" if self.unit else "")
+        if k == "bool":
+            return "true or false"
+        if k == "ints":
+            return f"a list of integers{self.range_text()}"
+        if k == "placements":
+            return 'a list of placement strings such as "S(0)R" ("default": the default placement)'
+        if k == "table":
+            return "a table"
+        return "a table of " + ", ".join(self.keys)
+
+    def read(self, value: Any) -> Any:
+        """A surface value (TOML, or a flag's) as the field holds it; :class:`BadValue` if it is not
+        :meth:`what` the option takes. ``keys`` options read each sub-key with its own spec."""
+        k = self.kind
+        if k in ("str", "path", "object"):
+            if not isinstance(value, str) or not value.strip():  # an empty name or path is never meant
+                raise BadValue(self.what())
+            if self.choices and value not in self.choices:
+                raise BadValue(self.what())
+            if k == "path" and self.suffix and not value.lower().endswith(self.suffix):
+                raise BadValue(self.what())
+            if k == "object" and not _OBJECT_SPEC.fullmatch(value):
+                raise BadValue(self.what())
+            return value
+        if k == "int":
+            if not _is_int(value) or not self.in_range(value):
+                raise BadValue(self.what())
+            return value
+        if k == "float":
+            if not _is_number(value) or not self.in_range(value):
+                raise BadValue(self.what())
+            return float(value) * self.scale
+        if k == "bool":
+            if not isinstance(value, bool):
+                raise BadValue(self.what())
+            return value
+        if k == "ints":
+            if not isinstance(value, (list, tuple)) or not all(_is_int(a) and self.in_range(a) for a in value):
+                raise BadValue(self.what())
+            return tuple(value)
+        if k == "placements":
+            if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+                raise BadValue(self.what())
+            from apmodel import placements as pl  # torch: only when placements are given
+
+            out: list[str | None] = []
+            for p in value:
+                if p == "default":
+                    out.append(None)
+                    continue
+                try:
+                    pl.parse(p)
+                except ValueError as e:
+                    raise BadValue(f"{self.what()}; {e}") from None
+                out.append(p)
+            return tuple(out)
+        if not isinstance(value, dict):
+            raise BadValue(self.what())
+        if k == "keys":
+            unknown = sorted(set(value) - set(self.keys))
+            if unknown:
+                raise BadValue(f"{self.what()} (unknown key {unknown[0]!r})")
+            return {key: self.keys[key].read(v) for key, v in value.items()}
+        return dict(value)
+
+    def flag_text(self) -> str:
+        """The flag as ``--help`` and the README write it: ``--[no-]seeding``, ``--topology KEY=VALUE``."""
+        if self.kind == "bool":
+            return f"--[no-]{self.flag[2:]}"
+        if self.kind in ("table", "keys"):
+            return f"{self.flag} KEY=VALUE"
+        return self.flag
+
+    def toml_text(self) -> str:
+        """The TOML key(s): ``planner.ac``; for ``keys`` each sub-key."""
+        if self.kind == "keys":
+            return ", ".join(f"{self.toml}.{k}" for k in self.keys)
+        return self.toml
+
+
+_SPEC = "apmodel.option"
+
+
+def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str, toml: str, flag: str,
+           **spec: Any) -> Any:
+    """A :class:`PlanOptions` field with its declaration (:class:`OptionSpec` keywords)."""
+    metadata = {_SPEC: OptionSpec(help=help, toml=toml, flag=flag, **spec)}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _sub(help: str, kind: str, range: str = "", unit: str = "") -> OptionSpec:
+    """The spec of a sub-key of a ``keys`` option (its TOML key and flag are the option's)."""
+    return OptionSpec(help=help, toml="", flag="", kind=kind, range=range, unit=unit)
+
+
+#: The topology's keys a configuration may override (``costmodels.Topology`` keyword arguments).
+TOPOLOGY_SPECS: Mapping[str, OptionSpec] = {
+    "intra_GBps": _sub("GB/s per GPU, one direction, inside a node", "float", "(0, inf)", "GB/s"),
+    "inter_GBps": _sub("GB/s per GPU NIC, one direction, across nodes", "float", "(0, inf)", "GB/s"),
+    "intra_latency_us": _sub("extra µs per intra-node hop", "float", "[0, inf)", "µs"),
+    "inter_latency_us": _sub("extra µs per inter-node hop", "float", "[0, inf)", "µs"),
+    "nvls": _sub("NVLink SHARP in-switch reductions, true or false", "bool"),
+}
+TOPOLOGY_KEYS = tuple(TOPOLOGY_SPECS)
+
+
 @dataclass(frozen=True)
 class PlanOptions:
-    """What to search, how to price and how to solve; every field has its default here.
+    """What to search, how to price and how to solve; every field is declared here, once.
 
-    Pricing:
-        device: target accelerator (a ``costmodels.device`` name or a ``DeviceSpec``).
-        gpus_per_node: devices per node: which mesh axes cross the network.
-        dtype: pricing dtype of compute and parameter gathers.
-        mixed_precision: fp32 master parameters, gradients, optimizer state and gradient
-            reductions beside ``dtype`` compute. ``None`` (default): priced so for bf16/fp16, and
-            :func:`apmodel.parallelize` runs the step in the model's own dtype; ``True`` or a
-            pair ``(param dtype, reduce dtype)`` such as ``("bf16", "fp32")`` (which sets
-            ``dtype``): priced so and run so (see :attr:`run_precision`); ``False``: off.
-        compute_model / comm_model: replacements (an object, or ``"package.module:Name"``
-            constructed with the device spec / topology); ``None``: the device's defaults.
-        compute_profile: a compute profile JSON (``apmodel calibrate-compute``) for the
-            measured compute model.
-        execution: ``"eager"`` or ``"graphs"`` (CUDA-graph replay: no launch cost per op).
-        calibration: a collective calibration JSON (``apmodel calibrate``).
-        topology: overrides of the topology (:data:`TOPOLOGY_KEYS`).
-        optimizer: optimizer state in the memory model.
-        ac: activation checkpointing: ``"none"``, ``"selective"`` (matmul and attention outputs
-            saved, the rest of each layer recomputed in backward) or ``"full"`` (each layer
-            recomputed from its input); the recomputation is priced, the saved activations shrink
-            (:mod:`apmodel.checkpointing`).
-        memory_limit_bytes: per-device memory limit (``None``: the device's HBM less a reserve;
-            ``math.inf``: no limit).
-
-    Search space:
-        param_policy: ``"full_shard"`` (parameters stored fully sharded) or ``"free"``.
-        replicate_axes: mesh axes on which parameters stay replicated (HSDP).
-        param_memory_fraction: per-device parameter budget, a fraction of the model's bytes.
-        param_budget_ratio: the paper's storage budget ``high``: the average local/global ratio
-            over parameter tensors (Appendix C); instead of ``param_policy``.
-        merge_copies / flow_coupling: model reductions (see :class:`~apmodel.placement_model.PlacementModel`).
-        seeding: split-dimension seeding (``None``: on for meshes of 3+ axes), ``seed_radius``
-            (``None``: :meth:`seed_radius_for` the mesh), ``seed_widen_inputs`` (see
-            :mod:`apmodel.seeding`).
-        input_placements / output_placements: fixed placements of the step's inputs / outputs.
-
-    Solving:
-        solver: a backend of ``solvers.available()``; ``time_limit`` (s); ``solver_options``.
+    Each field's metadata (:func:`option_spec`) holds its help, TOML key, flag and allowed values;
+    the README's options table lists them (:func:`options_table`). A few take more in Python than
+    on the surfaces: ``device`` a ``DeviceSpec``, ``dtype`` a torch dtype, ``mixed_precision`` a
+    pair ``(param dtype, reduce dtype)`` such as ``("bf16", "fp32")`` (which sets ``dtype``; see
+    :attr:`run_precision`), ``compute_model`` / ``comm_model`` objects, ``memory_limit_bytes``
+    ``math.inf`` (no limit), ``input_placements`` / ``output_placements`` torch placements.
     """
 
     # pricing
-    device: Any = "h100"
-    gpus_per_node: int = 8
-    dtype: PricingDtype | Any = "bf16"
-    mixed_precision: bool | tuple[str, str] | None = None
-    compute_model: Any = None
-    comm_model: Any = None
-    compute_profile: str | None = None
-    execution: Execution = "eager"
-    calibration: str | None = None
-    topology: Mapping[str, Any] = field(default_factory=dict)
-    optimizer: Optimizer = "adamw"
-    ac: ACPolicy = "none"
-    memory_limit_bytes: float | None = None
+    device: Any = option(
+        "h100", help="Target device of the cost model (see `apmodel devices`).", toml="device.name", flag="--device",
+        python="or a costmodels DeviceSpec")
+    gpus_per_node: int = option(
+        8, help="GPUs per node: which mesh axes cross the network.", toml="topology.gpus_per_node",
+        flag="--gpus-per-node", kind="int", range="[1, inf)")
+    dtype: PricingDtype | Any = option(
+        "bf16", help="Pricing dtype of compute and parameter gathers.", toml="device.dtype", flag="--dtype",
+        choices=PRICING_DTYPES, python="or a torch dtype")
+    mixed_precision: bool | tuple[str, str] | None = option(
+        None, help="fp32 master weights, gradients, optimizer state and gradient reductions beside bf16/fp16 "
+                   "compute and gathers.", toml="device.mixed_precision", flag="--mixed-precision", kind="bool",
+        default_doc="priced so for bf16/fp16, the step run in the model's dtype; given: also traced and run so",
+        python="or a pair (\"bf16\", \"fp32\"), which sets dtype")
+    compute_model: Any = option(
+        None, help="A replacement compute model, constructed with the DeviceSpec.", toml="cost.compute_model",
+        flag="--compute-model", kind="object", default_doc="the device's", python="or an object")
+    comm_model: Any = option(
+        None, help="A replacement collective model, constructed with the Topology.", toml="cost.comm_model",
+        flag="--comm-model", kind="object", default_doc="the device's", python="or an object")
+    compute_profile: str | None = option(
+        None, help="Compute profile (from `apmodel calibrate-compute`) for the measured compute model; in a "
+                   "configuration, relative to its file.", toml="cost.compute_profile", flag="--compute-profile",
+        kind="path", suffix=".json", relative=True, default_doc="the device's built-in profile")
+    execution: Execution = option(
+        "eager", help="Execution mode the measured compute model prices: eager (a launch cost per op) or graphs "
+                      "(CUDA-graph replay).", toml="device.execution", flag="--execution", choices=EXECUTIONS)
+    calibration: str | None = option(
+        None, help="Collective calibration (from `apmodel calibrate`); in a configuration, relative to its file.",
+        toml="cost.calibration", flag="--calibration", kind="path", relative=True, default_doc="none")
+    topology: Mapping[str, Any] = option(
+        default_factory=dict, help="Overrides of the device's topology: " + "; ".join(
+            f"{k} ({s.help})" for k, s in TOPOLOGY_SPECS.items()) + ".",
+        toml="topology", flag="--topology", kind="keys", keys=TOPOLOGY_SPECS, default_doc="the device's")
+    optimizer: Optimizer = option(
+        "adamw", help="Optimizer whose state the memory model counts.", toml="planner.optimizer", flag="--optimizer",
+        choices=OPTIMIZERS, model=True)
+    ac: ACPolicy = option(
+        "none", help="Activation checkpointing: selective (matmul and attention outputs saved, the rest of each "
+                     "layer recomputed in backward) or full (each layer recomputed from its input); the "
+                     "recomputation is priced and lowered (apmodel.checkpointing).",
+        toml="planner.ac", flag="--ac", choices=AC_POLICIES)
+    memory_limit_bytes: float | None = option(
+        None, help="Per-device memory limit; inf: none. The field holds bytes (memory_limit= in apmodel.plan).",
+        toml="planner.memory_limit_GB", flag="--memory-limit-gb", kind="float", range="(0, inf]",
+        unit="GB, 1e9 bytes", scale=1e9, default_doc="the device's HBM less 10%")
     # search space
-    param_policy: ParamPolicy = "full_shard"
-    replicate_axes: tuple[int, ...] = ()
-    param_memory_fraction: float | None = None
-    param_budget_ratio: float | None = None
-    merge_copies: bool = True
-    flow_coupling: bool = True
-    seeding: bool | None = None
-    seed_radius: int | None = None
-    seed_widen_inputs: bool = False
-    input_placements: Sequence[Any] | None = None
-    output_placements: Sequence[Any] | None = None
+    param_policy: ParamPolicy = option(
+        "full_shard", help="Parameter storage: full_shard (every parameter stored with the largest sharding it "
+                           "admits, on all axes but replicate_axes) or free.", toml="planner.param_policy",
+        flag="--param-policy", group="search", choices=PARAM_POLICIES, model=True)
+    replicate_axes: tuple[int, ...] = option(
+        (), help="Mesh axes on which parameters stay replicated (HSDP); the flag once per axis.",
+        toml="planner.replicate_axes", flag="--replicate-axis", group="search", kind="ints", range="[0, inf)",
+        model=True)
+    param_memory_fraction: float | None = option(
+        None, help="Per-device parameter budget, a fraction of the model's parameter bytes (instead of "
+                   "param_policy).", toml="planner.param_memory_fraction", flag="--param-memory-fraction",
+        group="search", kind="float", range="(0, 1]", default_doc="none", model=True)
+    param_budget_ratio: float | None = option(
+        None, help="Storage budget 'high' of the AutoParallel paper: mean local/global ratio over parameter "
+                   "tensors (Appendix C; instead of param_policy).", toml="planner.param_budget_ratio",
+        flag="--param-budget-ratio", group="search", kind="float", range="(0, 1]", default_doc="none", model=True)
+    merge_copies: bool = option(
+        True, help="Merge the copies of repeated layers into one decision (apmodel.clustering).",
+        toml="planner.merge_copies", flag="--merge-copies", group="search", kind="bool", model=True)
+    flow_coupling: bool = option(
+        True, help="Merge the producers a clustered node reads alike (paper §4.3; with merge_copies).",
+        toml="planner.flow_coupling", flag="--flow-coupling", group="search", kind="bool", model=True)
+    seeding: bool | None = option(
+        None, help="Split-dimension seeding: solve each mesh axis alone, then search near that plan "
+                   "(apmodel.seeding).", toml="planner.seeding", flag="--seeding", group="search", kind="bool",
+        default_doc="on for meshes of 3+ axes")
+    seed_radius: int | None = option(
+        None, help="Hamming radius of the seeded search.", toml="planner.seed_radius", flag="--seed-radius",
+        group="search", kind="int", range="[0, inf)", default_doc="2 on 3 axes, one less than the axes beyond")
+    seed_widen_inputs: bool = option(
+        False, help="Under seeding, full-mesh rules also take input placements from the seed's ball (no longer a "
+                    "restriction of the whole space).", toml="planner.seed_widen_inputs",
+        flag="--seed-widen-inputs", group="search", kind="bool")
+    input_placements: Sequence[Any] | None = option(
+        None, help="Placement of each step input, in order; the flag once per input.",
+        toml="planner.input_placements", flag="--input-placement", group="search", kind="placements",
+        default_doc="the batch dimension sharded on axis 0", python="or torch placements", model=True)
+    output_placements: Sequence[Any] | None = option(
+        None, help="Placement of each forward output, in order; the flag once per output.",
+        toml="planner.output_placements", flag="--output-placement", group="search", kind="placements",
+        default_doc="replicated scalars, batch-sharded others", python="or torch placements", model=True)
     # solving
-    solver: str = "trws"
-    time_limit: float | None = None
-    solver_options: Mapping[str, Any] = field(default_factory=dict)
+    solver: str = option(
+        "trws", help="Solver backend of the plan (solvers.register adds one).", toml="solver.backend", flag="--solver", group="solving",
+        registry="solvers:available", help_from="solvers.backends:help_text")
+    time_limit: float | None = option(
+        None, help="Time limit of each solve, the seeding solves included.", toml="solver.time_limit",
+        flag="--time-limit", group="solving", kind="float", range="(0, inf)", unit="seconds",
+        default_doc="the backend's")
+    solver_options: Mapping[str, Any] = option(
+        default_factory=dict, help="Options passed to the backend (solver, not seed_solver), e.g. max_iters=300.",
+        toml="solver.options", flag="--solver-option", group="solving", kind="table", default_doc="none")
+    seed_solver: str = option(
+        "highs", help="Backend of the per-axis seeding solves (exact by default: each is small).",
+        toml="solver.seed_backend", flag="--seed-solver", group="solving", registry="solvers:available")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once, here
@@ -174,35 +485,10 @@ class PlanOptions:
             set_(self, "mixed_precision", True)
         elif self.mixed_precision is not None and not isinstance(self.mixed_precision, bool):
             raise OptionsError(f"mixed_precision {self.mixed_precision!r}: expected true, false or a pair ('bf16', 'fp32')", "mixed_precision")
-        if self.param_policy not in PARAM_POLICIES:
-            raise OptionsError(f"param_policy {self.param_policy!r}: expected one of {', '.join(PARAM_POLICIES)}", "param_policy")
-        if self.ac not in AC_POLICIES:
-            raise OptionsError(f"ac {self.ac!r}: expected one of {', '.join(AC_POLICIES)}", "ac")
-        if self.optimizer not in OPTIMIZERS:
-            raise OptionsError(f"optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}", "optimizer")
-        if self.execution not in EXECUTIONS:
-            raise OptionsError(f"execution {self.execution!r}: expected one of {', '.join(EXECUTIONS)}", "execution")
-        if isinstance(self.dtype, str) and self.dtype not in PRICING_DTYPES:
-            raise OptionsError(f"dtype {self.dtype!r} is not one of {sorted(PRICING_DTYPES)}", "dtype")
-        if self.seed_radius is not None and self.seed_radius < 0:
-            raise OptionsError(f"seed_radius must be >= 0, got {self.seed_radius!r}", "seed_radius")
-        if any(a < 0 for a in self.replicate_axes):
-            raise OptionsError(f"replicate_axes {list(self.replicate_axes)}: mesh axes are >= 0", "replicate_axes")
-        if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
-            raise OptionsError(f"memory_limit must be a positive number of bytes, got {self.memory_limit_bytes!r}", "memory_limit_bytes")
-        for name in ("param_memory_fraction", "param_budget_ratio"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value <= 1:
-                raise OptionsError(f"{name} must be in (0, 1], got {value!r}", name)
+        for f in dataclasses.fields(self):
+            _check_field(f.name, option_spec(f.name), getattr(self, f.name))
         if self.param_memory_fraction is not None and self.param_budget_ratio is not None:
             raise OptionsError("param_memory_fraction and param_budget_ratio are two storage budgets: give one", "param_budget_ratio")
-        if self.time_limit is not None and not 0 < self.time_limit < math.inf:
-            raise OptionsError(f"time_limit must be a finite number of seconds > 0, got {self.time_limit!r}", "time_limit")
-        if self.gpus_per_node < 1:
-            raise OptionsError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}", "gpus_per_node")
-        unknown = sorted(set(self.topology) - set(TOPOLOGY_KEYS))
-        if unknown:
-            raise OptionsError(f"topology key {unknown[0]!r} is not one of {', '.join(TOPOLOGY_KEYS)}", "topology")
 
     def replace(self, **changes: Any) -> "PlanOptions":
         """A copy with ``changes``; an unknown option name is an :class:`OptionsError`."""
@@ -223,6 +509,27 @@ class PlanOptions:
         (2,2,2,4), seq 2048, batch 8: radius 2 stops 2.5% above the unseeded optimum (214.1K vs
         209.0K µs), radius 3 reaches it in 55 s end to end, against 140 s for the whole space (2 cores)."""
         return self.seed_radius if self.seed_radius is not None else max(DEFAULT_SEED_RADIUS, n_axes - 1)
+
+    def check_available(self, label: Callable[[str], str] = str) -> None:
+        """Options naming a backend (``registry``) name an available one: checked before planning,
+        not at construction (a backend may be registered after the options are made). ``label``
+        names an option in the error (the CLI's flags)."""
+        for name, spec in option_specs().items():
+            if spec.registry:
+                module, _, function = spec.registry.partition(":")
+                available = getattr(importlib.import_module(module), function)()
+                value = getattr(self, name)
+                if value not in available:
+                    raise OptionsError(f"{label(name)} {value!r} is not an available backend: {available}", name)
+
+    def uses_seeding(self, n_axes: int) -> bool:
+        """Whether a mesh of ``n_axes`` axes is searched seeded: ``seeding``, else on for 3+ axes."""
+        return n_axes >= 3 if self.seeding is None else bool(self.seeding)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The options the placement model takes, as its keyword arguments (the fields marked
+        ``model=True``; :class:`~apmodel.placement_model.PlacementModel` names them alike)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if option_spec(f.name).model}
 
     @property
     def run_precision(self) -> tuple[str, str] | None:
@@ -284,11 +591,120 @@ class PlanOptions:
         return cls(**values)
 
 
+def _check_field(name: str, spec: OptionSpec, value: Any) -> None:
+    """The checks a spec implies on a field's value as the Python API gives it (allowed values,
+    ranges, sub-keys); the surfaces check types too (:meth:`OptionSpec.read`)."""
+    if value is None:
+        return
+    if spec.choices and (isinstance(value, str) or not spec.python) and value not in spec.choices:
+        raise OptionsError(f"{name} {value!r}: expected one of {', '.join(spec.choices)}", name)
+    if spec.kind in ("int", "float") and spec.range:
+        if not _is_number(value) or not spec.in_range(value, spec.scale):
+            what = spec.what().replace(f" ({spec.unit})", "") if spec.scale != 1.0 else spec.what()
+            raise OptionsError(f"{name} must be {what}, got {value!r}", name)
+    if spec.kind == "ints" and spec.range and not all(_is_number(a) and spec.in_range(a) for a in value):
+        raise OptionsError(f"{name} {list(value)}: expected {spec.what()}", name)
+    if spec.kind == "keys":
+        unknown = sorted(set(value) - set(spec.keys))
+        if unknown:
+            raise OptionsError(f"{name} key {unknown[0]!r} is not one of {', '.join(spec.keys)}", name)
+        for key, v in value.items():
+            try:
+                spec.keys[key].read(v)
+            except BadValue as e:
+                raise OptionsError(f"{name} key {key!r} must be {e.what}, got {v!r}", name) from None
+
+
+# ------------------------------------------------------------------------------- lookups
 def option_names() -> list[str]:
     """Names of every planning option (the keyword arguments ``apmodel.plan`` accepts)."""
     return [f.name for f in dataclasses.fields(PlanOptions)]
 
 
+def option_spec(name: str) -> OptionSpec:
+    """The declaration of option ``name``."""
+    for f in dataclasses.fields(PlanOptions):
+        if f.name == name:
+            spec = f.metadata.get(_SPEC)
+            if not isinstance(spec, OptionSpec):
+                raise TypeError(f"PlanOptions.{name} has no option(...) declaration")
+            return spec
+    raise OptionsError(f"unknown planning option {name!r} (options: {', '.join(option_names())})")
+
+
+def option_specs() -> dict[str, OptionSpec]:
+    """Every option's declaration, in field order."""
+    return {f.name: option_spec(f.name) for f in dataclasses.fields(PlanOptions)}
+
+
+def default_of(name: str) -> Any:
+    """The default of option ``name`` (its field's)."""
+    f = next(f for f in dataclasses.fields(PlanOptions) if f.name == name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def toml_keys() -> dict[tuple[str, str], tuple[str, str | None, OptionSpec]]:
+    """``(section, key) -> (field, sub-key or None, spec)`` of every TOML key an option takes."""
+    out: dict[tuple[str, str], tuple[str, str | None, OptionSpec]] = {}
+    for name, spec in option_specs().items():
+        if spec.kind == "keys":
+            for sub, sub_spec in spec.keys.items():
+                out[(spec.toml, sub)] = (name, sub, sub_spec)
+        else:
+            out[(spec.section, spec.key)] = (name, None, spec)
+    return out
+
+
 def make_options(options: PlanOptions | None = None, **changes: Any) -> PlanOptions:
     """``options`` (default: all defaults) with ``changes``; unknown names are named in the error."""
     return (options or PlanOptions()).replace(**changes) if changes else (options or PlanOptions())
+
+
+# ------------------------------------------------------------------------------- the docs
+def default_text(name: str, spec: OptionSpec) -> str:
+    """The README's default: the field's, or what an empty one means (``default_doc``)."""
+    value = default_of(name)
+    if value is None or value == {} or value == ():
+        return spec.default_doc or "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"`{value}`"
+
+
+def _values_text(spec: OptionSpec) -> str:
+    """The README's values: the choices, else what a value must be."""
+    if spec.choices:
+        return ", ".join(f"`{c}`" for c in spec.choices)
+    return spec.what(quote=False)
+
+
+def options_table() -> str:
+    """The README's options table (Markdown), one table per group: every option with its Python
+    keyword, flag, TOML key, default, values and what it does."""
+    specs = option_specs()
+    lines: list[str] = []
+    for group, title in GROUPS.items():
+        lines += ["", f"**{title}**", "",
+                  "| option (Python) | flag | TOML key | default | values | what it does |",
+                  "|---|---|---|---|---|---|"]
+        for name, spec in specs.items():
+            if spec.group != group:
+                continue
+            values = _values_text(spec) + (f"; in Python also {spec.python[3:]}" if spec.python.startswith("or ")
+                                           else f"; {spec.python}" if spec.python else "")
+            cells = [f"`{name}`", f"`{spec.flag_text()}`", ", ".join(f"`{k}`" for k in spec.toml_text().split(", ")),
+                     default_text(name, spec), values, spec.help]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines[1:]) + "\n"
+
+
+#: The markers around the generated table in README.md.
+TABLE_START, TABLE_END = "<!-- options-table:start -->", "<!-- options-table:end -->"
+
+
+def with_options_table(readme: str) -> str:
+    """``readme`` with the text between :data:`TABLE_START` and :data:`TABLE_END` regenerated."""
+    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no {TABLE_START} ... {TABLE_END} block")
+    return readme[: start + len(TABLE_START)] + "\n" + options_table() + readme[end:]

@@ -38,28 +38,20 @@ def candidate_strategies(
 ) -> tuple[dict[str, list], bool]:
     """Candidate strategies of every node, seeded on meshes of 3+ axes (``options.seeding``).
 
-    Seeding solves one 1-D problem per mesh axis and keeps only candidates within Hamming
-    distance ``options.seed_radius_for(mesh)`` of that seed (:mod:`apmodel.seeding`): a restriction of the
+    Seeding solves one 1-D problem per mesh axis (with ``options.seed_solver`` within
+    ``options.time_limit``) and keeps only candidates within Hamming distance
+    ``options.seed_radius_for(mesh)`` of that seed (:mod:`apmodel.seeding`): a restriction of the
     full space. Returns the strategies and whether seeding restricted them; ``timings`` gets
     ``seeding_s`` and ``strategies_s``.
     """
     mesh_shape = tuple(cost.mesh_shape)
     timings = timings if timings is not None else {}
-    use_seeding = len(mesh_shape) >= 3 if options.seeding is None else bool(options.seeding)
     balls = None
     timings["seeding_s"] = 0.0
-    if use_seeding:
+    if options.uses_seeding(len(mesh_shape)):
         t0 = time.perf_counter()
-        seeds = seeding_mod.seed(
-            captured, mesh_shape, cost=cost, input_placements=options.input_placements,
-            output_placements=options.output_placements, param_policy=options.param_policy,
-            replicate_axes=options.replicate_axes, merge_copies=options.merge_copies,
-            flow_coupling=options.flow_coupling,
-        )
-        balls = seeding_mod.balls(
-            seeds, captured, mesh_shape, options.seed_radius_for(len(mesh_shape)), input_placements=options.input_placements,
-            output_placements=options.output_placements, widen_inputs=options.seed_widen_inputs,
-        )
+        seeds = seeding_mod.seed(captured, mesh_shape, options, cost=cost)
+        balls = seeding_mod.balls(seeds, captured, mesh_shape, options=options)
         timings["seeding_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     strategies = enumerate_strategies(captured.gm, mesh if mesh is not None else mesh_shape, balls=balls)
@@ -79,14 +71,7 @@ def placement_model(
 
     The strategies can be shared by several models (the free plan and each recipe priced by
     ``apmodel plan --compare-recipes``)."""
-    pmodel = PlacementModel(
-        captured, strategies, cost,
-        input_placements=options.input_placements, output_placements=options.output_placements,
-        param_policy=options.param_policy, replicate_axes=options.replicate_axes,
-        param_memory_fraction=options.param_memory_fraction, param_budget_ratio=options.param_budget_ratio,
-        merge_copies=options.merge_copies,
-        flow_coupling=options.flow_coupling, optimizer=options.optimizer,
-    )
+    pmodel = PlacementModel(captured, strategies, cost, **options.model_kwargs())
     apply_all(pmodel, constraints)
     pmodel.compile()
     return pmodel

@@ -8,8 +8,9 @@ exponentially with D. Seeding decomposes the problem:
    ``mesh_shape[a]``, priced with the full topology's axis ``a`` (:class:`AxisComm`: a collective
    on axis 0 of the 1-D mesh is priced as one on axis ``a`` of the full mesh) and the same compute
    model; boundary placements are projected on the axis (entry ``a`` of each input/output
-   placement), as are the parameter policy and the replicated axes. Each is solved exactly
-   (``highs``). Axes of equal size share one strategy enumeration.
+   placement), as are the parameter policy and the replicated axes (:func:`axis_options`). Each
+   is solved with ``PlanOptions.seed_solver`` (HiGHS by default: exactly) within
+   ``PlanOptions.time_limit``. Axes of equal size share one strategy enumeration.
 2. the per-axis solutions give every node a seed: its D-tuple of 1-D strategies;
 3. the full problem is rebuilt with each node's candidates restricted to a Hamming ball of radius
    ``r`` around its seed (:class:`apmodel.strategies.Ball`): strategies whose projection differs
@@ -55,19 +56,15 @@ from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
 from apmodel.pricing import CostContext, build_cost_context
 from apmodel.placement_model import PlacementModel, default_batch_placement
-from apmodel.options import DEFAULT_SEED_RADIUS, make_options
+from apmodel.options import PlanOptions
 from apmodel.strategies import Ball, Strategy, StrategyCache, enumerate_strategies
 
-__all__ = ["AxisComm", "Seed", "seed", "balls", "boundary_placements"]
+__all__ = ["AxisComm", "Seed", "axis_options", "seed", "balls", "boundary_placements"]
 
 logger = logging.getLogger(__name__)
 
 #: A node's seed: the 1-D strategy chosen for it on each mesh axis (outputs/inputs are 1-tuples).
 Seed = tuple[Strategy, ...]
-
-#: Default Hamming radius of the seeded search (defined with the other planning options).
-DEFAULT_RADIUS = DEFAULT_SEED_RADIUS
-
 
 class AxisComm:
     """A CommModel for the one-axis mesh of axis ``axis``: its axis 0 is ``full``'s axis ``axis``.
@@ -123,38 +120,44 @@ def boundary_placements(
     return inputs, outputs
 
 
+def axis_options(options: PlanOptions, axis: int, inputs: Sequence[tuple[str, ...] | None],
+                 outputs: Sequence[tuple[str, ...]]) -> PlanOptions:
+    """The options of the 1-D problem of mesh axis ``axis``: the full boundary (``inputs``,
+    ``outputs``: :func:`boundary_placements`), the parameter policy and the replicated axes
+    projected on it; a parameter budget gives free 1-D parameters (the budget is the full mesh's)."""
+    return options.replace(
+        input_placements=[None if p is None else (p[axis],) for p in inputs],
+        output_placements=[(p[axis],) for p in outputs],
+        param_policy="full_shard" if options.param_policy == "full_shard" else "free",
+        replicate_axes=(0,) if axis in options.replicate_axes else (),
+        param_memory_fraction=None, param_budget_ratio=None,
+    )
+
+
 def seed(
     captured: CapturedGraph,
     mesh_shape: Sequence[int],
+    options: PlanOptions | None = None,
     *,
     cost: CostContext | None = None,
-    input_placements: Sequence[Any] | None = None,
-    output_placements: Sequence[Any] | None = None,
-    param_policy: str = "full_shard",
-    replicate_axes: Sequence[int] = (),
-    merge_copies: bool = True,
-    flow_coupling: bool = True,
-    solver: str = "highs",
-    time_limit: float | None = None,
     info: dict[str, Any] | None = None,
-    **cost_options: Any,
 ) -> dict[str, Seed]:
     """Solve one 1-D problem per mesh axis and return every node's seed (a 1-D strategy per axis).
 
-    ``cost`` is the full mesh's cost context (else built from ``cost_options`` with
-    :func:`apmodel.pricing.build_cost_context`). Boundary placements, ``param_policy`` and
-    ``replicate_axes`` are projected on each axis (``param_policy="free"`` and parameter budgets
-    both give free 1-D parameters). ``info``, when given, receives per-axis statistics under
-    ``"axes"`` (size, objective µs, solver status, groups, states, seconds).
+    ``options`` (default: the defaults) as the full problem has them: each axis's problem is
+    theirs projected on it (:func:`axis_options`) and solved with ``options.seed_solver`` within
+    ``options.time_limit``. ``cost`` is the full mesh's cost context (else built from
+    ``options``). ``info``, when given, receives per-axis statistics under ``"axes"`` (size,
+    objective µs, solver status, groups, states, seconds).
     """
+    options = options if options is not None else PlanOptions()
     mesh_shape = tuple(int(s) for s in mesh_shape)
     D = len(mesh_shape)
     if cost is None:
-        cost = build_cost_context(mesh_shape, make_options(**cost_options))
+        cost = build_cost_context(mesh_shape, options)
     elif tuple(cost.mesh_shape) != mesh_shape:
         raise ValueError(f"seed: cost context is for mesh {tuple(cost.mesh_shape)}, not {mesh_shape}")
-    inputs, outputs = boundary_placements(captured, mesh_shape, input_placements, output_placements)
-    replicate_axes = tuple(int(a) for a in replicate_axes)
+    inputs, outputs = boundary_placements(captured, mesh_shape, options.input_placements, options.output_placements)
     enumerated: dict[int, dict[str, list[Strategy]]] = {}
     cache = StrategyCache()
     per_axis: list[dict[str, Strategy]] = []
@@ -166,19 +169,9 @@ def seed(
         t_enum = time.perf_counter() - t0
         # the full context's pricing (dtype, mixed-precision reductions, HBM) on this axis alone
         axis_cost = dataclasses.replace(cost, mesh_shape=(k,), comm=AxisComm(cost.comm, a))
-        pm = PlacementModel(
-            captured,
-            enumerated[k],
-            axis_cost,
-            input_placements=[None if p is None else (p[a],) for p in inputs],
-            output_placements=[(p[a],) for p in outputs],
-            param_policy="full_shard" if param_policy == "full_shard" else "free",
-            replicate_axes=(0,) if a in replicate_axes else (),
-            merge_copies=merge_copies,
-            flow_coupling=flow_coupling,
-        )
+        pm = PlacementModel(captured, enumerated[k], axis_cost, **axis_options(options, a, inputs, outputs).model_kwargs())
         problem = pm.compile()
-        sol = solvers.solve(problem, backend=solver, time_limit=time_limit)
+        sol = solvers.solve(problem, backend=options.seed_solver, time_limit=options.time_limit)
         per_axis.append(pm.decode(sol.assignment))
         summ = pm.summary()
         stats.append({
@@ -197,25 +190,26 @@ def balls(
     seeds: Mapping[str, Seed],
     captured: CapturedGraph,
     mesh_shape: Sequence[int],
-    radius: int = DEFAULT_RADIUS,
-    *,
-    input_placements: Sequence[Any] | None = None,
-    output_placements: Sequence[Any] | None = None,
-    widen_inputs: bool = False,
+    radius: int | None = None,
+    options: PlanOptions | None = None,
 ) -> dict[str, Ball]:
     """Hamming balls of ``radius`` around the seeds, for :func:`apmodel.strategies.enumerate_strategies`.
 
+    ``options`` (default: the defaults) give the boundary placements, ``seed_widen_inputs`` and,
+    when ``radius`` is None, the radius (:meth:`~apmodel.options.PlanOptions.seed_radius_for`).
     Parameters get no ball: their storage is fixed by the parameter policy anyway, and their full
     candidate list is what consumers that follow their input (``t``, ``view``) may ask for (on
     LLaMA-3 8B, 4x2x4, cutting it cost 2% of the optimum). Inputs keep their boundary placement
     and tangents their output's, so restricting never leaves a node without an allowed candidate.
-    ``widen_inputs``: see :class:`apmodel.strategies.Ball` (not a restriction any more).
+    ``seed_widen_inputs``: see :class:`apmodel.strategies.Ball` (not a restriction any more).
     """
+    options = options if options is not None else PlanOptions()
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    radius = options.seed_radius_for(len(mesh_shape)) if radius is None else radius
     if radius < 0:
         raise ValueError(f"seed_radius must be >= 0, got {radius}")
-    mesh_shape = tuple(int(s) for s in mesh_shape)
     D = len(mesh_shape)
-    inputs, outputs = boundary_placements(captured, mesh_shape, input_placements, output_placements)
+    inputs, outputs = boundary_placements(captured, mesh_shape, options.input_placements, options.output_placements)
     keep: dict[str, set] = {}
     for name, idx in captured.input_index.items():
         keep.setdefault(name, set()).add(tuple(pl.from_str(t) for t in inputs[idx]))
@@ -226,5 +220,5 @@ def balls(
             keep.setdefault(tangent, set()).add(tuple(pl.from_str(t) for t in outputs[i]))
     radius = min(int(radius), D)
     params = set(captured.param_fqn)
-    return {name: Ball(center=s, radius=radius, keep=frozenset(keep.get(name, ())), widen_inputs=widen_inputs)
+    return {name: Ball(center=s, radius=radius, keep=frozenset(keep.get(name, ())), widen_inputs=options.seed_widen_inputs)
             for name, s in seeds.items() if name not in params}

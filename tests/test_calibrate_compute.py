@@ -119,8 +119,8 @@ def test_compute_model_accepts_the_cpu_profile(calibrated, tmp_path):
     cfg_dir = out.parent
     cfg = parse_config_text('[cost]\ncompute_profile = "cpu_profile.json"\n[device]\nexecution = "eager"\n',
                             str(cfg_dir / "apmodel.toml"), cfg_dir)
-    assert cfg.compute_profile == str(out) and cfg.execution == "eager"
-    assert isinstance(cm.compute_model("cpu", profile=cfg.compute_profile, execution=cfg.execution),
+    assert cfg.options["compute_profile"] == str(out) and cfg.options["execution"] == "eager"
+    assert isinstance(cm.compute_model("cpu", profile=cfg.options["compute_profile"], execution=cfg.options["execution"]),
                       cm.MeasuredCompute)
 
 
@@ -278,9 +278,9 @@ def test_config_keys_are_validated(text, key):
 
 def test_config_compute_profile_is_relative_to_the_file(tmp_path):
     cfg = parse_config_text('[cost]\ncompute_profile = "profiles/cpu.json"\n', "x.toml", tmp_path)
-    assert cfg.compute_profile == str(tmp_path / "profiles" / "cpu.json") and cfg.execution is None
+    assert cfg.options["compute_profile"] == str(tmp_path / "profiles" / "cpu.json") and "execution" not in cfg.options
     absolute = parse_config_text(f'[cost]\ncompute_profile = "{tmp_path / "p.json"}"\n', "x.toml", Path("/elsewhere"))
-    assert absolute.compute_profile == str(tmp_path / "p.json")
+    assert absolute.options["compute_profile"] == str(tmp_path / "p.json")
 
 
 @pytest.mark.parametrize("args,expect", [

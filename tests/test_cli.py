@@ -152,7 +152,7 @@ def test_config_errors_name_the_key(tmp_path, text, key):
 
 def test_example_config_loads():
     cfg = load_config(Path(__file__).parent.parent / "examples" / "apmodel.toml")
-    assert cfg.solver and cfg.device and cfg.constraints
+    assert cfg.options["solver"] and cfg.options["device"] and cfg.constraints
 
 
 def test_devices_table():

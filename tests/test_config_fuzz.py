@@ -24,14 +24,16 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "apmodel.toml"
 # Every key the loader knows, with a valid value.
 FULL: dict[str, Any] = {
     "workload": {"model": "llama3-8b", "mesh": "4x8", "seq": 2048, "batch": 8, "layers": 32},
-    "solver": {"backend": "trws", "time_limit": 60.0, "options": {"max_iters": 300}},
-    "device": {"name": "h100", "dtype": "bf16"},
+    "solver": {"backend": "trws", "time_limit": 60.0, "options": {"max_iters": 300}, "seed_backend": "highs"},
+    "device": {"name": "h100", "dtype": "bf16", "mixed_precision": True, "execution": "eager"},
     "topology": {"gpus_per_node": 8, "intra_GBps": 450.0, "inter_GBps": 50.0, "intra_latency_us": 0.0,
                  "inter_latency_us": 0.0, "nvls": True},
-    "cost": {"calibration": "calibration.json", "compute_model": "mypkg.costs:MyCompute",
-             "comm_model": "mypkg.costs:MyCollectives"},
+    "cost": {"calibration": "calibration.json", "compute_profile": "profile.json",
+             "compute_model": "mypkg.costs:MyCompute", "comm_model": "mypkg.costs:MyCollectives"},
     "planner": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25,
-                "optimizer": "sgd", "memory_limit_GB": 70.0},
+                "optimizer": "sgd", "ac": "selective", "memory_limit_GB": 70.0, "merge_copies": True,
+                "flow_coupling": True, "seeding": True, "seed_radius": 2, "seed_widen_inputs": False,
+                "input_placements": ["S(0)R", "default"], "output_placements": ["RR"]},
     "constraints": [
         {"fix": "layers.*.attention.wo.weight", "placement": "S(0)S(1)"},
         {"forbid": "output.weight", "placement": "RR", "on": "input:1", "name": "no"},
@@ -50,10 +52,13 @@ layers = 32
 backend = "trws"
 time_limit = 60.0
 options = { max_iters = 300 }
+seed_backend = "highs"
 
 [device]
 name = "h100"
 dtype = "bf16"
+mixed_precision = true
+execution = "eager"
 
 [topology]
 gpus_per_node = 8
@@ -65,6 +70,7 @@ nvls = true
 
 [cost]
 calibration = "calibration.json"
+compute_profile = "profile.json"
 compute_model = "mypkg.costs:MyCompute"
 comm_model = "mypkg.costs:MyCollectives"
 
@@ -73,7 +79,15 @@ param_policy = "full_shard"
 replicate_axes = [0]
 param_memory_fraction = 0.25
 optimizer = "sgd"
+ac = "selective"
 memory_limit_GB = 70.0
+merge_copies = true
+flow_coupling = true
+seeding = true
+seed_radius = 2
+seed_widen_inputs = false
+input_placements = ["S(0)R", "default"]
+output_placements = ["RR"]
 
 [[constraints]]
 fix = "layers.*.attention.wo.weight"
@@ -92,9 +106,14 @@ rhs = 4
 
 
 def test_valid_configs_load(tmp_path):
+    # FULL holds every key but the second storage budget (param_budget_ratio excludes param_memory_fraction)
+    keys = {(section, key) for section, body in _SCHEMA.items() for key in body}
+    assert keys - {(s, k) for s, body in FULL.items() if s != "constraints" for k in body} == {
+        ("planner", "param_budget_ratio")}
     assert parse_config(copy.deepcopy(FULL)) == parse_config_text(FULL_TEXT)
     cfg = parse_config(copy.deepcopy(FULL), base_dir=tmp_path)
-    assert cfg.calibration == str(tmp_path / "calibration.json") and len(cfg.constraints) == 3
+    assert cfg.options["calibration"] == str(tmp_path / "calibration.json") and len(cfg.constraints) == 3
+    assert cfg.options["compute_profile"] == str(tmp_path / "profile.json")
     load_config(EXAMPLE)
 
 
@@ -152,27 +171,27 @@ TOML_VALUE = st.recursive(
 NEAR_VALID = st.sampled_from([0, -1, 1, 2**63 - 1, 0.0, -0.5, 1.5, math.inf, -math.inf, math.nan, "", " ", "4x8",
                               "x", "RR", "S(0)", "S(-1)", "input:", "input:2", "free", "bf16", "a:b", ":", [], [-1],
                               [True], [0, 1], {}, {"fix": "a"}, True, False])
-_TYPES = {attr: types for body in _SCHEMA.values() for attr, types, _ in body.values()}
 
 
 def _check_result(cfg: Config) -> None:
     """What a configuration that loads must satisfy."""
-    for attr, types in _TYPES.items():
+    options = cfg.plan_options()  # every value set is one the planning options take
+    for name, value in cfg.options.items():
+        assert getattr(options, name) == (tuple(value) if isinstance(value, list) else value), name
+        for v in value.values() if isinstance(value, dict) else [value]:
+            assert not (isinstance(v, float) and math.isnan(v)), (name, v)
+    for attr in ("model", "mesh", "seq", "batch", "layers"):
         v = getattr(cfg, attr)
-        if attr == "solver_options":
-            assert isinstance(v, dict)
-        elif v is not None:
-            assert isinstance(v, types) and (bool in types or not isinstance(v, bool)), (attr, v)
-            if isinstance(v, float):
-                assert not math.isnan(v), attr
+        assert v is None or isinstance(v, str if attr in ("model", "mesh") else int) and not isinstance(v, bool), attr
     assert all(isinstance(c, (C.Fix, C.Forbid, C.Linear)) for c in cfg.constraints)
     # and the values the command line would use next are usable
     if cfg.mesh is not None:
         parse_mesh(cfg.mesh)
-    assert cfg.dtype is None or cfg.dtype in DTYPES
-    assert cfg.time_limit is None or 0 < cfg.time_limit < math.inf
-    assert all(v is None or 0 < v < math.inf for v in (cfg.intra_GBps, cfg.inter_GBps))
-    assert all(v is None or 0 <= v < math.inf for v in (cfg.intra_latency_us, cfg.inter_latency_us))
+    assert options.dtype in DTYPES
+    assert options.time_limit is None or 0 < options.time_limit < math.inf
+    topo = options.topology
+    assert all(topo.get(k) is None or 0 < topo[k] < math.inf for k in ("intra_GBps", "inter_GBps"))
+    assert all(topo.get(k) is None or 0 <= topo[k] < math.inf for k in ("intra_latency_us", "inter_latency_us"))
     for c in cfg.constraints:
         for placement in [c.placement] if not isinstance(c, C.Linear) else [t[1] for t in c.terms]:
             pl.parse(placement)

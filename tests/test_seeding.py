@@ -212,3 +212,27 @@ def test_constraints_outside_the_balls_fall_back_to_the_full_enumeration(capture
     assert set(pm.strategies[mm]) == set(full_pm.strategies[mm])  # rebuilt without seeding
     assert pm.allowed_mask(mm).sum() == 1
     assert timings["build_s"] > timings["strategies_s"]
+
+
+def test_the_seeding_solves_use_the_options_seed_solver_and_time_limit(captured, cost):
+    """The pipeline hands seeding the options whole: its per-axis solves run on ``seed_solver``
+    within ``time_limit`` (``--seed-solver``, ``--time-limit``)."""
+    import solvers
+
+    limits: list[float | None] = []
+
+    def recording(problem, time_limit=None, **options):
+        limits.append(time_limit)
+        return solvers.solve(problem, backend="highs", time_limit=time_limit)
+
+    solvers.register("recording_for_test", recording)
+    try:
+        timings: dict[str, float] = {}
+        pm = build_model(captured, MESH, cost=cost, seed_solver="recording_for_test", time_limit=30.0, timings=timings)
+    finally:
+        solvers.default_registry().unregister("recording_for_test")
+    assert timings["seeding_s"] > 0 and len(limits) == len(MESH), limits
+    assert all(t is not None and 0 < t <= 30.0 for t in limits), limits
+    # HiGHS underneath, as by default: the same seeded space
+    default = build_model(captured, MESH, cost=cost)
+    assert {n: set(s) for n, s in pm.strategies.items()} == {n: set(s) for n, s in default.strategies.items()}

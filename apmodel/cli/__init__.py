@@ -32,7 +32,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import typer
 from rich.console import Console
@@ -41,6 +41,7 @@ from rich.table import Table
 from rich.text import Text
 
 from apmodel.cli.errors import CLIError, _console, _errors, describe_error
+from apmodel.cli.flags import options_from_flags, with_option_flags
 from apmodel.cli.output import JSON_KEYS as JSON_KEYS  # the public contract's keys, re-exported
 from apmodel.cli.output import plan_json, print_plan
 from apmodel.formatting import fmt_bytes as _fmt_bytes
@@ -58,7 +59,6 @@ app = typer.Typer(
 )
 
 
-
 # ---------------------------------------------------------------------------------- helpers
 def _setup_logging(verbose: int) -> None:
     from rich.logging import RichHandler
@@ -72,28 +72,6 @@ def _setup_logging(verbose: int) -> None:
     handler._apmodel_cli = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @contextlib.contextmanager
@@ -185,30 +163,45 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------------------ plan
-def _merged_config(config: Optional[Path], **flags: Any):
-    """The configuration file merged with the flags; workload and option defaults filled in."""
-    from apmodel.config import Config, load_config, merge
-    from apmodel.options import PlanOptions
+def _merged_config(config: Optional[Path], option_flags: Mapping[str, Any], **workload: Any):
+    """The configuration file with the flags over it: the workload's (``None``: not given) and the
+    planning options' (:func:`~apmodel.cli.flags.options_from_flags`); workload defaults filled in.
+    Option defaults are :class:`~apmodel.options.PlanOptions`' own."""
+    from apmodel.config import Config, load_config
     from apmodel.workloads import DEFAULT_BATCH, default_seq
 
     cfg = load_config(config) if config is not None else Config()  # ConfigError names file and key
-    cfg = merge(cfg, **flags)
-    defaults = PlanOptions()
-    for key, value in (("seq", default_seq(cfg.model)), ("batch", DEFAULT_BATCH), ("solver", defaults.solver),
-                       ("device", defaults.device), ("dtype", defaults.dtype),
-                       ("gpus_per_node", defaults.gpus_per_node), ("param_policy", defaults.param_policy),
-                       ("replicate_axes", list(defaults.replicate_axes))):
-        if getattr(cfg, key) is None:
+    for key, value in workload.items():
+        if value is not None:
             setattr(cfg, key, value)
+    for name, value in options_from_flags(option_flags).items():  # a table's keys one by one (--topology)
+        cfg.options[name] = {**cfg.options.get(name, {}), **value} if isinstance(value, dict) else value
+    if cfg.seq is None:
+        cfg.seq = default_seq(cfg.model)
+    if cfg.batch is None:
+        cfg.batch = DEFAULT_BATCH
     return cfg
+
+
+def _check_files(cfg) -> None:
+    """Every file an option names exists (checked before tracing): say which option and where it came from."""
+    from apmodel.options import option_specs
+
+    for name, spec in option_specs().items():
+        path = cfg.options.get(name) if spec.kind == "path" else None
+        if path is not None and not Path(path).is_file():
+            where = f"{spec.flag} or key '{spec.toml}' of {cfg.source}"
+            raise CLIError(f"{name.replace('_', ' ')} {path!r} ({where}) "
+                           f"{'is not a file' if Path(path).exists() else 'does not exist'}")
 
 
 def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Progress):
     """``apmodel plan``: check the inputs, build the workload, call the API's one planning path.
 
-    Cheap input checks (mesh, ``out``, calibration file, solver, options) come first, before torch
-    is imported and the model traced, so that a typo costs no waiting."""
+    Cheap input checks (mesh, ``out``, files, backends, options) come first, before torch is
+    imported and the model traced, so that a typo costs no waiting."""
     import solvers  # torch-free
+    from apmodel.options import option_spec
     from apmodel.workloads import parse_mesh
 
     if cfg.model is None:
@@ -219,14 +212,9 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     mesh = parse_mesh(cfg.mesh)
     if out is not None:
         check_writable(out)
-    for path, where in ((cfg.calibration, f"calibration file {cfg.calibration!r} (key 'cost.calibration' of {cfg.source})"),
-                        (cfg.compute_profile, f"compute profile {cfg.compute_profile!r} (--compute-profile or key "
-                                              f"'cost.compute_profile' of {cfg.source})")):
-        if path is not None and not Path(path).is_file():
-            raise CLIError(f"{where} {'is not a file' if Path(path).exists() else 'does not exist'}")
-    if cfg.solver not in solvers.available():
-        raise ValueError(f"--solver {cfg.solver!r} is not an available backend: {solvers.available()}")
+    _check_files(cfg)
     options = cfg.plan_options()
+    options.check_available(lambda name: option_spec(name).flag)
     options.check_mesh(mesh)
 
     from apmodel.api import plan_workload
@@ -241,8 +229,9 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     except TraceFailed as e:  # data-dependent ops, unsupported ops...: name the model and the op
         raise CLIError(f"--model {e.model!r}: {e.what}: {describe_error(e.__cause__)}") from e
     except solvers.TimeLimitReached as e:
-        hint = "a longer --time-limit" + ("" if cfg.solver == "trws" else " or --solver trws (approximate, fast)")
-        raise CLIError(f"solver {cfg.solver!r} reached its time limit ({cfg.time_limit:g} s) before finding any "
+        hint = "a longer --time-limit" + ("" if options.solver == "trws" else " or --solver trws (approximate, fast)")
+        limit = "no" if options.time_limit is None else f"{options.time_limit:g} s"
+        raise CLIError(f"solver {options.solver!r} reached its time limit ({limit}) before finding any "
                        f"feasible assignment: try {hint}") from e
     if out is not None:
         try:
@@ -252,52 +241,29 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     return result
 
 
-
-
-
-
-
-
 @app.command()
+@with_option_flags()
 def plan(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Preset (llama3-8b, llama3-debug, gpt2, moe-debug, ...), package.module:factory returning (model, sample_inputs[, loss_fn]), or a Hugging Face model built from its config: hf:gpt2-medium, hf:bert-base, hf:llama-2-7b, ... or hf:/path/to/config.json (needs pip install -e '.[hf]')."),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape, axis sizes joined by 'x': 8, 4x8, 4x2x4, 2x2x2x4."),
-    device: Optional[str] = typer.Option(None, "--device", help="Target device of the cost model (see `apmodel devices`). Default: h100."),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1, help="GPUs per node (which mesh axes cross nodes). Default: 8."),
     seq: Optional[int] = typer.Option(None, "--seq", min=1, help="Sequence length. Default: 2048, or the preset's position table when shorter."),
     batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Global batch size. Default: 8."),
-    solver: Optional[str] = typer.Option(None, "--solver", help="Solver backend: " + importlib.import_module("solvers.backends").help_text() + "; or a registered one. Default: trws."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Pricing dtype: bf16, fp16, fp32, fp8. Default: bf16."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Override the preset's number of layers (quick runs)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file (flags override it)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan (JSON) here."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of tables."),
-    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0.001, help="Solver time limit per solve, seconds."),
-    param_budget_ratio: Optional[float] = typer.Option(None, "--param-budget-ratio", min=1e-9, max=1.0, help="Storage budget 'high' of the AutoParallel paper: mean local/global ratio over parameter tensors (instead of --param-policy)."),
-    param_policy: Optional[str] = typer.Option(None, "--param-policy", help="Parameter storage: full_shard (default) or free."),
     compare_recipes: bool = typer.Option(False, "--compare-recipes", help="Also price DDP, FSDP, HSDP, Megatron TP (+SP), FSDP+TP and, where the model has the regions, FSDP+EP, FSDP+TP+EP and FSDP+TP+CP as forced plans."),
-    mixed_precision: Optional[bool] = typer.Option(None, "--mixed-precision/--no-mixed-precision", help="fp32 master weights, gradient reductions and optimizer state beside bf16/fp16 compute and gathers. Default: priced so for bf16/fp16; given, the step is also traced and run (parallelize) so."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer state in the memory model: adamw (default), sgd (momentum), none."),
-    ac: Optional[str] = typer.Option(None, "--ac", help="Activation checkpointing: none (default), selective (save matmul and attention outputs, recompute the rest of each layer), full (recompute each layer from its input). Priced and lowered."),
-    compute_profile: Optional[Path] = typer.Option(None, "--compute-profile", help="Compute profile JSON (from `apmodel calibrate-compute`) for the measured compute model. Default: the device's built-in profile."),
-    execution: Optional[str] = typer.Option(None, "--execution", help="Execution mode priced by the measured compute model: eager (default; launch cost per op) or graphs (CUDA-graph replay)."),
-    memory_limit_gb: Optional[float] = typer.Option(None, "--memory-limit-gb", min=0.001, help="Per-device memory limit in GB (1e9 B). Default: the device's HBM less 10%."),
     report_html: Optional[Path] = typer.Option(None, "--report", help="Also write a one-page, self-contained HTML report of the plan here."),
     png: Optional[Path] = typer.Option(None, "--png", help="Also write the report's figures as PNGs into this directory (needs matplotlib)."),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr; -vv: DEBUG."),
+    *,
+    option_flags: Mapping[str, Any],
 ) -> None:
-    """Plan a model on a mesh and print the plan (or --json)."""
+    """Plan a model on a mesh and print the plan (or --json). Every planning option has a flag
+    (below, by group) and a key of the --config file; the README's options table lists them."""
     _setup_logging(verbose)
     with _errors(verbose), _cwd_importable():
-        cfg = _merged_config(config, model=model, mesh=mesh, device=device, gpus_per_node=gpus_per_node, seq=seq,
-                             batch=batch, solver=solver, dtype=dtype, layers=layers, time_limit=time_limit,
-                             param_policy=param_policy, param_budget_ratio=param_budget_ratio, optimizer=optimizer, ac=ac, memory_limit_GB=memory_limit_gb,
-                             mixed_precision=mixed_precision, execution=execution,
-                             compute_profile=None if compute_profile is None else str(compute_profile))
-        if cfg.optimizer is not None and cfg.optimizer not in ("adamw", "adam", "sgd", "sgd-nomomentum", "none"):
-            raise CLIError(f"--optimizer {cfg.optimizer!r}: expected adamw, sgd, sgd-nomomentum or none")
-        if cfg.param_policy not in ("full_shard", "free"):
-            raise CLIError(f"--param-policy {cfg.param_policy!r}: expected full_shard or free")
+        cfg = _merged_config(config, option_flags, model=model, mesh=mesh, seq=seq, batch=batch, layers=layers)
         _check_report_outputs(report_html, png)
         with _stdout_to_stderr(True), _Progress(True) as progress:
             result = run_plan(cfg, compare_recipes=compare_recipes, out=out, progress=progress)
@@ -489,6 +455,7 @@ def _report(plans: list[Path], out: Optional[Path], png: Optional[Path], trace: 
 
 # ------------------------------------------------------------------------------- calibrate
 @app.command()
+@with_option_flags("device", "gpus_per_node")
 def calibrate(
     logs: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="nccl-tests output files (one collective each)."),
     out: Path = typer.Option(..., "--out", "-o", help="Write the calibration (JSON) here."),
@@ -496,16 +463,20 @@ def calibrate(
     ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="Ranks the logs ran on, for logs that do not print '# Rank' lines."),
     kind: str = typer.Option("auto", "--kind", help="Collective: auto (from the log), all_gather, reduce_scatter, all_reduce, all_to_all, broadcast."),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape the axis belongs to. Default: the log's rank count as a 1D mesh."),
-    device: str = typer.Option("h100", "--device", help="Device of the model being calibrated."),
-    gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, help="GPUs per node."),
     use: str = typer.Option("out_of_place", "--use", help="Measured time to fit: out_of_place, in_place or min."),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="-v: INFO logs on stderr."),
+    *,
+    option_flags: Mapping[str, Any],
 ) -> None:
-    """Fit per-collective correction curves of the NCCL model to nccl-tests logs."""
+    """Fit per-collective correction curves of the NCCL model to nccl-tests logs (of the device
+    and nodes --device and --gpus-per-node give, as for `apmodel plan`)."""
+    from apmodel.options import PlanOptions
+
     _setup_logging(verbose)
     with _errors(verbose):
-        _calibrate(logs, out, axes=axis, ranks=ranks, kind=kind, mesh=mesh, device=device,
-                   gpus_per_node=gpus_per_node, use=use)
+        options = PlanOptions(**options_from_flags(option_flags))
+        _calibrate(logs, out, axes=axis, ranks=ranks, kind=kind, mesh=mesh, device=options.device_name,
+                   gpus_per_node=options.gpus_per_node, use=use)
 
 
 def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[int], kind: str, mesh: Optional[str],

@@ -13,11 +13,6 @@ from rich.text import Text
 from apmodel.formatting import fmt_bytes as _fmt_bytes
 from apmodel.formatting import fmt_us as _fmt_us
 
-def _itemsize(dtype: str) -> int:
-    from apmodel.options import PRICING_DTYPE_BYTES
-
-    return PRICING_DTYPE_BYTES[dtype]
-
 
 #: Keys the ``plan --json`` object always has (docs/design.md, "Public contracts").
 JSON_KEYS = (
@@ -37,8 +32,8 @@ def plan_json(result, cfg) -> dict[str, Any]:
     data: dict[str, Any] = {
         "model": cfg.model,
         "mesh": list(plan.mesh_shape),
-        "device": cfg.device,
-        "solver": cfg.solver,
+        "device": result.options.device_name,
+        "solver": result.options.solver,
         **{k: plan.sizes[k] for k in ("nodes", "groups", "states", "edges")},
         "trace_s": plan.timings.get("trace_s"),
         "build_s": plan.timings.get("build_s"),
@@ -53,7 +48,7 @@ def plan_json(result, cfg) -> dict[str, Any]:
         "param_placements": {k: pl.tuple_to_str(v) for k, v in plan.param_placements.items()},
         "seq": plan.workload.get("seq", cfg.seq),  # as planned (an hf: model caps it at its position table)
         "batch": cfg.batch,
-        "dtype": cfg.dtype,
+        "dtype": result.options.dtype,
         "layers": cfg.layers,
         "comm_by_collective": plan.comm_by_collective,
         "param_bytes_per_device": result.param_bytes,
@@ -87,7 +82,7 @@ def print_plan(result, cfg, console: Console) -> None:
     seq = plan.workload.get("seq", cfg.seq)  # as planned (an hf: model caps it at its position table)
     console.print(f"[bold]apmodel plan[/]: {escape(str(cfg.model))} (seq {seq}, batch {cfg.batch}"
                   f"{f', {cfg.layers} layers' if cfg.layers else ''}) on mesh {'x'.join(map(str, mesh))} "
-                  f"of {cfg.device}, priced in {cfg.dtype}", highlight=False)
+                  f"of {result.options.device_name}, priced in {result.options.dtype}", highlight=False)
 
     t = Table(title="Problem and solver", show_header=False, title_justify="left")
     t.add_column("what")
@@ -103,7 +98,7 @@ def print_plan(result, cfg, console: Console) -> None:
     if lb is not None and math.isfinite(lb):
         gap = (plan.objective_us - lb) / max(abs(plan.objective_us), 1e-12)
         t.add_row("lower bound (µs) / gap", f"{_fmt_us(lb)} / {100 * gap:.2f}%")
-    t.add_row(f"parameter bytes per device ({cfg.dtype})", _fmt_bytes(result.param_bytes))
+    t.add_row(f"parameter bytes per device ({result.options.dtype})", _fmt_bytes(result.param_bytes))
     mem = plan.memory
     if mem.get("peak_bytes") is not None:
         t.add_row("memory per device: peak / HBM", f"{_fmt_bytes(mem['peak_bytes'])} / {_fmt_bytes(mem['hbm_bytes'])}")
@@ -130,7 +125,7 @@ def print_plan(result, cfg, console: Console) -> None:
     t = Table(title="Parameter placements (layer 0 and the non-layer parameters)", title_justify="left")
     for col in ("parameter", "shape", "stored", "used as", "bytes/device"):
         t.add_column(col, justify="right" if col == "bytes/device" else "left")
-    itemsize = _itemsize(cfg.dtype)
+    itemsize = result.options.dtype_bytes
     tied = {alias: node for node, aliases in pm.captured.tied_params.items() for alias in aliases}
     for fqn in layer0:
         node = pm.fqn_to_node.get(fqn) or tied[fqn]  # a tied alias is read through its parameter's node
@@ -180,7 +175,7 @@ def _print_recipes(result, cfg, console: Console) -> None:
     def pct(x: float) -> str:
         return f"{100 * (x - base) / base:+.1f}%"
 
-    t.add_row("[bold]apmodel (found)[/]", cfg.param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
+    t.add_row("[bold]apmodel (found)[/]", result.options.param_policy, _fmt_us(base), _fmt_us(plan.compute_us),
               _fmt_us(plan.comm_us), stored(plan), peak(plan), "0.0%")
     ff = result.free_plan
     if ff is not plan:

@@ -1,0 +1,212 @@
+"""Every planning option is declared once, on ``PlanOptions``, and reaches every front end from there.
+
+The tests walk ``dataclasses.fields(PlanOptions)`` and add nothing by hand: each option has a flag
+of ``apmodel plan``, a key of the TOML configuration and a row of the README's table, and a value
+set through the TOML key or through the flag lands in ``PlanOptions`` alike. Sample values come
+from each option's declaration (its kind, choices and range).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import apmodel.cli as cli
+from apmodel.cli import app
+from apmodel.config import _SCHEMA, parse_config_text
+from apmodel.options import (TABLE_END, TABLE_START, OptionSpec, OptionsError, PlanOptions, default_of,
+                             option_spec, options_table)
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = [f.name for f in dataclasses.fields(PlanOptions)]
+
+
+def _toml(value: Any) -> str:
+    """A TOML literal."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+
+
+def _sample(spec: OptionSpec, default: Any) -> Any:
+    """A surface value of the option other than its default, from its declaration."""
+    if spec.kind == "str":
+        if spec.registry:
+            import solvers
+
+            return next(b for b in solvers.available() if b != default)
+        return next(c for c in spec.choices if c != default) if spec.choices else "some-name"
+    if spec.kind == "path":
+        return "some/file" + spec.suffix
+    if spec.kind == "object":
+        return "mypkg.costs:Model"
+    if spec.kind in ("int", "float"):
+        b = spec.bounds()
+        lo, hi = (0.0, math.inf) if b is None else (b[0], b[2])
+        value = lo + 1 if math.isinf(hi) else (lo + hi) / 2
+        value = int(value) if spec.kind == "int" else value + 0.5 * math.isinf(hi)
+        return value if value * spec.scale != default else value + 1
+    if spec.kind == "bool":
+        return default is not True
+    if spec.kind == "ints":
+        return [0, 1]
+    if spec.kind == "placements":
+        return ["S(0)R", "default"]
+    if spec.kind == "table":
+        return {"max_iters": 3}
+    return {key: _sample(sub, None) for key, sub in spec.keys.items()}
+
+
+def _flag_args(spec: OptionSpec, value: Any) -> list[str]:
+    if spec.kind == "bool":
+        return [spec.flag if value else f"--no-{spec.flag[2:]}"]
+    if spec.kind in ("table", "keys"):
+        return [a for k, v in value.items() for a in (spec.flag, f"{k}={_toml(v)}")]
+    if isinstance(value, list):
+        return [a for v in value for a in (spec.flag, str(v))]
+    return [spec.flag, str(value)]
+
+
+def _toml_text(spec: OptionSpec, value: Any) -> str:
+    if spec.kind == "keys":
+        return f"[{spec.toml}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in value.items())
+    return f"[{spec.section}]\n{spec.key} = {_toml(value)}\n"
+
+
+def _plan_flags() -> dict[str, Any]:
+    """The click parameters of ``apmodel plan`` by flag (both halves of a --x/--no-x flag)."""
+    import typer.main
+
+    command = typer.main.get_command(app).commands["plan"]  # type: ignore[attr-defined]
+    return {opt: p for p in command.params for opt in (*p.opts, *p.secondary_opts)}
+
+
+def _readme_rows() -> dict[str, str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index(TABLE_START):readme.index(TABLE_END)]
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", table, flags=re.M)}
+
+
+@pytest.fixture
+def planned_options(monkeypatch):
+    """Run ``apmodel plan`` up to the planning call and return the options it would plan with."""
+    seen: list[PlanOptions] = []
+
+    def capture(cfg, **kwargs):
+        seen.append(cfg.plan_options())
+        raise cli.CLIError("stopped before planning")
+
+    monkeypatch.setattr(cli, "run_plan", capture)
+
+    def run(*args: str) -> PlanOptions:
+        seen.clear()
+        res = CliRunner().invoke(app, ["plan", "--model", "llama3-debug", "--mesh", "2x2", *args])
+        assert seen, res.output
+        return seen[0]
+
+    return run
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_option_has_a_flag_a_toml_key_and_a_readme_row(name):
+    spec = option_spec(name)
+    flags = _plan_flags()
+    assert spec.flag in flags, f"{name}: no flag {spec.flag} on apmodel plan"
+    assert flags[spec.flag].name == name
+    assert spec.help and spec.help in flags[spec.flag].help
+    keys = [(spec.toml, k) for k in spec.keys] if spec.kind == "keys" else [(spec.section, spec.key)]
+    for section, key in keys:
+        assert _SCHEMA[section][key][0] == name, f"{name}: TOML key {section}.{key} sets another option"
+    row = _readme_rows().get(name)
+    assert row is not None, f"{name}: no row in the README's options table (python tools/options_table.py)"
+    assert f"`{spec.flag_text()}`" in row and f"`{keys[0][0]}.{keys[0][1]}`" in row
+
+
+def test_flags_and_toml_keys_are_each_one_options():
+    flags = [option_spec(n).flag for n in FIELDS]
+    assert len(set(flags)) == len(flags)
+    keys = [(s, k) for s, body in _SCHEMA.items() for k in body]
+    assert len(set(keys)) == len(keys) == sum(len(body) for body in _SCHEMA.values())
+    assert set(_readme_rows()) == set(FIELDS)  # and no row of an option that is gone
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_an_option_set_by_toml_or_by_flag_lands_alike(name, planned_options, tmp_path):
+    spec = option_spec(name)
+    value = _sample(spec, default_of(name))
+    from_toml = parse_config_text(_toml_text(spec, value)).plan_options()
+    from_flag = planned_options(*_flag_args(spec, value))
+    assert getattr(from_flag, name) == getattr(from_toml, name) != default_of(name)
+    assert from_flag == from_toml == PlanOptions(**{name: getattr(from_toml, name)})  # nothing else moved
+    config = tmp_path / "apmodel.toml"  # and through --config, where a relative path is the file's
+    config.write_text(_toml_text(spec, value), encoding="utf-8")
+    from_file = getattr(planned_options("--config", str(config)), name)
+    assert from_file == (str(tmp_path / value) if spec.relative else getattr(from_toml, name))
+
+
+def test_a_flag_overrides_the_configuration(planned_options, tmp_path):
+    config = tmp_path / "apmodel.toml"
+    config.write_text('[planner]\nac = "full"\noptimizer = "sgd"\n[topology]\ninter_GBps = 10.0\n', encoding="utf-8")
+    opts = planned_options("--config", str(config), "--ac", "selective", "--topology", "intra_GBps=100")
+    assert (opts.ac, opts.optimizer) == ("selective", "sgd")
+    assert opts.topology == {"inter_GBps": 10.0, "intra_GBps": 100.0}  # flags' keys over the file's
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--ac", "some"], "--ac 'some': expected one of none, selective, full"),
+    (["--time-limit", "0"], "--time-limit 0.0: expected a finite number > 0 (seconds)"),
+    (["--memory-limit-gb", "-1"], "--memory-limit-gb -1.0: expected a number > 0"),
+    (["--topology", "nvls=2"], "--topology 'nvls=2': expected true or false"),
+    (["--topology", "intra=1"], "--topology 'intra=1': unknown key 'intra'"),
+    (["--solver-option", "max_iters"], "--solver-option 'max_iters': expected KEY=VALUE"),
+    (["--seed-radius", "-1"], "--seed-radius -1: expected an integer >= 0"),
+    (["--compute-profile", "profile.txt"], "--compute-profile 'profile.txt': expected a path to a .json file"),
+    (["--seed-solver", "nope"], "--seed-solver 'nope' is not an available backend"),
+])
+def test_a_bad_flag_is_one_line_naming_it(args, expect):
+    res = CliRunner().invoke(app, ["plan", "--model", "test_cli:exploding_factory", "--mesh", "2", *args])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert expect in res.stderr.replace("\n", ""), res.stderr
+
+
+def test_the_placement_model_takes_the_options_marked_for_it():
+    """``model_kwargs`` are exactly PlacementModel's keyword arguments: the search passes them whole."""
+    from apmodel.placement_model import PlacementModel
+
+    params = inspect.signature(PlacementModel.__init__).parameters
+    keywords = {n for n, p in params.items() if p.kind == inspect.Parameter.KEYWORD_ONLY}
+    assert set(PlanOptions().model_kwargs()) == keywords
+    for name in keywords:
+        assert params[name].default == default_of(name) or name in ("input_placements", "output_placements"), name
+
+
+def test_api_values_are_checked_from_the_declarations():
+    for name in FIELDS:
+        spec = option_spec(name)
+        if spec.choices:
+            with pytest.raises(OptionsError, match=name):
+                PlanOptions(**{name: "no-such-value"})
+        if spec.kind in ("int", "float") and spec.range:
+            with pytest.raises(OptionsError, match=name):
+                PlanOptions(**{name: -1})
+    with pytest.raises(OptionsError, match="inter_GBps"):
+        PlanOptions(topology={"inter_GBps": 0.0})
+
+
+def test_the_table_is_generated():
+    table = options_table()
+    for name in FIELDS:
+        assert f"| `{name}` |" in table
