@@ -73,6 +73,8 @@ def test_found_plan_never_worse_than_a_recipe(llama_plan):
         if detail["objective_us"] is None:
             continue
         assert data["recipes"][name] == detail["objective_us"]
+        # stored bytes are fp32 masters (bf16 pricing, mixed precision): twice the priced bytes
+        assert detail["params_bytes"] == pytest.approx(2 * detail["param_bytes_per_device"]), name
         # the free-storage search contains every recipe; the default one the full_shard recipes
         assert free <= detail["objective_us"] * (1 + 1e-6), name
         if name in ("fsdp", "fsdp_tp"):

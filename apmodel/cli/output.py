@@ -62,7 +62,9 @@ def plan_json(result, cfg) -> dict[str, Any]:
         data["recipes_detail"] = {
             r.name: {"status": r.status, "reason": r.reason, "param_policy": r.param_policy,
                      "objective_us": r.objective_us, "compute_us": r.compute_us, "comm_us": r.comm_us,
-                     "param_bytes_per_device": r.param_bytes,
+                     "param_bytes_per_device": r.param_bytes,  # in the pricing dtype, as the top level's
+                     # what a device stores (fp32 masters under mixed precision): the recipe tables' figure
+                     "params_bytes": None if r.plan is None else r.plan.memory.get("params_bytes"),
                      "peak_bytes": None if r.plan is None else r.plan.memory.get("peak_bytes"),
                      "fits_memory": result.fits(r.plan)}
             for r in result.recipes
