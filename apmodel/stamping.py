@@ -6,6 +6,15 @@ three layers (first, one middle, last), checks that the graph repeats layer by l
 the middle layer once per missing layer: the same nodes, names, wiring, descriptors and metadata as
 tracing every layer (``tests/test_capture_stamping.py`` compares the two on the reference models).
 Anything that does not fit falls back to the full trace (:func:`apmodel.tracing.trace`).
+
+Layers of several kinds in a repeating pattern (hybrid attention: five sliding-window layers, then
+one full) repeat with a *period* ``p``. Node names count the nodes of one base (``getitem``)
+across layers, deleted ones included, so a layer's names depend on the kinds of the layers around
+it: the template then holds the first ``k >= 3p + 2`` layers, ``k`` congruent to the layer count
+modulo ``p`` (its last layer of the kind of the model's last). The model's first ``p + 1`` and last
+``p + 1`` layers are stamped from the template's first and last ones, every other layer from the
+template's layer of its kind in ``p + 1 ... 2p``, which has a whole period of middle layers on
+either side, as a middle layer of the model has.
 """
 
 from __future__ import annotations
@@ -231,16 +240,17 @@ def _record_forward(step: nn.Module, stack: _LayerStack, n_layers: int, inputs: 
 
 
 class _Template:
-    """A joint graph traced with layers 0, 1 and 2 of a stack, split into the runs of nodes of
-    each layer (parameters, forward, backward) and the nodes outside the stack; :meth:`stamp`
-    writes the graph of any number of layers."""
+    """A joint graph traced with the first ``k`` layers of a stack (layers of ``period`` kinds in
+    turn), split into the runs of nodes of each layer (parameters, forward, backward) and the nodes
+    outside the stack; :meth:`stamp` writes the graph of any number of layers."""
 
-    def __init__(self, gm: fx.GraphModule, stack: _LayerStack) -> None:
+    def __init__(self, gm: fx.GraphModule, stack: _LayerStack, k: int = _TEMPLATE_LAYERS, period: int = 1) -> None:
         from apmodel._torch_private import BufferAOTInput, ParamAOTInput
 
         self.gm = gm
         self.stack = stack
-        self.k = _TEMPLATE_LAYERS
+        self.k = k
+        self.period = period
         self._paths: dict[tuple[Any, int, int], Any] = {}
         self.nodes = list(gm.graph.nodes)
         out = self.nodes[-1]
@@ -268,8 +278,8 @@ class _Template:
                 raise _NotStampable(f"{n.op} node {n.name}")
             tag[n] = previous = t
         self.tag = tag
-        # runs of equal tags; each run of layer segments must read 0, 1, 2 or 2, 1, 0
-        self.parts: list[tuple[str, Any]] = []  # ("outside", nodes) | ("layers", ascending, [nodes of layer 0, 1, 2])
+        # runs of equal tags; each run of layer segments must read 0, 1, ..., k - 1 or the reverse
+        self.parts: list[tuple[str, Any]] = []  # ("outside", nodes) | ("layers", ascending, [nodes of layer 0 ... k-1])
         self.where: dict[fx.Node, tuple[int, int]] = {}  # layer node -> (part, position)
         self.first_differs: set[int] = set()  # parts whose first layer does not match the others
         self.out_tags = self._output_tags(tag)
@@ -338,10 +348,11 @@ class _Template:
             runs = [g[1] for g in group]
             if order[0] != 0:
                 runs = runs[::-1]
-            # the middle and the last layer must match node for node; the first may differ (its
-            # input needs no gradient) as long as no other layer reads it (see stamp)
-            first_matches = self._alike(runs[0], runs[1], nodes)
-            if not self._alike(runs[1], runs[2], nodes) or not (first_matches or nodes):
+            # the middle and the last layers must match the middle layer of their kind node for node;
+            # the first may differ (its input needs no gradient) as long as no other layer reads it
+            first_matches = self._alike(runs[0], runs[self._kind(0)], nodes)
+            if not all(self._alike(runs[t], runs[self._kind(t)], nodes) for t in range(1, self.k)) or \
+                    not (first_matches or nodes):
                 raise _NotStampable(f"layer runs differ (lengths {[len(r) for r in runs]})")
             if nodes:
                 for run in runs:
@@ -365,9 +376,20 @@ class _Template:
             for x, y in zip(a, b)
         )
 
+    def _kind(self, j: int) -> int:
+        """The template's middle layer of layer ``j``'s kind (one framed by whole periods, module docstring)."""
+        p = self.period
+        return 1 if p == 1 else p + 1 + (j - p - 1) % p
+
     def _role(self, j: int, n: int) -> int:
         """The template layer that layer ``j`` of ``n`` is a copy of."""
-        return 0 if j == 0 else self.k - 1 if j == n - 1 else 1
+        if self.period == 1:
+            return 0 if j == 0 else self.k - 1 if j == n - 1 else 1
+        if j <= self.period:
+            return j
+        if j >= n - 1 - self.period:
+            return self.k - (n - j)
+        return self._kind(j)
 
     def stamp(self, n: int) -> fx.GraphModule:
         """The graph of the same step with ``n`` layers (``n >= 2``)."""
@@ -390,7 +412,8 @@ class _Template:
                 ja = j + (ta - i) if abs(ta - i) <= 1 else None
             if ja is None or not 0 <= ja < n:
                 raise _NotStampable(f"{a.name} read across layers")
-            if self._role(ja, n) != ta and ta != 1 and self._role(ja, n) != 1:
+            # ja is of ta's kind (layers j and i are); only the first and the last may not stand in for each other
+            if self._role(ja, n) != ta and ta in (0, k - 1) and self._role(ja, n) in (0, k - 1):
                 raise _NotStampable(f"{a.name} read from layer {ja}")
             part, p = self.where[a]
             if part in self.first_differs and (ta == 0) != (self._role(ja, n) == 0):
@@ -495,23 +518,40 @@ def _relayer_desc(desc: Any, rename: Callable[[str], str]) -> Any:
 
 def _trace_stamped(
     step: TracedStep, stack: _LayerStack, inputs: tuple[torch.Tensor, ...], functionalize: bool
-) -> tuple[fx.GraphModule, Any]:
-    """Trace ``step`` with the first three layers of ``stack`` and stamp the rest (raises
-    :class:`_NotStampable` where the layers do not repeat)."""
+) -> tuple[fx.GraphModule, Any, int]:
+    """Trace ``step`` with the first layers of ``stack`` (three, or more for layers of several kinds)
+    and stamp the rest (raises :class:`_NotStampable` where the layers do not repeat); also returns
+    how many layers were traced."""
     model = getattr(step, WRAPPED)
-    n, k = len(stack.keys), _TEMPLATE_LAYERS
-    small = TracedStep(_truncated(model, stack, k), step.loss_fn, step.signature)
+    n = len(stack.keys)
     full_record = _record_forward(step, stack, n, inputs)
+    period = _period(full_record.layers)
+    if period is None:
+        raise _NotStampable("the layers' forward passes differ (by position in the stack)")
+    # the fewest layers holding the first, the last and (period > 1) a middle period framed by two others
+    k = _TEMPLATE_LAYERS if period == 1 else 3 * period + 2 + (n - 3 * period - 2) % period
+    if k >= n:
+        raise _NotStampable(f"a pattern of {period} kinds of layers does not repeat in {n} layers")
+    small = TracedStep(_truncated(model, stack, k), step.loss_fn, step.signature)
     small_record = _record_forward(small, stack, k, inputs)
     if not (
-        all(r == full_record.layers[1] for r in full_record.layers[2:])
-        and small_record.layers[0] == full_record.layers[0]
-        and all(r == full_record.layers[1] for r in small_record.layers[1:])
+        small_record.layers[0] == full_record.layers[0]
+        and all(r == full_record.layers[1 + (t - 1) % period] for t, r in enumerate(small_record.layers) if t)
         and small_record.outside == full_record.outside
     ):
-        raise _NotStampable("the layers' forward passes differ (by position in the stack, or with their number)")
+        raise _NotStampable("the layers' forward passes differ with their number")
     gm, out_spec = trace(small, inputs, functionalize=functionalize)
-    return _Template(gm, stack).stamp(n), out_spec
+    return _Template(gm, stack, k, period).stamp(n), out_spec, k
+
+
+def _period(layers: Sequence[list[tuple]]) -> int | None:
+    """The smallest ``p`` such that every layer after the first records what layer ``1 + (j - 1) % p``
+    does (1: all alike), None when the layers after the first repeat no pattern."""
+    rest = layers[1:]
+    for p in range(1, len(rest)):
+        if all(r == rest[t % p] for t, r in enumerate(rest)):
+            return p
+    return None
 
 
 def trace_step(
@@ -524,12 +564,12 @@ def trace_step(
     if stack is not None:
         start = time.perf_counter()
         try:
-            gm, out_spec = _trace_stamped(step, stack, inputs, functionalize)
+            gm, out_spec, traced = _trace_stamped(step, stack, inputs, functionalize)
         except Exception as e:  # anything the template cannot express: trace every layer
             logger.info("capture: layers %s not stamped (%s: %s); tracing all of them",
                         stack.path or "(the model)", type(e).__name__, e)
         else:
-            logger.info("capture: traced 3 of the %d layers of %s and stamped the others in %.2f s",
-                        len(stack.keys), stack.path or "the model", time.perf_counter() - start)
+            logger.info("capture: traced %d of the %d layers of %s and stamped the others in %.2f s",
+                        traced, len(stack.keys), stack.path or "the model", time.perf_counter() - start)
             return gm, out_spec
     return trace(step, inputs, functionalize)

@@ -23,6 +23,10 @@ llama3-405b         126    16384   128    8      53248   128256   Llama 3.1 405B
 qwen3-32b           64     5120    64     8      25600   151936   head_dim 128, QK-norm (≈ 32.8e9 params)
 llama3-8b-cp        32     4096    32     8      14336   128256   llama3-8b, attention the context-parallel
                                                                   region, max_seq 131072 (LLaMA 3.1's)
+hybrid-swa-30b      62     5376    32     16     21504   262208   Gemma 3 27B's sizes: sliding window 1024,
+                                                                  every 6th layer full, head_dim 128,
+                                                                  QK-norm (≈ 28.4e9 params)
+hybrid-swa-debug    4      256     8      4      768     2048     window 8, every 2nd layer full
 gpt2                12     768     12     12     3072    50257    ctx 1024, untied head (≈ 163M; tied 124M)
 gpt2-medium         24     1024    16     16     4096    50257    ctx 1024, untied head (≈ 407M; tied 355M)
 moe-debug           2      256     8      4      768     2048     8 routed (top-2) + 1 shared, 128 wide;
@@ -105,6 +109,27 @@ PRESETS: MappingProxyType = MappingProxyType(
             Transformer,
             dict(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, attention_head_dim=128, ffn_hidden_dim=25600,
                  vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=40960, qk_norm=True),
+        ),
+        # the paper's "30B model with hybrid sliding-window / full attention" (MuseGlimmer 30B) has no
+        # published config here, so Gemma 3 27B's published sizes and attention pattern
+        # (google/gemma-3-27b-pt config.json: hidden 5376, 62 layers, 32 heads of 128, 16 kv heads,
+        # intermediate 21504, vocab 262208, sliding window 1024, every 6th layer global, rope theta 1e6,
+        # rms eps 1e-6, QK-norm, 131072 positions) in the LLaMA-style block (SwiGLU, untied output,
+        # one RoPE table: Gemma's 1e4 base of the local layers, its soft-capping and sandwich norms
+        # left out), ≈ 28.4e9 parameters
+        "hybrid-swa-30b": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, attention_head_dim=128, ffn_hidden_dim=21504,
+                 vocab_size=262208, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=131072, qk_norm=True,
+                 sliding_window=1024, full_attention_every=6),
+        ),
+        # its debug size: window 8 (the sample sequences are longer), every 2nd layer full
+        "hybrid-swa-debug": (
+            LlamaConfig,
+            Transformer,
+            dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden_dim=768, vocab_size=2048,
+                 max_seq_len=512, qk_norm=True, sliding_window=8, full_attention_every=2),
         ),
         # OpenAI GPT-2 (2019) small and medium
         "gpt2": (GPT2Config, GPT2, dict(dim=768, n_layers=12, n_heads=12, vocab_size=50257, max_seq_len=1024)),

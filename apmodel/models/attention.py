@@ -20,6 +20,16 @@ and :func:`flash_attention_backward` implement the flash op and its backward fro
 With ``context_parallel=True`` in a model's config its attention is the ``local_map`` region
 :class:`ContextParallelAttention`, which the planner may shard per mesh axis on the batch, the
 heads, or the sequence (context parallelism).
+
+Sliding-window layers (``sliding_window`` in a model's config) run :class:`SlidingWindowAttention`,
+a ``local_map`` region sharded on the batch or the heads: each query attends to the ``window`` keys
+ending at its own position (Mistral's and Gemma's convention). On real tensors it is
+``F.scaled_dot_product_attention`` with that banded mask; traced on meta (for capture and pricing)
+it is a kernel of the banded kernel's work (FlashAttention's ``window_size``): every query against
+``window`` keys, ``seq x window`` query-key pairs (the first ``window`` queries see fewer: a
+``window / (2 seq)`` overcount) where the causal kernel has ``seq² / 2``, and the key/value heads
+of grouped-query attention repeated over the window only. ``flex_attention`` would be the native choice, but on torch 2.13 it neither runs on
+meta nor has a CPU backward nor a DTensor sharding rule.
 """
 
 from __future__ import annotations
@@ -128,6 +138,66 @@ class ContextParallelAttention:
         before = torch.ops.aten._scaled_dot_product_flash_attention(q, keys[:, :, :start], values[:, :, :start],
                                                                       0.0, False, False)[0]
         return before + diagonal
+
+
+def sliding_window_mask(seq: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[seq, seq]`` bool, True where query ``i`` may attend key ``j``: ``i - window < j <= i``."""
+    if window < 1:
+        raise ValueError(f"sliding_window_mask: window must be a positive number of keys, got {window}")
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                             backend: str = "flash", repeat: int = 1) -> torch.Tensor:
+    """Causal attention of each query to the ``window`` keys ending at its position. ``q``: ``[batch,
+    heads, seq, head_dim]``; ``k, v``: ``[batch, heads / repeat, seq, head_dim]`` (grouped-query: each
+    key/value head serves ``repeat`` query heads). On meta, a stand-in with the banded kernel's work
+    and the output's shape (see the module docstring)."""
+    seq = q.shape[2]
+    if window >= seq:
+        return causal_attention(q, _repeat_heads(k, repeat), _repeat_heads(v, repeat), backend)
+    if q.device.type != "meta":
+        mask = sliding_window_mask(seq, window, q.device)
+        return F.scaled_dot_product_attention(q, _repeat_heads(k, repeat), _repeat_heads(v, repeat), attn_mask=mask)
+    k, v = _repeat_heads(k[:, :, :window], repeat), _repeat_heads(v[:, :, :window], repeat)
+    if backend == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False)[0]
+    if backend == "efficient":
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False)[0]
+    raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
+
+
+@dataclass(frozen=True)
+class SlidingWindowAttention:
+    """Sliding-window attention on local shards ``q [batch, heads, seq, head_dim]`` and ``k, v
+    [batch, kv_heads, seq, head_dim]`` (grouped-query: the key/value heads are repeated inside), the
+    function of a ``local_map`` region sharded per mesh axis on the batch or the heads (query and
+    key/value heads alike). The sequence is not an alternative: a window crossing a shard's edge
+    would need the neighbour's keys."""
+
+    window: int
+    backend: str = "flash"
+
+    ALTERNATIVES: ClassVar[dict] = {
+        "batch": (("S(0)", "S(0)", "S(0)"), ("S(0)",)),
+        "heads": (("S(1)", "S(1)", "S(1)"), ("S(1)",)),
+    }
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"SlidingWindowAttention: window must be a positive number of keys, got {self.window}")
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"SlidingWindowAttention: backend {self.backend!r} is not one of {ATTENTION_BACKENDS}")
+
+    def region(self) -> LocalRegion:
+        return local_map(self, name=f"attention_window{self.window}_{self.backend}", alternatives=self.ALTERNATIVES)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"attention: {q.shape[1]} local query heads do not group over {k.shape[1]} key/value heads")
+        return sliding_window_attention(q, k, v, self.window, self.backend, repeat=q.shape[1] // k.shape[1])
 
 
 def _repeat_heads(x: torch.Tensor, repeat: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""LLaMA-3-style dense decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+"""LLaMA-3-style dense decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), optionally with
+sliding-window attention in some layers (``sliding_window``: Mistral, Gemma 2 / 3 style hybrids).
 
 Parameter names follow torchtitan: ``tok_embeddings``, ``layers.N.attention.{wq,wk,wv,wo}``,
 ``layers.N.feed_forward.{w1,w2,w3}``, ``layers.N.attention_norm``, ``layers.N.ffn_norm``, ``norm``,
@@ -16,7 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from apmodel.models.loss import cross_entropy_loss
-from apmodel.models.attention import ATTENTION_BACKENDS, ContextParallelAttention, causal_attention
+from apmodel.models.attention import (
+    ATTENTION_BACKENDS,
+    ContextParallelAttention,
+    SlidingWindowAttention,
+    causal_attention,
+)
+
+#: per-layer attention kinds of ``LlamaConfig.layer_types``
+LAYER_TYPES = ("sliding", "full")
 
 
 @dataclass
@@ -40,6 +49,13 @@ class LlamaConfig:
     attention_head_dim: int | None = None
     # RMSNorm on each head's queries and keys before RoPE (Qwen3's QK-norm)
     qk_norm: bool = False
+    # keys per query of the sliding-window layers (models.attention.SlidingWindowAttention); None: none
+    sliding_window: int | None = None
+    # with sliding_window: layer i attends fully when (i + 1) % full_attention_every == 0 (Gemma 3: 6,
+    # five sliding layers then one full), the others in the window; None: every layer in the window
+    full_attention_every: int | None = None
+    # instead, per layer "sliding" or "full" (n_layers entries)
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.attention_head_dim is None and self.dim % self.n_heads:
@@ -54,6 +70,41 @@ class LlamaConfig:
             raise ValueError(
                 f"{type(self).__name__}: attention_backend={self.attention_backend!r} not in {ATTENTION_BACKENDS}"
             )
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        name = type(self).__name__
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"{name}: sliding_window={self.sliding_window!r} must be a positive number of keys")
+        if self.full_attention_every is not None:
+            if self.sliding_window is None:
+                raise ValueError(f"{name}: full_attention_every={self.full_attention_every} needs a sliding_window")
+            if self.full_attention_every < 1:
+                raise ValueError(f"{name}: full_attention_every={self.full_attention_every} must be >= 1")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.n_layers:
+                raise ValueError(f"{name}: layer_types has {len(types)} entries for n_layers={self.n_layers}")
+            bad = sorted({t for t in types if t not in LAYER_TYPES})
+            if bad:
+                raise ValueError(f"{name}: layer_types {bad} not in {LAYER_TYPES}")
+            if "sliding" in types and self.sliding_window is None:
+                raise ValueError(f"{name}: layer_types has sliding layers but sliding_window is not set")
+            if self.full_attention_every is not None:
+                raise ValueError(f"{name}: give layer_types or full_attention_every, not both")
+            self.layer_types = types
+        if self.context_parallel and any(self.attention_window(i) is not None for i in range(self.n_layers)):
+            raise ValueError(f"{name}: context_parallel is not implemented for sliding-window layers "
+                             "(a window crossing a sequence shard needs its neighbour's keys)")
+
+    def attention_window(self, layer_id: int) -> int | None:
+        """Keys per query of layer ``layer_id``'s attention: the sliding window, or None (full causal)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None:
+            return self.sliding_window if self.layer_types[layer_id] == "sliding" else None
+        every = self.full_attention_every
+        return None if every is not None and (layer_id + 1) % every == 0 else self.sliding_window
 
     @property
     def head_dim(self) -> int:
@@ -98,8 +149,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """Grouped-query attention; ``layer_id`` picks its window in a model with sliding-window layers."""
+
+    def __init__(self, cfg: LlamaConfig, layer_id: int | None = None) -> None:
         super().__init__()
+        if layer_id is None and cfg.sliding_window is not None:
+            raise ValueError(f"{type(cfg).__name__}: sliding_window needs each layer's index "
+                             "(Attention(cfg, layer_id)); this model's blocks do not pass it")
+        self.window = None if layer_id is None else cfg.attention_window(layer_id)
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
@@ -123,6 +180,9 @@ class Attention(nn.Module):
         if self.context_parallel:  # the region repeats the key/value heads itself, after any gather
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
             out = ContextParallelAttention(self.backend).region()(q, k, v)
+        elif self.window is not None and self.window < seq:  # the region repeats the key/value heads too
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = SlidingWindowAttention(self.window, self.backend).region()(q, k, v)
         else:
             # grouped-query attention: each kv head serves n_heads // n_kv_heads query heads
             k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
@@ -168,7 +228,7 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer_id)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
