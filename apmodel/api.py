@@ -254,9 +254,16 @@ def plan_workload(
     options.check_mesh(workload.mesh_shape)
     progress = progress or LogProgress()
     options.check_available()
+    saved = Plan.load(replay) if isinstance(replay, (str, Path)) else replay
+    if options.pp_axis is not None or (saved is not None and saved.pipeline):  # pipeline stages (apmodel.pipeline)
+        if compare_recipes:
+            raise ValueError("compare_recipes prices the recipes without a pipeline: plan without pp_axis "
+                             "(--pp-axis) to compare them")
+        return plan_pipelined(workload, options, constraints=constraints, replay=saved, record=record,
+                              progress=progress)
     constraints = list(constraints)
-    if replay is not None:
-        constraints.append(replay_constraints(replay))
+    if saved is not None:
+        constraints.append(replay_constraints(saved))
     timings: dict[str, float] = {}
     progress.stage(f"tracing {workload.name}")
     captured = _capture(workload, options)
@@ -598,25 +605,37 @@ def parallelize_pipeline(
 def plan_pipelined(
     workload: Workload,
     options: PlanOptions,
-    pipeline: Any,
+    pipeline: Any = None,
     *,
     constraints: Sequence[ConstraintLike] = (),
     replay: Plan | str | Path | None = None,
     record: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
 ) -> PlanResult:
-    """Plan ``workload`` with a pipeline (:class:`apmodel.pipeline.PipelineOptions`): every allowed
-    degree priced, the cheapest that fits chosen (:func:`apmodel.pipeline.plan_pipeline`), each
-    SPMD plan made by :func:`plan_workload`. Returns the chosen degree's stage plan (on its stage
-    mesh, at the microbatch size; ``plan.pipeline`` holds the choice and every degree's price)."""
+    """Plan ``workload`` with a pipeline: every allowed degree priced, the cheapest that fits chosen
+    (:func:`apmodel.pipeline.plan_pipeline`), each SPMD plan made by :func:`plan_workload`.
+    ``pipeline``: a :class:`apmodel.pipeline.PipelineOptions` (default: from the options ``pp_axis``,
+    ``pp_degrees``, ``microbatches``, ``pp_schedule``, or the replayed plan's record). Returns the
+    chosen degree's stage plan (on its stage mesh, at the microbatch size; ``plan.pipeline`` holds
+    the choice and every degree's price); :func:`plan_workload` comes here when ``pp_axis`` is set."""
     from apmodel import pipeline as P
     from apmodel import recipes as R
 
     progress = progress or LogProgress()
     saved = Plan.load(replay) if isinstance(replay, (str, Path)) else replay
+    if pipeline is None:
+        if options.pp_axis is not None:
+            pipeline = P.PipelineOptions(options.pp_axis, options.pp_degrees or None, options.microbatches,
+                                         options.pp_schedule)
+        elif saved is not None and saved.pipeline:
+            pipeline = P.PipelineOptions(int(saved.pipeline["axis"]))
+        else:
+            raise TypeError("apmodel.plan_pipelined: give pp_axis (or a PipelineOptions, or a replayed pipelined plan)")
+
+    forced = [*constraints, *([] if saved is None else [replay_constraints(saved)])]  # the recorded stage plan
 
     def plan_spmd(wl: Workload, opts: PlanOptions, rec: Mapping[str, Any]) -> Plan:
-        return plan_workload(wl, opts, constraints=constraints, replay=saved, record={**dict(record or {}), **rec},
+        return plan_workload(wl, opts.replace(pp_axis=None), constraints=forced, record={**dict(record or {}), **rec},
                              progress=progress).plan
 
     plan, choice = P.plan_pipeline(workload, options, pipeline, plan_spmd, replay=saved, progress=progress.stage)

@@ -93,7 +93,9 @@ DEFAULT_SEED_RADIUS = 2
 MIXED_PARAM_DTYPES = ("bf16", "fp16")
 
 #: The groups of the options, in the order the README and ``apmodel plan --help`` show them.
-GROUPS = {"pricing": "Pricing", "search": "Search space", "solving": "Solving"}
+GROUPS = {"pricing": "Pricing", "search": "Search space", "pipeline": "Pipeline", "solving": "Solving"}
+#: Pipeline schedules (:mod:`apmodel.schedules`: Schedule1F1B, ScheduleInterleaved1F1B).
+PP_SCHEDULES = ("1f1b", "interleaved")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -150,7 +152,7 @@ class OptionSpec:
     ``kind`` is what a value is on the surfaces (:data:`KINDS`): ``str``, ``path`` (a file; with
     ``suffix``; ``relative``: read relative to the configuration file), ``object`` (a dotted name
     ``"package.module:Name"``), ``int``, ``float`` (``unit``; ``scale`` turns it into the field's
-    unit), ``bool`` (flag ``--x/--no-x``), ``ints`` (integers; a repeated flag), ``placements``
+    unit), ``bool`` (flag ``--x/--no-x``), ``ints`` (integers; a repeated flag, or comma-separated), ``placements``
     (one placement string per input or output, ``"default"`` for the default; a repeated flag),
     ``table`` (free keys; ``--flag KEY=VALUE``, repeated) and ``keys`` (the sub-keys ``keys``, which
     sit directly in the TOML section ``toml``; ``--flag KEY=VALUE``, repeated). ``range`` is an
@@ -451,6 +453,25 @@ class PlanOptions:
         None, help="Placement of each forward output, in order; the flag once per output.",
         toml="planner.output_placements", flag="--output-placement", group="search", kind="placements",
         default_doc="replicated scalars, batch-sharded others", python="or torch placements", model=True)
+    # pipeline
+    pp_axis: int | None = option(
+        None, help="Mesh axis that may carry pipeline stages: every allowed degree is priced (stage split, "
+                   "schedule, transfers, memory) and the cheapest that fits chosen (apmodel.pipeline).",
+        toml="pipeline.axis", flag="--pp-axis", group="pipeline", kind="int", range="[0, inf)",
+        default_doc="no pipeline")
+    pp_degrees: tuple[int, ...] = option(
+        (), help="Pipeline degrees allowed, divisors of the axis size (1: no pipelining, the axis joins the SPMD "
+                 "plan); the flag comma-separated (1,2,4) or once per degree.", toml="pipeline.degrees",
+        flag="--pp-degrees", group="pipeline", kind="ints", range="[1, inf)",
+        default_doc="every divisor of the axis size")
+    microbatches: int | None = option(
+        None, help="Microbatches per step of a pipeline (must divide the batch).", toml="pipeline.microbatches",
+        flag="--microbatches", group="pipeline", kind="int", range="[1, inf)",
+        default_doc="the smallest divisor of the batch that is at least twice the largest degree")
+    pp_schedule: str = option(
+        "1f1b", help="Pipeline schedule: 1f1b (Schedule1F1B) or interleaved (ScheduleInterleaved1F1B, two stages "
+                     "per rank).", toml="pipeline.schedule", flag="--pp-schedule", group="pipeline",
+        choices=PP_SCHEDULES)
     # solving
     solver: str = option(
         "trws", help="Solver backend of the plan (solvers.register adds one).", toml="solver.backend", flag="--solver", group="solving",
@@ -469,6 +490,7 @@ class PlanOptions:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once, here
         set_(self, "replicate_axes", tuple(int(a) for a in self.replicate_axes))
+        set_(self, "pp_degrees", tuple(sorted({int(d) for d in self.pp_degrees})))
         set_(self, "topology", dict(self.topology))
         set_(self, "solver_options", dict(self.solver_options))
         if isinstance(self.mixed_precision, (tuple, list)):  # ("bf16", "fp32"): FSDP2's policy pair
@@ -502,6 +524,9 @@ class PlanOptions:
         outside = [a for a in self.replicate_axes if a >= len(mesh_shape)]
         if outside:
             raise OptionsError(f"replicate_axes {list(self.replicate_axes)} name an axis outside mesh {tuple(mesh_shape)}")
+        if self.pp_axis is not None and self.pp_axis >= len(mesh_shape):
+            raise OptionsError(f"pp_axis {self.pp_axis} is out of range for mesh {tuple(mesh_shape)} "
+                               f"(axes 0..{len(mesh_shape) - 1})", "pp_axis")
 
     def seed_radius_for(self, n_axes: int) -> int:
         """The Hamming radius of the seeded search on a mesh of ``n_axes`` axes: ``seed_radius``,

@@ -325,6 +325,12 @@ def plan_pipeline(
     plans: dict[int, "Plan"] = {}
     priced: list[DegreePrice] = []
     n_layers = layer_count(workload)
+    v = schedules.stages_per_rank(pp.schedule)
+    for d in degrees:  # before any planning: each stage needs a layer
+        if d > 1 and d * v > n_layers:
+            raise PipelineError(f"pipeline degree {d} ({pp.schedule}, {d * v} stages): more stages than the model's "
+                                f"{n_layers} repeated layers; each stage needs at least one layer (allow smaller "
+                                f"degrees with pp_degrees / --pp-degrees)")
     for d in degrees:
         sub, _ = stage_mesh(mesh, pp.axis, d)
         sub_options = _stage_options(options, mesh, pp.axis, d)
@@ -345,7 +351,6 @@ def plan_pipeline(
                                       note="" if fits is not False else "no plan fits"))
             plans[1] = plan
             continue
-        v = schedules.stages_per_rank(pp.schedule)
         k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
         progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.schedule}; "
                  f"stage plan of {k_layers} layers")

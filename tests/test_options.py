@@ -61,8 +61,9 @@ def _sample(spec: OptionSpec, default: Any) -> Any:
         return value if value * spec.scale != default else value + 1
     if spec.kind == "bool":
         return default is not True
-    if spec.kind == "ints":
-        return [0, 1]
+    if spec.kind == "ints":  # the two smallest values in range
+        low = 0 if spec.bounds() is None else int(spec.bounds()[0])  # type: ignore[index]
+        return [low, low + 1]
     if spec.kind == "placements":
         return ["S(0)R", "default"]
     if spec.kind == "table":

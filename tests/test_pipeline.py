@@ -267,3 +267,66 @@ def test_a_pipelined_plan_replays(tmp_path):
         assert again.plan.pipeline[key] == pytest.approx(first.plan.pipeline[key]), key
     with pytest.raises(PipelineError, match=r"made for mesh \(2, 2\), got \(4,\)"):
         api.plan_pipelined(_unequal_workload((4,)), PlanOptions(device="h100"), PipelineOptions(axis=0), replay=path)
+
+
+# ------------------------------------------------------------------------------ the command line
+_CLI = ("plan", "--model", "llama3-debug", "--layers", "2", "--mesh", "2x2", "--seq", "64", "--batch", "8")
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from apmodel.cli import app
+
+    return CliRunner().invoke(app, [*_CLI, *args])
+
+
+def test_cli_json_gains_the_pipeline(tmp_path):
+    path = tmp_path / "pp.json"
+    res = _cli("--pp-axis", "0", "--pp-degrees", "1,2", "--microbatches", "2", "--json", "--out", str(path))
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    pp = data["pipeline"]
+    assert data["mesh"] == [2, 2] and pp["mesh"] == [2, 2] and pp["axis"] == 0
+    assert {"degree", "schedule", "microbatches", "stages", "bubble_us", "p2p_us", "alternatives"} <= set(pp)
+    assert pp["microbatches"] == 2 and pp["schedule"] == "1f1b"
+    alternatives = {a["degree"]: a for a in pp["alternatives"]}
+    assert set(alternatives) == {1, 2}
+    assert alternatives[2]["stages"] == [[0, 0], [1, 1]] and alternatives[1]["stages"] == []
+    for a in alternatives.values():
+        assert a["objective_us"] > 0 and a["peak_bytes"] > 0
+    chosen = min((a for a in alternatives.values() if a["fits"] is not False), key=lambda a: a["objective_us"])
+    assert pp["degree"] == chosen["degree"] and pp["objective_us"] == chosen["objective_us"]
+    assert Plan.load(path).pipeline == pp  # the plan file records the same choice
+    # forcing degree 2: the stage plan is on the stage mesh, the split of 2 layers one per stage
+    res = _cli("--pp-axis", "0", "--pp-degrees", "2", "--microbatches", "2", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["pipeline"]["degree"] == 2 and data["pipeline"]["stage_mesh"] == [2]
+    assert data["pipeline"]["stages"] == [[0, 0], [1, 1]] and data["pipeline"]["bubble_us"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--pp-axis", "0", "--microbatches", "3"), "microbatches 3 does not divide the batch 8"),
+    (("--pp-axis", "2"), "pp_axis 2 is out of range for mesh (2, 2)"),
+    (("--pp-axis", "0", "--pp-degrees", "3"), "degree 3 does not divide the size 2 of pipeline axis 0"),
+    (("--pp-axis", "0", "--pp-degrees", "1,x"), "--pp-degrees '1,x': expected integers"),
+    (("--pp-axis", "0", "--pp-schedule", "zb"), "--pp-schedule"),
+    (("--pp-axis", "0", "--compare-recipes"), "compare_recipes prices the recipes without a pipeline"),
+])
+def test_cli_bad_pipeline_requests_are_named(args, message):
+    res = _cli(*args, "--json")
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+
+
+def test_more_stages_than_layers_is_refused_before_planning():
+    from typer.testing import CliRunner
+
+    from apmodel.cli import app
+
+    args = [*_CLI, "--pp-axis", "0", "--pp-degrees", "4", "--json"]
+    args[args.index("2x2")] = "4x1"
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert "pipeline degree 4 (1f1b, 4 stages): more stages than the model's 2 repeated layers" in res.output

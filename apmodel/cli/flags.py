@@ -29,7 +29,7 @@ else:  # pragma: no cover
 #: The Python type click parses each kind of option's value into (lists: a repeated flag).
 _ANNOTATIONS: dict[str, Any] = {
     "str": Optional[str], "path": Optional[str], "object": Optional[str], "int": Optional[int],
-    "float": Optional[float], "bool": Optional[bool], "ints": Optional[List[int]],
+    "float": Optional[float], "bool": Optional[bool], "ints": Optional[List[str]],
     "placements": Optional[List[str]], "table": Optional[List[str]], "keys": Optional[List[str]],
 }
 
@@ -98,6 +98,18 @@ def _key_values(flag: str, items: list[str]) -> dict[str, tuple[str, Any]]:
     return out
 
 
+def _ints(flag: str, items: list[str]) -> list[int]:
+    """``["1,2", "4"]`` -> ``[1, 2, 4]``; a word that is not an integer is a :class:`CLIError`."""
+    out = []
+    for item in items:
+        for word in str(item).split(","):
+            try:
+                out.append(int(word))
+            except ValueError:
+                raise CLIError(f"{flag} {item!r}: expected integers, once per flag or comma-separated (1,2,4)") from None
+    return out
+
+
 def options_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
     """The options the flags give (field -> value in the field's units), checked as the TOML
     configuration's are; a bad value is a :class:`CLIError` naming the flag."""
@@ -122,6 +134,8 @@ def options_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
                     raise CLIError(f"{spec.flag} {item!r}: expected {e.what}") from None
             out[name] = values
             continue
+        if spec.kind == "ints":  # once per value, or comma-separated: --pp-degrees 1,2,4
+            raw = _ints(spec.flag, raw)
         try:
             out[name] = spec.read(list(raw) if isinstance(raw, (list, tuple)) else raw)
         except BadValue as e:

@@ -31,7 +31,7 @@ def plan_json(result, cfg) -> dict[str, Any]:
     lb = plan.solver.get("lower_bound_us")
     data: dict[str, Any] = {
         "model": cfg.model,
-        "mesh": list(plan.mesh_shape),
+        "mesh": list(plan.pipeline["mesh"] if plan.pipeline else plan.mesh_shape),  # a pipeline's: the whole mesh
         "device": result.options.device_name,
         "solver": result.options.solver,
         **{k: plan.sizes[k] for k in ("nodes", "groups", "states", "edges")},
@@ -57,6 +57,8 @@ def plan_json(result, cfg) -> dict[str, Any]:
         "memory": dict(plan.memory),
         "memory_limit_bytes": result.memory_limit_bytes,
     }
+    if plan.pipeline:  # the chosen degree, split, price and every degree priced (apmodel.pipeline_record)
+        data["pipeline"] = dict(plan.pipeline)
     if result.recipes is not None:
         data["recipes"] = {r.name: r.objective_us for r in result.recipes}
         data["recipes_detail"] = {
@@ -85,6 +87,11 @@ def print_plan(result, cfg, console: Console) -> None:
     console.print(f"[bold]apmodel plan[/]: {escape(str(cfg.model))} (seq {seq}, batch {cfg.batch}"
                   f"{f', {cfg.layers} layers' if cfg.layers else ''}) on mesh {'x'.join(map(str, mesh))} "
                   f"of {result.options.device_name}, priced in {result.options.dtype}", highlight=False)
+    pp = plan.pipeline
+    if pp and pp["degree"] > 1:
+        console.print(f"pipeline of degree {pp['degree']} on axis {pp['axis']} of mesh {'x'.join(map(str, pp['mesh']))}: "
+                      f"the tables below are one stage plan, one microbatch of {cfg.batch // pp['microbatches']} "
+                      f"on the stage mesh (the last table prices the pipeline)", highlight=False)
 
     t = Table(title="Problem and solver", show_header=False, title_justify="left")
     t.add_column("what")
@@ -147,6 +154,8 @@ def print_plan(result, cfg, console: Console) -> None:
         t.add_row(axis.replace("axis", ""), str(mesh[int(axis[4:])]), desc)
     console.print(t)
 
+    if plan.pipeline:
+        _print_pipeline(plan.pipeline, result.memory_limit_bytes, console)
     if result.recipes is not None:
         _print_recipes(result, cfg, console)
     for w in result.warnings:  # plan warnings and recipe checks; literal text, never markup
@@ -200,3 +209,29 @@ def _print_recipes(result, cfg, console: Console) -> None:
                       "(--memory-limit-gb; default HBM less 10%); (over): does not fit.", style="dim", highlight=False)
     for n in notes:
         console.print(f"  {n}", style="dim", highlight=False, markup=False)
+
+
+def _print_pipeline(pp: dict[str, Any], limit: float | None, console: Console) -> None:
+    """Every pipeline degree priced, as the recipe table compares recipes (the chosen one in bold)."""
+    title = (f"Pipeline degrees on mesh axis {pp['axis']} ({pp['schedule']}, {pp['microbatches']} microbatches; "
+             f"µs per training step, bytes on the fullest device)")
+    t = Table(title=title, title_justify="left")
+    for col in ("degree", "stage mesh", "stages (layers)", "step µs", "bubble", "p2p µs", "peak memory", "vs chosen"):
+        t.add_column(col, justify="left" if col in ("degree", "stage mesh", "stages (layers)") else "right")
+    best = pp["objective_us"]
+    for a in pp["alternatives"]:
+        stages = ", ".join(f"{s[0]}-{s[1]}" for s in a["stages"]) if a["stages"] else "no pipelining"
+        if len(stages) > 48:
+            stages = stages[:45] + "..."
+        bubble = f"{100 * a['bubble_us'] / a['objective_us']:.1f}%" if a["objective_us"] else ""
+        peak = Text(_fmt_bytes(a["peak_bytes"]) + (" (over)" if a["fits"] is False else ""),
+                    style="red" if a["fits"] is False else "")
+        chosen = a["degree"] == pp["degree"]
+        t.add_row(f"[bold]{a['degree']}[/]" if chosen else str(a["degree"]), "x".join(map(str, a["stage_mesh"])),
+                  stages, _fmt_us(a["objective_us"]), bubble, _fmt_us(a["p2p_us"]), peak,
+                  f"{100 * (a['objective_us'] - best) / best:+.1f}%" if best else "")
+    console.print(t)
+    note = "the tables above are the chosen degree's stage plan (one microbatch on the stage mesh)"
+    if limit is not None:
+        note += f"; peak memory against the limit of {_fmt_bytes(limit)} ((over): does not fit)"
+    console.print(note, style="dim", highlight=False)
