@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -307,6 +308,7 @@ def plan_pipeline(
     batch) with ``plan.pipeline`` set, and the choice. ``replay``: a plan with a recorded pipeline
     (its axis, degree, microbatches, schedule and split are kept instead of ``pp``'s; its placements
     are forced by the caller's ``plan_spmd``)."""
+    start = time.perf_counter()
     mesh = tuple(workload.mesh_shape)
     batch = batch_of(workload)
     fixed_stages, fixed_layers = None, None
@@ -372,7 +374,7 @@ def plan_pipeline(
         plans[d] = plan
     best = choose(priced)
     choice = PipelineChoice(axis=pp.axis, mesh=mesh, schedule=pp.schedule, microbatches=m, chosen=best,
-                            alternatives=priced)
+                            alternatives=priced, planning_s=time.perf_counter() - start)
     plan = plans[best.degree]
     plan.pipeline = choice.to_json()
     return plan, choice

@@ -51,6 +51,8 @@ class PipelineChoice:
     microbatches: int
     chosen: DegreePrice
     alternatives: list[DegreePrice] = field(default_factory=list)
+    planning_s: float = 0.0
+    """seconds spent planning and pricing every degree"""
 
     @property
     def degree(self) -> int:
@@ -63,7 +65,7 @@ class PipelineChoice:
                 "microbatches": self.microbatches, "stage_mesh": list(c.stage_mesh),
                 "stages": [list(s) for s in c.stages], "objective_us": c.objective_us, "bubble_us": c.bubble_us,
                 "p2p_us": c.p2p_us, "peak_bytes": c.peak_bytes, "stage_us": list(c.stage_us),
-                "alternatives": [a.to_json() for a in self.alternatives]}
+                "alternatives": [a.to_json() for a in self.alternatives], "planning_s": self.planning_s}
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> "PipelineChoice":
@@ -127,4 +129,5 @@ class PipelineChoice:
         chosen = degree_price(data, "")
         return cls(axis=integer(data.get("axis"), "axis", 0), mesh=ints(data.get("mesh"), "mesh"), schedule=schedule,
                    microbatches=integer(data.get("microbatches"), "microbatches"), chosen=chosen,
-                   alternatives=[degree_price(a, f"alternatives[{i}]") for i, a in enumerate(alternatives)])
+                   alternatives=[degree_price(a, f"alternatives[{i}]") for i, a in enumerate(alternatives)],
+                   planning_s=number(data.get("planning_s", 0.0), "planning_s") or 0.0)
