@@ -55,6 +55,19 @@ LOOKBACK = 3  # inputs come from up to this many previous layers
 P_FORBIDDEN = 0.1  # fraction of layout transfers that are forbidden (like R -> P)
 
 
+def _layered_pairs(rng: np.random.Generator, n_vars: int, n_edges: int, lookback: int) -> list[tuple[int, int]]:
+    """Up to ``n_edges`` edges of a layered DAG (``LAYER_WIDTH`` variables a layer): every variable
+    after the first layer takes inputs from the ``lookback`` layers before its own."""
+    layer = np.arange(n_vars) // LAYER_WIDTH
+    per_var = max(1, round(n_edges / max(1, n_vars - LAYER_WIDTH)))
+    pairs = set()
+    for v in range(LAYER_WIDTH, n_vars):
+        lo = max(0, (layer[v] - lookback) * LAYER_WIDTH)
+        for u in rng.integers(lo, layer[v] * LAYER_WIDTH, size=per_var):
+            pairs.add((int(u), v))
+    return sorted(pairs)[:n_edges]
+
+
 def placement_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0) -> solvers.PairwiseProblem:
     rng = np.random.default_rng(seed)
     # state s of every variable has layout s % N_LAYOUTS (layout 0 = replicated); states sharing a
@@ -71,15 +84,7 @@ def placement_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0) -> s
     layout_speedup = np.array([1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0, 8.0])[:N_LAYOUTS]
     unary = base[:, None] / layout_speedup[layout] * rng.uniform(0.8, 1.25, size=(n_vars, n_states))
     # layered DAG
-    layer = np.arange(n_vars) // LAYER_WIDTH
-    per_var = max(1, round(n_edges / max(1, n_vars - LAYER_WIDTH)))
-    pairs = set()
-    for v in range(LAYER_WIDTH, n_vars):
-        lo = max(0, (layer[v] - LOOKBACK) * LAYER_WIDTH)
-        hi = layer[v] * LAYER_WIDTH
-        for u in rng.integers(lo, hi, size=per_var):
-            pairs.add((int(u), v))
-    pairs = sorted(pairs)[:n_edges]
+    pairs = _layered_pairs(rng, n_vars, n_edges, LOOKBACK)
     size = rng.lognormal(mean=2.0, sigma=1.0, size=len(pairs))  # edge scale (tensor size)
     edges = []
     for (u, v), s in zip(pairs, size):
@@ -156,14 +161,7 @@ def redistribution_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0)
         out.append(layouts[rng.integers(0, REDIST_LAYOUTS, size=n_states)])
     base = rng.lognormal(mean=np.log(REDIST_COMPUTE_US), sigma=1.0, size=n_vars)  # µs of compute on one device
     unary = [base[v] / split[out[v]] * rng.uniform(0.8, 1.25, size=n_states) for v in range(n_vars)]
-    layer = np.arange(n_vars) // LAYER_WIDTH
-    per_var = max(1, round(n_edges / max(1, n_vars - LAYER_WIDTH)))
-    pairs = set()
-    for v in range(LAYER_WIDTH, n_vars):
-        lo = max(0, (layer[v] - REDIST_LOOKBACK) * LAYER_WIDTH)
-        for u in rng.integers(lo, layer[v] * LAYER_WIDTH, size=per_var):
-            pairs.add((int(u), v))
-    pairs = sorted(pairs)[:n_edges]
+    pairs = _layered_pairs(rng, n_vars, n_edges, REDIST_LOOKBACK)
     sizes = rng.lognormal(mean=np.log(REDIST_BYTES), sigma=1.0, size=len(pairs))  # bytes of the whole tensor
     edges = []
     for (u, v), nb in zip(pairs, sizes):

@@ -40,15 +40,14 @@ def available() -> bool:
 class Kernels:
     """The compiled functions (see the module docstring for the arrays they take)."""
 
-    sweep_forward: Any
-    sweep_backward: Any
+    sweep: Any
     edge_bound: Any
     energy: Any
 
 
 def warm() -> bool:
     """Whether this process has already run the compiled sweeps (so using them costs nothing more)."""
-    return kernels.cache_info().currsize > 0 and bool(kernels().sweep_forward.signatures)
+    return kernels.cache_info().currsize > 0 and bool(getattr(kernels().sweep, "signatures", True))
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,7 +56,7 @@ def kernels() -> Kernels:
     import numba
 
     jit = numba.njit(cache=True, nogil=True)
-    return Kernels(jit(_sweep_forward), jit(_sweep_backward), jit(_edge_bound), jit(_energy))
+    return Kernels(jit(_sweep), jit(_edge_bound), jit(_energy))
 
 
 class RaggedEdges:
@@ -117,17 +116,13 @@ class RaggedEdges:
     def sweep(self, forward: bool, unary: np.ndarray, lo: np.ndarray, hi: np.ndarray,
               x: np.ndarray | None) -> None:
         """One sweep (forward: into ``lo``, decoding into ``x`` when given; backward: into ``hi``)."""
-        k = kernels()
-        common = (self.eu, self.ev, self.uptr, self.vptr, self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk,
-                  self.gamma, self.offsets, self.n_states, unary, lo, hi, self.msg_f, self.msg_b)
-        if forward:
-            decode = x is not None
-            xx = x if x is not None else np.zeros(len(self.n_states), dtype=np.int64)
-            cond = np.zeros(len(unary)) if decode else np.zeros(0)
-            k.sweep_forward(self.level_ptr_f, self.order_f, self.vlevel_ptr_f, self.vorder_f, *common, decode, xx,
-                            cond, self._s1, self._s2)
-        else:
-            k.sweep_backward(self.level_ptr_b, self.order_b, *common, self._s1, self._s2)
+        decode = forward and x is not None
+        xx = x if x is not None and forward else np.zeros(len(self.n_states), dtype=np.int64)
+        cond = np.zeros(len(unary)) if decode else np.zeros(0)
+        levels = (self.level_ptr_f, self.order_f) if forward else (self.level_ptr_b, self.order_b)
+        kernels().sweep(forward, *levels, self.vlevel_ptr_f, self.vorder_f, self.eu, self.ev, self.uptr, self.vptr,
+                        self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk, self.gamma, self.offsets,
+                        self.n_states, unary, lo, hi, self.msg_f, self.msg_b, decode, xx, cond, self._s1, self._s2)
 
     def energy(self, unary: np.ndarray, x: np.ndarray, big: float) -> float:
         """Energy of ``x`` with the internal ``unary``; +inf when it takes a forbidden pair (cost ``big``)."""
@@ -147,12 +142,13 @@ def _by_level(lev: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.ndarray]:
     return order, np.searchsorted(lev[order], np.arange(n_levels + 1)).astype(np.int64)
 
 
-def _sweep_forward(level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk,
-                   gamma, offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc):  # pragma: no cover
-    """Messages from every edge's earlier endpoint into its later one, level by level; ``lo`` (messages
-    from earlier neighbours) kept in step.  With ``decode``: before a level's edges, its variables take
-    the state minimising unary + messages from later neighbours + the costs to their already decoded
-    earlier neighbours (``cond``).  ``hm``, ``nc``: scratch of at least the largest class count."""
+def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma,
+           offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc):  # pragma: no cover
+    """One sweep, level by level. Forward: messages from every edge's earlier endpoint into its later
+    one, ``lo`` (messages from earlier neighbours) kept in step; with ``decode``, before a level's
+    edges its variables take the state minimising unary + messages from later neighbours + the
+    costs to their already decoded earlier neighbours (``cond``). Backward: from the later endpoint
+    into the earlier one, ``hi`` kept in step. ``hm``, ``nc``: scratch of the largest class count."""
     for L in range(len(level_ptr) - 1):
         if decode:
             for k in range(vlevel_ptr[L], vlevel_ptr[L + 1]):
@@ -166,72 +162,39 @@ def _sweep_forward(level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu,
                 x[v] = arg
         for k in range(level_ptr[L], level_ptr[L + 1]):
             e = order[k]
-            u, v = eu[e], ev[e]
-            a, b, cu, cv = n_states[u], n_states[v], mu[e], mv[e]
-            ou, ov, pu, pv, pb = offsets[u], offsets[v], uptr[e], vptr[e], bptr[e]
-            g = gamma[u]
-            for c in range(cu):
+            if forward:  # block entry (class of src, class of dst) at src * stride_src + dst * stride_dst
+                src, dst, ps, pd, lsrc, ldst, cs, cd = eu[e], ev[e], uptr[e], vptr[e], lu, lv, mu[e], mv[e]
+                stride_src, stride_dst, into, back, acc = mv[e], 1, msg_f, msg_b, lo
+            else:
+                src, dst, ps, pd, lsrc, ldst, cs, cd = ev[e], eu[e], vptr[e], uptr[e], lv, lu, mv[e], mu[e]
+                stride_src, stride_dst, into, back, acc = 1, mv[e], msg_b, msg_f, hi
+            os, od, pb, g = offsets[src], offsets[dst], bptr[e], gamma[src]
+            for c in range(cs):
                 hm[c] = np.inf
-            for s in range(a):
-                i = ou + s
-                h = g * (unary[i] + lo[i] + hi[i]) - msg_b[pu + s]
-                c = lu[pu + s]
+            for s in range(n_states[src]):
+                i = os + s
+                h = g * (unary[i] + lo[i] + hi[i]) - back[ps + s]
+                c = lsrc[ps + s]
                 if h < hm[c]:
                     hm[c] = h
             low = np.inf
-            for d in range(cv):
+            for d in range(cd):
                 best = np.inf
-                for c in range(cu):
-                    t = hm[c] + blk[pb + c * cv + d]
+                for c in range(cs):
+                    t = hm[c] + blk[pb + c * stride_src + d * stride_dst]
                     if t < best:
                         best = t
                 nc[d] = best
                 if best < low:
                     low = best
-            for t in range(b):
-                new = nc[lv[pv + t]] - low
-                lo[ov + t] += new - msg_f[pv + t]
-                msg_f[pv + t] = new
+            for t in range(n_states[dst]):
+                new = nc[ldst[pd + t]] - low
+                acc[od + t] += new - into[pd + t]
+                into[pd + t] = new
             if decode:
-                row = pb + lu[pu + x[u]] * cv
-                for t in range(b):
-                    cond[ov + t] += blk[row + lv[pv + t]]
-
-
-def _sweep_backward(level_ptr, order, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma, offsets, n_states,
-                    unary, lo, hi, msg_f, msg_b, hm, nc):  # pragma: no cover
-    """Messages from every edge's later endpoint into its earlier one, in backward level order;
-    ``hi`` (messages from later neighbours) kept in step."""
-    for L in range(len(level_ptr) - 1):
-        for k in range(level_ptr[L], level_ptr[L + 1]):
-            e = order[k]
-            u, v = eu[e], ev[e]
-            a, b, cu, cv = n_states[u], n_states[v], mu[e], mv[e]
-            ou, ov, pu, pv, pb = offsets[u], offsets[v], uptr[e], vptr[e], bptr[e]
-            g = gamma[v]
-            for d in range(cv):
-                hm[d] = np.inf
-            for t in range(b):
-                i = ov + t
-                h = g * (unary[i] + lo[i] + hi[i]) - msg_f[pv + t]
-                d = lv[pv + t]
-                if h < hm[d]:
-                    hm[d] = h
-            low = np.inf
-            for c in range(cu):
-                best = np.inf
-                row = pb + c * cv
-                for d in range(cv):
-                    t = hm[d] + blk[row + d]
-                    if t < best:
-                        best = t
-                nc[c] = best
-                if best < low:
-                    low = best
-            for s in range(a):
-                new = nc[lu[pu + s]] - low
-                hi[ou + s] += new - msg_b[pu + s]
-                msg_b[pu + s] = new
+                row = pb + lsrc[ps + x[src]] * stride_src
+                for t in range(n_states[dst]):
+                    cond[od + t] += blk[row + ldst[pd + t] * stride_dst]
 
 
 def _edge_bound(eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma, offsets, n_states, theta, msg_f,

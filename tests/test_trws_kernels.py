@@ -20,8 +20,7 @@ HAS_NUMBA = trws_compiled.available()
 def compiled(monkeypatch):
     """The compiled kernel: numba's when installed, else the same functions interpreted."""
     if not HAS_NUMBA:
-        plain = trws_compiled.Kernels(trws_compiled._sweep_forward, trws_compiled._sweep_backward,
-                                      trws_compiled._edge_bound, trws_compiled._energy)
+        plain = trws_compiled.Kernels(trws_compiled._sweep, trws_compiled._edge_bound, trws_compiled._energy)
         monkeypatch.setattr(trws_compiled, "kernels", lambda: plain)
         monkeypatch.setattr(trws_compiled, "available", lambda: True)
     return "numba"
