@@ -583,6 +583,9 @@ def parallelize_pipeline(
         if not plan.pipeline:
             raise ValueError("apmodel.parallelize_pipeline: the plan records no pipeline (plan with a pipeline axis)")
         record = plan.pipeline
+        if record["degree"] == 1:
+            raise ValueError("apmodel.parallelize_pipeline: the plan chose no pipelining (degree 1): lower it with "
+                             "apmodel.parallelize on the whole mesh")
         stages = stages or [tuple(s) for s in record["stages"]]
         microbatches = microbatches or record["microbatches"]
         schedule = schedule or record["schedule"]
