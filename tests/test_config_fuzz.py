@@ -34,6 +34,7 @@ FULL: dict[str, Any] = {
                 "optimizer": "sgd", "ac": "selective", "memory_limit_GB": 70.0, "merge_copies": True,
                 "flow_coupling": True, "seeding": True, "seed_radius": 2, "seed_widen_inputs": False,
                 "input_placements": ["S(0)R", "default"], "output_placements": ["RR"]},
+    "pipeline": {"axis": 0, "degrees": [1, 2, 4], "microbatches": 8, "schedule": "interleaved"},
     "constraints": [
         {"fix": "layers.*.attention.wo.weight", "placement": "S(0)S(1)"},
         {"forbid": "output.weight", "placement": "RR", "on": "input:1", "name": "no"},
@@ -88,6 +89,12 @@ seed_radius = 2
 seed_widen_inputs = false
 input_placements = ["S(0)R", "default"]
 output_placements = ["RR"]
+
+[pipeline]
+axis = 0
+degrees = [1, 2, 4]
+microbatches = 8
+schedule = "interleaved"
 
 [[constraints]]
 fix = "layers.*.attention.wo.weight"
