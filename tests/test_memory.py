@@ -92,7 +92,8 @@ def test_state_bytes_are_the_sharded_parameters(tiny, optimizer):
 def test_a_memory_limit_changes_the_plan_to_fit(tiny):
     free = apmodel.plan(tiny, (2, 2), param_policy="free", solver="highs", memory_limit=math.inf)
     tight = free.memory["peak_bytes"] * 0.8
-    fitted = apmodel.plan(tiny, (2, 2), param_policy="free", solver="highs", memory_limit=tight)
+    # TRW-S under the memory row (HiGHS's MILP reaches the same plan here in ~4x the time)
+    fitted = apmodel.plan(tiny, (2, 2), param_policy="free", solver="trws", memory_limit=tight)
     assert fitted.memory["peak_bytes"] <= tight
     assert fitted.objective_us >= free.objective_us - 1e-6  # the limit can only cost time
     assert fitted.node_strategy != free.node_strategy
