@@ -83,7 +83,7 @@ def _compiled_kernel(kernel: str) -> bool:
         return False
     if not trws_compiled.available():
         raise ValueError("trws kernel 'numba' needs the numba package, which is not installed (pip install "
-                         "numba, or apmodel's 'fast' extra); kernels 'auto' and 'numpy' run without it")
+                         "numba, an apmodel dependency); kernels 'auto' and 'numpy' run without it")
     try:
         trws_compiled.kernels()
     except Exception as err:  # numba present but unusable (e.g. a numpy it does not support)
