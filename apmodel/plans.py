@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -467,6 +467,21 @@ def structure_fingerprint(captured: "CapturedGraph") -> str:
     return h.hexdigest()
 
 
+def planned_edges(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> Iterator[tuple[Any, Any, tuple[str, ...], tuple[str, ...]]]:
+    """Every edge of ``pmodel`` that carries a placed tensor under ``node_strategy``:
+    ``(edge, value, placement at the producer, placement the consumer reads)`` (placement strings;
+    a gradient edge's consumer reads at its parameter's own placement)."""
+    for e in pmodel.edges:
+        prod = pmodel.node_by_name[e.producer]
+        val = prod.meta["val"][e.out_index] if isinstance(prod.meta["val"], (list, tuple)) else prod.meta["val"]
+        src = pmodel.output_strs(node_strategy[e.producer], e.out_index)
+        cons = node_strategy[e.consumer]
+        dst_p = cons.outputs[0] if e.slot < 0 else cons.inputs[e.slot]
+        if src is None or dst_p is None:
+            continue
+        yield e, val, src, tuple(pl.to_str(x) for x in dst_p)
+
+
 def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> dict[str, Any]:
     """Objective of ``node_strategy`` under ``pmodel``'s costs, broken down (all in µs)."""
     cost = pmodel.cost
@@ -500,15 +515,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
             comm_total += us
             per_layer[layer]["comm_us"] += us
 
-    for e in pmodel.edges:
-        prod = pmodel.node_by_name[e.producer]
-        val = prod.meta["val"][e.out_index] if isinstance(prod.meta["val"], (list, tuple)) else prod.meta["val"]
-        src = pmodel.output_strs(node_strategy[e.producer], e.out_index)
-        cons = node_strategy[e.consumer]
-        dst_p = cons.outputs[0] if e.slot < 0 else cons.inputs[e.slot]
-        if src is None or dst_p is None:
-            continue
-        dst = tuple(pl.to_str(x) for x in dst_p)
+    for e, val, src, dst in planned_edges(pmodel, node_strategy):
         add_steps(tuple(val.shape), val.dtype, src, dst, label[e.consumer],
                   gradient=pmodel.is_param_gradient(e))
     for name, want in pmodel.boundary_outputs.items():

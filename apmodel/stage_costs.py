@@ -32,12 +32,12 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from apmodel import placements as pl
 from apmodel.capture import aliases_first_input
 from apmodel.clustering import local_signature
 from apmodel.conventions import ModelConventions, layer_pattern_from_names
 from apmodel.cost_labels import node_labels
 from apmodel.memory import OPTIMIZER_STATE_COPIES
+from apmodel.plans import planned_edges
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -204,15 +204,7 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         if c is None:
             c = memo[key] = float(cost.compute_vector(n, [s])[0])
         (bwd if is_bwd.get(n.name) else fwd)[unit[n.name]] += c
-    for e in pmodel.edges:
-        prod = pmodel.node_by_name[e.producer]
-        val = prod.meta["val"][e.out_index] if isinstance(prod.meta["val"], (list, tuple)) else prod.meta["val"]
-        src = pmodel.output_strs(node_strategy[e.producer], e.out_index)
-        cons = node_strategy[e.consumer]
-        dst_p = cons.outputs[0] if e.slot < 0 else cons.inputs[e.slot]
-        if src is None or dst_p is None:
-            continue
-        dst = tuple(pl.to_str(x) for x in dst_p)
+    for e, val, src, dst in planned_edges(pmodel, node_strategy):
         gradient = pmodel.is_param_gradient(e)
         us = sum(step[3] for step in cost.redistribution_steps(tuple(val.shape), val.dtype, src, dst, gradient=gradient))
         if not us:
