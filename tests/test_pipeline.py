@@ -330,3 +330,14 @@ def test_more_stages_than_layers_is_refused_before_planning():
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2, res.output
     assert "pipeline degree 4 (1f1b, 4 stages): more stages than the model's 2 repeated layers" in res.output
+
+
+def test_a_stage_mesh_keeps_its_links():
+    """A pipeline on the inner axis of (8, 4): the stage mesh's 8 ranks sit 4 apart, across 4 nodes of
+    8, and its collectives are priced so (not as one node's 8 consecutive ranks)."""
+    from apmodel.pipeline import _stage_options
+
+    options = _stage_options(PlanOptions(device="h100"), (8, 4), 1, 4)
+    link = options.comm_model.topo.axis(0)
+    assert (link.size, link.nodes, link.ranks_per_node) == (8, 4, 2)
+    assert _stage_options(PlanOptions(device="h100"), (4, 8), 0, 4).comm_model is None  # row-major already
