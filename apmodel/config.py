@@ -53,7 +53,8 @@ else:  # pragma: no cover
 
 from apmodel import constraints as C
 from apmodel import placements as pl
-from apmodel.options import BadValue, OptionsError, OptionSpec, PlanOptions, option_spec, toml_keys
+from apmodel.option_spec import BadValue, OptionSpec
+from apmodel.options import OptionsError, PlanOptions, option_spec, toml_keys
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,7 @@ and its flags), the recipes and the benchmarks all build one, and a plan file re
 ``workload`` (:meth:`PlanOptions.to_record`), from which ``apmodel explain`` and ``apmodel report``
 rebuild the model (:meth:`PlanOptions.from_record`).
 
-Each field carries its whole declaration in its metadata (:class:`OptionSpec`, made by
+Each field carries its whole declaration in its metadata (:class:`~apmodel.option_spec.OptionSpec`, made by
 :func:`option`): default, help text, TOML section and key, command-line flag, kind of value,
 allowed values or range, unit. Everything else is generated from it:
 
@@ -36,7 +36,7 @@ keyword arguments (:meth:`PlanOptions.model_kwargs`).
    (``choices=`` for a closed set of strings, ``kind="bool"`` for a ``--x/--no-x`` flag, ``"ints"``
    (each item in ``range``) or ``"placements"`` for a repeated flag, ``"table"`` for
    ``--flag KEY=VALUE``; a new TOML section such as ``[pipeline]`` needs nothing more: the sections
-   are the ones the specs name; a new group is one entry of :data:`GROUPS`);
+   are the ones the specs name; a new group is one entry of :data:`~apmodel.option_spec.GROUPS`);
 2. read it where the pipeline needs it (``options.microbatches``); cross-field checks go in
    ``__post_init__``, checks against the mesh in :meth:`PlanOptions.check_mesh`;
 3. run ``python tools/options_table.py`` to regenerate the README's table.
@@ -52,10 +52,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
-import re
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
+
+from apmodel.option_spec import _SPEC, GROUPS, BadValue, OptionSpec, _is_number, option
 
 ParamPolicy = Literal["full_shard", "free"]
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-nomomentum", "none"]
@@ -92,8 +92,6 @@ DEFAULT_SEED_RADIUS = 2
 #: Param dtypes a mixed-precision step can compute in (the reduce dtype is always fp32).
 MIXED_PARAM_DTYPES = ("bf16", "fp16")
 
-#: The groups of the options, in the order the README and ``apmodel plan --help`` show them.
-GROUPS = {"pricing": "Pricing", "search": "Search space", "pipeline": "Pipeline", "solving": "Solving"}
 #: Pipeline schedules (:mod:`apmodel.schedules`: Schedule1F1B, ScheduleInterleaved1F1B).
 PP_SCHEDULES = ("1f1b", "interleaved")
 
@@ -120,220 +118,6 @@ class OptionsError(ValueError):
     def __init__(self, message: str, option: str | None = None) -> None:
         super().__init__(message)
         self.option = option
-
-
-class BadValue(ValueError):
-    """A value given on a surface (TOML, a flag) is not what its option takes: ``what`` it must be."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(what)
-        self.what = what
-
-
-# ------------------------------------------------------------------------------- the specs
-#: What a value is, on the surfaces (TOML, flags), for each ``OptionSpec.kind``.
-KINDS = ("str", "path", "object", "int", "float", "bool", "ints", "placements", "table", "keys")
-_OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
-_RANGE = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    """The declaration of one option (a :class:`PlanOptions` field's metadata; :func:`option`).
-
-    ``kind`` is what a value is on the surfaces (:data:`KINDS`): ``str``, ``path`` (a file; with
-    ``suffix``; ``relative``: read relative to the configuration file), ``object`` (a dotted name
-    ``"package.module:Name"``), ``int``, ``float`` (``unit``; ``scale`` turns it into the field's
-    unit), ``bool`` (flag ``--x/--no-x``), ``ints`` (integers; a repeated flag, or comma-separated), ``placements``
-    (one placement string per input or output, ``"default"`` for the default; a repeated flag),
-    ``table`` (free keys; ``--flag KEY=VALUE``, repeated) and ``keys`` (the sub-keys ``keys``, which
-    sit directly in the TOML section ``toml``; ``--flag KEY=VALUE``, repeated). ``range`` is an
-    interval such as ``"(0, 1]"`` or ``"[0, inf)"`` (of each item for ``ints``). ``default_doc`` says
-    what a ``None`` default means; ``python`` what the Python API takes beyond the surfaces (values
-    of another type are not checked against ``choices``); ``help_from`` names a function
-    (``"module:function"``) whose text ``--help`` appends; ``registry`` one (``"module:function"``)
-    listing the backends the option may name, checked before planning (:meth:`PlanOptions.check_available`);
-    ``model``: the option is a keyword argument of the placement model (:meth:`PlanOptions.model_kwargs`).
-    """
-
-    help: str
-    toml: str
-    flag: str
-    kind: str = "str"
-    group: str = "pricing"
-    choices: tuple[str, ...] = ()
-    range: str = ""
-    unit: str = ""
-    scale: float = 1.0
-    suffix: str = ""
-    relative: bool = False
-    default_doc: str = ""
-    python: str = ""
-    help_from: str = ""
-    registry: str = ""
-    model: bool = False
-    keys: Mapping[str, "OptionSpec"] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"option kind {self.kind!r} is not one of {KINDS}")
-        if self.group not in GROUPS:
-            raise ValueError(f"option group {self.group!r} is not one of {tuple(GROUPS)}")
-        if self.range and _RANGE.fullmatch(self.range) is None:
-            raise ValueError(f"option range {self.range!r}: expected an interval such as '(0, 1]' or '[0, inf)'")
-
-    # ------------------------------------------------------------------------ reading
-    @property
-    def section(self) -> str:
-        return self.toml.split(".")[0]
-
-    @property
-    def key(self) -> str:
-        """The TOML key within the section (``""`` for ``keys``: its sub-keys sit in the section)."""
-        return self.toml.partition(".")[2]
-
-    def bounds(self) -> tuple[float, bool, float, bool] | None:
-        """``(low, low_open, high, high_open)`` of ``range``."""
-        m = _RANGE.fullmatch(self.range) if self.range else None
-        if m is None:
-            return None
-        return float(m.group(2)), m.group(1) == "(", float(m.group(3)), m.group(4) == ")"
-
-    def in_range(self, v: float, scale: float = 1.0) -> bool:
-        """Whether ``v`` lies in ``range`` (its bounds times ``scale``); NaN never does."""
-        b = self.bounds()
-        if b is None:
-            return not (isinstance(v, float) and math.isnan(v))
-        lo, lo_open, hi, hi_open = b[0] * scale, b[1], b[2] * scale, b[3]
-        return (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
-
-    def range_text(self) -> str:
-        """``" in (0, 1]"``, ``" > 0"``, ``" >= 1"`` (finiteness is said by :meth:`what`)."""
-        b = self.bounds()
-        if b is None:
-            return ""
-        lo, lo_open, hi, _ = b
-        if math.isinf(hi):
-            return f" {'>' if lo_open else '>='} {lo:g}"
-        return f" in {self.range.strip()}"
-
-    def what(self, quote: bool = True) -> str:
-        """What a value must be, for error messages (``quote``: choices as TOML strings)."""
-        k = self.kind
-        if k == "str":
-            if self.registry:
-                return f"a backend of {self.registry.replace(':', '.')}()"
-            if self.choices:
-                return "one of " + ", ".join(f'"{c}"' if quote else c for c in self.choices)
-            return "a string"
-        if k == "path":
-            return f"a path to a {self.suffix} file" if self.suffix else "a path"
-        if k == "object":
-            return 'a dotted name "package.module:Name"'
-        if k == "int":
-            return f"an integer{self.range_text()}"
-        if k == "float":
-            b = self.bounds()
-            finite = "a finite number" if b is not None and math.isinf(b[2]) and b[3] else "a number"
-            return f"{finite}{self.range_text()}" + (f" ({self.unit})" if self.unit else "")
-        if k == "bool":
-            return "true or false"
-        if k == "ints":
-            return f"a list of integers{self.range_text()}"
-        if k == "placements":
-            return 'a list of placement strings such as "S(0)R" ("default": the default placement)'
-        if k == "table":
-            return "a table"
-        return "a table of " + ", ".join(self.keys)
-
-    def read(self, value: Any) -> Any:
-        """A surface value (TOML, or a flag's) as the field holds it; :class:`BadValue` if it is not
-        :meth:`what` the option takes. ``keys`` options read each sub-key with its own spec."""
-        k = self.kind
-        if k in ("str", "path", "object"):
-            if not isinstance(value, str) or not value.strip():  # an empty name or path is never meant
-                raise BadValue(self.what())
-            if self.choices and value not in self.choices:
-                raise BadValue(self.what())
-            if k == "path" and self.suffix and not value.lower().endswith(self.suffix):
-                raise BadValue(self.what())
-            if k == "object" and not _OBJECT_SPEC.fullmatch(value):
-                raise BadValue(self.what())
-            return value
-        if k == "int":
-            if not _is_int(value) or not self.in_range(value):
-                raise BadValue(self.what())
-            return value
-        if k == "float":
-            if not _is_number(value) or not self.in_range(value):
-                raise BadValue(self.what())
-            return float(value) * self.scale
-        if k == "bool":
-            if not isinstance(value, bool):
-                raise BadValue(self.what())
-            return value
-        if k == "ints":
-            if not isinstance(value, (list, tuple)) or not all(_is_int(a) and self.in_range(a) for a in value):
-                raise BadValue(self.what())
-            return tuple(value)
-        if k == "placements":
-            if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
-                raise BadValue(self.what())
-            from apmodel import placements as pl  # torch: only when placements are given
-
-            out: list[str | None] = []
-            for p in value:
-                if p == "default":
-                    out.append(None)
-                    continue
-                try:
-                    pl.parse(p)
-                except ValueError as e:
-                    raise BadValue(f"{self.what()}; {e}") from None
-                out.append(p)
-            return tuple(out)
-        if not isinstance(value, dict):
-            raise BadValue(self.what())
-        if k == "keys":
-            unknown = sorted(set(value) - set(self.keys))
-            if unknown:
-                raise BadValue(f"{self.what()} (unknown key {unknown[0]!r})")
-            return {key: self.keys[key].read(v) for key, v in value.items()}
-        return dict(value)
-
-    def flag_text(self) -> str:
-        """The flag as ``--help`` and the README write it: ``--[no-]seeding``, ``--topology KEY=VALUE``."""
-        if self.kind == "bool":
-            return f"--[no-]{self.flag[2:]}"
-        if self.kind in ("table", "keys"):
-            return f"{self.flag} KEY=VALUE"
-        return self.flag
-
-    def toml_text(self) -> str:
-        """The TOML key(s): ``planner.ac``; for ``keys`` each sub-key."""
-        if self.kind == "keys":
-            return ", ".join(f"{self.toml}.{k}" for k in self.keys)
-        return self.toml
-
-
-_SPEC = "apmodel.option"
-
-
-def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str, toml: str, flag: str,
-           **spec: Any) -> Any:
-    """A :class:`PlanOptions` field with its declaration (:class:`OptionSpec` keywords)."""
-    metadata = {_SPEC: OptionSpec(help=help, toml=toml, flag=flag, **spec)}
-    if default_factory is not MISSING:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 def _sub(help: str, kind: str, range: str = "", unit: str = "") -> OptionSpec:

@@ -5,7 +5,7 @@
 grouped in ``--help`` as the README's table groups them, and hands the command what was given as
 ``option_flags`` (field -> raw value, ``None`` where not given);
 :func:`options_from_flags` reads those with the same checks as the TOML configuration
-(:meth:`~apmodel.options.OptionSpec.read`), naming the flag in its errors.
+(:meth:`~apmodel.option_spec.OptionSpec.read`), naming the flag in its errors.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any, Callable, List, Mapping, Optional
 import typer
 
 from apmodel.cli.errors import CLIError
-from apmodel.options import GROUPS, BadValue, OptionSpec, default_text, option_specs
+from apmodel.option_spec import GROUPS, BadValue, OptionSpec
+from apmodel.options import default_text, option_specs
 
 if sys.version_info >= (3, 11):
     import tomllib
