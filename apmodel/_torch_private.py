@@ -108,6 +108,8 @@ __all__ = [
     "op_strategies",
     "PlacementsT",
     "SingleDimRule",
+    "SpecMemo",
+    "mixed_partials",
     "fake_tensor_mode",
     "tracing_graph",
     "dtensor_like",
@@ -355,6 +357,69 @@ def has_sharding_rule(op: object) -> bool:
 
 # ----------------------------------------------------------------------------------------------
 # strategy query
+
+
+class SpecMemo:
+    """DTensorSpecs and torch's shardability answers, shared by the strategy queries on one mesh
+    (one enumeration): building a ``DTensorSpec`` costs tens of µs, and the same (tensor,
+    placement) recurs across ops and layers. Bound to the first mesh it serves; asked on another
+    it builds afresh (the specs carry their mesh)."""
+
+    def __init__(self) -> None:
+        self.mesh: DeviceMesh | None = None
+        self._specs: dict[tuple, DTensorSpec] = {}
+        self._shardable: dict[tuple, bool] = {}
+
+    def _serves(self, mesh: DeviceMesh) -> bool:
+        if self.mesh is None:
+            self.mesh = mesh
+        return self.mesh is mesh
+
+    def spec(self, mesh: DeviceMesh, placements: PlacementsT, arg: "TensorArg") -> DTensorSpec:
+        """``DTensorSpec(mesh, placements, arg.meta())``, shared."""
+        if not self._serves(mesh):
+            return DTensorSpec(mesh, placements, arg.meta())
+        key = (arg.shape, arg.stride, arg.dtype, placements)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = DTensorSpec(mesh, placements, arg.meta())
+        return spec
+
+    def shardable(self, mesh: DeviceMesh, placements: PlacementsT, strategy: OpStrategy,
+                  allow_unbacked: bool | None) -> bool:
+        """torch's ``is_tensor_shardable`` of the tensor ``strategy`` describes, placed ``placements``."""
+        shape = tuple(strategy.shape)
+        key = (shape, placements, allow_unbacked)
+        ok = self._shardable.get(key) if self._serves(mesh) else None
+        if ok is None:
+            ok = _static_shardable(shape, placements, tuple(mesh.shape))
+            if ok is None:
+                ok = bool(_ops_utils.is_tensor_shardable(strategy.shape, DTensorSpec(mesh, placements, strategy.tensor_meta),
+                                                         allow_unbacked_sharding=allow_unbacked))
+            if self.mesh is mesh:
+                self._shardable[key] = ok
+        return ok
+
+
+def _static_shardable(shape: tuple, placements: PlacementsT, mesh_shape: tuple[int, ...]) -> bool | None:
+    """torch's ``is_tensor_shardable`` where its answer needs no DTensorSpec: integer sizes and
+    plain ``Shard`` / ``Replicate`` / ``Partial`` placements (each sharded dim at least as large as
+    the product of the mesh axes sharding it so far). None otherwise (symbolic sizes,
+    ``_StridedShard``): ask torch."""
+    if not all(type(n) is int for n in shape):
+        return None
+    shards = [1] * len(shape)
+    for p, k in zip(placements, mesh_shape):
+        kind = type(p)
+        if kind is Shard:
+            if p.dim >= len(shape):
+                return False
+            shards[p.dim] *= k
+            if shape[p.dim] < shards[p.dim]:
+                return False
+        elif kind is not Replicate and kind is not Partial:
+            return None
+    return True
 
 
 @dataclass(frozen=True)
@@ -632,6 +697,7 @@ def op_strategies(
     mesh: DeviceMesh,
     *,
     with_torch_costs: bool = False,
+    memo: SpecMemo | None = None,
 ) -> list[tuple[tuple[PlacementsT | None, ...], tuple[PlacementsT, ...]]]:
     """Candidate strategies DTensor allows for one call of ``op``.
 
@@ -643,6 +709,7 @@ def op_strategies(
 
     ``with_torch_costs=False`` skips torch's own redistribution pricing (see
     :func:`without_redistribute_costs`); the returned strategies are the same either way.
+    ``memo`` shares the DTensorSpecs of full-mesh rules' inputs between queries.
 
     Raises KeyError when the op has no enumerable rule (see :func:`has_sharding_rule`); exceptions
     raised by DTensor's rule itself propagate.
@@ -654,7 +721,7 @@ def op_strategies(
     out_meta = output_tensor_meta(out_val)
     ctx = contextlib.nullcontext() if with_torch_costs else without_redistribute_costs()
     with ctx:
-        return _op_strategies(p, kind, op, args, kwargs, out_meta, mesh)
+        return _op_strategies(p, kind, op, args, kwargs, out_meta, mesh, memo if memo is not None else SpecMemo())
 
 
 def _single_dim_schema(p, op, args, kwargs, mesh) -> OpSchema:
@@ -676,20 +743,20 @@ def _single_dim_schema(p, op, args, kwargs, mesh) -> OpSchema:
                     schema_info=p.op_to_schema_info_for_single_dim_strategy.get(op))
 
 
-def _op_strategies(p, kind, op, args, kwargs, out_meta, mesh):
+def _op_strategies(p, kind, op, args, kwargs, out_meta, mesh, memo):
     if kind == "single_dim":
         schema = _single_dim_schema(p, op, args, kwargs, mesh)
         info = p.op_single_dim_strategy_funcs[op]
         fn = _expand_single_dim_strategy_to_mesh(mesh, schema, info, out_meta)
         strat = fn(op, schema.args_meta, schema.kwargs_meta)
     else:
-        return _full_mesh_strategies(p, op, args, kwargs, mesh)
+        return _full_mesh_strategies(p, op, args, kwargs, mesh, memo)
     return _single_dim_pairs(op, strat, len(schema.args_strategy) + len(schema.kwargs_strategy))
 
 
 def _single_dim_pairs(op, strat, n_inputs):
-    """torch's expansion of a single-dim rule, less mixed-partial combinations (see :func:`_mixed_partials`)."""
-    return [(outs, ins) for outs, ins in _to_pairs(op, strat, n_inputs) if not _mixed_partials(outs + ins)]
+    """torch's expansion of a single-dim rule, less mixed-partial combinations (see :func:`mixed_partials`)."""
+    return [(outs, ins) for outs, ins in _to_pairs(op, strat, n_inputs) if not mixed_partials(outs + ins)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -734,7 +801,7 @@ def _prepare_single_dim(info: Any, schema: OpSchema, out_meta: Any) -> _Prepared
                          bool(getattr(info, "allow_uneven_sharding", False)), None, None, False)
 
 
-def _mixed_partials(specs: Sequence[PlacementsT | None]) -> bool:
+def mixed_partials(specs: Sequence[PlacementsT | None]) -> bool:
     """True when one tensor would be partial of different reduce kinds over different mesh axes
     (sum with avg excepted): such a tensor has no well-defined value. torch 2.13 on skips these
     combinations when expanding a single-dim rule; apmodel skips them on every version."""
@@ -768,7 +835,8 @@ class SingleDimRule:
     ``expand(all combinations)`` equals :func:`op_strategies` (checked in the tests).
     """
 
-    def __init__(self, op: OpOverload, args: tuple, kwargs: dict, out_val: object, mesh: DeviceMesh) -> None:
+    def __init__(self, op: OpOverload, args: tuple, kwargs: dict, out_val: object, mesh: DeviceMesh,
+                 memo: SpecMemo | None = None) -> None:
         p = _propagator()
         if rule_kind(op) != "single_dim":
             raise KeyError(f"{op}: no single-dim DTensor rule")
@@ -783,6 +851,8 @@ class SingleDimRule:
         self.allow_unbacked = prepared.allow_unbacked_sharding
         self.allow_uneven = prepared.allow_uneven_sharding
         self.inputs = list(self.schema.args_strategy) + list(self.schema.kwargs_strategy)
+        self._shardable: dict[tuple[int, PlacementsT], bool] = {}
+        self._memo = memo if memo is not None else SpecMemo()
         base = op.name().split("::")[1].split(".")[0]
         foreach = op.name().startswith(_FOREACH_PREFIXES) and any(isinstance(a, TupleStrategy) for a in self.schema.args_schema)
         self.exact: bool = not (
@@ -796,7 +866,7 @@ class SingleDimRule:
         """(outputs, inputs) placements of each valid combination (one entry index per mesh axis)."""
         if not self.exact:
             return self._expand_full(combos)
-        nout, mesh, entries = self.num_outputs, self.mesh, self.entries
+        nout, entries = self.num_outputs, self.entries
         width = len(entries[0]) if entries else 0
         result = []
         for combo in combos:
@@ -804,26 +874,30 @@ class SingleDimRule:
             specs: list[PlacementsT | None] = []
             for pos in range(width):
                 specs.append(None if rows[0][pos] is None else tuple(r[pos] for r in rows))
-            if _mixed_partials(specs):
+            if mixed_partials(specs):
                 continue
             ins = [pl for pl in specs[nout:] if pl is not None]
             if len(ins) != len(self.inputs):
                 raise AssertionError(f"{self.op}: {len(ins)} input placements for {len(self.inputs)} tensor inputs")
             if nout == 1 and specs[0] is None:
                 raise RuntimeError(f"{self.op}: output spec is None")
-            ok = True
-            for inp, pl in zip(self.inputs, ins):
-                seed_pl = tuple(inp.strategies[0].output_spec.placements)
-                if not (_ops_utils.is_tensor_shardable(inp.shape, DTensorSpec(mesh, pl, inp.tensor_meta),
-                                            allow_unbacked_sharding=self.allow_unbacked)
-                        or (self.allow_uneven and seed_pl == pl)):
-                    ok = False
-                    break
-            if not ok:
+            if not all(self.input_shardable(j, pl) for j, pl in enumerate(ins)):
                 continue
             outs: tuple[PlacementsT | None, ...] = tuple(specs[:nout])
             result.append((outs, tuple(ins)))
         return result
+
+    def input_shardable(self, j: int, pl: PlacementsT) -> bool:
+        """torch's check of tensor input ``j`` placed ``pl`` (``is_tensor_shardable``, or uneven
+        sharding where the rule allows it and ``pl`` is the seed's), memoised per placement."""
+        key = (j, pl)
+        ok = self._shardable.get(key)
+        if ok is None:
+            inp = self.inputs[j]
+            seed_pl = tuple(inp.strategies[0].output_spec.placements)
+            ok = self._shardable[key] = (self._memo.shardable(self.mesh, pl, inp, self.allow_unbacked)
+                                         or (self.allow_uneven and seed_pl == pl))
+        return ok
 
     def _expand_full(self, combos):
         """torch's full expansion (a superset of the combinations'; the caller filters)."""
@@ -833,12 +907,11 @@ class SingleDimRule:
         return _single_dim_pairs(self.op, strat, len(self.inputs))
 
 
-def _ask_full_mesh(p, op, args, kwargs, mesh):
+def _ask_full_mesh(p, op, args, kwargs, mesh, memo):
     """One call of a full-mesh rule, each tensor argument offered in all of its candidates."""
 
     def full(a: TensorArg) -> OpStrategy:
-        meta = a.meta()
-        return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(c), meta)) for c in a.candidates])
+        return OpStrategy([OpSpec(memo.spec(mesh, tuple(c), a)) for c in a.candidates])
 
     schema = OpSchema(op, tuple(_map_args(a, full) for a in args),
                       {k: _map_args(v, full) for k, v in kwargs.items()},
@@ -859,7 +932,7 @@ _INDEX_PAIRED_NORM_BACKWARD: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] 
 }
 
 
-def _norm_backward_paired(p, op, args, kwargs, mesh):
+def _norm_backward_paired(p, op, args, kwargs, mesh, memo):
     """Ask an index-pairing norm-backward rule with partners aligned to each ``input`` candidate:
     the statistics in the placement the rule gives ``input`` (the forward emits them so), the
     affine parameters replicated (the forward rule requires it). Two calls: the first, with
@@ -876,15 +949,15 @@ def _norm_backward_paired(p, op, args, kwargs, mesh):
                 out[i] = TensorArg(a.shape, a.stride, a.dtype, tuple(per_candidate))
         return tuple(out)
 
-    first = _ask_full_mesh(p, op, aligned({i: replicated for i in stats + params}), kwargs, mesh)
+    first = _ask_full_mesh(p, op, aligned({i: replicated for i in stats + params}), kwargs, mesh, memo)
     if len(first) != n:
         raise RuntimeError(f"{op}: rule gave {len(first)} strategies for {n} input candidates")
     x_targets = [ins[1] for _, ins in first]  # tensor inputs: grad_out, input, ...
     second = aligned({**{i: x_targets for i in stats}, **{i: replicated for i in params}})
-    return list(dict.fromkeys(_ask_full_mesh(p, op, second, kwargs, mesh)))
+    return list(dict.fromkeys(_ask_full_mesh(p, op, second, kwargs, mesh, memo)))
 
 
-def _full_mesh_strategies(p, op, args, kwargs, mesh):
+def _full_mesh_strategies(p, op, args, kwargs, mesh, memo):
     """Ask a full-mesh rule, given every candidate placement of every tensor input.
 
     Some rules raise when ANY candidate is unusable (e.g. view: "Cannot unflatten unevenly sharded
@@ -894,10 +967,10 @@ def _full_mesh_strategies(p, op, args, kwargs, mesh):
     """
 
     if op in _INDEX_PAIRED_NORM_BACKWARD:
-        return _norm_backward_paired(p, op, args, kwargs, mesh)
+        return _norm_backward_paired(p, op, args, kwargs, mesh, memo)
 
     def ask(a_args, a_kwargs):
-        return _ask_full_mesh(p, op, a_args, a_kwargs, mesh)
+        return _ask_full_mesh(p, op, a_args, a_kwargs, mesh, memo)
 
     first_error: list[Exception] = []
 

@@ -90,6 +90,36 @@ def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+#: elements of a pair cost summed at once by :func:`_sum_in_order` (a block that stays in cache)
+_SUM_BLOCK_ELEMENTS = 1 << 15
+
+
+def _sum_in_order(terms: list[tuple[np.ndarray, bool]]) -> np.ndarray:
+    """The sum of ``terms`` (each a matrix and whether it enters transposed), added left to right
+    as a running sum would, so the result is the same to the last bit; summed a block of rows at
+    a time, so that a layer's matrix repeated for every copy of the layer is read from cache. A
+    single term is returned as it is (a view when transposed)."""
+    if len(terms) == 1:
+        mat, transposed = terms[0]
+        return mat.T if transposed else mat
+    laid_out: dict[tuple[int, bool], np.ndarray] = {}  # transposed terms copied once, row-major
+    mats = []
+    for mat, transposed in terms:
+        m = laid_out.get((id(mat), transposed))
+        if m is None:
+            m = laid_out[(id(mat), transposed)] = np.ascontiguousarray(mat.T if transposed else mat)
+        mats.append(m)
+    rows, cols = mats[0].shape
+    out = np.empty((rows, cols))
+    step = max(1, _SUM_BLOCK_ELEMENTS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        acc = out[r0:r0 + step]
+        np.add(mats[0][r0:r0 + step], mats[1][r0:r0 + step], out=acc)
+        for m in mats[2:]:
+            acc += m[r0:r0 + step]
+    return out
+
+
 def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
     """Default boundary placement: batch (dim 0) sharded on mesh axis 0 when it divides evenly,
     replicated elsewhere (placement strings, one per mesh axis)."""
@@ -171,6 +201,8 @@ class PlacementModel:
                 raise ValueError(f"node {name!r} ({self.node_by_name[name].target}) has no candidate strategy")
         self.fqn_to_node = {fqn: node for node, fqn in captured.param_fqn.items()}
         self._restrictions: dict[str, _Restriction] = {}
+        #: (id of an interned strategy list, "out"/"in", index) -> placement strings per strategy
+        self._strs: dict[tuple[int, str, int], list[tuple[str, ...] | None]] = {}
         self.linear_rows: list[tuple[str, list[tuple[str, int, float]], str, float]] = []
         self.edges = self._collect_edges()
         self.boundary_outputs = self._boundary_outputs(output_placements)
@@ -440,15 +472,23 @@ class PlacementModel:
         """Redistribution cost (µs) for every (producer strategy, consumer strategy) pair of ``e``."""
         prod = self.node_by_name[e.producer]
         val = _tensor_value(prod.meta.get("val"), e.out_index)
-        src = [self.output_strs(s, e.out_index) for s in self.strategies[e.producer]]
-        if e.slot < 0:
-            dst = [self.output_strs(s, 0) for s in self.strategies[e.consumer]]
-        else:
-            dst = [
-                None if s.inputs[e.slot] is None else tuple(pl.to_str(x) for x in s.inputs[e.slot])
-                for s in self.strategies[e.consumer]
-            ]
+        src = self._strategy_strs(e.producer, "out", e.out_index)
+        dst = self._strategy_strs(e.consumer, "out", 0) if e.slot < 0 else self._strategy_strs(e.consumer, "in", e.slot)
         return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, dst, gradient=self.is_param_gradient(e))
+
+    def _strategy_strs(self, node: str, side: str, index: int) -> list[tuple[str, ...] | None]:
+        """Placement strings of output (``side="out"``) or input slot ``index`` of every strategy
+        of ``node``, memoised per interned strategy list (the model's lists live as long as it)."""
+        strats = self.strategies[node]
+        key = (id(strats), side, index)
+        strs = self._strs.get(key)
+        if strs is None:
+            if side == "out":
+                strs = [self.output_strs(s, index) for s in strats]
+            else:
+                strs = [None if s.inputs[index] is None else tuple(pl.to_str(x) for x in s.inputs[index]) for s in strats]
+            self._strs[key] = strs
+        return strs
 
     def is_param_gradient(self, e: Edge) -> bool:
         """True for an edge that carries a parameter gradient: from the op that computes it,
@@ -506,7 +546,7 @@ class PlacementModel:
 
         # Pairwise: redistribution per graph edge, priced once per distinct (strategies, shape) pair.
         matrix_memo: dict[Hashable, np.ndarray] = {}
-        pair_cost: dict[tuple[int, int], np.ndarray] = {}
+        terms: dict[tuple[int, int], list[tuple[np.ndarray, bool]]] = {}  # per group pair: (matrix, transposed) in order
         for e in self.edges:
             val = _tensor_value(self.node_by_name[e.producer].meta.get("val"), e.out_index)
             key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
@@ -518,10 +558,8 @@ class PlacementModel:
             if gu == gv:
                 unary[gu] += np.diagonal(mat)
                 continue
-            if gu > gv:
-                gu, gv, mat = gv, gu, mat.T
-            acc = pair_cost.get((gu, gv))
-            pair_cost[(gu, gv)] = mat.copy() if acc is None else acc + mat
+            terms.setdefault((min(gu, gv), max(gu, gv)), []).append((mat, gu > gv))
+        pair_cost = {pair: _sum_in_order(mats) for pair, mats in terms.items()}
 
         # Forbidden states (restrictions) as +inf unaries.
         for g, members in enumerate(grouping.groups):

@@ -122,6 +122,41 @@ def _local(t: torch.Tensor, placement: tuple | None, mesh_shape: Sequence[int]) 
     return torch.empty_strided(shape, strides, dtype=t.dtype, device="meta")
 
 
+class _LocalShapes:
+    """The per-device shapes a strategy gives one node's tensor inputs (in input-slot order, see
+    :meth:`CostContext._local_call`) and tensor outputs: what its priced call depends on."""
+
+    def __init__(self, node: fx.Node, mesh_shape: tuple[int, ...]) -> None:
+        flat, _ = tree_flatten((node.args, node.kwargs))
+        vals = (a.meta.get("val") for a in flat if isinstance(a, fx.Node))
+        self.inputs = [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)]
+        self.outputs = [tuple(o.shape) for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
+        self.mesh_shape = mesh_shape
+        self._memo: dict[tuple, tuple[int, ...]] = {}
+        # strategies share placement tuples: their local shapes by the tuples' identity first
+        self._by_id: dict[tuple[int, ...], tuple[tuple, tuple]] = {}
+
+    def _shape(self, shape: tuple[int, ...], placement: tuple | None) -> tuple[int, ...]:
+        if placement is None:
+            return shape
+        key = (shape, placement)
+        local = self._memo.get(key)
+        if local is None:
+            local = self._memo[key] = pl.local_shape(shape, placement, self.mesh_shape)
+        return local
+
+    def of(self, s: Strategy) -> tuple:
+        ident = tuple(map(id, s.inputs)) + tuple(map(id, s.outputs))
+        hit = self._by_id.get(ident)  # the entry keeps those tuples alive: their ids are theirs
+        if hit is not None:
+            return hit[1]
+        ins = tuple(self._shape(shape, s.inputs[j] if j < len(s.inputs) else None) for j, shape in enumerate(self.inputs))
+        outs = tuple(self._shape(shape, s.outputs[k] if k < len(s.outputs) else None)
+                     for k, shape in enumerate(self.outputs))
+        self._by_id[ident] = ((s.inputs, s.outputs), (ins, outs))
+        return ins, outs
+
+
 @dataclass
 class CostContext:
     """Compute and communication models for one mesh, with the dtype in which to price.
@@ -210,12 +245,21 @@ class CostContext:
         if node.op != "call_function" or getattr(node.target, "__name__", "") in _FREE_TARGETS:
             return np.zeros(len(strategies))
         region = region_of(node.target)
+        backward = region is not None and is_backward(node.target)
         result = np.zeros(len(strategies))
+        # strategies with the same local shapes (and, for a region, alternatives) make the same
+        # call: priced once
+        local_shapes = _LocalShapes(node, self.mesh_shape)
+        priced: dict[tuple, float] = {}
         for si, s in enumerate(strategies):
+            modes = region.alternative_on_axes(s.inputs, backward=backward) if region is not None else None
+            key = (modes, local_shapes.of(s))
+            us = priced.get(key)
+            if us is not None:
+                result[si] = us
+                continue
             call_args, call_kwargs, out, inputs, outs = self._local_call(node, s)
             if region is not None:  # a local_map region: the ops it runs, at these local shapes
-                backward = is_backward(node.target)
-                modes = region.alternative_on_axes(s.inputs, backward=backward)
                 value = region.time_us(self, call_args, modes=modes, backward=backward)
             else:
                 value = self.compute.time_us(node.target, call_args, call_kwargs, out, dtype=self.dtype)
@@ -230,7 +274,7 @@ class CostContext:
                     f"{_shapes(inputs)}, output shapes {_shapes(outs)}); "
                     f"compute times must be finite and >= 0 µs"
                 )
-            result[si] = us
+            result[si] = priced[key] = us
         return result
 
     def _region_call(self, node: fx.Node, s: Strategy) -> tuple[Any, list, tuple[str | None, ...], bool] | None:
@@ -300,11 +344,14 @@ class CostContext:
         udst = sorted({d for d in dsts if d is not None})
         si = {s: i for i, s in enumerate(usrc)}
         di = {d: i for i, d in enumerate(udst)}
-        small = np.zeros((len(usrc) + 1, len(udst) + 1))  # last row/column: "no tensor" = free
         itemsize = self._edge_itemsize(dtype, gradient)
-        small[:-1, :-1] = costmodels.redistribution_matrix(self.comm, tuple(shape), itemsize, usrc, udst)
+        block = costmodels.redistribution_matrix(self.comm, tuple(shape), itemsize, usrc, udst, copy=False)
         rows = np.array([si[s] if s is not None else len(usrc) for s in srcs], dtype=np.int64)
         cols = np.array([di[d] if d is not None else len(udst) for d in dsts], dtype=np.int64)
+        if (rows < len(usrc)).all() and (cols < len(udst)).all():
+            return block[np.ix_(rows, cols)]  # a new array: the cached block stays as it is
+        small = np.zeros((len(usrc) + 1, len(udst) + 1))  # last row/column: "no tensor" = free
+        small[:-1, :-1] = block
         return small[np.ix_(rows, cols)]
 
     def redistribution_steps(

@@ -18,12 +18,14 @@ Rules, node by node:
   placeholders and single-dim rules keep only the strategies inside it (single-dim rules expand
   only the per-axis combinations inside it, never the whole product over the mesh axes).
 
-Filters (after the rule): a sharded tensor dim must be at least as large as its number of shards,
-and, unless ``allow_uneven``, divisible by it (uneven shards complicate lowering); strategies with
-placements outside the shared vocabulary (``_StridedShard``, partials whose reduction is not in
-``partial_reduce_ops``) are dropped; DTensor's masked partial (embedding, gather) is written as
-Replicate on the indices input and Partial on the output (see ``_unmask``); so are the combinations listed in
-:data:`EXCLUDED` (broken in torch eager) and duplicates.
+Filters (after the rule, per tensor: :mod:`apmodel.strategy_filters`): a sharded tensor dim must
+be at least as large as its number of shards, and, unless ``allow_uneven``, divisible by it (uneven
+shards complicate lowering); strategies with placements outside the shared vocabulary
+(``_StridedShard``, partials whose reduction is not in ``partial_reduce_ops``) are dropped;
+DTensor's masked partial (embedding, gather) is written as Replicate on the indices input and
+Partial on the output (see ``_unmask``); so are the combinations listed in :data:`EXCLUDED`
+(broken in torch eager) and duplicates. A single-dim rule is expanded over the mesh axes on
+integer codes (:mod:`apmodel.expansion`), each check asked once per distinct placement.
 
 ``node_strategies`` is pure given its arguments and memoised on a key of
 (op, non-tensor arguments, shapes/strides/dtypes, producers' candidate placements, mesh shape,
@@ -37,16 +39,28 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from apmodel import _torch_private as tp
+from apmodel import expansion
+from apmodel.strategy_filters import (
+    EXCLUDED,
+    Exclusion,
+    Filter,
+    Placements,
+    TensorChecks,
+    is_masked_partial,
+    shardable,
+    unmask_placements,
+)
 from apmodel._torch_private import fake_mesh
 from apmodel.placements import local_shape, tuple_to_str
 
@@ -68,9 +82,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Placements = tuple[Placement, ...]  # one per mesh axis
-
-aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -125,40 +136,6 @@ def _all_replicate(s: Strategy) -> bool:
     return all(pl is None or all(isinstance(p, Replicate) for p in pl) for pl in s.outputs + s.inputs)
 
 
-@dataclass(frozen=True)
-class Exclusion:
-    """A strategy family kept out of the search because torch's eager DTensor execution fails on it."""
-
-    op: Any  # OpOverload
-    input_index: int  # input slot whose placement triggers the failure
-    tensor_dim: int
-    min_mesh_axes: int  # excluded when that dim is sharded over at least this many mesh axes
-    reason: str
-
-    def matches(self, op: object, strategy: Strategy) -> bool:
-        if op != self.op or self.input_index >= len(strategy.inputs):
-            return False
-        pl = strategy.inputs[self.input_index]
-        if pl is None:
-            return False
-        n = sum(1 for p in pl if isinstance(p, Shard) and p.dim == self.tensor_dim)
-        return n >= self.min_mesh_axes
-
-
-# Known-broken-in-eager strategies (torch 2.13), measured on a real 2x2 gloo mesh
-# (docs/design.md, "Known-broken strategies").
-EXCLUDED: tuple[Exclusion, ...] = (
-    Exclusion(
-        op=aten.embedding.default,
-        input_index=0,
-        tensor_dim=0,
-        min_mesh_axes=2,
-        reason="torch 2.13 eager: embedding with weight Shard(0) on two or more mesh axes raises "
-        "'MaskBuffer has been materialized with conflicting data' (works on one axis)",
-    ),
-)
-
-
 @dataclass
 class StrategyCache:
     """Memo shared across calls: strategies by content key, warned ops, unsupported-op counts."""
@@ -171,6 +148,19 @@ class StrategyCache:
     outputs: dict[tuple[int, int], tuple[Sequence[Strategy], tuple[Placements, ...]]] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
+    #: DTensorSpecs and shardability answers shared by the rule queries
+    specs: tp.SpecMemo = field(default_factory=tp.SpecMemo)
+    #: candidate placement tuples numbered by value (memo keys hold the number, not thousands of
+    #: placements to hash), and by object identity (the tuple kept alive beside its number)
+    _numbers: dict[tuple, int] = field(default_factory=dict)
+    _numbered: dict[int, tuple[tuple, int]] = field(default_factory=dict)
+
+    def candidates_number(self, candidates: tuple) -> int:
+        """A number per distinct candidate tuple (equal tuples, equal numbers)."""
+        entry = self._numbered.get(id(candidates))
+        if entry is None or entry[0] is not candidates:
+            entry = self._numbered[id(candidates)] = (candidates, self._numbers.setdefault(candidates, len(self._numbers)))
+        return entry[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,36 +226,13 @@ def _out_placement(producer_strategies: Sequence[Strategy], idx: int) -> tuple[P
 # filters
 
 
-def _shardable(shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int], allow_uneven: bool) -> bool:
-    deg = [1] * len(shape)
-    for p, k in zip(pl, mesh_shape):
-        if isinstance(p, Shard):
-            if p.dim >= len(shape):
-                return False
-            deg[p.dim] *= k
-    for n, k in zip(shape, deg):
-        if k > 1 and (n < k or (not allow_uneven and n % k)):
-            return False
-    return True
-
-
-def _in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
-    for p in pl:
-        if type(p) is Shard or isinstance(p, Replicate):
-            continue
-        if type(p) is Partial and p.reduce_op in partial_reduce_ops:
-            continue
-        return False
-    return True
-
-
 def placeholder_placements(shape: Sequence[int], mesh_shape: Sequence[int], allow_uneven: bool = False) -> list[Placements]:
     """All R / S(d) tuples over the mesh for a tensor of ``shape`` that pass the shardability filter."""
     options: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
     return [
         pl
         for pl in itertools.product(options, repeat=len(mesh_shape))
-        if _shardable(shape, pl, mesh_shape, allow_uneven)
+        if shardable(shape, pl, mesh_shape, allow_uneven)
     ]
 
 
@@ -273,14 +240,15 @@ def placeholder_placements(shape: Sequence[int], mesh_shape: Sequence[int], allo
 # one node
 
 
-def _freeze(a: object, with_cands: bool = True) -> object:
-    """Hashable form of an argument structure (tensors as shape/stride/dtype[/candidates])."""
+def _freeze(a: object, cands: Callable[[tuple], int] | None = None) -> object:
+    """Hashable form of an argument structure (tensors as shape/stride/dtype[/candidates, as
+    ``cands`` numbers them])."""
     if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_freeze(x, with_cands) for x in a))
+        return (type(a).__name__, tuple(_freeze(x, cands) for x in a))
     if isinstance(a, dict):
-        return ("dict", tuple(sorted((k, _freeze(v, with_cands)) for k, v in a.items())))
+        return ("dict", tuple(sorted((k, _freeze(v, cands)) for k, v in a.items())))
     if isinstance(a, tp.TensorArg):
-        return ("T", a.shape, a.stride, a.dtype, a.candidates if with_cands else None)
+        return ("T", a.shape, a.stride, a.dtype, None if cands is None else cands(a.candidates))
     if isinstance(a, fx.Node):  # non-tensor node (e.g. a SymInt); static shapes make these rare
         return ("N", repr(_val(a)))
     try:
@@ -426,7 +394,8 @@ def _node_strategies(
     # must be able to pass on whatever its producer may output.
     restrict_to_ball = (ball is not None and ball.radius < nd and isinstance(op, tp.OpOverload)
                         and tp.rule_kind(op) == "single_dim")
-    key = (op, _freeze(args, with_cands), _freeze(kwargs, with_cands), out_shapes, ms, allow_uneven,
+    number = cache.candidates_number if with_cands else None
+    key = (op, _freeze(args, number), _freeze(kwargs, number), out_shapes, ms, allow_uneven,
            partial_inputs, tuple(partial_reduce_ops), tuple(partial_input_ops), ball if restrict_to_ball else None)
     hit = cache.memo.get(key)
     if hit is not None:
@@ -443,15 +412,29 @@ def _node_strategies(
     if not isinstance(op, tp.OpOverload) or not tp.has_sharding_rule(op):
         reason = tp.no_rule_reason(_op_name(op))
     else:
+        checks = TensorChecks(op, out_shapes, in_shapes, Filter(ms, allow_uneven, partial_inputs,
+                                                                 tuple(partial_reduce_ops), tuple(partial_input_ops)))
+        coded: expansion.Expansion | None = None
+        raw: list = []
         try:
-            if restrict_to_ball:
-                rule = tp.SingleDimRule(op, args, kwargs, val, mesh)
+            rule = tp.SingleDimRule(op, args, kwargs, val, mesh, cache.specs) if tp.rule_kind(op) == "single_dim" else None
+            if rule is not None and rule.exact:  # expanded on codes (apmodel.expansion)
+                combos = (np.array(_ball_combos(rule, ball, out_shapes), dtype=np.int64).reshape(-1, nd)
+                          if restrict_to_ball else expansion.all_combinations(len(rule.entries), nd))
+                coded = expansion.expand(rule, combos, len(out_shapes), checks.output, checks.input)
+            elif restrict_to_ball:
                 raw = rule.expand(_ball_combos(rule, ball, out_shapes))
             else:
-                raw = tp.op_strategies(op, args, kwargs, val, mesh)
+                raw = tp.op_strategies(op, args, kwargs, val, mesh, memo=cache.specs)
         except Exception as e:  # a rule that rejects these arguments: fall back to replicate
             reason = f"DTensor rule of torch {torch.__version__} failed ({type(e).__name__}: {e})"
-            raw = []
+            coded, raw = None, []
+        if coded is not None:
+            if coded.raw and coded.raw_inputs != len(slots):
+                reason = f"rule gave {coded.raw_inputs} input placements for {len(slots)} tensor inputs"
+            else:
+                result = [s for s in (Strategy(outs, ins) for outs, ins in coded.strategies)
+                          if not restrict_to_ball or ball.contains(s)]
         seen: set[Strategy] = set()
         for outs, ins in raw:
             if len(ins) != len(slots):
@@ -464,7 +447,7 @@ def _node_strategies(
             seen.add(s)
             if restrict_to_ball and not ball.contains(s):
                 continue
-            if _keep(op, s, out_shapes, in_shapes, ms, allow_uneven, partial_inputs, partial_reduce_ops, partial_input_ops):
+            if checks.keep(s):
                 result.append(s)
         if reason is None and not result:
             reason = "every strategy of the rule was filtered out"
@@ -501,7 +484,7 @@ def _with_ball_inputs(
         for axes in itertools.combinations(range(nd), k):
             per_axis = [[o for o in options if o != center[a]] if a in axes else [center[a]] for a in range(nd)]
             for p in itertools.product(*per_axis):
-                if p not in extra and _shardable(shape, p, ms, allow_uneven):
+                if p not in extra and shardable(shape, p, ms, allow_uneven):
                     extra[p] = None
     return tuple(extra)
 
@@ -534,10 +517,6 @@ def _ball_combos(rule: tp.SingleDimRule, ball: Ball, out_shapes: Sequence[object
     return sorted(combos)
 
 
-def _is_masked_partial(p: Placement) -> bool:
-    return isinstance(p, Partial) and type(p) is not Partial and p.reduce_op == "sum"
-
-
 def _unmask(s: Strategy) -> Strategy:
     """Write DTensor's masked partial (embedding/gather with a sharded table) in plain terms.
 
@@ -547,13 +526,11 @@ def _unmask(s: Strategy) -> Strategy:
     written Partial(). This keeps strategies comparable (a _MaskPartial carries a mask buffer) and
     in the costmodels vocabulary, where R -> P would otherwise be forbidden.
     """
-    if not any(pl is not None and any(_is_masked_partial(p) for p in pl) for pl in s.outputs + s.inputs):
+    if not any(pl is not None and any(is_masked_partial(p) for p in pl) for pl in s.outputs + s.inputs):
         return s
 
-    def fix(pl: Placements | None, repl: Placement) -> Placements | None:
-        return None if pl is None else tuple(repl if _is_masked_partial(p) else p for p in pl)
-
-    return Strategy(tuple(fix(pl, Partial()) for pl in s.outputs), tuple(fix(pl, Replicate()) for pl in s.inputs))
+    return Strategy(tuple(unmask_placements(pl, Partial()) for pl in s.outputs),
+                    tuple(unmask_placements(pl, Replicate()) for pl in s.inputs))
 
 
 def _align_outputs(outs: Sequence[Placements | None], out_shapes: Sequence[object], nd: int) -> tuple[Placements | None, ...]:
@@ -564,34 +541,6 @@ def _align_outputs(outs: Sequence[Placements | None], out_shapes: Sequence[objec
         None if shape is None else (outs[i] if i < len(outs) and outs[i] is not None else r)
         for i, shape in enumerate(out_shapes)
     )
-
-
-def _keep(
-    op: object,
-    s: Strategy,
-    out_shapes: Sequence[tuple[int, ...] | None],
-    in_shapes: Sequence[tuple[int, ...]],
-    ms: tuple[int, ...],
-    allow_uneven: bool,
-    partial_inputs: bool,
-    partial_reduce_ops: Sequence[str],
-    partial_input_ops: Sequence[str],
-) -> bool:
-    for pl, shape in itertools.chain(zip(s.outputs, out_shapes), zip(s.inputs, in_shapes)):
-        if pl is None:
-            continue
-        if shape is None or not _in_vocabulary(pl, partial_reduce_ops) or not _shardable(shape, pl, ms, allow_uneven):
-            return False
-    if not partial_inputs and any(pl is not None and any(isinstance(p, Partial) for p in pl) for pl in s.inputs):
-        return False
-    # Partial means are produced (a batch-sharded mean loss) but, by default, reduced before use:
-    # consuming one (P(avg) x R -> P(avg) for every linear op) would double the strategies of mm.
-    if any(
-        pl is not None and any(isinstance(p, Partial) and p.reduce_op not in partial_input_ops for p in pl)
-        for pl in s.inputs
-    ):
-        return False
-    return not any(ex.matches(op, s) for ex in EXCLUDED)
 
 
 # ----------------------------------------------------------------------------------------------

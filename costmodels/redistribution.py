@@ -185,12 +185,11 @@ _CODE_R, _CODE_P, _CODE_S0 = 0, 1, 1 + len(set(_PARTIALS.values()))
 #: step kinds of the vectorised path (0: no collective in this slot)
 _KIND_NAMES = (None, "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "forbidden")
 _AG, _RS, _AR, _A2A, _FORBIDDEN = 1, 2, 3, 4, 5
-#: bound on the pair count (sum over cached blocks; likewise over cached matrices) kept per
-#: comm object; past it that cache starts afresh (a 4-axis mesh block can hold ~1.7 M pairs)
+#: bound on the pair count (sum over cached matrices) kept per comm object; past it that cache
+#: starts afresh (a 4-axis mesh block can hold ~1.7 M pairs)
 _MAX_CACHED_PAIRS = 1 << 25
-#: distinct step sequences are found with a table (no sort) when their packed keys stay
-#: below this many times the pair count
-_DENSE_UNIQUE_FACTOR = 8
+#: bound on the bytes of cached step tables per comm object (likewise)
+_MAX_CACHED_BLOCK_BYTES = 1 << 28
 #: bound on the memoised collective prices per comm object
 _MAX_CACHED_TIMES = 1 << 20
 
@@ -204,7 +203,7 @@ class _MatrixCache:
         self.codes: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
         self.decoded: dict[tuple[int, int], tuple | None] = {}
         self.blocks: dict[tuple, "_Block"] = {}
-        self.block_pairs = 0
+        self.block_bytes = 0
         self.times: dict[tuple[str, int, int], float] = {}
         self.matrices: dict[tuple, np.ndarray] = {}
         self.matrix_pairs = 0
@@ -214,14 +213,16 @@ class _Block:
     """Steps of every pair of one (sources, destinations) block, shape-free.
 
     ``tokens[t]`` is ``(kind, axis, dim, divisions)`` (``None`` for "no step"), where
-    ``divisions`` lists ``(tensor dim, axis size)`` for the other axes' shards in mesh order; ``seq_tokens``
-    (sequences x slots) lists each distinct step sequence's tokens in step order and
-    ``seq_of_pair`` (n_src x n_dst) the sequence of each pair."""
+    ``divisions`` lists ``(tensor dim, axis size)`` for the other axes' shards in mesh order.
+    ``slots`` holds, per step slot in the order ``_steps`` takes them, the token of each of the
+    slot's distinct steps and each pair's index among those (pairs row-major over sources,
+    destinations, in the narrowest integer type): a slot has a few hundred distinct steps, so a
+    pair costs two bytes per slot and a matrix one gather per slot."""
 
-    def __init__(self, tokens: list, seq_tokens: Any, seq_of_pair: Any) -> None:
+    def __init__(self, tokens: list, slots: list[tuple[Any, Any]]) -> None:
         self.tokens = tokens
-        self.seq_tokens = seq_tokens
-        self.seq_of_pair = seq_of_pair
+        self.slots = slots
+        self.nbytes = sum(token_of.nbytes + local.nbytes for token_of, local in slots)
 
 
 def _matrix_cache(comm: Any) -> _MatrixCache:
@@ -263,7 +264,7 @@ def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _decode_token(key: int, mesh: tuple[int, ...], radix: int) -> tuple | None:
-    """The step token ``(kind, axis, dim, divisions)`` behind a key of :func:`_trace_block`
+    """The step token ``(kind, axis, dim, divisions)`` behind a key of :func:`_trace_keys`
     (``None`` for key 0, "no step")."""
     if key == 0:
         return None
@@ -280,71 +281,67 @@ def _decode_token(key: int, mesh: tuple[int, ...], radix: int) -> tuple | None:
     return (_KIND_NAMES[kind], axis, dim - 1, divisions)
 
 
-def _trace_block(mesh: tuple[int, ...], src_codes: Any, dst_codes: Any,
-                 decoded: dict) -> tuple[list, Any]:
+def _trace_keys(mesh: tuple[int, ...], src_codes: Any, dst_codes: Any) -> tuple[list, int]:
     """The two passes of ``_steps`` for all pairs at once.
 
-    ``src_codes`` (n_src x D) and ``dst_codes`` (n_dst x D) are placement codes. Returns the
-    distinct step tokens and, per pair (row-major over src, dst) and slot (2D slots in the
-    order ``_steps`` visits axes), the index of its token (``None``: no step, index 0).
-    ``decoded`` memoises :func:`_decode_token` by ``(radix, key)``."""
+    ``src_codes`` (n_src x D) and ``dst_codes`` (n_dst x D) are placement codes. Returns, per
+    slot (2D slots in the order ``_steps`` visits axes), every pair's step key (row-major over
+    src, dst; 0: no step; :func:`_decode_token` reads the others), and the radix of the keys.
+    Placement codes are kept one array per mesh axis, in the narrowest integer types that hold
+    them (the pass is memory-bound)."""
     D = len(mesh)
     n_src, n_dst = len(src_codes), len(dst_codes)
-    cur = np.repeat(src_codes, n_dst, axis=0)
-    tgt = np.tile(dst_codes, (n_src, 1))
-    alive = np.ones(len(cur), dtype=bool)  # not yet stopped by a forbidden step
-    radix = int(max(cur.max(initial=0), tgt.max(initial=0))) + 1
-    slots = []
+    radix = int(max(src_codes.max(initial=0), dst_codes.max(initial=0))) + 1
+    code_t = np.int8 if radix <= np.iinfo(np.int8).max else np.int64
+    top = (_FORBIDDEN * (radix + 1) + radix) * radix ** D * D + D  # above every key
+    key_t = np.int32 if top <= np.iinfo(np.int32).max else np.int64
+    cur = [np.repeat(src_codes[:, m].astype(code_t), n_dst) for m in range(D)]
+    tgt = [np.tile(dst_codes[:, m].astype(code_t), n_src) for m in range(D)]
+    n = n_src * n_dst
+    alive = np.ones(n, dtype=bool)  # not yet stopped by a forbidden step
+    slots: list[Any] = []
 
     def apply(axis: int, new: Any, active: Any) -> None:
         """One call of ``_steps.apply`` on the ``active`` pairs; records the slot's keys."""
-        old = cur[:, axis]
-        forbidden = active & (new >= _CODE_P) & (new < _CODE_S0)
-        comm_step = active & ~forbidden & (old != _CODE_R) & (mesh[axis] > 1)
-        old_s, new_s = old >= _CODE_S0, new >= _CODE_S0
+        old = cur[axis]
+        new_p = (new >= _CODE_P) & (new < _CODE_S0)
+        forbidden = active & new_p
+        comm_step = active & ~new_p & (old != _CODE_R) if mesh[axis] > 1 else np.zeros(n, dtype=bool)
+        old_s, new_s, new_r = old >= _CODE_S0, new >= _CODE_S0, new == _CODE_R
         old_p = (old >= _CODE_P) & ~old_s
-        kind = np.zeros(len(cur), dtype=np.int64)
-        kind[comm_step & old_s & (new == _CODE_R)] = _AG
-        kind[comm_step & old_p & (new == _CODE_R)] = _AR
+        kind: Any = np.zeros(n, dtype=key_t)
+        kind[comm_step & old_s & new_r] = _AG
+        kind[comm_step & old_p & new_r] = _AR
         kind[comm_step & old_p & new_s] = _RS
         kind[comm_step & old_s & new_s] = _A2A
         # 1 + the dim the step gathers / scatters (all-to-all: the source's), 0 for all-reduce
-        dim = np.where(kind == _RS, new, old).astype(np.int64) - (_CODE_S0 - 1)
+        dim = np.where(kind == _RS, new, old).astype(key_t) - (_CODE_S0 - 1)
         dim[kind == _AR] = 0
         # key = ((kind, dim), codes of the other axes (they fix the group's shape), axis)
         key = kind * (radix + 1) + dim
         for m in range(D):
-            key = key * radix + (cur[:, m] if m != axis else 0)
+            key = key * radix + (cur[m] if m != axis else 0)
         key = key * D + axis
         key[kind == 0] = 0
         key[forbidden] = _FORBIDDEN * (radix + 1) * radix ** D * D + axis
         slots.append(key)
-        cur[:, axis] = np.where(active, new, old)
+        cur[axis] = np.where(active, new, old)
         alive[forbidden] = False
 
-    sharded = np.prod(np.where(cur >= _CODE_S0, np.asarray(mesh), 1), axis=1) > 1
+    sharded = np.zeros(n, dtype=bool)  # the source shards over a mesh axis of more than one rank
+    for m in range(D):
+        if mesh[m] > 1:
+            sharded |= cur[m] >= _CODE_S0
     for axis in reversed(range(D)):  # pass 1 (sharded sources only)
-        target = tgt[:, axis].copy()
-        mismatch = np.zeros(len(cur), dtype=bool)
+        target = tgt[axis].copy()
+        mismatch = np.zeros(n, dtype=bool)
         for i in range(axis):
-            mismatch |= (cur[:, i] == target) != (tgt[:, i] == target)
+            mismatch |= (cur[i] == target) != (tgt[i] == target)
         target[(target >= _CODE_S0) & mismatch] = _CODE_R
-        apply(axis, target, alive & sharded & (cur[:, axis] != target))
+        apply(axis, target, alive & sharded & (cur[axis] != target))
     for axis in range(D):  # pass 2
-        apply(axis, tgt[:, axis].copy(), alive & (cur[:, axis] != tgt[:, axis]))
-
-    keys = np.stack(slots, axis=1)
-    uniq, inverse = _dense_unique(keys.ravel())
-    tokens = []
-    for k in uniq.tolist():
-        token = decoded.get((radix, k), False)
-        if token is False:
-            token = decoded[(radix, k)] = _decode_token(k, mesh, radix)
-        tokens.append(token)
-    if tokens[0] is not None:  # every slot has a step: still keep index 0 for "none"
-        tokens.insert(0, None)
-        inverse = inverse + 1
-    return tokens, inverse.reshape(keys.shape)
+        apply(axis, tgt[axis].copy(), alive & (cur[axis] != tgt[axis]))
+    return slots, radix
 
 
 def _block(cache: _MatrixCache, mesh: tuple[int, ...], srcs: tuple, dsts: tuple,
@@ -353,27 +350,28 @@ def _block(cache: _MatrixCache, mesh: tuple[int, ...], srcs: tuple, dsts: tuple,
     block = cache.blocks.get((srcs, dsts))
     if block is not None:
         return block
-    tokens, ids = _trace_block(mesh, np.array(src_codes, dtype=np.int64).reshape(len(srcs), len(mesh)),
-                               np.array(dst_codes, dtype=np.int64).reshape(len(dsts), len(mesh)),
-                               cache.decoded)
-    ids = ids[:, ids.any(axis=0)]  # drop slots where no pair has a step
-    # distinct step sequences: number the rows slot by slot (sequence so far, next token)
-    seq_of_pair = np.zeros(len(ids), dtype=np.int64)
-    for k in range(ids.shape[1]):
-        combined = seq_of_pair * len(tokens) + ids[:, k]
-        if int(combined.max()) <= _DENSE_UNIQUE_FACTOR * len(combined):
-            seq_of_pair = _dense_unique(combined)[1]
-        else:
-            seq_of_pair = np.unique(combined, return_inverse=True)[1].reshape(-1)
-    example = np.zeros(int(seq_of_pair.max(initial=0)) + 1, dtype=np.int64)
-    example[seq_of_pair] = np.arange(len(ids))  # any pair of each sequence
-    seq_tokens = ids[example]
-    block = _Block(tokens, seq_tokens, seq_of_pair.reshape(len(srcs), len(dsts)))
-    if cache.block_pairs + len(ids) > _MAX_CACHED_PAIRS:
+    slot_keys, radix = _trace_keys(mesh, np.array(src_codes, dtype=np.int64).reshape(len(srcs), len(mesh)),
+                                   np.array(dst_codes, dtype=np.int64).reshape(len(dsts), len(mesh)))
+    # per slot: its distinct keys and each pair's rank among them; slots where no pair has a
+    # step are dropped
+    per_slot = [(uniq, local) for uniq, local in map(_dense_unique, slot_keys) if uniq[-1] != 0]
+    token_keys = np.unique(np.concatenate([np.zeros(1, dtype=np.int64)] + [uniq for uniq, _ in per_slot]))
+    tokens = []
+    for k in token_keys.tolist():  # token_keys[0] == 0: "no step"
+        token = cache.decoded.get((radix, k), False)
+        if token is False:
+            token = cache.decoded[(radix, k)] = _decode_token(k, mesh, radix)
+        tokens.append(token)
+    slots = []
+    for uniq, local in per_slot:
+        narrow = np.int16 if len(uniq) <= np.iinfo(np.int16).max else np.int64
+        slots.append((np.searchsorted(token_keys, uniq), local.astype(narrow)))
+    block = _Block(tokens, slots)
+    if cache.block_bytes + block.nbytes > _MAX_CACHED_BLOCK_BYTES:
         cache.blocks.clear()
-        cache.block_pairs = 0
+        cache.block_bytes = 0
     cache.blocks[(srcs, dsts)] = block
-    cache.block_pairs += len(ids)
+    cache.block_bytes += block.nbytes
     return block
 
 
@@ -400,13 +398,14 @@ def _token_us(comm: Any, cache: _MatrixCache, mesh: tuple[int, ...], shape: tupl
 
 
 def redistribution_matrix(comm: Any, global_shape: tuple[int, ...], itemsize_bytes: int,
-                          srcs: Sequence[tuple[str, ...]], dsts: Sequence[tuple[str, ...]]) -> np.ndarray:
+                          srcs: Sequence[tuple[str, ...]], dsts: Sequence[tuple[str, ...]],
+                          *, copy: bool = True) -> np.ndarray:
     """``M[a, b]`` = :func:`redistribution_us` ``(comm, global_shape, itemsize_bytes, srcs[a],
     dsts[b])`` in µs, for all pairs at once (same floating-point sums, so the same values).
 
     The shape-free step tables are cached on ``comm`` per ``(srcs, dsts)`` block, and the
     collective prices per ``(kind, axis, nbytes)``; an edge then costs a few ``time_us``
-    calls and one gather."""
+    calls and one gather. ``copy=False`` returns the cached matrix itself, read-only."""
     mesh = tuple(comm.mesh_shape)
     D = len(mesh)
     shape = tuple(int(x) for x in global_shape)
@@ -429,13 +428,14 @@ def redistribution_matrix(comm: Any, global_shape: tuple[int, ...], itemsize_byt
     if matrix is None:
         block = _block(cache, mesh, srcs, dsts, src_codes, dst_codes)
         token_us = np.array([_token_us(comm, cache, mesh, shape, itemsize, t) for t in block.tokens])
-        seq_us = np.zeros(len(block.seq_tokens))
-        for k in range(block.seq_tokens.shape[1]):  # step order, as redistribution_us sums
-            seq_us = seq_us + token_us[block.seq_tokens[:, k]]
-        matrix = seq_us[block.seq_of_pair]
+        flat = np.zeros(len(srcs) * len(dsts))
+        for token_of, local in block.slots:  # step order, as redistribution_us sums
+            flat += token_us[token_of][local]
+        matrix = flat.reshape(len(srcs), len(dsts))
         if cache.matrix_pairs + matrix.size > _MAX_CACHED_PAIRS:
             cache.matrices.clear()
             cache.matrix_pairs = 0
+        matrix.flags.writeable = False
         cache.matrices[key] = matrix
         cache.matrix_pairs += matrix.size
-    return matrix.copy()
+    return matrix.copy() if copy else matrix

@@ -1,0 +1,168 @@
+"""The shortcuts that make planning fast at scale (issue 27) give the direct computation's results.
+
+Truths: torch's own full-product expansion of single-dim rules followed by the per-strategy
+rewrite and filters (as apmodel ran them before the coded expansion), torch's
+``is_tensor_shardable``, a left-to-right running sum, and pricing every strategy's call one by one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from apmodel import _torch_private as tp
+from apmodel import expansion
+from apmodel.capture import capture
+from apmodel.models import build, config, sample_inputs
+from apmodel.placement_model import _sum_in_order
+from apmodel.pricing import build_cost_context
+from apmodel.options import PlanOptions
+from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
+from apmodel.strategy_filters import Filter, TensorChecks
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+def _arg(shape, nd, dtype=torch.float32, partial=False):
+    """A tensor argument offered in every R / S(d) (and P) placement on an ``nd``-axis mesh."""
+    t = torch.empty(shape, device="meta", dtype=dtype)
+    opts = [R] + ([P] if partial else []) + [Shard(d) for d in range(len(shape))]
+    return tp.TensorArg(tuple(shape), tuple(t.stride()), dtype, tuple(itertools.product(opts, repeat=nd)))
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def _cases(nd):
+    long = torch.int64
+    return [
+        (aten.mm.default, (_arg((64, 32), nd), _arg((32, 16), nd)), {}, _meta(64, 16)),
+        (aten.mm.default, (_arg((6, 32), nd), _arg((32, 4), nd)), {}, _meta(6, 4)),  # small, uneven dims
+        (aten.add.Tensor, (_arg((8, 4, 16), nd, partial=True), _arg((8, 4, 16), nd, partial=True)), {}, _meta(8, 4, 16)),
+        (aten.mul.Tensor, (_arg((8, 16, 4), nd), _arg((4,), nd)), {}, _meta(8, 16, 4)),
+        (aten.silu.default, (_arg((8, 16), nd),), {}, _meta(8, 16)),
+        (aten.pow.Tensor_Scalar, (_arg((8, 16, 32), nd), 2), {}, _meta(8, 16, 32)),
+        (aten.embedding.default, (_arg((64, 16), nd), _arg((8, 4), nd, long)), {}, _meta(8, 4, 16)),
+        (aten.embedding_dense_backward.default, (_arg((8, 4, 16), nd), _arg((8, 4), nd, long), 64, -1, False), {},
+         _meta(64, 16)),
+    ]
+
+
+def _reference(op, args, kwargs, out, mesh, checks, nd):
+    """torch's full expansion, then per strategy: align, unmask, deduplicate, filter."""
+    raw = tp.op_strategies(op, args, kwargs, out, mesh)
+    out_shapes = _out_shapes(out)
+    seen, kept = set(), []
+    for outs, ins in raw:
+        s = _unmask(Strategy(_align_outputs(outs, out_shapes, nd), tuple(ins)))
+        if s not in seen:
+            seen.add(s)
+            if checks.keep(s):
+                kept.append(s)
+    return kept, len(raw)
+
+
+FILTERS = [
+    dict(allow_uneven=False, partial_inputs=True, partial_reduce_ops=("sum", "avg"), partial_input_ops=("sum",)),
+    dict(allow_uneven=True, partial_inputs=False, partial_reduce_ops=("sum", "avg", "max", "min"),
+         partial_input_ops=("sum", "avg")),
+]
+
+
+@pytest.mark.parametrize("ms", [(2, 2, 2, 4), (4, 8), (3,)])
+@pytest.mark.parametrize("options", FILTERS)
+def test_coded_expansion_is_torchs_expansion_filtered(ms, options):
+    nd = len(ms)
+    mesh = tp.fake_mesh(ms)
+    f = Filter(ms, **options)
+    for op, args, kwargs, out in _cases(nd):
+        if tp.rule_kind(op) != "single_dim":
+            continue
+        out_shapes = _out_shapes(out)
+        in_shapes = [a.shape for a in tp._collect_tensor_args((args, kwargs))]
+        checks = TensorChecks(op, out_shapes, in_shapes, f)
+        rule = tp.SingleDimRule(op, args, kwargs, out, mesh)
+        assert rule.exact, op
+        got = expansion.expand(rule, expansion.all_combinations(len(rule.entries), nd), len(out_shapes),
+                               checks.output, checks.input)
+        want, n_raw = _reference(op, args, kwargs, out, mesh, checks, nd)
+        # repr: the same placements in the same order (DTensor's masked partial compares by identity)
+        assert repr([Strategy(o, i) for o, i in got.strategies]) == repr(want), op
+        assert got.raw == n_raw, op
+
+
+def test_coded_expansion_within_a_ball():
+    ms = (2, 2, 2, 4)
+    nd = len(ms)
+    mesh = tp.fake_mesh(ms)
+    f = Filter(ms, False, True, ("sum", "avg"), ("sum",))
+    op, args, kwargs, out = _cases(nd)[0]  # mm
+    rule = tp.SingleDimRule(op, args, kwargs, out, mesh)
+    out_shapes = _out_shapes(out)
+    checks = TensorChecks(op, out_shapes, [a.shape for a in args], f)
+    center = (Strategy(((Shard(0),),), ((Shard(0),), (R,))), Strategy(((R,),), ((R,), (R,))),
+              Strategy(((Shard(1),),), ((R,), (Shard(1),))), Strategy(((P,),), ((Shard(1),), (Shard(0),))))
+    for radius in (0, 1, 2):
+        ball = Ball(center, radius)
+        combos = _ball_combos(rule, ball, out_shapes)
+        got = expansion.expand(rule, np.array(combos, dtype=np.int64).reshape(-1, nd), len(out_shapes),
+                               checks.output, checks.input)
+        seen, want = set(), []
+        for outs, ins in rule.expand(combos):
+            s = _unmask(Strategy(_align_outputs(outs, out_shapes, nd), tuple(ins)))
+            if s not in seen:
+                seen.add(s)
+                if checks.keep(s):
+                    want.append(s)
+        assert want and [Strategy(o, i) for o, i in got.strategies] == want
+
+
+def test_static_shardability_is_torchs():
+    rng = random.Random(0)
+    placements = [R, P, Partial("avg")] + [Shard(d) for d in range(4)]
+    for _ in range(3000):
+        ms = tuple(rng.choice([1, 2, 3, 4, 8]) for _ in range(rng.randint(1, 4)))
+        mesh = tp.fake_mesh(ms)
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 8, 64]) for _ in range(rng.randint(0, 3)))
+        pl = tuple(rng.choice(placements) for _ in ms)
+        spec = tp.DTensorSpec(mesh, pl, tp.TensorMeta(torch.Size(shape), (1,) * len(shape), torch.float32))
+        want = tp._ops_utils.is_tensor_shardable(shape, spec)
+        assert tp._static_shardable(shape, pl, ms) == want, (shape, pl, ms)
+
+
+def test_running_sum_in_row_blocks_is_exact():
+    rng = np.random.default_rng(0)
+    a, b = rng.random((300, 257)) * 1e3, rng.random((257, 300)) / 7
+    terms = [(a, False), (b, True), (a, False), (a, False), (b, True)] * 7
+    want = a.copy()
+    for m, transposed in terms[1:]:
+        want = want + (m.T if transposed else m)
+    assert np.array_equal(_sum_in_order(terms), want)  # the same bits, not just close
+    assert _sum_in_order([(b, True)]) is not None and np.array_equal(_sum_in_order([(b, True)]), b.T)
+
+
+def test_compute_prices_shared_by_equal_calls_are_each_strategys_own():
+    cfg = config("llama3-debug", n_layers=1)
+    with torch.device("meta"):
+        model = build(cfg)
+    captured = capture(model, sample_inputs(cfg, batch=4, seq=64))
+    ms = (2, 2)
+    cost = build_cost_context(ms, PlanOptions(device="h100", gpus_per_node=8))
+    strategies = enumerate_strategies(captured.gm, ms, progress=False)
+    checked = 0
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in strategies or len(strategies[node.name]) < 4:
+            continue
+        strats = strategies[node.name]
+        together = cost.compute_vector(node, strats)
+        one_by_one = np.array([cost.compute_vector(node, [s])[0] for s in strats])
+        assert np.array_equal(together, one_by_one), node.name
+        checked += 1
+    assert checked > 10
