@@ -111,7 +111,7 @@ def test_an_unknown_option_keyword_is_named():
 #: What the CLI may import from the package: the API, its inputs (config, workloads, options), what
 #: it prints (plans, roles, recipe names, report, formatting), and the private-torch boundary to ask
 #: which errors are torch's data-dependent ones (rather than list their names). No pipeline stage.
-CLI_ALLOWED = {"apmodel.api", "apmodel.config", "apmodel.workloads", "apmodel.options", "apmodel.plans",
+CLI_ALLOWED = {"apmodel.api", "apmodel.config", "apmodel.workloads", "apmodel.options", "apmodel.option_spec", "apmodel.plans",
                "apmodel.roles", "apmodel.recipes", "apmodel.report", "apmodel.formatting", "apmodel.placements",
                "apmodel._torch_private"}
 
