@@ -99,6 +99,7 @@ __all__ = [
     "library_sees_tracing",
     "causal_mask_detection_off",
     "with_children",
+    "lazy_graph_module",
     "without_redistribute_costs",
     "fake_mesh",
     "has_sharding_rule",
@@ -624,6 +625,18 @@ def library_sees_tracing() -> Iterator[None]:
         yield
     finally:
         compiler._is_compiling_flag = previous
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` that generates its Python code on first use (a call,
+    ``.code``, printing) instead of at once: torch's ``_LazyGraphModule``. Planning reads only the
+    graph, and the code of a joint graph of 9,000 nodes takes a quarter of a second to generate.
+    ``root.meta`` is carried over."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    gm = _LazyGraphModule(root, graph)
+    gm.meta.update(getattr(root, "meta", {}))
+    return gm
 
 
 def with_children(module: torch.nn.Module, children: dict[str, torch.nn.Module]) -> torch.nn.Module:

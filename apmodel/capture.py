@@ -600,7 +600,7 @@ def capture(
     if loss_fn is not None and out_val.dim() != 0:
         raise ValueError(f"capture: loss_fn must return a scalar, got a tensor of shape {tuple(out_val.shape)}")
 
-    removed = simplify(gm)
+    gm, removed = simplify(gm)
     tied = _merge_tied_parameters(gm, module)
     labels = _label(gm)
     is_backward = _backward_flags(gm, labels["roles"])

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from apmodel._torch_private import OpOverload, op_schema
+from apmodel._torch_private import OpOverload, lazy_graph_module, op_schema
 from apmodel.capture import CapturedGraph, _fingerprint, aliases_first_input
 from apmodel.conventions import layer_pattern_from_names
 from apmodel.options import AC_POLICIES
@@ -302,7 +302,7 @@ def checkpoint(captured: CapturedGraph, policy: str) -> CapturedGraph:
         for a in list(b.all_input_nodes):
             if needs_copy(a):
                 b.replace_input_with(a, recompute(a, b))
-    gm = fx.GraphModule(captured.gm, graph)
+    gm = lazy_graph_module(captured.gm, graph)  # its code generated on first use
     base_fp = _fingerprint(gm, captured.param_fqn)
     fingerprint = hashlib.sha256(f"{base_fp}|ac={policy}".encode()).hexdigest()
     ops = [n for n in graph.nodes if n.op == "call_function"]

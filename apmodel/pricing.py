@@ -133,27 +133,26 @@ class _LocalShapes:
         self.outputs = [tuple(o.shape) for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
         self.mesh_shape = mesh_shape
         self._memo: dict[tuple, tuple[int, ...]] = {}
-        # strategies share placement tuples: their local shapes by the tuples' identity first
-        self._by_id: dict[tuple[int, ...], tuple[tuple, tuple]] = {}
+        # strategies share placement tuples: a tuple's local shape looked up by its identity first
+        self._by_id: dict[tuple[tuple[int, ...], int], tuple[tuple, tuple[int, ...]]] = {}
 
     def _shape(self, shape: tuple[int, ...], placement: tuple | None) -> tuple[int, ...]:
         if placement is None:
             return shape
+        hit = self._by_id.get((shape, id(placement)))
+        if hit is not None and hit[0] is placement:
+            return hit[1]
         key = (shape, placement)
         local = self._memo.get(key)
         if local is None:
             local = self._memo[key] = pl.local_shape(shape, placement, self.mesh_shape)
+        self._by_id[(shape, id(placement))] = (placement, local)  # keeps the tuple (and its id) alive
         return local
 
     def of(self, s: Strategy) -> tuple:
-        ident = tuple(map(id, s.inputs)) + tuple(map(id, s.outputs))
-        hit = self._by_id.get(ident)  # the entry keeps those tuples alive: their ids are theirs
-        if hit is not None:
-            return hit[1]
         ins = tuple(self._shape(shape, s.inputs[j] if j < len(s.inputs) else None) for j, shape in enumerate(self.inputs))
         outs = tuple(self._shape(shape, s.outputs[k] if k < len(s.outputs) else None)
                      for k, shape in enumerate(self.outputs))
-        self._by_id[ident] = ((s.inputs, s.outputs), (ins, outs))
         return ins, outs
 
 

@@ -135,9 +135,12 @@ def trace(
         modules.close()
 
 
-def simplify(gm: fx.GraphModule) -> int:
+def simplify(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """Flat calling convention, no ``aten.detach`` nodes (identity on values), no dead code.
-    Returns the number of nodes removed."""
+    Returns the module on the simplified graph (its Python code generated on first use: planning
+    reads the graph only) and the number of nodes removed."""
+    from apmodel._torch_private import lazy_graph_module
+
     # AOTAutograd's pytree codegen wraps inputs/outputs in nested structures; make the module
     # take one positional argument per placeholder and return the output node's flat list.
     gm.graph.set_codegen(fx.graph.CodeGen())
@@ -147,5 +150,4 @@ def simplify(gm: fx.GraphModule) -> int:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return before - len(gm.graph.nodes)
+    return lazy_graph_module(gm, gm.graph), before - len(gm.graph.nodes)

@@ -166,3 +166,33 @@ def test_compute_prices_shared_by_equal_calls_are_each_strategys_own():
         assert np.array_equal(together, one_by_one), node.name
         checked += 1
     assert checked > 10
+
+
+def test_captured_module_generates_its_code_on_first_use():
+    def step(x, w):
+        return (torch.relu(x @ w) * x.sum().detach()).sum()
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return step(x, self.w)
+
+    model = Tiny()
+    x = torch.randn(3, 4)
+    captured = capture(model, (x,), loss_fn=None)
+    code = captured.gm.code  # generated now, for the simplified graph
+    assert "detach" not in code and "def forward" in code
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    values = {n.name: None for n in placeholders}
+    for name, fqn in captured.param_fqn.items():
+        values[name] = model.get_parameter(fqn).detach()
+    for name, idx in captured.input_index.items():
+        values[name] = x
+    for name in values:
+        if values[name] is None:  # the loss tangent
+            values[name] = torch.ones(())
+    out = captured.gm(*[values[n.name] for n in placeholders])
+    torch.testing.assert_close(out[0], step(x, model.w).detach())
