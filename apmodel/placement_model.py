@@ -90,6 +90,24 @@ def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+class _PlacementNumbers:
+    """A number per distinct placement tuple (None included): equal tuples, equal numbers. A tuple
+    seen before is found by its identity (strategies share their placement tuples), without
+    hashing its placements again; the table keeps the tuples, so an identity is never reused."""
+
+    def __init__(self) -> None:
+        self._by_value: dict[Any, int] = {}
+        self._by_id: dict[int, tuple[Any, int]] = {}
+
+    def __call__(self, placements: Any) -> int:
+        hit = self._by_id.get(id(placements))
+        if hit is not None and hit[0] is placements:
+            return hit[1]
+        k = self._by_value.setdefault(placements, len(self._by_value))
+        self._by_id[id(placements)] = (placements, k)
+        return k
+
+
 #: elements of a pair cost summed at once by :func:`_sum_in_order` (a block that stays in cache)
 _SUM_BLOCK_ELEMENTS = 1 << 15
 
@@ -187,14 +205,18 @@ class PlacementModel:
         # clustering and the cost memos.
         # A list object seen before (enumerate_strategies shares one per memo entry) is looked
         # up by identity, without hashing its strategies again.
+        # Lists are compared as tuples of placement numbers (equal placements, equal numbers),
+        # which hash in C; a placement tuple is numbered by its identity first.
         interned: dict[tuple, list[Strategy]] = {}
         by_id: dict[int, tuple[Sequence[Strategy], list[Strategy]]] = {}
+        number = _PlacementNumbers()
         self.strategies: dict[str, list[Strategy]] = {}
         for n in self.nodes:
             strats = strategies[n.name]
             seen = by_id.get(id(strats))
             if seen is None or seen[0] is not strats:
-                seen = by_id[id(strats)] = (strats, interned.setdefault(tuple(strats), list(strats)))
+                key = tuple((tuple(map(number, s.outputs)), tuple(map(number, s.inputs))) for s in strats)
+                seen = by_id[id(strats)] = (strats, interned.setdefault(key, list(strats)))
             self.strategies[n.name] = seen[1]
         for name, strats in self.strategies.items():
             if not strats:
