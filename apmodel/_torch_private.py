@@ -368,12 +368,13 @@ class SpecMemo:
 
     def __init__(self) -> None:
         self.mesh: DeviceMesh | None = None
+        self.mesh_shape: tuple[int, ...] = ()  # read once: a DeviceMesh's shape takes tens of µs
         self._specs: dict[tuple, DTensorSpec] = {}
         self._shardable: dict[tuple, bool] = {}
 
     def _serves(self, mesh: DeviceMesh) -> bool:
         if self.mesh is None:
-            self.mesh = mesh
+            self.mesh, self.mesh_shape = mesh, tuple(mesh.shape)
         return self.mesh is mesh
 
     def spec(self, mesh: DeviceMesh, placements: PlacementsT, arg: "TensorArg") -> DTensorSpec:
@@ -391,9 +392,10 @@ class SpecMemo:
         """torch's ``is_tensor_shardable`` of the tensor ``strategy`` describes, placed ``placements``."""
         shape = tuple(strategy.shape)
         key = (shape, placements, allow_unbacked)
-        ok = self._shardable.get(key) if self._serves(mesh) else None
+        serves = self._serves(mesh)
+        ok = self._shardable.get(key) if serves else None
         if ok is None:
-            ok = _static_shardable(shape, placements, tuple(mesh.shape))
+            ok = _static_shardable(shape, placements, self.mesh_shape if serves else tuple(mesh.shape))
             if ok is None:
                 ok = bool(_ops_utils.is_tensor_shardable(strategy.shape, DTensorSpec(mesh, placements, strategy.tensor_meta),
                                                          allow_unbacked_sharding=allow_unbacked))
