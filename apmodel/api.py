@@ -476,7 +476,7 @@ def parallelize(
     constraints: Sequence[Any] = (),
     plan: Plan | None = None,
     lowering: str = "native",
-    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+    bucket_cap_mb: float | None = None,
     options: PlanOptions | None = None,
     **option_values: Any,
 ) -> nn.Module:
@@ -500,8 +500,10 @@ def parallelize(
         lowering: "native" (default): the step traced once into a forward and a backward graph
             over local shards with explicit functional collectives, which ``torch.compile``
             compiles; "interpret": the joint graph run node by node over DTensors (for debugging).
-        bucket_cap_mb: native lowering: adjacent collectives of one kind and process group merged
-            into buckets of at most this many MB (None or 0: one per planned redistribution).
+        bucket_cap_mb: native lowering: independent collectives of one kind and process group
+            (parameter gathers, gradient reductions) merged into buckets of at most this many MB;
+            0: one collective per planned step. None (default): the size the plan was priced with
+            (the option ``bucket_mb``, 25 MB unless set), so the program runs what was priced.
 
     Returns the module, with DTensor parameters placed as planned (tied parameters stay one
     Parameter; buffers updated in forward, such as BatchNorm statistics, are written back after
@@ -527,10 +529,16 @@ def parallelize(
     if plan is None:
         opts = make_options(options, **option_values)
         precision = opts.run_precision
+        priced_bucket_mb = opts.bucket_mb
     elif option_values or options is not None or constraints:
         raise TypeError("planning options given together with plan=: the plan is used as it is")
     else:
         precision = run_precision_of(plan.workload)
+        # plans saved before the option existed were priced per collective, and ran with 25 MB buckets
+        recorded = plan.workload.get("bucket_mb")
+        priced_bucket_mb = DEFAULT_BUCKET_CAP_MB if recorded is None else float(recorded)
+    if bucket_cap_mb is None:
+        bucket_cap_mb = priced_bucket_mb
     # Mixed precision: traced as it runs (bf16 parameters and inputs), so the graph holds the casts
     # the model's code makes at that dtype; the parameters themselves stay in the model's dtype.
     captured = lowering_stage.capture_on_meta(

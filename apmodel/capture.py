@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT, ROLE_TANGENT = "param", "buffer", "input", "tangent"
 ROLE_OUTPUT, ROLE_GRAD_PARAM, ROLE_GRAD_INPUT = "output", "grad_param", "grad_input"
 ROLE_BUFFER_UPDATE = "buffer_update"
+#: dtype casts: a parameter cast (the model's ``weight.to(x.dtype)``) is still that parameter's value
+_CAST_TARGETS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
 @dataclass
@@ -110,6 +112,18 @@ class CapturedGraph:
             while aliases_first_input(node):
                 node = node.args[0]
                 chain.add(node.name)
+        return frozenset(chain)
+
+    def param_value_chain(self) -> frozenset[str]:
+        """Nodes whose value is one parameter up to views and casts: each parameter and the
+        ``t``, ``view`` or dtype cast of it (of one of these) that the step reads. A redistribution
+        out of one of them is the parameter's gather; it depends on no other collective."""
+        chain = set(self.param_fqn)
+        for n in self.gm.graph.nodes:  # graph order: a node's inputs come before it
+            if n.op != "call_function" or len(n.all_input_nodes) != 1 or n.all_input_nodes[0].name not in chain:
+                continue
+            if aliases_first_input(n) or n.target in _CAST_TARGETS:
+                chain.add(n.name)
         return frozenset(chain)
 
     def nodes_with_role(self, role: str) -> list[str]:

@@ -179,6 +179,11 @@ class PlanOptions:
     calibration: str | None = option(
         None, help="Collective calibration (from `apmodel calibrate`); in a configuration, relative to its file.",
         toml="cost.calibration", flag="--calibration", kind="path", relative=True, default_doc="none")
+    bucket_mb: float = option(
+        25.0, help="Bucket size of the native program's merged collectives: a parameter's gathers and its "
+                   "gradient's reductions are priced as their share of one bucket (0: each alone, as the "
+                   "interpreter and parallelize(bucket_cap_mb=0) run them).", toml="cost.bucket_MB",
+        flag="--bucket-mb", kind="float", range="[0, inf)", unit="MB, 2^20 bytes")
     topology: Mapping[str, Any] = option(
         default_factory=dict, help="Overrides of the device's topology: " + "; ".join(
             f"{k} ({s.help})" for k, s in TOPOLOGY_SPECS.items()) + ".",
@@ -386,11 +391,14 @@ class PlanOptions:
         """The options a plan file recorded (keys of other kinds, e.g. ``model``, are ignored).
 
         Plans saved before this record existed keep their meaning: ``memory_limit_GB`` (1e9
-        bytes) and missing keys take today's defaults."""
+        bytes), a plan without ``bucket_mb`` was priced with every collective alone (0), and
+        other missing keys take today's defaults."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in record.items() if k in names and v is not None}
         if "memory_limit_GB" in record and record["memory_limit_GB"] is not None and "memory_limit_bytes" not in values:
             values["memory_limit_bytes"] = float(record["memory_limit_GB"]) * 1e9
+        if "bucket_mb" not in record:  # a plan from before bucket pricing: every collective priced alone
+            values["bucket_mb"] = 0.0
         for key in ("compute_model", "comm_model"):
             if isinstance(values.get(key), str) and values[key].startswith("<object "):
                 raise OptionsError(f"the plan was priced with a {key} object ({values[key][8:-1]}) that a plan file "

@@ -383,7 +383,8 @@ class PlacementModel:
     def add_memory_limit(self, limit_bytes: float, *, reserved_bytes: float = 0.0) -> None:
         """Per-device memory row: parameters, gradients, optimizer state and saved activations
         (see :mod:`apmodel.memory`) ≤ ``limit_bytes - reserved_bytes`` (``reserved_bytes``: what the
-        row cannot see, e.g. the step's largest transient)."""
+        row cannot see, e.g. the step's largest transient). Replaces an earlier memory row."""
+        self.linear_rows = [r for r in self.linear_rows if r[0] != "memory"]
         self.linear_rows.append(("memory", self.memory.row(), "<=", float(limit_bytes - reserved_bytes)))
         self._compiled = None
 
@@ -496,7 +497,8 @@ class PlacementModel:
         val = _tensor_value(prod.meta.get("val"), e.out_index)
         src = self._strategy_strs(e.producer, "out", e.out_index)
         dst = self._strategy_strs(e.consumer, "out", 0) if e.slot < 0 else self._strategy_strs(e.consumer, "in", e.slot)
-        return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, dst, gradient=self.is_param_gradient(e))
+        return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, dst, gradient=self.is_param_gradient(e),
+                                               bucketed=self.is_bucketed(e))
 
     def _strategy_strs(self, node: str, side: str, index: int) -> list[tuple[str, ...] | None]:
         """Placement strings of output (``side="out"``) or input slot ``index`` of every strategy
@@ -522,6 +524,19 @@ class PlacementModel:
     @functools.cached_property
     def _gradient_chain(self) -> frozenset[str]:
         return self.captured.param_gradient_chain()
+
+    def is_bucketed(self, e: Edge) -> bool:
+        """True for an edge whose collectives the native program merges with others of their kind
+        (priced as their share of a bucket, :meth:`apmodel.pricing.CostContext.redistribution_matrix`):
+        a parameter's gather (out of the parameter or a view or cast of it) and a gradient's
+        reduction. Neither depends on another collective, so the bucketing passes merge them all;
+        an activation's collective waits for the one before it and runs alone."""
+        return e.producer in self.param_values or self.is_param_gradient(e)
+
+    @functools.cached_property
+    def param_values(self) -> frozenset[str]:
+        """Parameters and their views and casts (:meth:`apmodel.capture.CapturedGraph.param_value_chain`)."""
+        return self.captured.param_value_chain()
 
     def boundary_vector(self, name: str) -> np.ndarray:
         """Cost (µs) of bringing forward output ``name`` to its required placement."""
@@ -572,7 +587,7 @@ class PlacementModel:
         for e in self.edges:
             val = _tensor_value(self.node_by_name[e.producer].meta.get("val"), e.out_index)
             key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
-                   tuple(val.shape), val.dtype, self.is_param_gradient(e))
+                   tuple(val.shape), val.dtype, self.is_param_gradient(e), self.is_bucketed(e))
             mat = matrix_memo.get(key)
             if mat is None:
                 mat = matrix_memo[key] = self.edge_matrix(e)

@@ -508,16 +508,17 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
             per_layer[label[n.name]]["compute_us"] -= us
             per_layer[label[n.name]]["comm_us"] += us
 
-    def add_steps(shape, dtype, src, dst, layer, gradient=False):
+    def add_steps(shape, dtype, src, dst, layer, gradient=False, bucketed=False):
         nonlocal comm_total
-        for kind, axis, _nbytes, us in cost.redistribution_steps(shape, dtype, src, dst, gradient=gradient):
+        for kind, axis, _nbytes, us in cost.redistribution_steps(shape, dtype, src, dst, gradient=gradient,
+                                                                 bucketed=bucketed):
             by_collective[collective_key(kind, (axis,))] += us
             comm_total += us
             per_layer[layer]["comm_us"] += us
 
     for e, val, src, dst in planned_edges(pmodel, node_strategy):
         add_steps(tuple(val.shape), val.dtype, src, dst, label[e.consumer],
-                  gradient=pmodel.is_param_gradient(e))
+                  gradient=pmodel.is_param_gradient(e), bucketed=pmodel.is_bucketed(e))
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
         add_steps(tuple(val.shape), val.dtype, pmodel.output_strs(node_strategy[name], 0), want, "outputs")

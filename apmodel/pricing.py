@@ -184,10 +184,16 @@ class CostContext:
     master_dtype: torch.dtype | None = None
     """mixed precision: parameters, their gradients and optimizer state are stored in this dtype
     (fp32 master weights); None: the pricing dtype"""
+    bucket_bytes: float = 0.0
+    """cap (bytes) of the buckets the program merges parameter collectives into; 0: each priced alone"""
+    param_elements: int = 0
+    """elements of the model's parameters: bounds a bucket (a small model's gathers fill less than
+    the cap); 0: unknown, buckets taken as full"""
 
     def __post_init__(self) -> None:
         if self.comm is not None and not isinstance(self.comm, CheckedComm):
             self.comm = CheckedComm(self.comm)
+        self._bucketed_comms: dict[int, Any] = {}
 
     def itemsize(self, dtype: torch.dtype) -> int:
         """Bytes per element as priced (the pricing dtype for floating tensors)."""
@@ -305,24 +311,41 @@ class CostContext:
         return region.working_bytes(self, args, modes=modes, backward=backward)
 
     # ---------------------------------------------------------------- communication
+    def _comm_for(self, itemsize: int, bucketed: bool) -> Any:
+        """The comm model of one edge: ``bucketed`` (a parameter's gather or its gradient's
+        reduction, which the native program merges with the others of its kind) prices each
+        collective as its share of a bucket of ``bucket_bytes`` (at most the model's parameters
+        at ``itemsize``; :class:`costmodels.BucketedCollectives`)."""
+        if not bucketed or self.bucket_bytes <= 0:
+            return self.comm
+        comm = self._bucketed_comms.get(itemsize)
+        if comm is None:
+            fill = self.param_elements * itemsize if self.param_elements > 0 else math.inf
+            comm = costmodels.BucketedCollectives(self.comm, min(self.bucket_bytes, fill))
+            self._bucketed_comms[itemsize] = comm
+        return comm
+
     @functools.cached_property
     def _redistribution(self):
         """Memoised scalar price of one redistribution (µs)."""
 
         @functools.lru_cache(maxsize=None)
-        def price(shape: tuple[int, ...], itemsize: int, src: tuple[str, ...], dst: tuple[str, ...]) -> float:
-            return float(costmodels.redistribution_us(self.comm, shape, itemsize, src, dst))
+        def price(shape: tuple[int, ...], itemsize: int, src: tuple[str, ...], dst: tuple[str, ...],
+                  bucketed: bool) -> float:
+            return float(costmodels.redistribution_us(self._comm_for(itemsize, bucketed), shape, itemsize, src, dst))
 
         return price
 
     def redistribution_us(
-        self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...], *, gradient: bool = False
+        self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...], *,
+        gradient: bool = False, bucketed: bool = False,
     ) -> float:
         """Price (µs) of moving a tensor of global ``shape`` from placement ``src`` to ``dst``;
-        ``gradient``: a parameter gradient on its way to the parameter (priced in ``reduce_dtype``)."""
+        ``gradient``: a parameter gradient on its way to the parameter (priced in ``reduce_dtype``);
+        ``bucketed``: its collectives are merged into buckets by the program (see :meth:`_comm_for`)."""
         if src == dst:
             return 0.0
-        return self._redistribution(tuple(shape), self._edge_itemsize(dtype, gradient), src, dst)
+        return self._redistribution(tuple(shape), self._edge_itemsize(dtype, gradient), src, dst, bucketed)
 
     def redistribution_matrix(
         self,
@@ -332,6 +355,7 @@ class CostContext:
         dsts: Sequence[tuple[str, ...] | None],
         *,
         gradient: bool = False,
+        bucketed: bool = False,
     ) -> np.ndarray:
         """Matrix ``M[a, b]`` = price (µs) of ``srcs[a] -> dsts[b]``; ``None`` entries cost 0.
 
@@ -344,7 +368,8 @@ class CostContext:
         si = {s: i for i, s in enumerate(usrc)}
         di = {d: i for i, d in enumerate(udst)}
         itemsize = self._edge_itemsize(dtype, gradient)
-        block = costmodels.redistribution_matrix(self.comm, tuple(shape), itemsize, usrc, udst, copy=False)
+        comm = self._comm_for(itemsize, bucketed)
+        block = costmodels.redistribution_matrix(comm, tuple(shape), itemsize, usrc, udst, copy=False)
         rows = np.array([si[s] if s is not None else len(usrc) for s in srcs], dtype=np.int64)
         cols = np.array([di[d] if d is not None else len(udst) for d in dsts], dtype=np.int64)
         if (rows < len(usrc)).all() and (cols < len(udst)).all():
@@ -354,13 +379,14 @@ class CostContext:
         return small[np.ix_(rows, cols)]
 
     def redistribution_steps(
-        self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...], *, gradient: bool = False
+        self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...], *,
+        gradient: bool = False, bucketed: bool = False,
     ) -> list:
         """The collectives behind one redistribution: list of (kind, axis, nbytes, µs)."""
         if src == dst:
             return []
         itemsize = self._edge_itemsize(dtype, gradient)
-        return list(costmodels.redistribution_steps(self.comm, tuple(shape), itemsize, src, dst))
+        return list(costmodels.redistribution_steps(self._comm_for(itemsize, bucketed), tuple(shape), itemsize, src, dst))
 
 
 def pricing_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -394,7 +420,10 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
     Compute: ``options.compute_model``, else ``costmodels.compute_model(device, profile=
     options.compute_profile, execution=options.execution)`` (the measured model where the device
     has a profile, else the roofline). Communication: ``options.comm_model``, else the NCCL model
-    of the topology (with ``options.topology`` overrides), corrected by ``options.calibration``.
+    of the topology (with ``options.topology`` overrides), corrected by ``options.calibration``;
+    parameter gathers and gradient reductions priced in buckets of ``options.bucket_mb`` (at most
+    ``captured``'s parameters; each alone where the graph has a ``local_map`` region, which the
+    native program runs unbucketed).
     Mixed precision (default on for bf16/fp16): gradient reductions and master state in fp32;
     run as well as priced (``options.run_precision``) and ``captured`` traced at the param dtype
     (as :func:`apmodel.api.plan` traces it then): tensors are priced in their traced dtypes.
@@ -416,7 +445,16 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
     full = torch.float32 if mixed else None
     if options.run_precision is not None and captured is not None and _traced_at(captured, DTYPES[options.run_precision[0]]):
         dtype = None  # traced at the param dtype with the model's own casts: price each tensor as traced
+    bucket_bytes = options.bucket_mb * 2**20
+    param_elements = 0
+    if captured is not None:
+        nodes = captured.gm.graph.nodes
+        param_elements = sum(n.meta["val"].numel() for n in nodes if captured.roles.get(n.name) == "param")
+        if any(n.op == "call_function" and region_of(n.target) is not None for n in nodes):
+            # a local_map region issues blocking collectives of its own: the native program then
+            # keeps every collective in traced order, unmerged (apmodel.lowering.native)
+            bucket_bytes = 0.0
     return CostContext(
         mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=dtype, hbm_bytes=spec.hbm_GiB * 2**30,
-        reduce_dtype=full, master_dtype=full,
+        reduce_dtype=full, master_dtype=full, bucket_bytes=bucket_bytes, param_elements=param_elements,
     )

@@ -139,24 +139,40 @@ def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None,
     what dominates it."""
     if limit_bytes is None or plan.memory.get("peak_bytes") is None or plan.memory["peak_bytes"] <= limit_bytes:
         return plan
-    mem = plan.memory
-    transient = mem["peak_bytes"] - sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
+    transient = _transient_bytes(plan)
     logger.info(
         "plan needs %.2f GB per device, over the %.2f GB limit: solving again with a memory row",
-        mem["peak_bytes"] / 1e9, limit_bytes / 1e9,
+        plan.memory["peak_bytes"] / 1e9, limit_bytes / 1e9,
     )
     smallest = pmodel.memory.smallest({n: pmodel.allowed_mask(n) for n in pmodel.strategies}) + transient
     ac = policy_of(pmodel.captured)
     if smallest > limit_bytes:
         raise _out_of_memory(plan, limit_bytes, smallest, ac)
-    pmodel.add_memory_limit(limit_bytes, reserved_bytes=transient)
-    try:
-        fitted = solve()
-    except solvers.Infeasible:
-        raise _out_of_memory(plan, limit_bytes, smallest, ac) from None
-    if fitted.memory["peak_bytes"] > limit_bytes:
-        raise _out_of_memory(fitted, limit_bytes, smallest, ac)
-    return fitted
+    fitted = plan
+    for _ in range(MEMORY_ROUNDS):
+        # the row cannot see the step's transient: reserve the largest one seen so far
+        pmodel.add_memory_limit(limit_bytes, reserved_bytes=transient)
+        try:
+            fitted = solve()
+        except solvers.Infeasible:
+            raise _out_of_memory(fitted, limit_bytes, smallest, ac) from None
+        if fitted.memory["peak_bytes"] <= limit_bytes:
+            return fitted
+        grown = _transient_bytes(fitted)
+        if grown <= transient:
+            break
+        transient = grown
+    raise _out_of_memory(fitted, limit_bytes, smallest, ac)
+
+
+#: solves under a memory row at most: each round reserves the largest transient seen so far
+MEMORY_ROUNDS = 3
+
+
+def _transient_bytes(plan: Plan) -> float:
+    """Bytes of ``plan``'s peak that the memory row does not count (the step's largest transient)."""
+    mem = plan.memory
+    return mem["peak_bytes"] - sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
 
 
 def _out_of_memory(plan: Plan, limit: float, smallest: float, ac: str = "none") -> OutOfMemory:

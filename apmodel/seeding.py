@@ -154,7 +154,7 @@ def seed(
     mesh_shape = tuple(int(s) for s in mesh_shape)
     D = len(mesh_shape)
     if cost is None:
-        cost = build_cost_context(mesh_shape, options)
+        cost = build_cost_context(mesh_shape, options, captured)
     elif tuple(cost.mesh_shape) != mesh_shape:
         raise ValueError(f"seed: cost context is for mesh {tuple(cost.mesh_shape)}, not {mesh_shape}")
     inputs, outputs = boundary_placements(captured, mesh_shape, options.input_placements, options.output_placements)

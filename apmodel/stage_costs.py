@@ -32,7 +32,6 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from apmodel.capture import aliases_first_input
 from apmodel.clustering import local_signature
 from apmodel.conventions import ModelConventions, layer_pattern_from_names
 from apmodel.cost_labels import node_labels
@@ -196,7 +195,6 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
     bwd: dict[int, float] = defaultdict(float)
     weight: dict[int, float] = defaultdict(float)
     memo: dict[Any, float] = {}
-    params = _param_views(pmodel)
     for n in pmodel.nodes:
         s = node_strategy[n.name]
         key = (local_signature(n, None, False), s)
@@ -206,13 +204,14 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         (bwd if is_bwd.get(n.name) else fwd)[unit[n.name]] += c
     for e, val, src, dst in planned_edges(pmodel, node_strategy):
         gradient = pmodel.is_param_gradient(e)
-        us = sum(step[3] for step in cost.redistribution_steps(tuple(val.shape), val.dtype, src, dst, gradient=gradient))
+        us = sum(step[3] for step in cost.redistribution_steps(tuple(val.shape), val.dtype, src, dst, gradient=gradient,
+                                                               bucketed=pmodel.is_bucketed(e)))
         if not us:
             continue
         backward = bool(is_bwd.get(e.producer) or is_bwd.get(e.consumer))
         u = unit[e.consumer]
         (bwd if backward else fwd)[u] += us
-        if gradient or e.producer in params:
+        if gradient or e.producer in pmodel.param_values:
             weight[u] += us
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
@@ -243,17 +242,6 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         boundary_bytes=_boundary_bytes(pmodel, node_strategy, unit, n_layers),
         transient_bytes=max(0.0, transient),
     )
-
-
-def _param_views(pmodel: "PlacementModel") -> set[str]:
-    """Parameters and the views of them (``t``, ``view``...): a redistribution out of one is a
-    parameter gather."""
-    cap = pmodel.captured
-    out = set(cap.param_fqn)
-    for n in pmodel.nodes:
-        if n.op == "call_function" and aliases_first_input(n) and n.args and getattr(n.args[0], "name", None) in out:
-            out.add(n.name)
-    return out
 
 
 def _boundary_bytes(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"], unit: Mapping[str, int],

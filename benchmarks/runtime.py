@@ -18,11 +18,12 @@ them alike. Variants:
   same communication as the baselines: the runtime compared alone), native compiled, interpreter.
 
 The planner's own plan is priced for H100s and NVLink; on gloo over loopback a collective costs
-~100 µs whatever its size, so a plan with more, smaller collectives can lose here and win there.
-"gloo-calibrated plan" is the plan priced for this machine instead: the CPU device, its collective
-model corrected by all-reduce, all-gather and reduce-scatter timed on the benchmark's own gloo
-group just before (:func:`costmodels.collective_timing.time_collectives`, then
-``Calibration.fit``, as ``apmodel calibrate`` does with nccl-tests logs).
+~300 µs whatever its size, so a plan with more, smaller collectives can lose here and win there.
+"plan for this machine" is priced for this machine instead: the CPU device, its collective model
+corrected by all-reduce, all-gather, reduce-scatter and all-to-all timed on the benchmark's own
+gloo group just before (:func:`costmodels.collective_timing.time_collectives`, then
+``Calibration.fit``, as ``apmodel calibrate`` does with nccl-tests logs), its compute model
+fitted to kernels timed on one thread (``apmodel calibrate-compute --quick --threads 1``).
 Every variant uses AdamW with ``foreach=True`` (torchtitan's default).
 
 ``host_us_per_node``: on mesh (1,), the step time apmodel adds to plain eager, divided by the nodes
@@ -157,23 +158,31 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
 
 def _calibrate_gloo(out_dir: str) -> dict[str, Any]:
     """Plan options for this machine: the CPU device with the collective model corrected by
-    collectives timed on the world's gloo group now (``apmodel calibrate`` from live timings).
-    Every rank measures; rank 0 fits and writes the calibration, the others wait for it."""
+    collectives timed on the world's gloo group now (``apmodel calibrate`` from live timings) and
+    the compute model fitted to kernels timed on one thread now (``apmodel calibrate-compute
+    --quick --threads 1``, the benchmark's thread count). Every rank times the collectives;
+    rank 0 times the kernels, fits and writes both, the others wait for it."""
     import torch.distributed as dist
 
     import costmodels
+    from apmodel.options import PlanOptions
+    from apmodel.pricing import build_cost_context
     from costmodels.collective_timing import time_collectives
+    from costmodels.fitting import calibrate_compute
 
     logs = time_collectives()
     path = Path(out_dir, "gloo_calibration.json")
+    profile = Path(out_dir, "cpu_profile.json")
+    options = {"device": "cpu", "gpus_per_node": dist.get_world_size()}
     if dist.get_rank() == 0:
-        base = costmodels.NCCLCollectives(costmodels.Topology((dist.get_world_size(),), costmodels.device("cpu")))
+        base = build_cost_context((dist.get_world_size(),), PlanOptions(**options)).comm.model
         costmodels.Calibration.fit(base, [(log, 0) for log in logs]).save(path)
         for log in logs:
             logger.warning("gloo %s, %d ranks: %s", log.kind, log.ranks,
                            ", ".join(f"{r.size_bytes // 1024} KiB {r.oop_time_us:.0f} µs" for r in log.rows))
+        profile.write_text(calibrate_compute(quick=True, threads=1).profile.dumps(), encoding="utf-8")
     dist.barrier()
-    return {"device": "cpu", "dtype": "fp32", "calibration": str(path)}
+    return {**options, "dtype": "fp32", "calibration": str(path), "compute_profile": str(profile)}
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], compile_: bool, warmup: int,
@@ -202,7 +211,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
                 variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
             variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False)))
             if this_machine is not None:
-                variants.append(("apmodel native, gloo-calibrated plan",
+                variants.append(("apmodel native, plan for this machine",
                                  lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine)))
             if world > 1:
                 variants.append(("apmodel native, DDP plan", lambda: _apmodel_variant(name, mesh, "native", False, "ddp")))
@@ -273,7 +282,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for name in sorted({r["model"] for r in rows}):
         plain = by.get((name, 1, "plain eager"))
         s: dict[str, Any] = {}
-        for variant in ("apmodel native", "apmodel native, gloo-calibrated plan", "apmodel native compiled",
+        for variant in ("apmodel native", "apmodel native, plan for this machine", "apmodel native compiled",
                         "apmodel interpreter", "apmodel native, FSDP plan"):
             one = by.get((name, 1, variant))
             if one and plain:

@@ -1,6 +1,7 @@
 """Hardware specs and cost models for apmodel: measured and roofline compute, NCCL-like collectives,
 redistribution costs and calibration against nccl-tests. Times are in µs, sizes in bytes."""
 
+from .bucketing import BUCKETED_KINDS, BucketedCollectives
 from .calibration import (Calibration, CalibratedCollectives, CalibrationMismatch, CorrectionCurve,
                           NcclTestsLog, format_nccl_tests, parse_nccl_tests)
 from .collectives import KINDS, MeasuredNccl, NCCLCollectives, bus_bandwidth_factor
@@ -14,7 +15,7 @@ from .redistribution import redistribution_matrix, redistribution_steps, redistr
 from .topology import AxisLink, Topology
 
 __all__ = [
-    "AxisLink", "BUILTIN_DEVICES", "MeasuredNccl", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
+    "AxisLink", "BUCKETED_KINDS", "BucketedCollectives", "BUILTIN_DEVICES", "MeasuredNccl", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
     "ProfileError", "builtin_profile", "compute_model", "load_profile", "Calibration", "CalibratedCollectives", "CalibrationMismatch",
     "CommModel", "ComputeModel", "CorrectionCurve", "DeviceRegistry", "DeviceSpec", "FabricSpec", "KINDS",
     "NCCLCollectives", "NcclTestsLog", "RooflineCompute", "Topology", "bus_bandwidth_factor",

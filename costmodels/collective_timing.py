@@ -7,9 +7,11 @@ not installed).
 as :func:`~costmodels.calibration.parse_nccl_tests` would read it from nccl-tests' output, so
 :meth:`Calibration.fit <costmodels.calibration.Calibration.fit>` takes it unchanged. Sizes follow
 nccl-tests: an all-reduce's size is its buffer, an all-gather's its gathered output, a
-reduce-scatter's its full input. A size's time is the median of ``iters`` back-to-back calls after
+reduce-scatter's its full input, an all-to-all's the buffer each rank sends (on a CPU group timed
+as DTensor runs it there: an all-gather of every rank's buffer, gloo having no all-to-all). A size's time is the median of ``iters`` back-to-back calls after
 ``warmup`` calls (each call waited for), the largest over the ranks (the slowest rank is the
-collective's time), the same on every rank.
+collective's time), the same on every rank; a kind's times are then made non-decreasing in size
+(isotonic regression), as a collective's time is.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import statistics
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from scipy.optimize import isotonic_regression
 
 from .calibration import NcclTestsLog, NcclTestsRow
 from .collectives import bus_bandwidth_factor
 
-#: Kinds :func:`time_collectives` can run (those a dense model's plan issues).
-TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: Kinds :func:`time_collectives` can run (those a plan's redistributions issue).
+TIMED_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: Default message sizes, bytes: 1 KiB to 16 MiB in factors of 4 (the latency-bound sizes and the
 #: per-layer gathers of small and mid-size models).
 DEFAULT_SIZES_BYTES = tuple(2**10 * 4**i for i in range(8))
@@ -46,7 +50,27 @@ def _call(kind: str, group: Any, size_bytes: int, itemsize: int, dtype: torch.dt
         full = torch.ones(elems, dtype=dtype, device=device)
         shard = torch.empty(elems // n, dtype=dtype, device=device)
         return lambda: dist.reduce_scatter_tensor(shard, full, group=group)
+    if kind == "all_to_all" and device.type == "cpu":
+        # as DTensor runs a CPU mesh's all-to-all (gloo has none): every rank gathers the whole
+        # buffer of every rank and keeps its chunk (torch.distributed.tensor._collective_utils)
+        gathered = torch.empty(elems * n, dtype=dtype, device=device)
+        mine = torch.ones(elems, dtype=dtype, device=device)
+        return lambda: dist.all_gather_into_tensor(gathered, mine, group=group)
+    if kind == "all_to_all":
+        send = torch.ones(elems, dtype=dtype, device=device)
+        received = torch.empty(elems, dtype=dtype, device=device)
+        return lambda: dist.all_to_all_single(received, send, group=group)
     raise ValueError(f"time_collectives: kind {kind!r} is not one of {TIMED_KINDS}")
+
+
+def _non_decreasing_in_size(times_us: np.ndarray, sizes_bytes: Sequence[int]) -> np.ndarray:
+    """The closest times (least squares) that do not fall as the size grows (isotonic
+    regression): a larger message never takes less time, but medians on a busy host do (a 64 KiB
+    all-reduce timed slower than a 1 MiB one), and a planner would buy the noise."""
+    order = np.argsort(np.asarray(sizes_bytes), kind="stable")
+    fitted = np.empty_like(times_us)
+    fitted[order] = isotonic_regression(times_us[order]).x
+    return fitted
 
 
 def time_collectives(group: Any = None, kinds: Sequence[str] = TIMED_KINDS,
@@ -85,16 +109,17 @@ def time_collectives(group: Any = None, kinds: Sequence[str] = TIMED_KINDS,
             medians_us.append(statistics.median(times))
     slowest = torch.tensor(medians_us, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    it = iter(slowest.tolist())
+    per_kind = np.asarray(slowest.tolist()).reshape(len(kinds), len(sizes_bytes))
     logs = []
-    for kind in kinds:
+    for kind, times_us in zip(kinds, per_kind):
+        times_us = _non_decreasing_in_size(times_us, sizes_bytes)
         rows = []
-        for line, size in enumerate(sizes_bytes):
-            t = next(it)
+        for line, (size, t) in enumerate(zip(sizes_bytes, times_us)):
+            t = float(t)
             algbw = size / (t * 1e3)
             busbw = algbw * bus_bandwidth_factor(kind, ranks)
             rows.append(NcclTestsRow(size_bytes=int(size), count=int(size) // itemsize, dtype=str(dtype).replace("torch.", ""),
-                                     redop="sum" if kind != "all_gather" else "none", root=-1,
+                                     redop="sum" if kind in ("all_reduce", "reduce_scatter") else "none", root=-1,
                                      oop_time_us=t, oop_algbw_GBps=algbw, oop_busbw_GBps=busbw,
                                      ip_time_us=t, ip_algbw_GBps=algbw, ip_busbw_GBps=busbw, line=line + 1))
         logs.append(NcclTestsLog(kind=kind, ranks=ranks, rows=rows,

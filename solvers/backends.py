@@ -153,7 +153,8 @@ class BackendSpec:
 BUILTIN_BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({s.name: s for s in (
     BackendSpec("trws", "solvers.compositions", "trws", Capabilities(
         exact=False, lower_bound=True, row_senses=INEQUALITY_SENSES, max_rows=1), "TRW-S message passing + local search",
-        runs="trws, then polish by highs when the certified gap is above 0.1%"),
+        runs="trws, then polish by highs when the certified gap is above 0.1%; highs alone when trws finds no "
+             "assignment within a side constraint"),
     BackendSpec("highs", "solvers.compositions", "highs", Capabilities(
         exact=True, lower_bound=True, requires="highspy"), "MILP through HiGHS",
         runs="highs, warm-started by trws under a time limit"),

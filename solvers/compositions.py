@@ -12,6 +12,7 @@ inside TRW-S. Each result's ``info["runs"]`` names what ran, and reaches the pla
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -25,7 +26,8 @@ from .trws import POLISH_GAP, solve_trws
 log = logging.getLogger(__name__)
 
 #: What each composition runs (shown in ``apmodel`` help, capabilities and plan files).
-TRWS_RUNS = "TRW-S + local search; above a 0.1% certified gap, an exact HiGHS polish on the near-optimal states"
+TRWS_RUNS = ("TRW-S + local search; above a 0.1% certified gap, an exact HiGHS polish on the near-optimal states; "
+             "HiGHS alone where TRW-S finds no assignment within a side constraint (not a proof that none exists)")
 HIGHS_RUNS = "HiGHS (LP relaxation first, then MIP); with a time limit, a TRW-S plan and bound first"
 
 
@@ -48,7 +50,18 @@ def trws(problem: PairwiseProblem, time_limit: float | None = None, *, polish: b
     """The ``trws`` backend: :func:`solvers.trws.solve_trws`, finished by :func:`solvers.polish.polish`
     with HiGHS when its certified gap is above ``polish_gap`` (``polish=False``: TRW-S alone)."""
     step = _polish_with_highs if polish else None
-    result = solve_trws(problem, time_limit, polish_step=step, polish_gap=polish_gap, **options)
+    t0 = time.perf_counter()
+    try:
+        result = solve_trws(problem, time_limit, polish_step=step, polish_gap=polish_gap, **options)
+    except Infeasible as err:
+        # TRW-S's Lagrangian search over a budget row can miss a feasible assignment that exists:
+        # only a proof may reach the caller as "no plan" (the planner reports it as out of memory)
+        if not polish or err.proven:
+            raise
+        log.info("trws: %s; solving exactly with HiGHS", err)
+        left = None if time_limit is None else max(1e-3, time_limit - (time.perf_counter() - t0))
+        result = solve_highs(problem, left)
+        result.info["fallback"] = f"TRW-S: {err}; HiGHS alone"
     result.info["runs"] = TRWS_RUNS if polish else "TRW-S + local search"
     return result
 

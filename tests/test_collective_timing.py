@@ -26,7 +26,7 @@ def test_timed_collectives_are_logs_the_calibration_fits() -> None:
     per_rank = run_distributed(_timing_worker, 2)
     assert per_rank[0] == per_rank[1]  # the slowest rank's time, agreed by all
     kinds = [k for k, _, _ in per_rank[0]]
-    assert kinds == ["all_reduce", "all_gather", "reduce_scatter"]
+    assert kinds == ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
     logs = []
     for kind, ranks, rows in per_rank[0]:
         assert ranks == 2 and [r[0] for r in rows] == list(SIZES)
@@ -49,5 +49,5 @@ def test_timed_collectives_are_logs_the_calibration_fits() -> None:
 def test_unknown_kind_is_named() -> None:
     from costmodels.collective_timing import time_collectives
 
-    with pytest.raises(ValueError, match="all_to_all"):
-        time_collectives(kinds=("all_to_all",))
+    with pytest.raises(ValueError, match="broadcast"):
+        time_collectives(kinds=("broadcast",))

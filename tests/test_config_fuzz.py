@@ -29,7 +29,7 @@ FULL: dict[str, Any] = {
     "topology": {"gpus_per_node": 8, "intra_GBps": 450.0, "inter_GBps": 50.0, "intra_latency_us": 0.0,
                  "inter_latency_us": 0.0, "nvls": True},
     "cost": {"calibration": "calibration.json", "compute_profile": "profile.json",
-             "compute_model": "mypkg.costs:MyCompute", "comm_model": "mypkg.costs:MyCollectives"},
+             "compute_model": "mypkg.costs:MyCompute", "comm_model": "mypkg.costs:MyCollectives", "bucket_MB": 25.0},
     "planner": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25,
                 "optimizer": "sgd", "ac": "selective", "memory_limit_GB": 70.0, "merge_copies": True,
                 "flow_coupling": True, "seeding": True, "seed_radius": 2, "seed_widen_inputs": False,
@@ -74,6 +74,7 @@ calibration = "calibration.json"
 compute_profile = "profile.json"
 compute_model = "mypkg.costs:MyCompute"
 comm_model = "mypkg.costs:MyCollectives"
+bucket_MB = 25.0
 
 [planner]
 param_policy = "full_shard"
@@ -184,6 +185,8 @@ def _check_result(cfg: Config) -> None:
     """What a configuration that loads must satisfy."""
     options = cfg.plan_options()  # every value set is one the planning options take
     for name, value in cfg.options.items():
+        if name == "pp_degrees":  # kept sorted and distinct
+            value = sorted(set(value))
         assert getattr(options, name) == (tuple(value) if isinstance(value, list) else value), name
         for v in value.values() if isinstance(value, dict) else [value]:
             assert not (isinstance(v, float) and math.isnan(v)), (name, v)
@@ -225,7 +228,8 @@ def _paths(d: Any, prefix: tuple = ()) -> list[tuple]:
 
 
 PATHS = _paths(FULL)
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: the same examples every run, so the suite cannot fail on one run and pass on the next
+FUZZ = settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ

@@ -21,7 +21,7 @@ def h100_4x8():
     return cm.NCCLCollectives(cm.Topology((4, 8), cm.device("h100"), gpus_per_node=8))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)  # the same examples every run
 @given(kind=st.sampled_from(KINDS), axis=st.sampled_from([0, 1]),
        a=st.integers(0, 2**34), b=st.integers(0, 2**34),
        dev=st.sampled_from(["h100", "a100", "b200", "cpu"]))

@@ -119,10 +119,11 @@ def test_mixed_precision_reduces_gradients_and_keeps_masters_in_fp32():
     assert same.node_strategy == off.node_strategy
     assert same.compute_us == pytest.approx(off.compute_us)
     assert same.comm_by_collective["all_gather@axis0"] == pytest.approx(off.comm_by_collective["all_gather@axis0"])
-    # twice the bytes; latency (a ~20 µs floor per collective) and the non-gradient reduce-scatters
-    # do not double
+    # twice the bytes: a gradient reduction in a bucket costs its bytes' share of the bucket, which
+    # doubles; latency outside buckets (a ~20 µs floor per collective) and the non-gradient
+    # reduce-scatters do not
     rs_same, rs_off = same.comm_by_collective["reduce_scatter@axis0"], off.comm_by_collective["reduce_scatter@axis0"]
-    assert 1.15 * rs_off < rs_same < 2.0 * rs_off
+    assert 1.15 * rs_off < rs_same <= 2.0 * rs_off * (1 + 1e-9)
     assert same.memory["params_bytes"] == 2 * off.memory["params_bytes"]  # fp32 masters vs bf16
     assert same.memory["activations_bytes"] == off.memory["activations_bytes"]  # bf16 either way
     on = apmodel.plan(captured, (8,), mixed_precision=True, compute_model=roofline)

@@ -86,6 +86,7 @@ def test_old_plan_records_keep_their_meaning():
     old = {"model": "llama3-debug", "device": "h100", "memory_limit_GB": 70.0, "param_policy": "free"}
     opts = PlanOptions.from_record(old)
     assert opts.memory_limit_bytes == 70e9 and opts.param_policy == "free" and opts.solver == "trws"
+    assert opts.bucket_mb == 0.0  # priced with every collective alone, as it was
 
 
 @pytest.mark.parametrize("change,named", [

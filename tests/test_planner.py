@@ -61,8 +61,9 @@ def _plan(captured, mesh, solver="highs", **kw):
 @pytest.mark.parametrize("graph", ["mlp_captured", "llama_captured"])
 @pytest.mark.parametrize("mesh", [(4,), (2, 2)])
 def test_backends_agree(graph, mesh, request):
-    """On a one-layer MLP and on llama3-debug every backend reaches HiGHS' optimum within 0.1%
-    (brute force too, where the problem is small enough to enumerate)."""
+    """On a one-layer MLP and on llama3-debug every backend reaches HiGHS' optimum: the exact ones
+    and TRW-S (polished to a certified 0.1% gap) within 0.1%, pgmpy's MPLP (approximate, no
+    certificate) within 1% (brute force too, where the problem is small enough to enumerate)."""
     pm = build_model(request.getfixturevalue(graph), mesh)
     problem = pm.compile()
     exact = solvers.solve(problem, backend="highs")
@@ -72,7 +73,8 @@ def test_backends_agree(graph, mesh, request):
     for backend in backends:
         sol = solvers.solve(problem, backend=backend)
         assert sol.energy >= exact.energy - 1e-6 * max(1.0, abs(exact.energy)), backend
-        assert sol.energy <= exact.energy * 1.001, backend
+        caps = solvers.BUILTIN_BACKENDS[backend].capabilities
+        assert sol.energy <= exact.energy * (1.001 if caps.exact or caps.lower_bound else 1.01), backend
 
 
 def test_objective_equals_independent_pricing(llama_captured):

@@ -125,13 +125,19 @@ def test_tp_recipes_do_not_apply_to_a_1d_mesh(captured):
         r = _run(name, captured, setup)
         assert r.status == "n/a" and "axes" in r.reason
     # DDP on one axis: activations are batch-sharded, so weight gradients are partial sums. Pure
-    # DDP reduces each of them with one all-reduce (priced here by the collective model directly);
-    # the recipe's plan may only be cheaper (e.g. gathering a small activation gradient instead
-    # of reducing a large embedding gradient), and most of its traffic is gradient all-reduce.
+    # DDP reduces them with all-reduces merged into 25 MiB buckets in order (fp32 gradients under
+    # mixed precision; priced here by the collective model directly, bucket by bucket); the
+    # recipe's plan may only be cheaper (e.g. gathering a small activation gradient instead of
+    # reducing a large embedding gradient), and most of its traffic is gradient all-reduce.
     r = _run("ddp", captured, setup)
     comm = costmodels.NCCLCollectives(costmodels.Topology(mesh, costmodels.device("h100"), 8))
     shapes = [captured.gm.graph.find_nodes(op="placeholder", target=n)[0].meta["val"].shape for n in captured.param_fqn]
-    pure_ddp = sum(comm.time_us("all_reduce", math.prod(s) * 2, 0) for s in shapes)
+    buckets = [0]
+    for nbytes in (math.prod(s) * 4 for s in shapes):
+        if buckets[-1] and buckets[-1] + nbytes > 25 * 2**20:
+            buckets.append(0)
+        buckets[-1] += nbytes
+    pure_ddp = sum(comm.time_us("all_reduce", b, 0) for b in buckets)
     loss = 4 * comm.time_us("all_reduce", 4, 0)
     got = r.plan.comm_by_collective
     assert set(got) <= {"all_reduce@axis0", "all_gather@axis0"}

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from apmodel.options import default_of
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.autograd import _FromGlobal, _JointStep
 from apmodel.lowering.graph import _fmt, _tokens
@@ -39,8 +40,9 @@ def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
 #: :mod:`apmodel.lowering.native`) or "interpret" (the joint graph interpreted over DTensors every
 #: step: slower, for debugging a plan node by node).
 LOWERINGS = ("native", "interpret")
-#: Default bucket size of the native program's collectives, in MB: DDP's ``bucket_cap_mb``.
-DEFAULT_BUCKET_CAP_MB = 25.0
+#: Default bucket size of the native program's collectives, in MB (DDP's ``bucket_cap_mb``): the
+#: planning option ``bucket_mb``'s default, the size plans are priced with.
+DEFAULT_BUCKET_CAP_MB: float = default_of("bucket_mb")
 
 
 def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:

@@ -36,6 +36,9 @@ class Redistribution:
     dtype: torch.dtype
     gradient: bool = False
     """it moves a parameter gradient (priced in the reduce dtype under mixed precision)"""
+    bucketed: bool = False
+    """a parameter's gather or a gradient's reduction: merged into buckets by the native program,
+    priced as a share of one (:meth:`apmodel.placement_model.PlacementModel.is_bucketed`)"""
 
     @property
     def key(self) -> tuple:
@@ -58,6 +61,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
         return reduce_dtype if gradient and reduce_dtype is not None and val.is_floating_point() else val.dtype
 
     chain = captured.param_gradient_chain()
+    param_values = captured.param_value_chain()
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -71,7 +75,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
                 gradient = prod.name in chain and n.name in chain
                 out.append(Redistribution(n.name, prod.name, idx, "backward" if is_bwd.get(n.name) else "forward",
                                           _tokens(src), _tokens(dst), tuple(val.shape), moved_dtype(val, gradient),
-                                          gradient=gradient))
+                                          gradient=gradient, bucketed=gradient or prod.name in param_values))
     by_name = {n.name: n for n in gm.graph.nodes}
     # Boundary moves: a forward output to its required (tangent) placement, each gradient to its
     # parameter's storage placement or its input's placement.
@@ -85,7 +89,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
             val = by_name[producer].meta["val"]
             gradient = label.startswith("grad:") and target in captured.param_fqn
             out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape),
-                                      moved_dtype(val, gradient), gradient=gradient))
+                                      moved_dtype(val, gradient), gradient=gradient, bucketed=gradient))
     return out
 
 
