@@ -35,7 +35,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A JSON/TOML number: int or float, not a bool (``true`` is not a count)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -167,7 +168,7 @@ class OptionSpec:
                 raise BadValue(self.what())
             return value
         if k == "float":
-            if not _is_number(value) or not self.in_range(value):
+            if not is_number(value) or not self.in_range(value):
                 raise BadValue(self.what())
             return float(value) * self.scale
         if k == "bool":
@@ -218,13 +219,19 @@ class OptionSpec:
         return self.toml
 
 
-_SPEC = "apmodel.option"
+#: the dataclass field metadata key holding a field's :class:`OptionSpec`
+SPEC_KEY = "apmodel.option"
+
+
+def spec_of(f: Any) -> OptionSpec | None:
+    """The declaration of dataclass field ``f`` (None for a field not declared with :func:`option`)."""
+    return f.metadata.get(SPEC_KEY)
 
 
 def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str, toml: str, flag: str,
            **spec: Any) -> Any:
     """A :class:`PlanOptions` field with its declaration (:class:`OptionSpec` keywords)."""
-    metadata = {_SPEC: OptionSpec(help=help, toml=toml, flag=flag, **spec)}
+    metadata = {SPEC_KEY: OptionSpec(help=help, toml=toml, flag=flag, **spec)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -55,7 +55,7 @@ import importlib
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
-from apmodel.option_spec import _SPEC, GROUPS, BadValue, OptionSpec, _is_number, option
+from apmodel.option_spec import GROUPS, BadValue, OptionSpec, is_number, option, spec_of
 
 ParamPolicy = Literal["full_shard", "free"]
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-nomomentum", "none"]
@@ -416,10 +416,10 @@ def _check_field(name: str, spec: OptionSpec, value: Any) -> None:
     if spec.choices and (isinstance(value, str) or not spec.python) and value not in spec.choices:
         raise OptionsError(f"{name} {value!r}: expected one of {', '.join(spec.choices)}", name)
     if spec.kind in ("int", "float") and spec.range:
-        if not _is_number(value) or not spec.in_range(value, spec.scale):
+        if not is_number(value) or not spec.in_range(value, spec.scale):
             what = spec.what().replace(f" ({spec.unit})", "") if spec.scale != 1.0 else spec.what()
             raise OptionsError(f"{name} must be {what}, got {value!r}", name)
-    if spec.kind == "ints" and spec.range and not all(_is_number(a) and spec.in_range(a) for a in value):
+    if spec.kind == "ints" and spec.range and not all(is_number(a) and spec.in_range(a) for a in value):
         raise OptionsError(f"{name} {list(value)}: expected {spec.what()}", name)
     if spec.kind == "keys":
         unknown = sorted(set(value) - set(spec.keys))
@@ -442,7 +442,7 @@ def option_spec(name: str) -> OptionSpec:
     """The declaration of option ``name``."""
     for f in dataclasses.fields(PlanOptions):
         if f.name == name:
-            spec = f.metadata.get(_SPEC)
+            spec = spec_of(f)
             if not isinstance(spec, OptionSpec):
                 raise TypeError(f"PlanOptions.{name} has no option(...) declaration")
             return spec

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from apmodel import placements as pl
 from apmodel.clustering import local_signature
 from apmodel.cost_labels import node_labels
+from apmodel.option_spec import is_number
 from apmodel.regions import region_of
 from apmodel.strategies import Strategy
 
@@ -63,10 +64,6 @@ def _bad(source: str, where: str, what: str, got: Any) -> PlanFileError:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _placements_to_json(p) -> str | None:
@@ -174,7 +171,7 @@ def _str_keyed(source: str, where: str, value: Any, what: str) -> dict:
 
 def _number_map(source: str, where: str, value: Any, *, ints: bool = False) -> dict[str, Any]:
     """A ``{name: number}`` object (``ints``: integers only), checked entry by entry."""
-    ok = _is_int if ints else _is_number
+    ok = _is_int if ints else is_number
     what = "an object of integers" if ints else "an object of numbers"
     for k, v in _str_keyed(source, where, value, what).items():
         if not ok(v):
@@ -357,7 +354,7 @@ class Plan:
             if key not in data:  # only objective_us is required (checked above); NaN: not recorded
                 numbers[key] = float("nan")
                 continue
-            if not _is_number(data[key]):
+            if not is_number(data[key]):
                 raise _bad(source, key, "a number (µs)", data[key])
             numbers[key] = _finite(source, key, float(data[key]))
         solver = dict(_str_keyed(source, "solver", data.get("solver", {}), "an object"))
@@ -378,7 +375,7 @@ class Plan:
                 raise PlanFileError(str(e)) from None
         memory = _str_keyed(source, "memory", data.get("memory", {}), "an object of byte counts")
         for k, v in memory.items():
-            if v is not None and not _is_number(v):
+            if v is not None and not is_number(v):
                 raise _bad(source, f"memory[{k!r}]", "a number of bytes or null", v)
             if v is not None:
                 _finite(source, f"memory[{k!r}]", float(v))

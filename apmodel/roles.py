@@ -12,7 +12,7 @@ much and no more.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from apmodel import placements as pl
@@ -152,14 +152,14 @@ def read_param(plan: Any, fqn: str) -> ParamReading:
         node = pm.fqn_to_node.get(fqn) or tied.get(fqn)
         if node is not None:
             uses = tuple(param_uses(pm, ns, pm.captured.param_fqn[node], through_views=True))
+    reading = ParamReading(fqn, node, stored, uses, ())
     roles = []
     for a in range(len(stored)):
-        used = None if uses is None else sorted({p[a] for _, p in uses})
-        role = param_role(stored[a], used)
+        role = param_role(stored[a], reading.used(a))
         if role == "tp" and uses is not None and _expert_parallel_use(pm, ns, uses, a):
             role = "ep"
         roles.append(role)
-    return ParamReading(fqn, node, stored, uses, tuple(roles))
+    return replace(reading, roles=tuple(roles))
 
 
 #: The reading of a mesh axis of size 1: a "shard" on it is the whole tensor, nothing moves.
