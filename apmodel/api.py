@@ -265,6 +265,7 @@ def plan_workload(
     if saved is not None:
         constraints.append(replay_constraints(saved))
     timings: dict[str, float] = {}
+    search.prepare_solver(options)  # loads in the background while the step is traced
     progress.stage(f"tracing {workload.name}")
     captured = _capture(workload, options)
     if policy_of(captured) != options.ac:  # a graph the caller checkpointed: its plan records that policy

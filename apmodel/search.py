@@ -122,6 +122,13 @@ def solve_model(
     return plan
 
 
+def prepare_solver(options: PlanOptions) -> None:
+    """Start loading what the solve will need, in the background: TRW-S's compiled kernels (numba's
+    import and cached machine code, ~0.6 s a process) while the planner traces and builds."""
+    if options.solver == "trws" or (options.seeding is not False and options.seed_solver == "trws"):
+        solvers.warm_up_in_background()
+
+
 def memory_limit_bytes(options: PlanOptions, pmodel: PlacementModel) -> float | None:
     """The per-device limit a plan must fit (bytes), or None for no limit.
 
