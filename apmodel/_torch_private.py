@@ -61,7 +61,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._ops import OpOverload
@@ -191,24 +191,45 @@ def dtensor_like(reference: DTensor, local: torch.Tensor) -> DTensor:
 
 
 def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
-    """Merge runs of all-gathers, reduce-scatters and all-reduces on the same process group and
-    dtype (no other collective between them) into one collective per bucket of at most ``cap_mb``
-    MB, with Inductor's own FX passes (``torch._inductor.fx_passes.bucketing``, the ones
-    ``bucket_all_gathers_fx`` and friends turn on under ``torch.compile``); then restores a
-    topological node order and waits for each collective right after issuing it. Each element is
-    gathered or reduced exactly as before."""
+    """Merge the all-gathers, reduce-scatters and all-reduces of one process group, reduce op and
+    dtype (one key) that do not depend on one another into one collective per bucket of at most
+    ``cap_mb`` MB, in graph order, with Inductor's FX bucketing (``torch._inductor.fx_passes.
+    bucketing``, what ``bucket_all_gathers_fx`` and friends turn on under ``torch.compile``); then
+    restores a topological node order and waits for each collective right after issuing it. Each
+    element is gathered or reduced exactly as before.
+
+    Inductor's own passes merge runs of one key only while no collective of another key comes
+    between; here each key is bucketed on its own, so the parameters' gathers on a 2-D mesh (axis
+    1, then axis 0, parameter after parameter) merge into one bucket per axis. A collective that
+    depends on a member of the bucket being filled stays alone (Inductor's check), so a merge
+    never makes a cycle; every rank runs the same graph, so the order stays the same on all."""
     from torch._inductor.fx_passes import bucketing
     from torch.fx.passes import tools_common
 
     def cap(bucket_index: int) -> float:
         return cap_mb
 
-    for name in ("bucket_all_gather", "bucket_reduce_scatter", "bucket_all_reduce"):
-        merge = getattr(bucketing, name, None)
-        if merge is None:  # not in this torch release: that kind stays unbucketed
-            logger.info("torch %s has no %s pass; those collectives are not bucketed", torch.__version__, name)
+    merges = {"all_gather": getattr(bucketing, "merge_all_gather", None),
+              "reduce_scatter": getattr(bucketing, "merge_reduce_scatter", None),
+              "all_reduce": _merge_all_reduce(bucketing)}
+    kinds = {"all_gather": getattr(bucketing, "is_all_gather_into_tensor", None),
+             "reduce_scatter": getattr(bucketing, "is_reduce_scatter_tensor", None),
+             "all_reduce": getattr(bucketing, "is_all_reduce_tensor", None)}
+    greedy = getattr(bucketing, "greedy_bucket_collective_by_mb", None)
+    key_of = getattr(bucketing, "bucket_key", None)
+    for kind, merge in merges.items():
+        is_kind = kinds[kind]
+        if merge is None or is_kind is None or greedy is None or key_of is None:
+            logger.info("torch %s has no FX bucketing of %s; those collectives are not bucketed", torch.__version__, kind)
             continue
-        merge(gm, cap)
+        keys = list(dict.fromkeys(key_of(n) for n in gm.graph.nodes if n.op == "call_function" and is_kind(n)))
+        for key in keys:  # one key at a time: the others' collectives do not break its runs
+            def of_key(n: torch.fx.Node, key: Any = key) -> bool:
+                return is_kind(n) and key_of(n) == key
+
+            buckets = greedy(gm, cap, of_key, lambda n, key=key: key)
+            if buckets:
+                merge(gm, buckets)
     # back to a topological order, kept as close to the traced one as the merges allow
     sort = getattr(tools_common, "stable_topological_sort", None) or tools_common.legalize_graph
     sort(gm)
@@ -218,6 +239,19 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
         if node.op == "call_function" and "wait_tensor" in str(node.target) and isinstance(node.args[0], torch.fx.Node):
             node.args[0].append(node)
     gm.recompile()
+
+
+def _merge_all_reduce(bucketing: Any) -> Callable[[torch.fx.GraphModule, list], None] | None:
+    """Inductor merges all-reduce buckets one at a time (``merge_all_reduce_bucket``)."""
+    merge_one = getattr(bucketing, "merge_all_reduce_bucket", None)
+    if merge_one is None:
+        return None
+
+    def merge(gm: torch.fx.GraphModule, buckets: list) -> None:
+        for bucket in buckets:
+            merge_one(gm.graph, bucket)
+
+    return merge
 
 
 #: dtypes ``torch._grouped_mm`` takes, per device type (torch 2.13): the CPU kernel takes the three
