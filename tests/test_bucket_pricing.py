@@ -73,23 +73,23 @@ def _lm_loss(logits, targets):
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _issued_worker(rank: int, world: int) -> dict:
+def _issued_worker(rank: int, world: int, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> dict:
     import torch.distributed as dist
 
     import apmodel
     from apmodel import recipes
 
-    mesh = dist.init_device_mesh("cpu", (world,))
+    mesh = dist.init_device_mesh("cpu", mesh_shape)
     tokens, targets = fixed_tokens()
     out = {}
-    for name in ("ddp", "fsdp"):
+    for name in names:
         r = recipes.get(name)
         model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"),), targets=(targets.to("meta"),),
                                     loss_fn=_lm_loss, device="h100", dtype="fp32",
-                                    constraints=r.constraints((world,)), param_policy=r.param_policy)
+                                    constraints=r.constraints(mesh_shape), param_policy=r.param_policy)
         prog = model._apmodel_program
         issued = []
-        for gm in (prog.native.forward_graph, prog.native.backward_graph):
+        for phase, gm in (("forward", prog.native.forward_graph), ("backward", prog.native.backward_graph)):
             for n in gm.graph.nodes:
                 if n.op != "call_function" or getattr(n.target, "namespace", None) != "_c10d_functional":
                     continue
@@ -98,8 +98,8 @@ def _issued_worker(rank: int, world: int) -> dict:
                     assert n.target.__name__.startswith("wait_tensor"), n.target
                     continue
                 val, inp = n.meta["val"], n.all_input_nodes[0].meta["val"]
-                issued.append((kind, max(val.numel(), inp.numel()) * val.element_size()))
-        out[name] = {"issued": issued, "comm_us": prog.plan.comm_us}
+                issued.append((kind, max(val.numel(), inp.numel()) * val.element_size(), phase))
+        out[name] = {"issued": issued, "comm_us": prog.plan.comm_us, "params": len(prog.plan.param_placements)}
     return out
 
 
@@ -109,17 +109,27 @@ def test_recipe_plans_cost_what_their_issued_collectives_cost():
     from apmodel.pricing import build_cost_context
 
     world = 2
-    got = run_distributed(_issued_worker, world)[0]
+    got = run_distributed(_issued_worker, world, (world,), ("ddp", "fsdp"))[0]
     comm = build_cost_context((world,), PlanOptions(device="h100", dtype="fp32")).comm
-    alone = {name: [comm.time_us(kind, nbytes, 0) for kind, nbytes in r["issued"]] for name, r in got.items()}
+    alone = {name: [comm.time_us(kind, nbytes, 0) for kind, nbytes, _ in r["issued"]] for name, r in got.items()}
     # DDP: every gradient all-reduced in one bucket holding all the parameters (the bucket the
     # price assumes), the loss's activations gathered alone
     ddp = got["ddp"]
-    assert sum(kind == "all_reduce" for kind, _ in ddp["issued"]) == 1
+    assert sum(kind == "all_reduce" for kind, _, _ in ddp["issued"]) == 1
     assert ddp["comm_us"] == pytest.approx(math.fsum(alone["ddp"]), rel=1e-9)
     # FSDP: the forward's gathers and the backward's reduce-scatters fill the assumed bucket; the
     # few parameters the backward gathers again fill a partial one, which the price counts as its
     # bytes' share of a full bucket: cheaper than the partial bucket alone, by at most its time
     fsdp = got["fsdp"]
-    partial = min(t for (kind, _), t in zip(fsdp["issued"], alone["fsdp"]) if kind == "all_gather")
+    partial = min(t for (kind, _, _), t in zip(fsdp["issued"], alone["fsdp"]) if kind == "all_gather")
     assert math.fsum(alone["fsdp"]) - partial <= fsdp["comm_us"] <= math.fsum(alone["fsdp"]) * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_a_2d_meshs_parameter_gathers_merge_per_axis():
+    """FSDP on 2x2 gathers each parameter over axis 1, then axis 0, parameter after parameter; the
+    program merges them per axis as priced (one key at a time), so its forward holds fewer gathers
+    than the model has parameters (one per parameter per axis, unmerged)."""
+    got = run_distributed(_issued_worker, 4, (2, 2), ("fsdp",))[0]["fsdp"]
+    forward_gathers = [b for kind, b, phase in got["issued"] if kind == "all_gather" and phase == "forward"]
+    assert 2 <= len(forward_gathers) < got["params"], got["issued"]
