@@ -529,8 +529,9 @@ class PlacementModel:
         """True for an edge whose collectives the native program merges with others of their kind
         (priced as their share of a bucket, :meth:`apmodel.pricing.CostContext.redistribution_matrix`):
         a parameter's gather (out of the parameter or a view or cast of it) and a gradient's
-        reduction. Neither depends on another collective, so the bucketing passes merge them all;
-        an activation's collective waits for the one before it and runs alone."""
+        reduction. Neither depends on another collective, so the program merges all of one kind
+        and process group; an activation's collective usually depends on the one before it,
+        through the computation between them, and runs alone."""
         return e.producer in self.param_values or self.is_param_gradient(e)
 
     @functools.cached_property
