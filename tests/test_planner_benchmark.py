@@ -22,6 +22,19 @@ def test_run_child_reads_its_peak_rss_and_stdout():
     assert bench._plan_json("banner\n" + run.stdout) == {"ok": 1}
 
 
+def test_a_child_reporting_its_own_peak_is_believed_over_ru_maxrss():
+    """On Linux ``ru_maxrss`` keeps the forking parent's high-water mark across ``exec``; a frontier
+    child reports its own (``VmHWM``) on stderr, and that is the figure used."""
+    bench = _load()
+    code = f"import sys; sys.stderr.write('{bench.PEAK_TAG} 12345\\n')"
+    assert bench.run_child([sys.executable, "-c", code], timeout_s=60).maxrss_bytes == 12345
+    # the frontier's own wrapper around the CLI reports a plausible peak (an interpreter with apmodel's
+    # CLI loaded: tens of MB at least)
+    run = bench.run_child([sys.executable, "-c", bench.PEAK_REPORTING_CLI, "devices"], timeout_s=120)
+    assert run.returncode == 0, run.stderr
+    assert bench.PEAK_TAG in run.stderr and 10 * 2**20 < run.maxrss_bytes < 4 * 2**30
+
+
 def test_run_child_kills_at_timeout():
     run = _load().run_child([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=0.5)
     assert run.timed_out and run.returncode != 0 and run.wall_s < 30
