@@ -8,10 +8,11 @@ as :func:`~costmodels.calibration.parse_nccl_tests` would read it from nccl-test
 :meth:`Calibration.fit <costmodels.calibration.Calibration.fit>` takes it unchanged. Sizes follow
 nccl-tests: an all-reduce's size is its buffer, an all-gather's its gathered output, a
 reduce-scatter's its full input, an all-to-all's the buffer each rank sends (on a CPU group timed
-as DTensor runs it there: an all-gather of every rank's buffer, gloo having no all-to-all). A size's time is the median of ``iters`` back-to-back calls after
-``warmup`` calls (each call waited for), the largest over the ranks (the slowest rank is the
-collective's time), the same on every rank; a kind's times are then made non-decreasing in size
-(isotonic regression), as a collective's time is.
+as DTensor runs it there: an all-gather of every rank's buffer, gloo having no all-to-all). A
+size's time is the median of ``iters`` back-to-back calls after ``warmup`` calls (each call waited
+for), the largest over the ranks (the slowest rank is the collective's time), the same on every
+rank; a kind's times are then made non-decreasing in size (isotonic regression), as a
+collective's time is.
 """
 
 from __future__ import annotations

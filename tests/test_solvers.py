@@ -735,3 +735,26 @@ def test_a_user_backend_named_highs_is_not_used_inside_trws():
     sol = solvers.solve(p, "trws", registry=registry, polish_gap=0.0)
     assert sol.info["polish_stages"]  # the polish ran, on the HiGHS leaf
     assert calls == [] and np.isfinite(sol.energy)
+
+
+@pytest.mark.parametrize("proven", [False, True])
+def test_trws_without_a_feasible_plan_under_a_row_falls_back_to_highs_unless_proven(monkeypatch, proven):
+    """TRW-S's Lagrangian search can miss an assignment that satisfies a budget row; the ``trws``
+    composition then solves exactly with HiGHS (what an out-of-memory verdict must rest on), and
+    re-raises only a proof."""
+    from solvers import compositions
+
+    problem = with_budget(random_problem(3, 8, 4), seed=3)
+
+    def no_plan(*args, **kwargs):
+        raise solvers.Infeasible("trws found no assignment satisfying constraint 'budget'", constraints=("budget",),
+                                 proven=proven)
+
+    monkeypatch.setattr(compositions, "solve_trws", no_plan)
+    if proven:
+        with pytest.raises(solvers.Infeasible):
+            solvers.solve(problem, backend="trws")
+        return
+    got = solvers.solve(problem, backend="trws")
+    exact = solvers.solve(problem, backend="highs")
+    assert got.energy == pytest.approx(exact.energy) and "HiGHS alone" in got.info["fallback"]

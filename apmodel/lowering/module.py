@@ -13,13 +13,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from apmodel.options import default_of
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.autograd import _FromGlobal, _JointStep
 from apmodel.lowering.graph import _fmt, _tokens
 from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
 from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import planned_redistributions
+from apmodel.options import default_of
 
 logger = logging.getLogger(__name__)
 
