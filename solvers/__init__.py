@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the lazily loaded names, for type checkers
     from .registry import (SolverRegistry, all_capabilities, available, capabilities, check_capabilities,
                            default_registry, register, solve)
     from .solution import BackendResult, Infeasible, Solution, SolverError, TimeLimitReached, Unsupported
-    from .trws_compiled import warm_up_in_background
+    from .trws import warm_up_in_background
 
 _LAZY = {
     "EdgeGroup": "problem", "LinearConstraint": "problem", "PairwiseProblem": "problem",
@@ -36,7 +36,7 @@ _LAZY = {
     "register": "registry", "solve": "registry",
     "BackendResult": "solution", "Infeasible": "solution", "Solution": "solution", "SolverError": "solution",
     "TimeLimitReached": "solution", "Unsupported": "solution",
-    "warm_up_in_background": "trws_compiled",
+    "warm_up_in_background": "trws",
 }
 
 __all__ = ["BUILTIN_BACKENDS", "UNDECLARED", "BackendSpec", "Capabilities", *_LAZY]

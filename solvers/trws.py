@@ -37,7 +37,9 @@ raises :class:`~solvers.Unsupported`.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -685,3 +687,25 @@ def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max
     tr.set_unary(base)
     info["lagrange_multiplier"] = lam_hi
     return best_x, best_bound, its, best_marg
+
+
+@functools.lru_cache(maxsize=1)
+def warm_up_in_background() -> threading.Thread | None:
+    """Load the compiled kernels (numba's import and cached code, ~0.6 s) in a daemon thread, once
+    per process, so that a solve starting later finds them warm and runs compiled from its first
+    sweep; None without numba. A caller with other work first (the planner traces and builds for
+    seconds before it solves) starts this, then goes on: numba's loading of machine code overlaps it."""
+    if not trws_compiled.available():
+        return None
+    thread = threading.Thread(target=_run_tiny_problem, name="trws-numba-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def _run_tiny_problem() -> None:
+    """Every kernel called once on a two-variable problem: loads each one's cached machine code."""
+    try:
+        problem = PairwiseProblem(unary=[np.zeros(2), np.zeros(2)], edges=[(0, 1, np.eye(2))])
+        solve_trws(problem, max_iter=2, local_search=False, kernel="numba")
+    except Exception as e:  # a warm-up only: the solve itself reports real failures
+        log.info("TRW-S warm-up failed (%s: %s); the first solve loads the kernels itself", type(e).__name__, e)

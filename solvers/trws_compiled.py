@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,31 +48,6 @@ class Kernels:
 def warm() -> bool:
     """Whether this process has already run the compiled sweeps (so using them costs nothing more)."""
     return kernels.cache_info().currsize > 0 and bool(getattr(kernels().sweep, "signatures", True))
-
-
-@functools.lru_cache(maxsize=1)
-def warm_up_in_background() -> threading.Thread | None:
-    """Load the compiled kernels (numba's import and cached code, ~0.6 s) in a daemon thread, once
-    per process, so that a solve starting later finds them warm and runs compiled from its first
-    sweep; None without numba. A caller with other work first (the planner traces and builds for
-    seconds before it solves) starts this, then goes on: numba's loading of machine code overlaps it."""
-    if not available():
-        return None
-    thread = threading.Thread(target=_run_tiny_problem, name="trws-numba-warm-up", daemon=True)
-    thread.start()
-    return thread
-
-
-def _run_tiny_problem() -> None:
-    """Every kernel called once on a two-variable problem: loads each one's cached machine code."""
-    from .problem import PairwiseProblem
-    from .trws import solve_trws
-
-    try:
-        problem = PairwiseProblem(unary=[np.zeros(2), np.zeros(2)], edges=[(0, 1, np.eye(2))])
-        solve_trws(problem, max_iter=2, local_search=False, kernel="numba")
-    except Exception as e:  # a warm-up only: the solve itself reports real failures
-        log.info("TRW-S warm-up failed (%s: %s); the first solve loads the kernels itself", type(e).__name__, e)
 
 
 @functools.lru_cache(maxsize=1)
