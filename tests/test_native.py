@@ -151,8 +151,8 @@ def test_native_graphs_hold_the_collectives_over_plain_tensors(equality):
 
 @pytest.mark.slow
 def test_bucketing_merges_collectives_and_keeps_every_value(equality):
-    """The default native program buckets adjacent collectives (25 MB, as DDP): fewer collectives,
-    the same losses and gradients as one collective per planned redistribution."""
+    """The default native program buckets independent collectives of one key (25 MB, as DDP):
+    fewer collectives, the same losses and gradients as one collective per planned redistribution."""
     bucketed, unbucketed = equality["llama"]["native"], equality["llama"]["unbucketed"]
     assert sum(bucketed["collectives"].values()) < sum(unbucketed["collectives"].values()), (bucketed["collectives"],
                                                                                              unbucketed["collectives"])

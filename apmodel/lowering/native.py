@@ -97,9 +97,10 @@ class NativeProgram:
 
     ``param_locals`` / ``buffers`` / ``inputs`` give the dtypes, local shapes and strides of the
     step's arguments (any device: only their metadata is read); tracing happens on fake tensors of
-    ``device``, so nothing is allocated and no collective runs. ``bucket_cap_mb``: runs of
-    collectives of one kind on one process group are merged into buckets of at most this size
-    (None or 0: one collective per redistribution, as priced)."""
+    ``device``, so nothing is allocated and no collective runs. ``bucket_cap_mb``: collectives of
+    one kind and process group that do not depend on one another are merged into buckets of at
+    most this size, as the plan was priced with the same size (None or 0: one collective per
+    planned step, as a plan made with ``bucket_mb=0`` was priced)."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
                  inputs: Sequence[torch.Tensor], device: torch.device, bucket_cap_mb: float | None = None) -> None:
