@@ -90,24 +90,6 @@ def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-class _PlacementNumbers:
-    """A number per distinct placement tuple (None included): equal tuples, equal numbers. A tuple
-    seen before is found by its identity (strategies share their placement tuples), without
-    hashing its placements again; the table keeps the tuples, so an identity is never reused."""
-
-    def __init__(self) -> None:
-        self._by_value: dict[Any, int] = {}
-        self._by_id: dict[int, tuple[Any, int]] = {}
-
-    def __call__(self, placements: Any) -> int:
-        hit = self._by_id.get(id(placements))
-        if hit is not None and hit[0] is placements:
-            return hit[1]
-        k = self._by_value.setdefault(placements, len(self._by_value))
-        self._by_id[id(placements)] = (placements, k)
-        return k
-
-
 #: elements of a pair cost summed at once by :func:`_sum_in_order` (a block that stays in cache)
 _SUM_BLOCK_ELEMENTS = 1 << 15
 
@@ -209,7 +191,7 @@ class PlacementModel:
         # which hash in C; a placement tuple is numbered by its identity first.
         interned: dict[tuple, list[Strategy]] = {}
         by_id: dict[int, tuple[Sequence[Strategy], list[Strategy]]] = {}
-        number = _PlacementNumbers()
+        number = pl.numbering()
         self.strategies: dict[str, list[Strategy]] = {}
         for n in self.nodes:
             strats = strategies[n.name]

@@ -8,15 +8,18 @@ A *placement tuple* has one entry per mesh axis. Each entry is one of
 
 Tuples are written joined, one token per mesh axis: ``"S(0)S(1)"``, ``"RP"``.
 
-This module converts between torch ``Placement`` objects and these strings, and computes the
-per-device (local) shape a placement implies, for pricing.
+This module converts between torch ``Placement`` objects and these strings, computes the
+per-device (local) shape a placement implies, for pricing, and memoises functions of placement
+tuples by identity (:class:`ByIdentity`: the planner's strategies share their tuples).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
@@ -29,7 +32,11 @@ __all__ = [
     "local_shape",
     "is_even",
     "shard_degrees",
+    "ByIdentity",
+    "numbering",
 ]
+
+_T = TypeVar("_T")
 
 # One token: R, P, P(<reduce op>) or S(<non-negative int>).
 _TOKEN = re.compile(r"R|P(?:\((sum|avg|max|min|product)\))?|S\((\d+)\)")
@@ -152,3 +159,31 @@ def is_even(global_shape: Sequence[int], placements: Sequence[Placement] | str, 
     """True when every sharded dimension divides evenly by the number of its shards."""
     deg = shard_degrees(len(global_shape), placements, mesh_shape)
     return all(int(n) % k == 0 for n, k in zip(global_shape, deg))
+
+
+class ByIdentity(Generic[_T]):
+    """``fn(key)`` memoised by value, looked up by the key object's identity first: the planner's
+    strategies share their placement tuples, so most lookups skip hashing a tuple of placements.
+    The memo keeps each key object alive beside its entry, so an identity is never reused."""
+
+    def __init__(self, fn: Callable[[Any], _T]) -> None:
+        self._fn = fn
+        self._by_value: dict[Hashable, _T] = {}
+        self._by_id: dict[int, tuple[Any, _T]] = {}
+
+    def __call__(self, key: Any) -> _T:
+        hit = self._by_id.get(id(key))
+        if hit is not None and hit[0] is key:
+            return hit[1]
+        if key in self._by_value:
+            value = self._by_value[key]
+        else:
+            value = self._by_value[key] = self._fn(key)
+        self._by_id[id(key)] = (key, value)
+        return value
+
+
+def numbering() -> ByIdentity[int]:
+    """A number per distinct key (equal keys, equal numbers: 0, 1, 2... in order of first sight)."""
+    counter = itertools.count()
+    return ByIdentity(lambda _key: next(counter))

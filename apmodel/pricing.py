@@ -131,23 +131,12 @@ class _LocalShapes:
         vals = (a.meta.get("val") for a in flat if isinstance(a, fx.Node))
         self.inputs = [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)]
         self.outputs = [tuple(o.shape) for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
-        self.mesh_shape = mesh_shape
-        self._memo: dict[tuple, tuple[int, ...]] = {}
-        # strategies share placement tuples: a tuple's local shape looked up by its identity first
-        self._by_id: dict[tuple[tuple[int, ...], int], tuple[tuple, tuple[int, ...]]] = {}
+        # per global shape, a placement tuple's local shape (strategies share their tuples)
+        self._local = {shape: pl.ByIdentity(lambda p, shape=shape: pl.local_shape(shape, p, mesh_shape))
+                       for shape in set(self.inputs + self.outputs)}
 
     def _shape(self, shape: tuple[int, ...], placement: tuple | None) -> tuple[int, ...]:
-        if placement is None:
-            return shape
-        hit = self._by_id.get((shape, id(placement)))
-        if hit is not None and hit[0] is placement:
-            return hit[1]
-        key = (shape, placement)
-        local = self._memo.get(key)
-        if local is None:
-            local = self._memo[key] = pl.local_shape(shape, placement, self.mesh_shape)
-        self._by_id[(shape, id(placement))] = (placement, local)  # keeps the tuple (and its id) alive
-        return local
+        return shape if placement is None else self._local[shape](placement)
 
     def of(self, s: Strategy) -> tuple:
         ins = tuple(self._shape(shape, s.inputs[j] if j < len(s.inputs) else None) for j, shape in enumerate(self.inputs))

@@ -62,7 +62,7 @@ from apmodel.strategy_filters import (
     unmask_placements,
 )
 from apmodel._torch_private import fake_mesh
-from apmodel.placements import local_shape, tuple_to_str
+from apmodel.placements import ByIdentity, local_shape, numbering, tuple_to_str
 
 __all__ = [
     "Placements",
@@ -150,17 +150,9 @@ class StrategyCache:
     misses: int = 0
     #: DTensorSpecs and shardability answers shared by the rule queries
     specs: tp.SpecMemo = field(default_factory=tp.SpecMemo)
-    #: candidate placement tuples numbered by value (memo keys hold the number, not thousands of
-    #: placements to hash), and by object identity (the tuple kept alive beside its number)
-    _numbers: dict[tuple, int] = field(default_factory=dict)
-    _numbered: dict[int, tuple[tuple, int]] = field(default_factory=dict)
-
-    def candidates_number(self, candidates: tuple) -> int:
-        """A number per distinct candidate tuple (equal tuples, equal numbers)."""
-        entry = self._numbered.get(id(candidates))
-        if entry is None or entry[0] is not candidates:
-            entry = self._numbered[id(candidates)] = (candidates, self._numbers.setdefault(candidates, len(self._numbers)))
-        return entry[1]
+    #: a number per distinct tuple of candidate placements: memo keys hold the number, not
+    #: thousands of placements to hash (a tuple seen before is found by identity)
+    candidate_numbers: ByIdentity[int] = field(default_factory=numbering)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,7 +388,7 @@ def _node_strategies(
     # must be able to pass on whatever its producer may output.
     restrict_to_ball = (ball is not None and ball.radius < nd and isinstance(op, tp.OpOverload)
                         and tp.rule_kind(op) == "single_dim")
-    number = cache.candidates_number if with_cands else None
+    number = cache.candidate_numbers if with_cands else None
     key = (op, _freeze(args, number), _freeze(kwargs, number), out_shapes, ms, allow_uneven,
            partial_inputs, tuple(partial_reduce_ops), tuple(partial_input_ops), ball if restrict_to_ball else None)
     hit = cache.memo.get(key)
