@@ -209,16 +209,15 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
     def cap(bucket_index: int) -> float:
         return cap_mb
 
-    merges = {"all_gather": getattr(bucketing, "merge_all_gather", None),
-              "reduce_scatter": getattr(bucketing, "merge_reduce_scatter", None),
-              "all_reduce": _merge_all_reduce(bucketing)}
-    kinds = {"all_gather": getattr(bucketing, "is_all_gather_into_tensor", None),
-             "reduce_scatter": getattr(bucketing, "is_reduce_scatter_tensor", None),
-             "all_reduce": getattr(bucketing, "is_all_reduce_tensor", None)}
+    # per kind: (is a collective of that kind, merge a list of buckets of them)
+    passes = {"all_gather": (getattr(bucketing, "is_all_gather_into_tensor", None),
+                             getattr(bucketing, "merge_all_gather", None)),
+              "reduce_scatter": (getattr(bucketing, "is_reduce_scatter_tensor", None),
+                                 getattr(bucketing, "merge_reduce_scatter", None)),
+              "all_reduce": (getattr(bucketing, "is_all_reduce_tensor", None), _merge_all_reduce(bucketing))}
     greedy = getattr(bucketing, "greedy_bucket_collective_by_mb", None)
     key_of = getattr(bucketing, "bucket_key", None)
-    for kind, merge in merges.items():
-        is_kind = kinds[kind]
+    for kind, (is_kind, merge) in passes.items():
         if merge is None or is_kind is None or greedy is None or key_of is None:
             logger.info("torch %s has no FX bucketing of %s; those collectives are not bucketed", torch.__version__, kind)
             continue
@@ -433,7 +432,7 @@ class SpecMemo:
             if ok is None:
                 ok = bool(_ops_utils.is_tensor_shardable(strategy.shape, DTensorSpec(mesh, placements, strategy.tensor_meta),
                                                          allow_unbacked_sharding=allow_unbacked))
-            if self.mesh is mesh:
+            if serves:
                 self._shardable[key] = ok
         return ok
 

@@ -31,7 +31,8 @@ _OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
 _RANGE = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """A JSON/TOML integer, not a bool (``true`` is not a count)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -164,7 +165,7 @@ class OptionSpec:
                 raise BadValue(self.what())
             return value
         if k == "int":
-            if not _is_int(value) or not self.in_range(value):
+            if not is_int(value) or not self.in_range(value):
                 raise BadValue(self.what())
             return value
         if k == "float":
@@ -176,7 +177,7 @@ class OptionSpec:
                 raise BadValue(self.what())
             return value
         if k == "ints":
-            if not isinstance(value, (list, tuple)) or not all(_is_int(a) and self.in_range(a) for a in value):
+            if not isinstance(value, (list, tuple)) or not all(is_int(a) and self.in_range(a) for a in value):
                 raise BadValue(self.what())
             return tuple(value)
         if k == "placements":

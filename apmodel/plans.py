@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from apmodel import placements as pl
 from apmodel.clustering import local_signature
 from apmodel.cost_labels import node_labels
-from apmodel.option_spec import is_number
+from apmodel.option_spec import is_int, is_number
 from apmodel.regions import region_of
 from apmodel.strategies import Strategy
 
@@ -60,10 +60,6 @@ def _short(v: Any, limit: int = 80) -> str:
 
 def _bad(source: str, where: str, what: str, got: Any) -> PlanFileError:
     return PlanFileError(f"{source}: field {where!r} must be {what}, got {_short(got)}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
 
 
 def _placements_to_json(p) -> str | None:
@@ -108,7 +104,7 @@ def _ranks_from_json(d: dict, key: str, count: int, where: str, source: str) -> 
     ranks = d.get(key)
     if ranks is None:
         return None
-    if not isinstance(ranks, list) or len(ranks) != count or not all(r is None or (_is_int(r) and r >= 0) for r in ranks):
+    if not isinstance(ranks, list) or len(ranks) != count or not all(r is None or (is_int(r) and r >= 0) for r in ranks):
         raise _bad(source, f"{where}.{key}", f"a list of {count} tensor ranks (non-negative ints or null)", ranks)
     return ranks
 
@@ -171,7 +167,7 @@ def _str_keyed(source: str, where: str, value: Any, what: str) -> dict:
 
 def _number_map(source: str, where: str, value: Any, *, ints: bool = False) -> dict[str, Any]:
     """A ``{name: number}`` object (``ints``: integers only), checked entry by entry."""
-    ok = _is_int if ints else is_number
+    ok = is_int if ints else is_number
     what = "an object of integers" if ints else "an object of numbers"
     for k, v in _str_keyed(source, where, value, what).items():
         if not ok(v):
@@ -319,7 +315,7 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != "apmodel-plan":
             raise PlanFileError(f"{source}: not an apmodel plan file (missing \"format\": \"apmodel-plan\")")
         version = data.get("version")
-        if not _is_int(version) or version not in READABLE_VERSIONS:
+        if not is_int(version) or version not in READABLE_VERSIONS:
             raise PlanFileError(f"{source}: plan format version {_short(version)} is not supported (this apmodel reads "
                                 f"{', '.join(map(str, READABLE_VERSIONS))})")
         if version == 1:
@@ -330,7 +326,7 @@ class Plan:
             if key not in data:
                 raise PlanFileError(f"{source}: missing field {key!r}")
         raw_mesh = data["mesh_shape"]
-        if not isinstance(raw_mesh, list) or not raw_mesh or not all(_is_int(x) and x > 0 for x in raw_mesh):
+        if not isinstance(raw_mesh, list) or not raw_mesh or not all(is_int(x) and x > 0 for x in raw_mesh):
             raise _bad(source, "mesh_shape", "a non-empty list of positive ints", raw_mesh)
         mesh_shape = tuple(raw_mesh)
         ndim = len(mesh_shape)

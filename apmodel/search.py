@@ -139,6 +139,10 @@ def memory_limit_bytes(options: PlanOptions, pmodel: PlacementModel) -> float | 
     return None if hbm is None else hbm * (1 - HBM_RESERVE_FRACTION)
 
 
+#: solves under a memory row at most: each round reserves the largest transient seen so far
+MEMORY_ROUNDS = 3
+
+
 def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None, solve: Callable[[], Plan]) -> Plan:
     """``plan`` if its peak fits ``limit_bytes`` per device (None: no limit), else the cheapest
     plan under a memory row (:meth:`PlacementModel.add_memory_limit`, solved by ``solve``), else
@@ -170,10 +174,6 @@ def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None,
             break
         transient = grown
     raise _out_of_memory(fitted, limit_bytes, smallest, ac)
-
-
-#: solves under a memory row at most: each round reserves the largest transient seen so far
-MEMORY_ROUNDS = 3
 
 
 def _transient_bytes(plan: Plan) -> float:

@@ -204,14 +204,15 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         (bwd if is_bwd.get(n.name) else fwd)[unit[n.name]] += c
     for e, val, src, dst in planned_edges(pmodel, node_strategy):
         gradient = pmodel.is_param_gradient(e)
+        weights = pmodel.is_bucketed(e)  # a parameter's gather or its gradient's reduction
         us = sum(step[3] for step in cost.redistribution_steps(tuple(val.shape), val.dtype, src, dst, gradient=gradient,
-                                                               bucketed=pmodel.is_bucketed(e)))
+                                                               bucketed=weights))
         if not us:
             continue
         backward = bool(is_bwd.get(e.producer) or is_bwd.get(e.consumer))
         u = unit[e.consumer]
         (bwd if backward else fwd)[u] += us
-        if gradient or e.producer in pmodel.param_values:
+        if weights:
             weight[u] += us
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
