@@ -174,6 +174,7 @@ def test_a_flag_overrides_the_configuration(planned_options, tmp_path):
     (["--topology", "intra=1"], "--topology 'intra=1': unknown key 'intra'"),
     (["--solver-option", "max_iters"], "--solver-option 'max_iters': expected KEY=VALUE"),
     (["--seed-radius", "-1"], "--seed-radius -1: expected an integer >= 0"),
+    (["--bucket-mb", "-1"], "--bucket-mb -1.0: expected a finite number >= 0 (MB, 2^20 bytes)"),
     (["--compute-profile", "profile.txt"], "--compute-profile 'profile.txt': expected a path to a .json file"),
     (["--seed-solver", "nope"], "--seed-solver 'nope' is not an available backend"),
 ])
