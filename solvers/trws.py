@@ -59,7 +59,10 @@ PolishStep = Callable[[PairwiseProblem, np.ndarray, float, "np.ndarray | None", 
 
 log = logging.getLogger(__name__)
 
-BIG_FACTOR = 1e6  # forbidden cost = BIG_FACTOR * (sum of the largest finite |cost| of every term + 1)
+# forbidden cost = BIG_FACTOR * (sum of the largest finite |cost| of every term + 1): above any finite energy,
+# with room for the budget multiplier (_lagrangian's lam_cap), and small enough that a message carrying it
+# keeps the bound's rounding under 1e-9 relative (at 1e6, bounds on the 4-D planner problem moved by ~1 µs)
+BIG_FACTOR = 1e4
 DEFAULT_MAX_ITER = 1000  # forward+backward sweeps
 DEFAULT_TOL = 1e-5  # relative: stop at this gap, or when the bound improved less over PATIENCE sweeps
 PATIENCE = 5
@@ -70,7 +73,8 @@ LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
 POLISH_GAP = 1e-3  # relative: above this certified gap, polish exactly (solvers.polish) within the time limit
 POLISH_MIN_S = 5.0  # without a time limit, the polish may take max(POLISH_MIN_S, POLISH_FACTOR * TRW-S seconds)
 POLISH_FACTOR = 1.0
-COMPRESS_RATIO = 0.5  # use class-compressed messages when they shrink the cost block at least this much
+COMPRESS_RATIO = 0.9  # use class-compressed messages when they shrink the cost block at least this much (a sweep
+# of the compiled kernel costs its block entries; the per-state class lookups are cheap beside them)
 KERNELS = ("auto", "numba", "numpy")  # "auto": numpy, then compiled (numba installed) after COMPILED_AFTER_S
 # numba's first use in a process costs ~0.6 s (import, typing context, cached code; measured on the 2-core
 # CI machine), ~40x a planner problem's numpy sweep: "auto" switches only when the run lasts longer than this
@@ -479,6 +483,7 @@ class TRWS:
         Right after a forward sweep each edge part's minimum is the message's normalising constant,
         and the bound equals the TRW-S chain bound (exact on chains and trees).
         """
+        self._resum()
         theta = self.unary + self.msum_lo + self.msum_hi
         offs = self.p.offsets[:-1]
         rest = 1.0 - self.n_out * self.gamma
@@ -496,6 +501,23 @@ class TRWS:
             te = df.costs - df.msg[:, None, :] + g[:, :, None]
             total += float(te.min(axis=(1, 2)).sum())
         return total
+
+    def _resum(self) -> None:
+        """Recompute the message sums from the messages themselves.
+
+        The sweeps keep them up to date by adding each message's change; a message that once held a
+        forbidden state's cost (``big``, ~1e6 x the energy scale) leaves a rounding error of big's
+        last bits behind, which over hundreds of sweeps reached ~1 µs per state: enough to put the
+        "proven" bound above a feasible energy."""
+        if self.edges is not None:
+            self.edges.message_sums(self.msum_lo, self.msum_hi)
+            return
+        for msum, unified, dset in ((self.msum_lo, self.ufwd, self.fwd), (self.msum_hi, self.ubwd, self.bwd)):
+            msum[:] = 0.0
+            if unified is not None:
+                msum += np.bincount(unified.didx, weights=unified.msg, minlength=self.N)
+            for d in dset:
+                msum += np.bincount(d.dst_idx.ravel(), weights=d.msg.ravel(), minlength=self.N)
 
     def margins(self) -> np.ndarray:
         """Per flat indicator: how far the state's reparametrised unary is above its variable's minimum.

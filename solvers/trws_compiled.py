@@ -71,23 +71,19 @@ class RaggedEdges:
 
     def __init__(self, parts, n_states: np.ndarray, offsets: np.ndarray, gamma: np.ndarray, big: float,
                  lev_f: np.ndarray, lev_b: np.ndarray) -> None:
-        eu, ev, lu, lv, mu, mv, blk = [], [], [], [], [], [], []
+        eu, ev, lu, lv, mu, mv = [], [], [], [], [], []
         for raw, u, v, lab_u, cu, lab_v, cv, block in parts:
             k, a, b = raw.shape
             if block is None:  # one class per state: the raw matrix is the block
                 lab_u = np.broadcast_to(np.arange(a), (k, a))
                 lab_v = np.broadcast_to(np.arange(b), (k, b))
                 cu, cv = np.full(k, a), np.full(k, b)
-                flat = raw.reshape(-1)
-            else:  # each edge's valid (cu, cv) corner, row-major, edge after edge
-                flat = block[~np.isnan(block)]
             eu.append(u)
             ev.append(v)
             lu.append(np.asarray(lab_u, dtype=np.int64).reshape(-1))
             lv.append(np.asarray(lab_v, dtype=np.int64).reshape(-1))
             mu.append(np.asarray(cu, dtype=np.int64))
             mv.append(np.asarray(cv, dtype=np.int64))
-            blk.append(np.where(np.isfinite(flat), flat, big))
 
         def cat(xs, dtype):
             return np.ascontiguousarray(np.concatenate(xs).astype(dtype, copy=False)) if xs else np.zeros(0, dtype)
@@ -98,11 +94,31 @@ class RaggedEdges:
         self.eu, self.ev = cat(eu, np.int64), cat(ev, np.int64)
         self.lu, self.lv = cat(lu, np.int64), cat(lv, np.int64)
         self.mu, self.mv = cat(mu, np.int64), cat(mv, np.int64)
-        self.blk = cat(blk, np.float64)
-        self.uptr, self.vptr = ptr(n_states[self.eu]), ptr(n_states[self.ev])
         self.bptr = ptr(self.mu * self.mv)
+        # each edge's block row-major, and transposed at the same offsets (the forward sweep reads a row per
+        # destination class); written in place, forbidden pairs (+inf) then capped at ``big``
+        self.blk, self.blk_t = np.empty(self.bptr[-1]), np.empty(self.bptr[-1])
+        pos = 0
+        for raw, _, _, _, _, _, _, block in parts:
+            if block is None:
+                k, a, b = raw.shape
+                self.blk[pos : pos + raw.size].reshape(k, a, b)[...] = raw
+                self.blk_t[pos : pos + raw.size].reshape(k, b, a)[...] = raw.transpose(0, 2, 1)
+                pos += raw.size
+            else:  # each edge's valid (cu, cv) corner of the NaN-padded block
+                valid = ~np.isnan(block)
+                n = int(valid.sum())
+                self.blk[pos : pos + n] = block[valid]
+                self.blk_t[pos : pos + n] = block.transpose(0, 2, 1)[valid.transpose(0, 2, 1)]
+                pos += n
+        np.minimum(self.blk, big, out=self.blk)
+        np.minimum(self.blk_t, big, out=self.blk_t)
+        self.uptr, self.vptr = ptr(n_states[self.eu]), ptr(n_states[self.ev])
         self.msg_f = np.zeros(self.vptr[-1])
         self.msg_b = np.zeros(self.uptr[-1])
+        # the flat state index each message entry is added to (ev's states for msg_f, eu's for msg_b)
+        self.state_f = np.repeat(offsets[self.ev] - self.vptr[:-1], n_states[self.ev]) + np.arange(self.vptr[-1])
+        self.state_b = np.repeat(offsets[self.eu] - self.uptr[:-1], n_states[self.eu]) + np.arange(self.uptr[-1])
         self.n_states = np.ascontiguousarray(n_states, dtype=np.int64)
         self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         self.gamma = np.ascontiguousarray(gamma, dtype=np.float64)
@@ -121,8 +137,13 @@ class RaggedEdges:
         cond = np.zeros(len(unary)) if decode else np.zeros(0)
         levels = (self.level_ptr_f, self.order_f) if forward else (self.level_ptr_b, self.order_b)
         kernels().sweep(forward, *levels, self.vlevel_ptr_f, self.vorder_f, self.eu, self.ev, self.uptr, self.vptr,
-                        self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk, self.gamma, self.offsets,
+                        self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk, self.blk_t, self.gamma, self.offsets,
                         self.n_states, unary, lo, hi, self.msg_f, self.msg_b, decode, xx, cond, self._s1, self._s2)
+
+    def message_sums(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Write into ``lo`` (``hi``) every state's sum of the messages from earlier (later) neighbours."""
+        lo[:] = np.bincount(self.state_f, weights=self.msg_f, minlength=len(lo))
+        hi[:] = np.bincount(self.state_b, weights=self.msg_b, minlength=len(hi))
 
     def energy(self, unary: np.ndarray, x: np.ndarray, big: float) -> float:
         """Energy of ``x`` with the internal ``unary``; +inf when it takes a forbidden pair (cost ``big``)."""
@@ -142,8 +163,8 @@ def _by_level(lev: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.ndarray]:
     return order, np.searchsorted(lev[order], np.arange(n_levels + 1)).astype(np.int64)
 
 
-def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma,
-           offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc):  # pragma: no cover
+def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, blk_t,
+           gamma, offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc):  # pragma: no cover
     """One sweep, level by level. Forward: messages from every edge's earlier endpoint into its later
     one, ``lo`` (messages from earlier neighbours) kept in step; with ``decode``, before a level's
     edges its variables take the state minimising unary + messages from later neighbours + the
@@ -164,10 +185,10 @@ def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu
             e = order[k]
             if forward:  # block entry (class of src, class of dst) at src * stride_src + dst * stride_dst
                 src, dst, ps, pd, lsrc, ldst, cs, cd = eu[e], ev[e], uptr[e], vptr[e], lu, lv, mu[e], mv[e]
-                stride_src, stride_dst, into, back, acc = mv[e], 1, msg_f, msg_b, lo
+                stride_src, stride_dst, into, back, acc, rows = mv[e], 1, msg_f, msg_b, lo, blk_t
             else:
                 src, dst, ps, pd, lsrc, ldst, cs, cd = ev[e], eu[e], vptr[e], uptr[e], lv, lu, mv[e], mu[e]
-                stride_src, stride_dst, into, back, acc = 1, mv[e], msg_b, msg_f, hi
+                stride_src, stride_dst, into, back, acc, rows = 1, mv[e], msg_b, msg_f, hi, blk
             os, od, pb, g = offsets[src], offsets[dst], bptr[e], gamma[src]
             for c in range(cs):
                 hm[c] = np.inf
@@ -177,16 +198,26 @@ def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu
                 c = lsrc[ps + s]
                 if h < hm[c]:
                     hm[c] = h
+            # min-plus product: nc[d] = min over c of hm[c] + cost(c, d), reading one contiguous row
+            # per destination class (forward: the transposed blocks), four running minima per row
+            # (independent, so the loop is not bound by one chain of min latencies)
             low = np.inf
             for d in range(cd):
-                best = np.inf
-                for c in range(cs):
-                    t = hm[c] + blk[pb + c * stride_src + d * stride_dst]
-                    if t < best:
-                        best = t
+                row = pb + d * cs
+                b0 = b1 = b2 = b3 = np.inf
+                c = 0
+                while c + 4 <= cs:
+                    b0 = min(b0, hm[c] + rows[row + c])
+                    b1 = min(b1, hm[c + 1] + rows[row + c + 1])
+                    b2 = min(b2, hm[c + 2] + rows[row + c + 2])
+                    b3 = min(b3, hm[c + 3] + rows[row + c + 3])
+                    c += 4
+                while c < cs:
+                    b0 = min(b0, hm[c] + rows[row + c])
+                    c += 1
+                best = min(min(b0, b1), min(b2, b3))
                 nc[d] = best
-                if best < low:
-                    low = best
+                low = min(low, best)
             for t in range(n_states[dst]):
                 new = nc[ldst[pd + t]] - low
                 acc[od + t] += new - into[pd + t]
@@ -220,14 +251,20 @@ def _edge_bound(eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma, offsets, n
             d = lv[pv + t]
             if h < hv[d]:
                 hv[d] = h
-        best = np.inf
+        b0 = b1 = b2 = b3 = np.inf  # four running minima: independent chains (see _sweep)
         for c in range(cu):
-            row = pb + c * cv
-            for d in range(cv):
-                t = blk[row + d] + hu[c] + hv[d]
-                if t < best:
-                    best = t
-        total += best
+            row, h = pb + c * cv, hu[c]
+            d = 0
+            while d + 4 <= cv:
+                b0 = min(b0, blk[row + d] + h + hv[d])
+                b1 = min(b1, blk[row + d + 1] + h + hv[d + 1])
+                b2 = min(b2, blk[row + d + 2] + h + hv[d + 2])
+                b3 = min(b3, blk[row + d + 3] + h + hv[d + 3])
+                d += 4
+            while d < cv:
+                b0 = min(b0, blk[row + d] + h + hv[d])
+                d += 1
+        total += min(min(b0, b1), min(b2, b3))
     return total
 
 
