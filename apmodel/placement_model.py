@@ -90,34 +90,25 @@ def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-#: elements of a pair cost summed at once by :func:`_sum_in_order` (a block that stays in cache)
-_SUM_BLOCK_ELEMENTS = 1 << 15
+def _sum_in_order(terms: list[tuple[np.ndarray, bool]], out: np.ndarray) -> None:
+    """Write into ``out`` the sum of ``terms`` (each a matrix and whether it enters transposed).
 
-
-def _sum_in_order(terms: list[tuple[np.ndarray, bool]]) -> np.ndarray:
-    """The sum of ``terms`` (each a matrix and whether it enters transposed), added left to right
-    as a running sum would, so the result is the same to the last bit; summed a block of rows at
-    a time, so that a layer's matrix repeated for every copy of the layer is read from cache. A
-    single term is returned as it is (a view when transposed)."""
-    if len(terms) == 1:
-        mat, transposed = terms[0]
-        return mat.T if transposed else mat
-    laid_out: dict[tuple[int, bool], np.ndarray] = {}  # transposed terms copied once, row-major
-    mats = []
+    A matrix that appears in several terms (the same object: the edge between two groups of layer
+    copies, repeated for every layer) enters once, multiplied by its count, in the order of its
+    first appearance: one pass over it instead of one per copy. Equal to the term-by-term sum up to
+    rounding (a running sum of k copies rounds k - 1 times, a product once)."""
+    distinct: dict[tuple[int, bool], list] = {}  # (id, transposed) -> [matrix as it enters, count]
     for mat, transposed in terms:
-        m = laid_out.get((id(mat), transposed))
-        if m is None:
-            m = laid_out[(id(mat), transposed)] = np.ascontiguousarray(mat.T if transposed else mat)
-        mats.append(m)
-    rows, cols = mats[0].shape
-    out = np.empty((rows, cols))
-    step = max(1, _SUM_BLOCK_ELEMENTS // max(cols, 1))
-    for r0 in range(0, rows, step):
-        acc = out[r0:r0 + step]
-        np.add(mats[0][r0:r0 + step], mats[1][r0:r0 + step], out=acc)
-        for m in mats[2:]:
-            acc += m[r0:r0 + step]
-    return out
+        entry = distinct.get((id(mat), transposed))
+        if entry is None:
+            distinct[(id(mat), transposed)] = [mat.T if transposed else mat, 1]
+        else:
+            entry[1] += 1
+    for i, (mat, count) in enumerate(distinct.values()):
+        if i == 0:
+            np.multiply(mat, count, out=out) if count > 1 else np.copyto(out, mat)
+        else:
+            out += mat * count if count > 1 else mat
 
 
 def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
@@ -579,7 +570,17 @@ class PlacementModel:
                 unary[gu] += np.diagonal(mat)
                 continue
             terms.setdefault((min(gu, gv), max(gu, gv)), []).append((mat, gu > gv))
-        pair_cost = {pair: _sum_in_order(mats) for pair, mats in terms.items()}
+        # each pair's matrix summed straight into one stack per shape, which the problem keeps as it
+        # is: on a 4-D mesh these run to gigabytes, and copying them again cost seconds
+        by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for gu, gv in terms:
+            by_shape.setdefault((len(group_states[gu]), len(group_states[gv])), []).append((gu, gv))
+        stacks = []
+        for shape, pairs in by_shape.items():
+            costs = np.empty((len(pairs), *shape))
+            for k, pair in enumerate(pairs):
+                _sum_in_order(terms[pair], costs[k])
+            stacks.append(solvers.EdgeStack([p[0] for p in pairs], [p[1] for p in pairs], costs))
 
         # Forbidden states (restrictions) as +inf unaries.
         for g, members in enumerate(grouping.groups):
@@ -596,14 +597,14 @@ class PlacementModel:
         names = [self._group_label(ms) for ms in grouping.groups]
         problem = solvers.PairwiseProblem(
             unary=unary,
-            edges=[(u, v, m) for (u, v), m in pair_cost.items()],
+            edges=stacks,
             constraints=constraints,
             names=names,
         )
         build_s = time.perf_counter() - t0
         logger.info(
             "model: %d nodes, %d groups, %d states, %d edges (built in %.2f s)",
-            len(self.nodes), G, sum(len(s) for s in group_states), len(pair_cost), build_s,
+            len(self.nodes), G, sum(len(s) for s in group_states), len(terms), build_s,
         )
         self._compiled = CompiledModel(problem=problem, grouping=grouping, group_states=group_states, build_s=build_s)
         return self._compiled

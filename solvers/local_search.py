@@ -10,6 +10,7 @@ Costs are the backend's internal finite ones (forbidden = a large finite value).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -50,7 +51,6 @@ class LocalSearch:
         p = self.p = problem
         self.unary = unary
         self.big = big
-        self.costs = [np.where(np.isfinite(g.costs), g.costs, big) for g in p.groups]
         self.budget = budget
         self.eps = REL_EPS * (float(np.abs(unary[unary < big]).sum()) + 1.0)
         V = p.n_vars
@@ -67,6 +67,12 @@ class LocalSearch:
         hubs = np.argsort(-deg, kind="stable")[:star_hubs]
         self.hubs = [int(h) for h in hubs if deg[h] >= 3]
         self._stars: dict[int, _Subset] = {}
+
+    @functools.cached_property
+    def costs(self) -> list[np.ndarray]:
+        """Each group's edge costs with forbidden pairs at ``big``; made on first use (a copy of every
+        matrix: a solve that TRW-S proves optimal never searches)."""
+        return [np.minimum(g.costs, self.big) for g in self.p.groups]
 
     def _subset(self, vars_: np.ndarray) -> _Subset:
         p = self.p

@@ -7,7 +7,8 @@ subject to optional linear rows over the indicators x[var, state] (1 when var ta
 
 Edges are stored canonically with ``u < v`` (a matrix given for ``(v, u)`` is transposed) and
 grouped by matrix shape ``(n_u, n_v)`` into stacked arrays (:class:`EdgeGroup`) so that backends
-can work on many edges per numpy call.  Duplicate edges (the same unordered pair given more than
+can work on many edges per numpy call (edges given already stacked, :class:`EdgeStack`, keep their
+own group: a shape may then have more than one).  Duplicate edges (the same unordered pair given more than
 once) are **merged by summing** their matrices; self-loops are rejected.
 """
 
@@ -75,6 +76,22 @@ class EdgeGroup:
 
 
 @dataclass(frozen=True)
+class EdgeStack:
+    """Edges of one matrix shape given already stacked: edge ``k`` joins ``u[k] < v[k]`` with the
+    ``(a, b)`` matrix ``costs[k]`` of ``costs`` ``(k, a, b)``.
+
+    For problems whose matrices run to gigabytes: a C-contiguous float64 ``costs`` becomes the
+    problem's own array (made read-only, not copied), where a list of ``(u, v, matrix)`` edges is
+    copied into one stack. Its pairs must differ from every other edge given (duplicates are an
+    error here, not summed).
+    """
+
+    u: Sequence[int] | np.ndarray
+    v: Sequence[int] | np.ndarray
+    costs: np.ndarray
+
+
+@dataclass(frozen=True)
 class _ConstraintRows:
     matrix: sp.csr_matrix  # (m, n_indicators)
     lower: np.ndarray
@@ -98,7 +115,7 @@ class PairwiseProblem:
     def __init__(
         self,
         unary: Sequence[Sequence[float] | np.ndarray],
-        edges: Iterable[tuple] = (),
+        edges: Iterable[tuple | EdgeStack] = (),
         constraints: Iterable[LinearConstraint] = (),
         names: Sequence[str] | None = None,
     ) -> None:
@@ -147,9 +164,13 @@ class PairwiseProblem:
             raise ValueError(f"{what}: unknown variable {var} (there are {self.n_vars} variables)")
         return var
 
-    def _build_groups(self, edges: Iterable[tuple]) -> tuple[EdgeGroup, ...]:
+    def _build_groups(self, edges: Iterable[tuple | EdgeStack]) -> tuple[EdgeGroup, ...]:
         merged: dict[tuple[int, int], np.ndarray] = {}
+        stacks: list[EdgeStack] = []
         for e in edges:
+            if isinstance(e, EdgeStack):
+                stacks.append(e)
+                continue
             if len(e) != 3:
                 raise ValueError(f"edge must be (u, v, matrix), got a tuple of length {len(e)}")
             u_in, v_in, mat = e
@@ -172,23 +193,45 @@ class PairwiseProblem:
         by_shape: dict[tuple[int, int], list[tuple[int, int, np.ndarray]]] = {}
         for (u, v), m in merged.items():
             by_shape.setdefault(m.shape, []).append((u, v, m))
+        stacked = [(np.array([it[0] for it in items], dtype=np.int64), np.array([it[1] for it in items], dtype=np.int64),
+                    np.stack([it[2] for it in items])) for _, items in sorted(by_shape.items(), key=lambda kv: kv[0])]
+        seen = set(merged)
+        for st in stacks:
+            stacked.append(self._check_stack(st, seen))
         groups = []
         next_id = 0
-        for shape in sorted(by_shape):
-            items = by_shape[shape]
-            us = np.array([it[0] for it in items], dtype=np.int64)
-            vs = np.array([it[1] for it in items], dtype=np.int64)
-            costs = np.ascontiguousarray(np.stack([it[2] for it in items]))
-            bad = np.isnan(costs).any(axis=(1, 2)) | np.isneginf(costs).any(axis=(1, 2))
+        for us, vs, costs in sorted(stacked, key=lambda t: t[2].shape[1:]):  # stable: given order within a shape
+            low = costs.min(axis=(1, 2), initial=np.inf)  # NaN where any entry is NaN, -inf where any is -inf
+            bad = np.isnan(low) | np.isneginf(low)
             if bad.any():
                 k = int(np.flatnonzero(bad)[0])
                 raise ValueError(
                     f"edge ({self.var_name(us[k])}, {self.var_name(vs[k])}): cost matrix contains NaN or -inf"
                 )
-            ids = np.arange(next_id, next_id + len(items), dtype=np.int64)
-            next_id += len(items)
-            groups.append(EdgeGroup(shape, _readonly(us), _readonly(vs), _readonly(costs), _readonly(ids)))
+            ids = np.arange(next_id, next_id + len(us), dtype=np.int64)
+            next_id += len(us)
+            groups.append(EdgeGroup(costs.shape[1:], _readonly(us), _readonly(vs), _readonly(costs), _readonly(ids)))
         return tuple(groups)
+
+    def _check_stack(self, st: EdgeStack, seen: set[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """An :class:`EdgeStack`'s endpoints resolved and checked, and its costs as float64 (no copy when they are)."""
+        costs = np.ascontiguousarray(st.costs, dtype=np.float64)
+        if costs.ndim != 3 or len(st.u) != len(costs) or len(st.v) != len(costs):
+            raise ValueError(f"EdgeStack: costs of shape {np.shape(st.costs)} must be (k, a, b) for its "
+                             f"{len(st.u)} u and {len(st.v)} v endpoints")
+        us = np.array([self._resolve_var(u, "EdgeStack") for u in st.u], dtype=np.int64)
+        vs = np.array([self._resolve_var(v, "EdgeStack") for v in st.v], dtype=np.int64)
+        for u, v in zip(us.tolist(), vs.tolist()):
+            label = f"EdgeStack edge ({self.var_name(u)}, {self.var_name(v)})"
+            if u >= v:
+                raise ValueError(f"{label}: a stack's edges need u < v")
+            if (int(self.n_states[u]), int(self.n_states[v])) != costs.shape[1:]:
+                raise ValueError(f"{label}: matrices of shape {costs.shape[1:]}, expected "
+                                 f"{(int(self.n_states[u]), int(self.n_states[v]))}")
+            if (u, v) in seen:
+                raise ValueError(f"{label} is given twice (a stack's edges are not summed with others)")
+            seen.add((u, v))
+        return us, vs, costs
 
     def _build_constraints(self, constraints: Iterable[LinearConstraint]):
         resolved = []

@@ -114,7 +114,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
     for g in p.groups:
         for k in range(len(g)):
             u, v = int(g.u[k]), int(g.v[k])
-            m = np.array(g.costs[k], dtype=np.float64)
+            m = g.costs[k]  # a read-only view: every rule below makes new matrices, never writes one
             adj[u][v] = m
             adj[v][u] = m.T
     frozen = np.zeros(n, dtype=bool)

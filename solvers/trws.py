@@ -67,6 +67,7 @@ DEFAULT_MAX_ITER = 1000  # forward+backward sweeps
 DEFAULT_TOL = 1e-5  # relative: stop at this gap, or when the bound improved less over PATIENCE sweeps
 PATIENCE = 5
 BOUND_EVERY = 2  # after the first PATIENCE sweeps, compute the bound every this many sweeps (or on a new best energy)
+BOUND_SHARE = 0.3  # ... or less often, so that bounds take at most about this share of a sweep's time
 STALL_GAP = 1e-3  # relative: also stop when the gap is below this and the energy has not improved for
 ENERGY_PATIENCE = 10  # this many sweeps
 LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
@@ -153,8 +154,10 @@ def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
 
 
 def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
-    fin = np.isfinite(c)  # NaN padding counts as not finite
-    return np.where(fin, np.abs(np.where(fin, c, 0.0)), 0.0).max(axis=(1, 2))
+    """Per edge, the largest finite |cost| (0 when none is finite); +inf and NaN (padding) entries skipped."""
+    a = np.abs(c)
+    np.putmask(a, ~(a < np.inf), 0.0)  # NaN < inf is False
+    return a.max(axis=(1, 2), initial=0.0)
 
 
 UNIFIED_MAX_CLASSES = 32  # edges with at most this many row / column classes share one padded block array
@@ -553,17 +556,25 @@ class TRWS:
             best_x, best_e = x0.copy(), self.internal_energy(x0)
         best_lb, hist = -np.inf, []
         it = last_improved = 0
+        every, bound_s, sweeps_s = BOUND_EVERY, 0.0, 0.0
         for it in range(1, max_iter + 1):
             self.maybe_compile()
+            t0 = time.perf_counter()
             self.sweep(True, x)
             e = self.internal_energy(x)
             if e < best_e:
                 best_e, best_x, last_improved = e, x.copy(), it
-            fresh = it <= PATIENCE or it % BOUND_EVERY == 0 or it == last_improved
+            t1 = time.perf_counter()
+            fresh = it <= PATIENCE or it % every == 0 or it == last_improved
             if fresh:  # the bound is valid for any messages; it is cheapest right after the forward sweep
                 best_lb = max(best_lb, self.lower_bound())
                 hist.append(best_lb)
+                bound_s = time.perf_counter() - t1
+            t2 = time.perf_counter()
             self.sweep(False)
+            sweeps_s = (t1 - t0) + (time.perf_counter() - t2)
+            # where a bound costs as much as a sweep (large blocks), compute it less often
+            every = max(BOUND_EVERY, int(bound_s / (BOUND_SHARE * max(sweeps_s, 1e-9))))
             gap = (best_e - best_lb) / max(1.0, abs(best_e))
             if gap <= tol or (gap <= stall_gap and it - last_improved >= ENERGY_PATIENCE):
                 break

@@ -137,15 +137,20 @@ def test_static_shardability_is_torchs():
         assert tp._static_shardable(shape, pl, ms) == want, (shape, pl, ms)
 
 
-def test_running_sum_in_row_blocks_is_exact():
+def test_pair_sum_counts_repeated_matrices_once():
     rng = np.random.default_rng(0)
-    a, b = rng.random((300, 257)) * 1e3, rng.random((257, 300)) / 7
-    terms = [(a, False), (b, True), (a, False), (a, False), (b, True)] * 7
+    a, b, c = rng.random((300, 257)) * 1e3, rng.random((257, 300)) / 7, rng.random((300, 257))
+    terms = [(a, False), (b, True), (a, False), (a, False), (b, True)] * 7 + [(c, False)]
     want = a.copy()
     for m, transposed in terms[1:]:
         want = want + (m.T if transposed else m)
-    assert np.array_equal(_sum_in_order(terms), want)  # the same bits, not just close
-    assert _sum_in_order([(b, True)]) is not None and np.array_equal(_sum_in_order([(b, True)]), b.T)
+    out = np.empty((300, 257))
+    _sum_in_order(terms, out)
+    np.testing.assert_allclose(out, want, rtol=1e-13)  # the term-by-term sum, up to its rounding
+    np.testing.assert_array_equal(out, (21 * a + 14 * b.T) + c)  # each distinct matrix once, times its count
+    one = np.empty((300, 257))
+    _sum_in_order([(b, True)], one)
+    np.testing.assert_array_equal(one, b.T)
 
 
 def test_compute_prices_shared_by_equal_calls_are_each_strategys_own():

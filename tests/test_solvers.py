@@ -758,3 +758,25 @@ def test_trws_without_a_feasible_plan_under_a_row_falls_back_to_highs_unless_pro
     got = solvers.solve(problem, backend="trws")
     exact = solvers.solve(problem, backend="highs")
     assert got.energy == pytest.approx(exact.energy) and "HiGHS alone" in got.info["fallback"]
+
+
+def test_edge_stack_is_kept_as_given_and_checked():
+    rng = np.random.default_rng(3)
+    unary = [rng.random(3), rng.random(4), rng.random(4), rng.random(3)]
+    costs = rng.random((2, 3, 4))
+    costs[0, 1, 2] = np.inf
+    m12 = rng.random((4, 4))
+    stacked = solvers.PairwiseProblem(unary, [solvers.EdgeStack([0, 0], [1, 2], costs), (1, 2, m12)])
+    listed = solvers.PairwiseProblem(unary, [(0, 1, costs[0]), (2, 0, costs[1].T), (1, 2, m12)])
+    stack_group = next(g for g in stacked.groups if g.shape == (3, 4))
+    assert stack_group.costs is costs or np.shares_memory(stack_group.costs, costs)  # not copied
+    assert not costs.flags.writeable  # the problem's own array now
+    for x in ([0, 0, 0, 0], [1, 2, 3, 2], [2, 3, 1, 0]):
+        assert stacked.energy(x) == listed.energy(x)
+    for edges, match in (([solvers.EdgeStack([1], [0], rng.random((1, 4, 3)))], "u < v"),
+                         ([solvers.EdgeStack([0], [2], rng.random((1, 3, 3)))], "expected"),
+                         ([solvers.EdgeStack([0], [1], rng.random((1, 3, 4))), (1, 0, rng.random((4, 3)))], "twice"),
+                         ([solvers.EdgeStack([0, 0], [1], rng.random((2, 3, 4)))], "endpoints"),
+                         ([solvers.EdgeStack([0], [1], np.full((1, 3, 4), np.nan))], "NaN")):
+        with pytest.raises(ValueError, match=match):
+            solvers.PairwiseProblem(unary, edges)
