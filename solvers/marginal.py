@@ -29,15 +29,16 @@ def _classes(costs: np.ndarray, axis: int, rng: np.random.Generator) -> tuple[np
     """Per edge, label identical rows (axis=1) or columns (axis=2) of ``costs`` (k, a, b).
 
     Returns labels (k, n) in 0..count-1 (labels ordered by first occurrence is not required) and
-    counts (k,).  Rows are compared by a random projection and verified exactly; an edge whose
+    counts (k,).  Rows are compared by a random projection (a forbidden +inf entry projected as a
+    random stand-in value) and verified exactly against their class's first row; an edge whose
     verification fails gets singleton classes.
     """
     c = costs if axis == 1 else costs.transpose(0, 2, 1)
     k, n, m = c.shape
-    fin = np.isfinite(c)
     r1 = rng.standard_normal(m)
-    r2 = rng.standard_normal(m)
-    h = np.where(fin, c, 0.0) @ r1 + (~fin) @ r2  # (k, n)
+    stand_in = 1e3 * (1.0 + abs(float(rng.standard_normal(m)[0]))) if m else 0.0
+    h = (np.where(c < np.inf, c, stand_in) * r1).sum(axis=2)  # (k, n); costs hold no NaN. Not a matmul:
+    # BLAS may sum rows in different orders, so that identical rows hash apart
     order = np.argsort(h, axis=1, kind="stable")
     hs = np.take_along_axis(h, order, axis=1)
     new = np.ones((k, n), dtype=bool)
@@ -46,18 +47,19 @@ def _classes(costs: np.ndarray, axis: int, rng: np.random.Generator) -> tuple[np
     labels = np.empty_like(lab_sorted)
     np.put_along_axis(labels, order, lab_sorted, axis=1)
     counts = lab_sorted[:, -1] + 1 if n else np.zeros(k, np.int64)
-    # verify: every row equals its class representative
-    rep = np.zeros((k, n), dtype=np.int64)
+    # verify: every row that is not its class's first equals that first row (an edge whose rows are all
+    # distinct has nothing to verify)
     first_pos = np.where(new, np.arange(n)[None, :], 0)
     first_pos = np.maximum.accumulate(first_pos, axis=1)  # position (in sorted order) of class start
     rep_sorted = np.take_along_axis(order, first_pos, axis=1)
-    np.put_along_axis(rep, order, rep_sorted, axis=1)
-    repc = np.take_along_axis(c, np.broadcast_to(rep[:, :, None], c.shape), axis=1)
-    same = repc == c  # inf == inf holds; costs contain no NaN
-    bad = ~same.all(axis=(1, 2))
-    if bad.any():
-        labels[bad] = np.arange(n)[None, :]
-        counts[bad] = n
+    edge, pos = np.nonzero(~new)
+    if len(edge):
+        same = c[edge, order[edge, pos]] == c[edge, rep_sorted[edge, pos]]  # (rows, m); inf == inf holds
+        bad = np.zeros(k, dtype=bool)
+        bad[edge[~same.all(axis=1)]] = True
+        if bad.any():
+            labels[bad] = np.arange(n)[None, :]
+            counts[bad] = n
     return labels.astype(np.int64), counts.astype(np.int64)
 
 

@@ -780,3 +780,23 @@ def test_edge_stack_is_kept_as_given_and_checked():
                          ([solvers.EdgeStack([0], [1], np.full((1, 3, 4), np.nan))], "NaN")):
         with pytest.raises(ValueError, match=match):
             solvers.PairwiseProblem(unary, edges)
+
+
+def test_row_classes_group_exactly_the_identical_rows():
+    from solvers.marginal import _classes
+
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        k, a, b = rng.integers(1, 4), rng.integers(1, 9), rng.integers(1, 7)
+        base = rng.integers(0, 3, size=(k, 3, b)) * rng.random() * 1e3  # repeated rows, some forbidden entries
+        base[rng.random(base.shape) < 0.2] = np.inf
+        costs = np.stack([base[e][rng.integers(0, 3, size=a)] for e in range(k)])
+        for axis in (1, 2):
+            labels, counts = _classes(costs, axis, np.random.default_rng(1))
+            rows = costs if axis == 1 else costs.transpose(0, 2, 1)
+            for e in range(k):
+                distinct = [tuple(r) for r in rows[e]]
+                assert counts[e] == len(set(distinct))
+                same_label = labels[e][:, None] == labels[e][None, :]
+                same_row = np.array([[r == s for s in distinct] for r in distinct])
+                np.testing.assert_array_equal(same_label, same_row)
