@@ -172,3 +172,41 @@ def test_background_warm_up_leaves_the_compiled_kernels_warm():
     thread.join(timeout=120)
     assert not thread.is_alive() and trws_compiled.warm()
     assert trws.TRWS(_mixed_problem(3), kernel="auto").edges is not None
+
+
+def test_bound_reads_the_exact_sums_of_the_messages(compiled):
+    """The sweeps keep each state's message sum by adding changes; a message that once carried a forbidden
+    state's stand-in cost (``big``) leaves rounding behind. The bound must use the sums of the messages
+    as they are (otherwise it is not a bound for any messages), so it recomputes them."""
+    p = _mixed_problem(5, n=60)
+    x = np.zeros(p.n_vars, dtype=np.int64)
+    # messages first carry forbidden costs (a third of the states forbidden), then lose them (the unary
+    # changes under them, as the budget row's multiplier changes it)
+    some_forbidden = np.where(np.random.default_rng(0).random(p.n_indicators) < 0.3, np.inf, p.unary_flat)
+
+    def run(tr):
+        tr.set_unary(some_forbidden)
+        for _ in range(5):
+            tr.sweep(True, x)
+            tr.sweep(False)
+        carried = max(float(np.abs(tr.msum_lo).max()), float(np.abs(tr.msum_hi).max()))
+        tr.set_unary(p.unary_flat)
+        for _ in range(20):
+            tr.sweep(True, x)
+            tr.sweep(False)
+        tr.lower_bound()
+        return carried
+
+    tr = trws.TRWS(p, kernel=compiled)
+    e = tr.edges
+    assert run(tr) > 1e-3 * tr.big  # some message carried a forbidden cost
+    lo, hi = np.zeros(p.n_indicators), np.zeros(p.n_indicators)
+    for k in range(len(e.eu)):
+        u, v = e.eu[k], e.ev[k]
+        lo[p.offsets[v] : p.offsets[v + 1]] += e.msg_f[e.vptr[k] : e.vptr[k + 1]]
+        hi[p.offsets[u] : p.offsets[u + 1]] += e.msg_b[e.uptr[k] : e.uptr[k + 1]]
+    np.testing.assert_allclose(tr.msum_lo, lo, rtol=1e-13, atol=1e-9)
+    np.testing.assert_allclose(tr.msum_hi, hi, rtol=1e-13, atol=1e-9)
+    numpy_kernel = trws.TRWS(p, kernel="numpy")
+    run(numpy_kernel)
+    np.testing.assert_allclose(numpy_kernel.msum_lo, tr.msum_lo, rtol=1e-9, atol=1e-6)
