@@ -90,7 +90,7 @@ def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _sum_in_order(terms: list[tuple[np.ndarray, bool]], out: np.ndarray) -> None:
+def _pair_sum(terms: list[tuple[np.ndarray, bool]], out: np.ndarray) -> None:
     """Write into ``out`` the sum of ``terms`` (each a matrix and whether it enters transposed).
 
     A matrix that appears in several terms (the same object: the edge between two groups of layer
@@ -106,9 +106,11 @@ def _sum_in_order(terms: list[tuple[np.ndarray, bool]], out: np.ndarray) -> None
             entry[1] += 1
     for i, (mat, count) in enumerate(distinct.values()):
         if i == 0:
-            np.multiply(mat, count, out=out) if count > 1 else np.copyto(out, mat)
+            np.multiply(mat, count, out=out)
+        elif count == 1:
+            out += mat
         else:
-            out += mat * count if count > 1 else mat
+            out += mat * count
 
 
 def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
@@ -579,7 +581,7 @@ class PlacementModel:
         for shape, pairs in by_shape.items():
             costs = np.empty((len(pairs), *shape))
             for k, pair in enumerate(pairs):
-                _sum_in_order(terms[pair], costs[k])
+                _pair_sum(terms[pair], costs[k])
             stacks.append(solvers.EdgeStack([p[0] for p in pairs], [p[1] for p in pairs], costs))
 
         # Forbidden states (restrictions) as +inf unaries.

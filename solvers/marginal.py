@@ -36,7 +36,8 @@ def _classes(costs: np.ndarray, axis: int, rng: np.random.Generator) -> tuple[np
     c = costs if axis == 1 else costs.transpose(0, 2, 1)
     k, n, m = c.shape
     r1 = rng.standard_normal(m)
-    stand_in = 1e3 * (1.0 + abs(float(rng.standard_normal(m)[0]))) if m else 0.0
+    r2 = np.asarray(rng.standard_normal(m))  # drawn as before this stand-in replaced a second projection
+    stand_in = 1e3 * (1.0 + abs(float(r2[0]))) if m else 0.0
     h = (np.where(c < np.inf, c, stand_in) * r1).sum(axis=2)  # (k, n); costs hold no NaN. Not a matmul:
     # BLAS may sum rows in different orders, so that identical rows hash apart
     order = np.argsort(h, axis=1, kind="stable")

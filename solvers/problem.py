@@ -8,8 +8,8 @@ subject to optional linear rows over the indicators x[var, state] (1 when var ta
 Edges are stored canonically with ``u < v`` (a matrix given for ``(v, u)`` is transposed) and
 grouped by matrix shape ``(n_u, n_v)`` into stacked arrays (:class:`EdgeGroup`) so that backends
 can work on many edges per numpy call (edges given already stacked, :class:`EdgeStack`, keep their
-own group: a shape may then have more than one).  Duplicate edges (the same unordered pair given more than
-once) are **merged by summing** their matrices; self-loops are rejected.
+own group: a shape may then have more than one).  Duplicate edges (the same unordered pair given
+more than once) are **merged by summing** their matrices; self-loops are rejected.
 """
 
 from __future__ import annotations

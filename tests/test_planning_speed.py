@@ -19,7 +19,7 @@ from apmodel import _torch_private as tp
 from apmodel import expansion
 from apmodel.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.placement_model import _sum_in_order
+from apmodel.placement_model import _pair_sum
 from apmodel.pricing import build_cost_context
 from apmodel.options import PlanOptions
 from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
@@ -145,11 +145,11 @@ def test_pair_sum_counts_repeated_matrices_once():
     for m, transposed in terms[1:]:
         want = want + (m.T if transposed else m)
     out = np.empty((300, 257))
-    _sum_in_order(terms, out)
+    _pair_sum(terms, out)
     np.testing.assert_allclose(out, want, rtol=1e-13)  # the term-by-term sum, up to its rounding
     np.testing.assert_array_equal(out, (21 * a + 14 * b.T) + c)  # each distinct matrix once, times its count
     one = np.empty((300, 257))
-    _sum_in_order([(b, True)], one)
+    _pair_sum([(b, True)], one)
     np.testing.assert_array_equal(one, b.T)
 
 
