@@ -477,8 +477,13 @@ class TRWS:
                     rows = d.raw[d.eid[s0:s1], x[d.src[s0:s1]], :]  # +inf allowed: argmin only
                     np.add.at(cond, d.dst_idx[s0:s1].ravel(), rows.ravel())
 
-    def lower_bound(self) -> float:
+    def lower_bound(self, after_forward: bool = False) -> float:
         """A proven lower bound on the (internal) energy, valid for any messages.
+
+        ``after_forward`` (only right after a forward sweep): the compiled kernel's edges contribute
+        the constants that sweep recorded (:meth:`~solvers.trws_compiled.RaggedEdges.forward_constants`)
+        instead of a pass over every cost block: the same value up to the messages' rounding, good
+        for deciding when to stop; the bound a run hands back is computed in full.
 
         Split the reparametrised energy: each forward edge (u earlier, v later) takes
         ``gamma_u * theta_u`` of its earlier endpoint, and variable v keeps
@@ -492,7 +497,7 @@ class TRWS:
         rest = 1.0 - self.n_out * self.gamma
         total = float((rest * np.minimum.reduceat(theta, offs)).sum()) if self.p.n_vars else 0.0
         if self.edges is not None:
-            total += self.edges.edge_bound(theta)
+            total += self.edges.forward_constants() if after_forward else self.edges.edge_bound(theta)
         if self.ufwd is not None:
             uf = self.ufwd
             k = len(uf.src)
@@ -567,21 +572,21 @@ class TRWS:
             t1 = time.perf_counter()
             fresh = it <= PATIENCE or it % every == 0 or it == last_improved
             if fresh:  # the bound is valid for any messages; it is cheapest right after the forward sweep
-                best_lb = max(best_lb, self.lower_bound())
+                best_lb = max(best_lb, self.lower_bound(after_forward=True))
                 hist.append(best_lb)
                 bound_s = time.perf_counter() - t1
+            gap = (best_e - best_lb) / max(1.0, abs(best_e))
+            stalled = fresh and len(hist) > PATIENCE and hist[-1] - hist[-1 - PATIENCE] <= tol * max(1.0, abs(hist[-1]))
+            if (gap <= tol or (gap <= stall_gap and it - last_improved >= ENERGY_PATIENCE) or stalled
+                    or it == max_iter or (deadline is not None and time.perf_counter() > deadline)):
+                break  # before the backward sweep: the messages stay those of the forward sweep just run
             t2 = time.perf_counter()
             self.sweep(False)
             sweeps_s = (t1 - t0) + (time.perf_counter() - t2)
             # where a bound costs as much as a sweep (large blocks), compute it less often
             every = max(BOUND_EVERY, int(bound_s / (BOUND_SHARE * max(sweeps_s, 1e-9))))
-            gap = (best_e - best_lb) / max(1.0, abs(best_e))
-            if gap <= tol or (gap <= stall_gap and it - last_improved >= ENERGY_PATIENCE):
-                break
-            if fresh and len(hist) > PATIENCE and hist[-1] - hist[-1 - PATIENCE] <= tol * max(1.0, abs(hist[-1])):
-                break
-            if deadline is not None and time.perf_counter() > deadline:
-                break
+        if self.edges is not None and it:  # the bound handed back, in full, on the last forward sweep's messages
+            best_lb = self.lower_bound()
         if best_x is None:
             best_x = x.copy()
         return best_x, best_e, best_lb, it

@@ -118,6 +118,7 @@ class RaggedEdges:
         self.uptr, self.vptr = ptr(n_states[self.eu]), ptr(n_states[self.ev])
         self.msg_f = np.zeros(self.vptr[-1])
         self.msg_b = np.zeros(self.uptr[-1])
+        self.lows = np.zeros(len(self.eu))
         # the flat state index each message entry is added to (ev's states for msg_f, eu's for msg_b)
         self.state_f = np.repeat(offsets[self.ev] - self.vptr[:-1], n_states[self.ev]) + np.arange(self.vptr[-1])
         self.state_b = np.repeat(offsets[self.eu] - self.uptr[:-1], n_states[self.eu]) + np.arange(self.uptr[-1])
@@ -140,7 +141,14 @@ class RaggedEdges:
         levels = (self.level_ptr_f, self.order_f) if forward else (self.level_ptr_b, self.order_b)
         kernels().sweep(forward, *levels, self.vlevel_ptr_f, self.vorder_f, self.eu, self.ev, self.uptr, self.vptr,
                         self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk, self.blk_t, self.gamma, self.offsets,
-                        self.n_states, unary, lo, hi, self.msg_f, self.msg_b, decode, xx, cond, self._s1, self._s2)
+                        self.n_states, unary, lo, hi, self.msg_f, self.msg_b, decode, xx, cond, self._s1, self._s2,
+                        self.lows)
+
+    def forward_constants(self) -> float:
+        """The sum over edges of the last forward sweep's normalising constants: right after that sweep,
+        each is its edge's part of :meth:`edge_bound` (the minimum over pairs of the reparametrised
+        edge, exactly, up to the rounding of the messages)."""
+        return float(self.lows.sum())
 
     def message_sums(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Write into ``lo`` (``hi``) every state's sum of the messages from earlier (later) neighbours."""
@@ -166,12 +174,13 @@ def _by_level(lev: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, blk_t,
-           gamma, offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc):  # pragma: no cover
+           gamma, offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc, lows):  # pragma: no cover
     """One sweep, level by level. Forward: messages from every edge's earlier endpoint into its later
     one, ``lo`` (messages from earlier neighbours) kept in step; with ``decode``, before a level's
     edges its variables take the state minimising unary + messages from later neighbours + the
     costs to their already decoded earlier neighbours (``cond``). Backward: from the later endpoint
-    into the earlier one, ``hi`` kept in step. ``hm``, ``nc``: scratch of the largest class count."""
+    into the earlier one, ``hi`` kept in step. ``hm``, ``nc``: scratch of the largest class count.
+    ``lows``: per edge, the forward message's normalising constant (written by the forward sweep)."""
     for L in range(len(level_ptr) - 1):
         if decode:
             for k in range(vlevel_ptr[L], vlevel_ptr[L + 1]):
@@ -220,6 +229,8 @@ def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu
                 best = min(min(b0, b1), min(b2, b3))
                 nc[d] = best
                 low = min(low, best)
+            if forward:
+                lows[e] = low
             for t in range(n_states[dst]):
                 new = nc[ldst[pd + t]] - low
                 acc[od + t] += new - into[pd + t]

@@ -210,3 +210,17 @@ def test_bound_reads_the_exact_sums_of_the_messages(compiled):
     numpy_kernel = trws.TRWS(p, kernel="numpy")
     run(numpy_kernel)
     np.testing.assert_allclose(numpy_kernel.msum_lo, tr.msum_lo, rtol=1e-9, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forward_constants_are_the_bound_after_a_forward_sweep(compiled, seed):
+    """Right after a forward sweep each edge's part of the bound is its message's normalising constant,
+    which the sweep records: the cheap bound TRW-S stops on equals the full one."""
+    p = _mixed_problem(seed)
+    tr = trws.TRWS(p, kernel=compiled)
+    x = np.zeros(p.n_vars, dtype=np.int64)
+    for _ in range(6):
+        tr.sweep(True, x)
+        fast, full = tr.lower_bound(after_forward=True), tr.lower_bound()
+        assert fast == pytest.approx(full, rel=1e-9, abs=1e-6)
+        tr.sweep(False)
