@@ -559,7 +559,7 @@ class TRWS:
         best_x, best_e = None, np.inf
         if x0 is not None:
             best_x, best_e = x0.copy(), self.internal_energy(x0)
-        best_lb, hist = -np.inf, []
+        best_lb, proven_lb, hist = -np.inf, -np.inf, []
         it = last_improved = 0
         every, bound_s, sweeps_s = BOUND_EVERY, 0.0, 0.0
         for it in range(1, max_iter + 1):
@@ -571,8 +571,11 @@ class TRWS:
                 best_e, best_x, last_improved = e, x.copy(), it
             t1 = time.perf_counter()
             fresh = it <= PATIENCE or it % every == 0 or it == last_improved
-            if fresh:  # the bound is valid for any messages; it is cheapest right after the forward sweep
-                best_lb = max(best_lb, self.lower_bound(after_forward=True))
+            if fresh:  # right after the forward sweep: the compiled kernel's bound is then the constants it recorded
+                lb = self.lower_bound(after_forward=True)
+                best_lb = max(best_lb, lb)
+                if self.edges is None:  # the numpy kernel's is computed in full (before an "auto" switch)
+                    proven_lb = max(proven_lb, lb)
                 hist.append(best_lb)
                 bound_s = time.perf_counter() - t1
             gap = (best_e - best_lb) / max(1.0, abs(best_e))
@@ -586,7 +589,7 @@ class TRWS:
             # where a bound costs as much as a sweep (large blocks), compute it less often
             every = max(BOUND_EVERY, int(bound_s / (BOUND_SHARE * max(sweeps_s, 1e-9))))
         if self.edges is not None and it:  # the bound handed back, in full, on the last forward sweep's messages
-            best_lb = self.lower_bound()
+            best_lb = max(proven_lb, self.lower_bound())
         if best_x is None:
             best_x = x.copy()
         return best_x, best_e, best_lb, it
