@@ -478,7 +478,7 @@ class TRWS:
                     np.add.at(cond, d.dst_idx[s0:s1].ravel(), rows.ravel())
 
     def lower_bound(self, after_forward: bool = False) -> float:
-        """A proven lower bound on the (internal) energy, valid for any messages.
+        """A proven lower bound on the (internal) energy, valid for any messages (unless ``after_forward``).
 
         ``after_forward`` (only right after a forward sweep): the compiled kernel's edges contribute
         the constants that sweep recorded (:meth:`~solvers.trws_compiled.RaggedEdges.forward_constants`)

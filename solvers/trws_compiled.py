@@ -9,10 +9,9 @@ adjacent, so the order inside a level does not matter), up to floating-point sum
 Edges are stored once, in the forward orientation (``eu[e]`` earlier than ``ev[e]`` in the
 processing order), as *ragged* class blocks: edge ``e`` has ``mu[e] x mv[e]`` class-pair costs
 row-major at ``blk[bptr[e]:]`` (and transposed, ``mv[e] x mu[e]``, at ``blk_t[bptr[e]:]``: each
-sweep direction reads a contiguous row per destination class), the class of each state of ``eu[e]``
-at ``lu[uptr[e]:]`` and of
-``ev[e]`` at ``lv[vptr[e]:]`` (an incompressible edge has one class per state and its raw matrix
-as block).  ``msg_f[vptr[e]:]`` is the message into ``ev[e]``, ``msg_b[uptr[e]:]`` into ``eu[e]``.
+sweep direction reads a contiguous row per destination class), the class of each state of
+``eu[e]`` at ``lu[uptr[e]:]`` and of ``ev[e]`` at ``lv[vptr[e]:]`` (an incompressible edge has one
+class per state and its raw matrix as block).  ``msg_f[vptr[e]:]`` is the message into ``ev[e]``, ``msg_b[uptr[e]:]`` into ``eu[e]``.
 No padding, so every edge, compressible or not, is one loop.
 
 The functions here are plain Python over numpy arrays; :func:`kernels` compiles them with
