@@ -67,7 +67,6 @@ DEFAULT_MAX_ITER = 1000  # forward+backward sweeps
 DEFAULT_TOL = 1e-5  # relative: stop at this gap, or when the bound improved less over PATIENCE sweeps
 PATIENCE = 5
 BOUND_EVERY = 2  # after the first PATIENCE sweeps, compute the bound every this many sweeps (or on a new best energy)
-BOUND_SHARE = 0.3  # ... or less often, so that bounds take at most about this share of a sweep's time
 STALL_GAP = 1e-3  # relative: also stop when the gap is below this and the energy has not improved for
 ENERGY_PATIENCE = 10  # this many sweeps
 LAGRANGE_STEPS = 14  # bisection steps on the budget multiplier
@@ -561,33 +560,25 @@ class TRWS:
             best_x, best_e = x0.copy(), self.internal_energy(x0)
         best_lb, proven_lb, hist = -np.inf, -np.inf, []
         it = last_improved = 0
-        every, bound_s, sweeps_s = BOUND_EVERY, 0.0, 0.0
         for it in range(1, max_iter + 1):
             self.maybe_compile()
-            t0 = time.perf_counter()
             self.sweep(True, x)
             e = self.internal_energy(x)
             if e < best_e:
                 best_e, best_x, last_improved = e, x.copy(), it
-            t1 = time.perf_counter()
-            fresh = it <= PATIENCE or it % every == 0 or it == last_improved
+            fresh = it <= PATIENCE or it % BOUND_EVERY == 0 or it == last_improved
             if fresh:  # right after the forward sweep: the compiled kernel's bound is then the constants it recorded
                 lb = self.lower_bound(after_forward=True)
                 best_lb = max(best_lb, lb)
                 if self.edges is None:  # the numpy kernel's is computed in full (before an "auto" switch)
                     proven_lb = max(proven_lb, lb)
                 hist.append(best_lb)
-                bound_s = time.perf_counter() - t1
             gap = (best_e - best_lb) / max(1.0, abs(best_e))
             stalled = fresh and len(hist) > PATIENCE and hist[-1] - hist[-1 - PATIENCE] <= tol * max(1.0, abs(hist[-1]))
             if (gap <= tol or (gap <= stall_gap and it - last_improved >= ENERGY_PATIENCE) or stalled
                     or it == max_iter or (deadline is not None and time.perf_counter() > deadline)):
                 break  # before the backward sweep: the messages stay those of the forward sweep just run
-            t2 = time.perf_counter()
             self.sweep(False)
-            sweeps_s = (t1 - t0) + (time.perf_counter() - t2)
-            # where a bound costs as much as a sweep (large blocks), compute it less often
-            every = max(BOUND_EVERY, int(bound_s / (BOUND_SHARE * max(sweeps_s, 1e-9))))
         if self.edges is not None and it:  # the bound handed back, in full, on the last forward sweep's messages
             best_lb = max(proven_lb, self.lower_bound())
         if best_x is None:
