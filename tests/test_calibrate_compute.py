@@ -134,7 +134,7 @@ def test_cpu_profile_predicts_held_out_training_ops(calibrated):
     check = _script()
     prof = cm.load_profile(str(calibrated["out"]))
     rows = mr.load_measurements(calibrated["measurements"])["rows"]
-    rep = check.held_out(prof, threads=THREADS, quick=True, fit_rows=rows)
+    rep = check.held_out(prof, threads=THREADS, fit_rows=rows)
     # judged at the fit's machine speed: re-timed fitted kernels measure how much slower this
     # shared machine runs now than a few seconds ago (it has been seen at 2x), and that is divided out
     fitted, roofline = rep["fitted_at_fit_speed"], rep["roofline"]
