@@ -346,11 +346,27 @@ class CostContext:
         gradient: bool = False,
         bucketed: bool = False,
     ) -> np.ndarray:
-        """Matrix ``M[a, b]`` = price (µs) of ``srcs[a] -> dsts[b]``; ``None`` entries cost 0.
+        """Matrix ``M[a, b]`` = price (µs) of ``srcs[a] -> dsts[b]``; ``None`` entries cost 0:
+        :meth:`redistribution_factors` spread with integer indexing (a new array)."""
+        block, rows, cols = self.redistribution_factors(shape, dtype, srcs, dsts, gradient=gradient, bucketed=bucketed)
+        return block[np.ix_(rows, cols)]
 
-        The distinct sources and destinations are priced as one block by
-        ``costmodels.redistribution.redistribution_matrix`` (same values as
-        :meth:`redistribution_us`, cached on ``comm``), then spread with integer indexing.
+    def redistribution_factors(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        srcs: Sequence[tuple[str, ...] | None],
+        dsts: Sequence[tuple[str, ...] | None],
+        *,
+        gradient: bool = False,
+        bucketed: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`redistribution_matrix` as ``(block, rows, cols)`` with ``M = block[np.ix_(rows, cols)]``:
+        ``block`` prices the distinct sources against the distinct destinations (µs; plus a free
+        last row / column for ``None`` where there is one), ``rows`` / ``cols`` (int64) index it.
+
+        The block comes from ``costmodels.redistribution.redistribution_matrix`` (same values as
+        :meth:`redistribution_us`) and is cached on ``comm``: read it, never write it.
         """
         usrc = sorted({s for s in srcs if s is not None})
         udst = sorted({d for d in dsts if d is not None})
@@ -362,10 +378,10 @@ class CostContext:
         rows = np.array([si[s] if s is not None else len(usrc) for s in srcs], dtype=np.int64)
         cols = np.array([di[d] if d is not None else len(udst) for d in dsts], dtype=np.int64)
         if (rows < len(usrc)).all() and (cols < len(udst)).all():
-            return block[np.ix_(rows, cols)]  # a new array: the cached block stays as it is
-        small = np.zeros((len(usrc) + 1, len(udst) + 1))  # last row/column: "no tensor" = free
-        small[:-1, :-1] = block
-        return small[np.ix_(rows, cols)]
+            return block, rows, cols
+        padded = np.zeros((len(usrc) + 1, len(udst) + 1))  # last row/column: "no tensor" = free
+        padded[:-1, :-1] = block
+        return padded, rows, cols
 
     def redistribution_steps(
         self, shape: Sequence[int], dtype: torch.dtype, src: tuple[str, ...], dst: tuple[str, ...], *,

@@ -19,7 +19,7 @@ from apmodel import _torch_private as tp
 from apmodel import expansion
 from apmodel.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.placement_model import _pair_sum
+from apmodel.placement_model import _joint_classes, _pair_sum
 from apmodel.pricing import build_cost_context
 from apmodel.options import PlanOptions
 from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
@@ -137,20 +137,43 @@ def test_static_shardability_is_torchs():
         assert tp._static_shardable(shape, pl, ms) == want, (shape, pl, ms)
 
 
+def _factored(rng, n_rows, n_cols, distinct_rows, distinct_cols, scale=1.0):
+    """A random matrix as (block, rows, cols): ``distinct_rows`` x ``distinct_cols`` prices spread over
+    ``n_rows`` x ``n_cols`` entries, with the dense matrix for reference."""
+    block = rng.random((distinct_rows, distinct_cols)) * scale
+    rows, cols = rng.integers(0, distinct_rows, n_rows), rng.integers(0, distinct_cols, n_cols)
+    return (block, rows, cols), block[np.ix_(rows, cols)]
+
+
 def test_pair_sum_counts_repeated_matrices_once():
     rng = np.random.default_rng(0)
-    a, b, c = rng.random((300, 257)) * 1e3, rng.random((257, 300)) / 7, rng.random((300, 257))
-    terms = [(a, False), (b, True), (a, False), (a, False), (b, True)] * 7 + [(c, False)]
+    (fa, a), (fb, b), (fc, c) = (_factored(rng, 300, 257, 9, 5, 1e3), _factored(rng, 257, 300, 4, 11, 1 / 7),
+                                 _factored(rng, 300, 257, 3, 3))
+    terms = [(fa, False), (fb, True), (fa, False), (fa, False), (fb, True)] * 7 + [(fc, False)]
+    dense = {id(fa): a, id(fb): b, id(fc): c}
     want = a.copy()
-    for m, transposed in terms[1:]:
-        want = want + (m.T if transposed else m)
+    for f, transposed in terms[1:]:
+        want = want + (dense[id(f)].T if transposed else dense[id(f)])
     out = np.empty((300, 257))
     _pair_sum(terms, out)
     np.testing.assert_allclose(out, want, rtol=1e-13)  # the term-by-term sum, up to its rounding
     np.testing.assert_array_equal(out, (21 * a + 14 * b.T) + c)  # each distinct matrix once, times its count
     one = np.empty((300, 257))
-    _pair_sum([(b, True)], one)
+    _pair_sum([(fb, True)], one)
     np.testing.assert_array_equal(one, b.T)
+
+
+def test_joint_classes_group_indices_labelled_alike_by_every_vector():
+    rng = np.random.default_rng(1)
+    for n, sizes in ((1, (1,)), (40, (3,)), (500, (4, 7, 2)), (300, (300, 300))):
+        labels = [rng.integers(0, k, n) for k in sizes]
+        classes, first = _joint_classes(labels)
+        # brute force: the tuple of an index's labels is its class
+        tuples = [tuple(int(lab[i]) for lab in labels) for i in range(n)]
+        assert len(set(tuples)) == len(first)
+        for i in range(n):
+            assert tuples[first[classes[i]]] == tuples[i]
+        assert sorted(first.tolist()) == sorted(tuples.index(t) for t in set(tuples))  # the first of every class
 
 
 def test_compute_prices_shared_by_equal_calls_are_each_strategys_own():
