@@ -800,3 +800,46 @@ def test_row_classes_group_exactly_the_identical_rows():
                 same_label = labels[e][:, None] == labels[e][None, :]
                 same_row = np.array([[r == s for s in distinct] for r in distinct])
                 np.testing.assert_array_equal(same_label, same_row)
+
+
+def _arc_consistent_domains(p: solvers.PairwiseProblem) -> list[set[int]]:
+    """Arc consistency by its definition, one edge and one state at a time: a state stays while every
+    edge at its variable has a finite pair with an allowed state of the other end."""
+    allowed = [{s for s in range(int(k)) if np.isfinite(p.unary[v][s])} for v, k in enumerate(p.n_states)]
+    changed = True
+    while changed:
+        changed = False
+        for u, v, m in p.edges:
+            for a, b, mat in ((u, v, m), (v, u, m.T)):
+                for s in sorted(allowed[a]):
+                    if not any(np.isfinite(mat[s, t]) for t in allowed[b]):
+                        allowed[a].discard(s)
+                        changed = True
+    return allowed
+
+
+def test_presolve_domains_are_arc_consistency_with_stacked_and_forbidding_edges():
+    from solvers.presolve import presolve
+
+    rng = np.random.default_rng(5)
+    checked = 0
+    for trial in range(60):
+        n, k = 6, 3
+        unary = [np.where(rng.random(k) < 0.15, np.inf, rng.random(k)) for _ in range(n)]
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n) if rng.random() < 0.5]
+        if not pairs:
+            continue
+        costs = rng.random((len(pairs), k, k))
+        for e in range(len(pairs)):  # some edges forbid pairs, others none, in one stack
+            if rng.random() < 0.5:
+                costs[e][rng.random((k, k)) < 0.45] = np.inf
+        p = solvers.PairwiseProblem(unary, [solvers.EdgeStack([i for i, _ in pairs], [j for _, j in pairs], costs)])
+        want = _arc_consistent_domains(p)
+        if any(not d for d in want):
+            with pytest.raises(solvers.Infeasible):
+                presolve(p)
+            continue
+        got = presolve(p).problem
+        assert [set(np.flatnonzero(np.isfinite(u)).tolist()) for u in got.unary] == want, trial
+        checked += 1
+    assert checked >= 20
