@@ -37,13 +37,6 @@ class PresolveResult:
     absorbed_constraints: tuple[str, ...]
 
 
-def _finite_masks(costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Which edges of a stack forbid some pair (hold +inf), and the finite-entry masks of those only
-    (one edge at a time: no mask of the whole stack is made)."""
-    forbids = np.array([bool(np.isposinf(c).any()) for c in costs], dtype=bool)
-    return forbids, np.isfinite(costs[forbids])
-
-
 def presolve(problem: PairwiseProblem) -> PresolveResult:
     p = problem
     allowed = np.isfinite(p.unary_flat).copy()
@@ -92,21 +85,16 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
 
     check_vars("unary costs and single-variable constraints")
 
-    # 2. arc consistency. Only edges that forbid a pair (hold +inf) can remove a state by it; on a
-    # planner problem most forbid none, and their dense (k, a, b) masks cost a pass over gigabytes
-    # per round: such an edge supports every state of one end while the other end has one left
-    finite = [_finite_masks(g.costs) for g in p.groups]
+    # 2. arc consistency
+    finite = [np.isfinite(g.costs) for g in p.groups]
     idx_u = [p.offsets[g.u][:, None] + np.arange(g.shape[0]) for g in p.groups]
     idx_v = [p.offsets[g.v][:, None] + np.arange(g.shape[1]) for g in p.groups]
     for _round in range(MAX_AC_ROUNDS):
         changed = False
-        for g, (forbids, fin), iu, iv in zip(p.groups, finite, idx_u, idx_v):
+        for g, fin, iu, iv in zip(p.groups, finite, idx_u, idx_v):
             au = allowed[iu]
             av = allowed[iv]
-            sup_u = np.repeat(av.any(axis=1)[:, None], au.shape[1], axis=1)  # (k, a): edges forbidding nothing
-            if len(fin):
-                sup_u[forbids] = (fin & av[forbids][:, None, :]).any(axis=2)
-            sup_u &= au
+            sup_u = (fin & av[:, None, :]).any(axis=2) & au  # (k, a)
             dead = ~sup_u.any(axis=1)
             if dead.any():
                 k = int(np.flatnonzero(dead)[0])
@@ -117,10 +105,7 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
                     f"{np.flatnonzero(av[k]).tolist()}",
                     variables=(p.var_name(u), p.var_name(v)),
                 )
-            sup_v = np.repeat(sup_u.any(axis=1)[:, None], av.shape[1], axis=1)  # (k, b)
-            if len(fin):
-                sup_v[forbids] = (fin & sup_u[forbids][:, :, None]).any(axis=1)
-            sup_v &= av
+            sup_v = (fin & sup_u[:, :, None]).any(axis=1) & av  # (k, b)
             rm_u = au & ~sup_u
             rm_v = av & ~sup_v
             if rm_u.any() or rm_v.any():
