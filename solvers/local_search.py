@@ -72,7 +72,7 @@ class LocalSearch:
     def costs(self) -> list[np.ndarray]:
         """Each group's edge costs with forbidden pairs at ``big``; made on first use (a copy of every
         matrix: a solve that TRW-S proves optimal never searches)."""
-        return [np.minimum(g.costs, self.big) for g in self.p.groups]
+        return [g.dense(cap=self.big) for g in self.p.groups]
 
     def _subset(self, vars_: np.ndarray) -> _Subset:
         p = self.p

@@ -64,6 +64,43 @@ def _classes(costs: np.ndarray, axis: int, rng: np.random.Generator) -> tuple[np
     return labels.astype(np.int64), counts.astype(np.int64)
 
 
+def _per_edge_ranks(labels: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``labels`` (k, n) (values below ``width``), its values renumbered 0..count-1 in
+    increasing order, and the counts (k,)."""
+    k = len(labels)
+    uniq, inv = np.unique(np.arange(k)[:, None] * width + labels, return_inverse=True)
+    start = np.searchsorted(uniq, np.arange(k) * width)
+    return (inv.reshape(labels.shape) - start[:, None]).astype(np.int64), np.diff(np.append(start, len(uniq)))
+
+
+def factored_classes(rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray, rng: np.random.Generator,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_classes` of both axes for edges given factored (``blocks[k][np.ix_(rows[k], cols[k])]``,
+    as in :class:`~solvers.FactoredStack`), without their dense matrices: ``(lu, cu, lv, cv, block)``
+    with ``block`` (k, max cu, max cv) the cost of every class pair, NaN-padded (as ``_class_block``).
+
+    Two states share a class iff their matrix rows are equal: their block rows are compared on the
+    columns some state uses (the others set to 0), so equal prices under different labels merge."""
+    k, ca, cb = blocks.shape
+    ks = np.arange(k)
+    col_used = np.zeros((k, cb), dtype=bool)
+    col_used[ks[:, None], cols] = True
+    row_used = np.zeros((k, ca), dtype=bool)
+    row_used[ks[:, None], rows] = True
+    block_rows, _ = _classes(np.where(col_used[:, None, :], blocks, 0.0), 1, rng)  # (k, ca)
+    block_cols, _ = _classes(np.where(row_used[:, :, None], blocks, 0.0), 2, rng)  # (k, cb)
+    lu, cu = _per_edge_ranks(np.take_along_axis(block_rows, rows, axis=1), ca)
+    lv, cv = _per_edge_ranks(np.take_along_axis(block_cols, cols, axis=1), cb)
+    mu, mv = int(cu.max(initial=1)), int(cv.max(initial=1))
+    rep_u = np.zeros((k, mu), dtype=np.int64)  # a block row of every class (all of them equal on the used columns)
+    rep_u[ks[:, None], lu] = rows
+    rep_v = np.zeros((k, mv), dtype=np.int64)
+    rep_v[ks[:, None], lv] = cols
+    block = blocks[ks[:, None, None], rep_u[:, :, None], rep_v[:, None, :]]
+    valid = (np.arange(mu)[None, :, None] < cu[:, None, None]) & (np.arange(mv)[None, None, :] < cv[:, None, None])
+    return lu, cu, lv, cv, np.where(valid, block, np.nan)
+
+
 @dataclass
 class MarginalModel:
     """Arrays of the MILP (CSC constraint matrix) plus what is needed to map solutions back."""
@@ -123,7 +160,10 @@ def build_marginal_model(problem: PairwiseProblem, compress: bool = True) -> Mar
     group_maps = []
     for g in p.groups:
         k, (a, b) = len(g), g.shape
-        if compress:
+        block = None
+        if compress and g.factored:
+            lu, cu, lv, cv, block = factored_classes(g.row_class, g.col_class, g.blocks, rng)
+        elif compress:
             lu, cu = _classes(g.costs, 1, rng)
             lv, cv = _classes(g.costs, 2, rng)
         else:
@@ -136,7 +176,8 @@ def build_marginal_model(problem: PairwiseProblem, compress: bool = True) -> Mar
         rep_v = np.zeros((k, mv), dtype=np.int64)
         rep_v[np.arange(k)[:, None], lv] = np.arange(b)[None, :]
         ks = np.arange(k)[:, None, None]
-        block = g.costs[ks, rep_u[:, :, None], rep_v[:, None, :]]  # (k, mu, mv)
+        if block is None:
+            block = g.costs[ks, rep_u[:, :, None], rep_v[:, None, :]]  # (k, mu, mv)
         exists = np.isfinite(block) & (np.arange(mu)[None, :, None] < cu[:, None, None]) & (
             np.arange(mv)[None, None, :] < cv[:, None, None])
         e_idx, I, J = np.nonzero(exists)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import LinearConstraint, PairwiseProblem
+from .problem import EdgeGroup, LinearConstraint, PairwiseProblem
 from .solution import Infeasible
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,21 @@ class PresolveResult:
     problem: PairwiseProblem  # reduced problem (forbidden states set to +inf, 1-variable rows dropped)
     removed_states: int
     absorbed_constraints: tuple[str, ...]
+
+
+def _supports(g: EdgeGroup, finite: np.ndarray, other: np.ndarray, towards_u: bool) -> np.ndarray:
+    """Per edge of ``g``, which states of one end (u when ``towards_u``, else v) have a finite pair
+    with a state ``other`` allows at the other end. ``finite``: ``g``'s finite-entry mask, of its
+    class blocks when it is factored (then computed per class and read back per state)."""
+    if not g.factored:
+        return (finite & other[:, None, :]).any(axis=2) if towards_u else (finite & other[:, :, None]).any(axis=1)
+    mine, theirs = (g.row_class, g.col_class) if towards_u else (g.col_class, g.row_class)
+    if not towards_u:
+        finite = finite.transpose(0, 2, 1)
+    present = np.zeros((len(g), finite.shape[2]), dtype=bool)  # classes of the other end holding an allowed state
+    k, j = np.nonzero(other)
+    present[k, theirs[k, j]] = True
+    return np.take_along_axis((finite & present[:, None, :]).any(axis=2), mine, axis=1)
 
 
 def presolve(problem: PairwiseProblem) -> PresolveResult:
@@ -86,7 +101,7 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
     check_vars("unary costs and single-variable constraints")
 
     # 2. arc consistency
-    finite = [np.isfinite(g.costs) for g in p.groups]
+    finite = [np.isfinite(g.blocks if g.factored else g.costs) for g in p.groups]
     idx_u = [p.offsets[g.u][:, None] + np.arange(g.shape[0]) for g in p.groups]
     idx_v = [p.offsets[g.v][:, None] + np.arange(g.shape[1]) for g in p.groups]
     for _round in range(MAX_AC_ROUNDS):
@@ -94,7 +109,7 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
         for g, fin, iu, iv in zip(p.groups, finite, idx_u, idx_v):
             au = allowed[iu]
             av = allowed[iv]
-            sup_u = (fin & av[:, None, :]).any(axis=2) & au  # (k, a)
+            sup_u = _supports(g, fin, av, towards_u=True) & au  # (k, a)
             dead = ~sup_u.any(axis=1)
             if dead.any():
                 k = int(np.flatnonzero(dead)[0])
@@ -105,7 +120,7 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
                     f"{np.flatnonzero(av[k]).tolist()}",
                     variables=(p.var_name(u), p.var_name(v)),
                 )
-            sup_v = (fin & sup_u[:, :, None]).any(axis=1) & av  # (k, b)
+            sup_v = _supports(g, fin, sup_u, towards_u=False) & av  # (k, b)
             rm_u = au & ~sup_u
             rm_v = av & ~sup_v
             if rm_u.any() or rm_v.any():

@@ -57,22 +57,61 @@ class LinearConstraint:
         object.__setattr__(self, "terms", terms)
 
 
-@dataclass(frozen=True)
 class EdgeGroup:
-    """All edges whose cost matrices have the same shape ``(a, b)``, stacked.
+    """Edges whose cost matrices have the same shape ``(a, b)``, stacked.
 
     ``u[k] < v[k]`` are the endpoints of edge ``k`` and ``costs[k]`` its ``(a, b)`` matrix
     (+inf = forbidden pair).  ``edge_ids[k]`` is the edge's position in ``problem.edges``.
+
+    A group given factored (:class:`FactoredStack`) also holds ``row_class`` (k, a), ``col_class``
+    (k, b) and ``blocks`` (k, ca, cb), with ``costs[k] = blocks[k][np.ix_(row_class[k],
+    col_class[k])]``; ``costs`` is then spread out on first use and kept. Backends that read the
+    factors (the presolve, the reductions, TRW-S, the energy) never spread it.
     """
 
-    shape: tuple[int, int]
-    u: np.ndarray
-    v: np.ndarray
-    costs: np.ndarray
-    edge_ids: np.ndarray
+    __slots__ = ("shape", "u", "v", "edge_ids", "row_class", "col_class", "blocks", "_costs")
+
+    def __init__(self, shape: tuple[int, int], u: np.ndarray, v: np.ndarray, costs: np.ndarray | None,
+                 edge_ids: np.ndarray, *, row_class: np.ndarray | None = None, col_class: np.ndarray | None = None,
+                 blocks: np.ndarray | None = None) -> None:
+        self.shape, self.u, self.v, self.edge_ids = shape, u, v, edge_ids
+        self.row_class, self.col_class, self.blocks = row_class, col_class, blocks
+        self._costs = costs
 
     def __len__(self) -> int:
         return len(self.u)
+
+    @property
+    def factored(self) -> bool:
+        return self.blocks is not None
+
+    @property
+    def costs(self) -> np.ndarray:
+        """The ``(k, a, b)`` matrices (read-only; spread from the factors on first use)."""
+        if self._costs is None:
+            self._costs = _readonly(self.dense())
+        return self._costs
+
+    def dense(self, cap: float | None = None) -> np.ndarray:
+        """A new ``(k, a, b)`` array of the matrices, entries above ``cap`` (when given) set to it."""
+        if self.blocks is None or self._costs is not None:
+            return self.costs.copy() if cap is None else np.minimum(self.costs, cap)
+        blocks = self.blocks if cap is None else np.minimum(self.blocks, cap)
+        ks = np.arange(len(self))[:, None, None]
+        return blocks[ks, self.row_class[:, :, None], self.col_class[:, None, :]]
+
+    def matrix(self, k: int) -> np.ndarray:
+        """Edge ``k``'s ``(a, b)`` matrix (a view of ``costs`` or, factored, a new array)."""
+        if self.blocks is None or self._costs is not None:
+            return self.costs[k]
+        return self.blocks[k][np.ix_(self.row_class[k], self.col_class[k])]
+
+    def at(self, xu: np.ndarray, xv: np.ndarray) -> np.ndarray:
+        """Every edge's cost at states ``xu[k]`` of ``u[k]`` and ``xv[k]`` of ``v[k]``."""
+        ks = np.arange(len(self))
+        if self.blocks is None or self._costs is not None:
+            return self.costs[ks, xu, xv]
+        return self.blocks[ks, self.row_class[ks, xu], self.col_class[ks, xv]]
 
 
 @dataclass(frozen=True)
@@ -89,6 +128,26 @@ class EdgeStack:
     u: Sequence[int] | np.ndarray
     v: Sequence[int] | np.ndarray
     costs: np.ndarray
+
+
+@dataclass(frozen=True)
+class FactoredStack:
+    """Edges of one matrix shape whose matrices repeat rows and columns, given by their distinct
+    values: edge ``k`` joins ``u[k] < v[k]`` with the matrix ``blocks[k][np.ix_(row_class[k],
+    col_class[k])]`` (``row_class`` (k, a) and ``col_class`` (k, b) integers indexing ``blocks``
+    (k, ca, cb); entries no class points to are not read but must not be NaN or -inf).
+
+    A placement problem's matrices are sums of redistribution prices that depend on a few
+    distinct placements: stored so, a 4-D mesh's gigabytes of pairs are a few hundred megabytes,
+    and the backends that read the factors never build the dense matrices. Kept without copying
+    (like :class:`EdgeStack`); pairs must differ from every other edge given.
+    """
+
+    u: Sequence[int] | np.ndarray
+    v: Sequence[int] | np.ndarray
+    row_class: np.ndarray
+    col_class: np.ndarray
+    blocks: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -115,7 +174,7 @@ class PairwiseProblem:
     def __init__(
         self,
         unary: Sequence[Sequence[float] | np.ndarray],
-        edges: Iterable[tuple | EdgeStack] = (),
+        edges: Iterable[tuple | EdgeStack | FactoredStack] = (),
         constraints: Iterable[LinearConstraint] = (),
         names: Sequence[str] | None = None,
     ) -> None:
@@ -164,12 +223,16 @@ class PairwiseProblem:
             raise ValueError(f"{what}: unknown variable {var} (there are {self.n_vars} variables)")
         return var
 
-    def _build_groups(self, edges: Iterable[tuple | EdgeStack]) -> tuple[EdgeGroup, ...]:
+    def _build_groups(self, edges: Iterable[tuple | EdgeStack | FactoredStack]) -> tuple[EdgeGroup, ...]:
         merged: dict[tuple[int, int], np.ndarray] = {}
         stacks: list[EdgeStack] = []
+        factored: list[FactoredStack] = []
         for e in edges:
             if isinstance(e, EdgeStack):
                 stacks.append(e)
+                continue
+            if isinstance(e, FactoredStack):
+                factored.append(e)
                 continue
             if len(e) != 3:
                 raise ValueError(f"edge must be (u, v, matrix), got a tuple of length {len(e)}")
@@ -194,13 +257,16 @@ class PairwiseProblem:
         for (u, v), m in merged.items():
             by_shape.setdefault(m.shape, []).append((u, v, m))
         stacked = [(np.array([it[0] for it in items], dtype=np.int64), np.array([it[1] for it in items], dtype=np.int64),
-                    np.stack([it[2] for it in items])) for _, items in sorted(by_shape.items(), key=lambda kv: kv[0])]
+                    np.stack([it[2] for it in items]), None) for _, items in sorted(by_shape.items(), key=lambda kv: kv[0])]
         seen = set(merged)
         for st in stacks:
-            stacked.append(self._check_stack(st, seen))
+            stacked.append((*self._check_stack(st, seen), None))
+        for fs in factored:
+            stacked.append(self._check_factored(fs, seen))
         groups = []
         next_id = 0
-        for us, vs, costs in sorted(stacked, key=lambda t: t[2].shape[1:]):  # stable: given order within a shape
+        # stable: given order within a shape
+        for us, vs, costs, factors in sorted(stacked, key=lambda t: (t[2].shape[1:] if t[3] is None else t[3][0])):
             low = costs.min(axis=(1, 2), initial=np.inf)  # NaN where any entry is NaN, -inf where any is -inf
             bad = np.isnan(low) | np.isneginf(low)
             if bad.any():
@@ -210,8 +276,29 @@ class PairwiseProblem:
                 )
             ids = np.arange(next_id, next_id + len(us), dtype=np.int64)
             next_id += len(us)
-            groups.append(EdgeGroup(costs.shape[1:], _readonly(us), _readonly(vs), _readonly(costs), _readonly(ids)))
+            if factors is None:
+                groups.append(EdgeGroup(costs.shape[1:], _readonly(us), _readonly(vs), _readonly(costs), _readonly(ids)))
+            else:
+                shape, rows, cols = factors
+                groups.append(EdgeGroup(shape, _readonly(us), _readonly(vs), None, _readonly(ids), row_class=_readonly(rows),
+                                        col_class=_readonly(cols), blocks=_readonly(costs)))
         return tuple(groups)
+
+    def _check_factored(self, fs: FactoredStack, seen: set[tuple[int, int]]) -> tuple:
+        """A :class:`FactoredStack` resolved and checked: ``(u, v, blocks, (shape, row_class, col_class))``."""
+        blocks = np.ascontiguousarray(fs.blocks, dtype=np.float64)
+        rows = np.ascontiguousarray(fs.row_class, dtype=np.int64)
+        cols = np.ascontiguousarray(fs.col_class, dtype=np.int64)
+        k = len(fs.u)
+        if blocks.ndim != 3 or rows.ndim != 2 or cols.ndim != 2 or not len(blocks) == len(rows) == len(cols) == len(fs.v) == k:
+            raise ValueError(f"FactoredStack: blocks {np.shape(fs.blocks)}, row_class {np.shape(fs.row_class)} and "
+                             f"col_class {np.shape(fs.col_class)} must be (k, ca, cb), (k, a), (k, b) for its {k} edges")
+        for labels, size, what in ((rows, blocks.shape[1], "row_class"), (cols, blocks.shape[2], "col_class")):
+            if labels.size and (labels.min() < 0 or labels.max() >= size):
+                raise ValueError(f"FactoredStack: {what} must index the blocks' {size} classes, got "
+                                 f"{int(labels.min())}..{int(labels.max())}")
+        us, vs = self._check_endpoints(fs.u, fs.v, (rows.shape[1], cols.shape[1]), "FactoredStack", seen)
+        return us, vs, blocks, ((rows.shape[1], cols.shape[1]), rows, cols)
 
     def _check_stack(self, st: EdgeStack, seen: set[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """An :class:`EdgeStack`'s endpoints resolved and checked, and its costs as float64 (no copy when they are)."""
@@ -219,19 +306,25 @@ class PairwiseProblem:
         if costs.ndim != 3 or len(st.u) != len(costs) or len(st.v) != len(costs):
             raise ValueError(f"EdgeStack: costs of shape {np.shape(st.costs)} must be (k, a, b) for its "
                              f"{len(st.u)} u and {len(st.v)} v endpoints")
-        us = np.array([self._resolve_var(u, "EdgeStack") for u in st.u], dtype=np.int64)
-        vs = np.array([self._resolve_var(v, "EdgeStack") for v in st.v], dtype=np.int64)
+        us, vs = self._check_endpoints(st.u, st.v, costs.shape[1:], "EdgeStack", seen)
+        return us, vs, costs
+
+    def _check_endpoints(self, u_in: Sequence, v_in: Sequence, shape: tuple[int, ...], what: str,
+                         seen: set[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """A stack's endpoints resolved, checked against its matrices' ``shape`` and added to ``seen``."""
+        us = np.array([self._resolve_var(u, what) for u in u_in], dtype=np.int64)
+        vs = np.array([self._resolve_var(v, what) for v in v_in], dtype=np.int64)
         for u, v in zip(us.tolist(), vs.tolist()):
-            label = f"EdgeStack edge ({self.var_name(u)}, {self.var_name(v)})"
+            label = f"{what} edge ({self.var_name(u)}, {self.var_name(v)})"
             if u >= v:
                 raise ValueError(f"{label}: a stack's edges need u < v")
-            if (int(self.n_states[u]), int(self.n_states[v])) != costs.shape[1:]:
-                raise ValueError(f"{label}: matrices of shape {costs.shape[1:]}, expected "
+            if (int(self.n_states[u]), int(self.n_states[v])) != tuple(shape):
+                raise ValueError(f"{label}: matrices of shape {tuple(shape)}, expected "
                                  f"{(int(self.n_states[u]), int(self.n_states[v]))}")
             if (u, v) in seen:
                 raise ValueError(f"{label} is given twice (a stack's edges are not summed with others)")
             seen.add((u, v))
-        return us, vs, costs
+        return us, vs
 
     def _build_constraints(self, constraints: Iterable[LinearConstraint]):
         resolved = []
@@ -298,7 +391,7 @@ class PairwiseProblem:
         out: list = [None] * self.n_edges
         for g in self.groups:
             for k in range(len(g)):
-                out[g.edge_ids[k]] = (int(g.u[k]), int(g.v[k]), g.costs[k])
+                out[g.edge_ids[k]] = (int(g.u[k]), int(g.v[k]), g.matrix(k))
         return out
 
     @property
@@ -335,7 +428,7 @@ class PairwiseProblem:
         total = math.fsum(self.unary_flat[self.offsets[:-1] + x].tolist())
         parts = [total]
         for g in self.groups:
-            parts.append(math.fsum(g.costs[np.arange(len(g)), x[g.u], x[g.v]].tolist()))
+            parts.append(math.fsum(g.at(x[g.u], x[g.v]).tolist()))
         return math.fsum(parts)
 
     def constraint_lhs(self, assignment) -> np.ndarray:

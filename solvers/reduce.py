@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .problem import LinearConstraint, PairwiseProblem
+from .problem import FactoredStack, LinearConstraint, PairwiseProblem
 from .solution import Infeasible
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,61 @@ class Reduction:
         return out
 
 
+class _Factored:
+    """One edge's matrix ``block[np.ix_(rows, cols)]`` (from a :class:`~solvers.FactoredStack`), kept
+    factored through what the reductions do to most edges: drop rows (states) and transpose.
+    Arithmetic reads it as the dense matrix (``np.asarray``)."""
+
+    __slots__ = ("block", "rows", "cols")
+
+    def __init__(self, block: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> None:
+        self.block, self.rows, self.cols = block, rows, cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.rows), len(self.cols))
+
+    @property
+    def T(self) -> _Factored:
+        return _Factored(self.block.T, self.cols, self.rows)
+
+    def __getitem__(self, rows: np.ndarray) -> _Factored:
+        """The rows ``rows`` (a boolean mask or indices) selects, as ``m[rows]`` of the dense matrix."""
+        return _Factored(self.block, self.rows[rows], self.cols)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        dense = self.block[np.ix_(self.rows, self.cols)]
+        return dense if dtype is None else dense.astype(dtype, copy=False)
+
+    def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(block, rows, cols)`` with only the classes some row or column uses."""
+        used_r, rows = np.unique(self.rows, return_inverse=True)
+        used_c, cols = np.unique(self.cols, return_inverse=True)
+        return self.block[np.ix_(used_r, used_c)], rows.reshape(-1), cols.reshape(-1)
+
+
+def _rows_with_a_finite_entry(m: np.ndarray | _Factored) -> np.ndarray:
+    if isinstance(m, _Factored):
+        return np.isfinite(m.block[:, np.unique(m.cols)]).any(axis=1)[m.rows]
+    return np.isfinite(m).any(axis=1)
+
+
+def _factored_stacks(edges: list[tuple[int, int, _Factored]]) -> list[FactoredStack]:
+    """Factored edges as one :class:`~solvers.FactoredStack` per matrix shape, each edge's used
+    classes only (blocks padded with zeros, which no class points to)."""
+    by_shape: dict[tuple[int, int], list] = {}
+    for u, v, m in edges:
+        by_shape.setdefault(m.shape, []).append((u, v, *m.compact()))
+    stacks = []
+    for (a, b), items in by_shape.items():
+        blocks = np.zeros((len(items), max(it[2].shape[0] for it in items), max(it[2].shape[1] for it in items)))
+        for k, it in enumerate(items):
+            blocks[k, : it[2].shape[0], : it[2].shape[1]] = it[2]
+        stacks.append(FactoredStack([it[0] for it in items], [it[1] for it in items],
+                                    np.stack([it[3] for it in items]), np.stack([it[4] for it in items]), blocks))
+    return stacks
+
+
 def _positions(states: np.ndarray, n_orig: int) -> np.ndarray:
     pos = np.full(n_orig, -1, dtype=np.int64)
     pos[states] = np.arange(len(states))
@@ -110,11 +165,12 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
     n_orig = p.n_states.tolist()
     unary = [np.array(u, dtype=np.float64) for u in p.unary]
     states = [np.arange(k, dtype=np.int64) for k in n_orig]
-    adj: list[dict[int, np.ndarray]] = [dict() for _ in range(n)]  # adj[v][w]: rows = states of v
+    adj: list[dict[int, np.ndarray | _Factored]] = [dict() for _ in range(n)]  # adj[v][w]: rows = states of v
     for g in p.groups:
         for k in range(len(g)):
             u, v = int(g.u[k]), int(g.v[k])
-            m = g.costs[k]  # a read-only view: every rule below makes new matrices, never writes one
+            # a read-only view (or factors): every rule below makes new matrices, never writes one
+            m = _Factored(g.blocks[k], g.row_class[k], g.col_class[k]) if g.factored else g.costs[k]
             adj[u][v] = m
             adj[v][u] = m.T
     frozen = np.zeros(n, dtype=bool)
@@ -147,7 +203,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         stale[v] = False
         keep = np.isfinite(unary[v])
         for m in adj[v].values():
-            keep &= np.isfinite(m).any(axis=1)
+            keep &= _rows_with_a_finite_entry(m)
         restrict_states(v, keep)
         k = len(unary[v])
         if not (dominance and dominated) or frozen[v] or k < 2:
@@ -155,7 +211,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         width = 1 + sum(m.shape[1] for m in adj[v].values())
         if k * k * width > MAX_DOMINANCE_WORK:
             return
-        sig = np.concatenate([unary[v][:, None]] + list(adj[v].values()), axis=1)  # (k, width)
+        sig = np.concatenate([unary[v][:, None]] + [np.asarray(m) for m in adj[v].values()], axis=1)  # (k, width)
         sig = sig[:, (sig != sig[:1]).any(axis=0)]  # columns equal for every state do not matter
         le = (sig[:, None, :] <= sig[None, :, :]).all(axis=2)  # le[s, t]: s is no worse than t anywhere
         idx = np.arange(k)
@@ -180,7 +236,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         deg = len(adj[v])
         if k == 1:
             for w, m in adj[v].items():
-                unary[w] = unary[w] + m[0]
+                unary[w] = unary[w] + np.asarray(m)[0]
                 dirty[w] = stale[w] = True
             offset += float(unary[v][0])
             records.append(_Record("fixed", v, value=int(states[v][0])))
@@ -195,7 +251,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             return []
         if deg == 1:
             (w, m), = adj[v].items()
-            tot = unary[v][:, None] + m  # (k, n_w)
+            tot = unary[v][:, None] + np.asarray(m)  # (k, n_w)
             arg = tot.argmin(axis=0)
             unary[w] = unary[w] + tot[arg, np.arange(tot.shape[1])]
             dirty[w] = stale[w] = True
@@ -207,6 +263,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             (a, ma), (b, mb) = adj[v].items()
             if ma.shape[1] * k * mb.shape[1] > MAX_SERIES_WORK:
                 return None
+            ma, mb = np.asarray(ma), np.asarray(mb)
             tot = ma.T[:, :, None] + unary[v][None, :, None] + mb[None, :, :]  # (n_a, k, n_b)
             arg = tot.argmin(axis=1)
             prod = np.take_along_axis(tot, arg[:, None, :], axis=1)[:, 0, :]
@@ -216,7 +273,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
             counts["series"] += 1
             drop_var(v)
             if b in adj[a]:
-                prod = adj[a][b] + prod  # parallel edges are summed
+                prod = np.asarray(adj[a][b]) + prod  # parallel edges are summed
             adj[a][b] = prod
             dirty[a] = dirty[b] = stale[a] = stale[b] = True
             adj[b][a] = prod.T
@@ -254,11 +311,13 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
     kept = np.flatnonzero(alive)
     new_index = np.full(n, -1, dtype=np.int64)
     new_index[kept] = np.arange(len(kept))
-    edges = []
+    edges: list = []
+    factored: list = []
     for v in kept.tolist():
         for w, m in adj[v].items():
             if v < w:
-                edges.append((int(new_index[v]), int(new_index[w]), m))
+                (factored if isinstance(m, _Factored) else edges).append((int(new_index[v]), int(new_index[w]), m))
+    edges += _factored_stacks(factored)
     cons = []
     for c in p.constraints:
         terms = []

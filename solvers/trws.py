@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .local_search import LocalSearch
-from .marginal import _classes
+from .marginal import _classes, factored_classes
 from . import trws_compiled
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
@@ -150,6 +150,11 @@ def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
     cc = raw[np.arange(k)[:, None, None], rep_u[:, :, None], rep_v[:, None, :]]
     valid = (np.arange(mu)[None, :, None] < cu[:, None, None]) & (np.arange(mv)[None, None, :] < cv[:, None, None])
     return np.where(valid, cc, np.nan)
+
+
+def _class_dense(lu: np.ndarray, lv: np.ndarray, block: np.ndarray) -> np.ndarray:
+    """The (k, a, b) matrices of class labels and a class block (the inverse of :func:`_class_block`)."""
+    return block[np.arange(len(block))[:, None, None], lu[:, :, None], lv[:, None, :]]
 
 
 def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
@@ -264,19 +269,24 @@ class TRWS:
             for mask, transposed in ((~flip, False), (flip, True)):
                 if not mask.any():
                     continue
-                raw = g.costs if mask.all() else g.costs[mask]
                 u, v = g.u[mask], g.v[mask]
-                if transposed:
-                    raw, u, v = raw.transpose(0, 2, 1), v, u
-                lu, cu = _classes(raw, 1, rng)
-                lv, cv = _classes(raw, 2, rng)
-                a, b = raw.shape[1:]
-                block = None
-                if int(cu.max()) * int(cv.max()) <= COMPRESS_RATIO * a * b:
-                    block = _class_block(raw, lu, cu, lv, cv)
-                    scale += float(_finite_absmax_per_edge(block).sum())
+                if g.factored:  # classes from the factors; the dense matrices are never made
+                    rows, cols, blocks = g.row_class[mask], g.col_class[mask], g.blocks[mask]
+                    if transposed:
+                        rows, cols, blocks, u, v = cols, rows, blocks.transpose(0, 2, 1), v, u
+                    raw = None
+                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, rng)
                 else:
-                    scale += float(_finite_absmax_per_edge(raw).sum())
+                    raw = g.costs if mask.all() else g.costs[mask]
+                    if transposed:
+                        raw, u, v = raw.transpose(0, 2, 1), v, u
+                    lu, cu = _classes(raw, 1, rng)
+                    lv, cv = _classes(raw, 2, rng)
+                    a, b = raw.shape[1:]
+                    block = None
+                    if int(cu.max()) * int(cv.max()) <= COMPRESS_RATIO * a * b:
+                        block = _class_block(raw, lu, cu, lv, cv)
+                scale += float(_finite_absmax_per_edge(raw if block is None else block).sum())
                 parts.append((raw, u, v, lu, cu, lv, cv, block))
         self.scale = scale + 1.0
         self.big = BIG_FACTOR * self.scale
@@ -346,8 +356,8 @@ class TRWS:
                     block = _class_block(raw, lu, cu, lv, cv)
                 uparts.append((u, v, lu, lv, block))
                 ucanon.append(cid)
-            else:
-                self._add_part(raw, u, v, cid)
+            else:  # a factored part's dense matrices are made only here (the numpy kernel's wide edges)
+                self._add_part(raw if raw is not None else _class_dense(lu, lv, block), u, v, cid)
         if uparts:
             self._ucanon = np.concatenate(ucanon)
             self._build_unified(uparts)
@@ -544,7 +554,7 @@ class TRWS:
             return self.edges.energy(self.unary, x, self.big)
         e = float(self.unary[self.p.offsets[:-1] + x].sum())
         for g in self.p.groups:
-            e += float(g.costs[np.arange(len(g)), x[g.u], x[g.v]].sum())
+            e += float(g.at(x[g.u], x[g.v]).sum())
         return e
 
     def set_unary(self, unary_flat: np.ndarray) -> None:

@@ -65,17 +65,17 @@ class RaggedEdges:
     of both directions and the level orders of both sweeps (see the module docstring).
 
     ``parts``: per group of edges ``(raw, u, v, lu, cu, lv, cv, block)`` as :class:`solvers.trws.TRWS`
-    builds them: costs ``raw`` (k, n_u, n_v) with ``u`` earlier than ``v``, class labels and counts
-    of rows and columns, and the padded class block (NaN padding) or None (the edge's raw matrix
-    is used, one class per state).  ``big``: the finite stand-in of a forbidden pair.
+    builds them: costs ``raw`` (k, n_u, n_v) with ``u`` earlier than ``v`` (None for edges given
+    factored), class labels and counts of rows and columns, and the padded class block (NaN
+    padding) or None (the edge's raw matrix is used, one class per state).  ``big``: the finite stand-in of a forbidden pair.
     """
 
     def __init__(self, parts, n_states: np.ndarray, offsets: np.ndarray, gamma: np.ndarray, big: float,
                  lev_f: np.ndarray, lev_b: np.ndarray) -> None:
         eu, ev, lu, lv, mu, mv = [], [], [], [], [], []
         for raw, u, v, lab_u, cu, lab_v, cv, block in parts:
-            k, a, b = raw.shape
             if block is None:  # one class per state: the raw matrix is the block
+                k, a, b = raw.shape
                 lab_u = np.broadcast_to(np.arange(a), (k, a))
                 lab_v = np.broadcast_to(np.arange(b), (k, b))
                 cu, cv = np.full(k, a), np.full(k, b)

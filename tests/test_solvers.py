@@ -843,3 +843,102 @@ def test_presolve_domains_are_arc_consistency_with_stacked_and_forbidding_edges(
         assert [set(np.flatnonzero(np.isfinite(u)).tolist()) for u in got.unary] == want, trial
         checked += 1
     assert checked >= 20
+
+
+# ---------------------------------------------------------------- factored edges
+def factored_twin(problem: solvers.PairwiseProblem, seed: int) -> solvers.PairwiseProblem:
+    """The same problem with every edge given factored (:class:`solvers.FactoredStack`): each matrix's
+    distinct rows and columns as a block, some classes split in two under different labels (equal
+    prices under different labels, as a placement problem has them), unused padding classes, one
+    stack per shape."""
+    rng = np.random.default_rng(seed + 104729)
+    by_shape: dict[tuple[int, int], list] = {}
+    for u, v, m in problem.edges:
+        ur, rows = np.unique(m, axis=0, return_inverse=True)
+        uc, cols = np.unique(ur, axis=1, return_inverse=True)
+        rows, cols = rows.reshape(-1), cols.reshape(-1)
+        block = uc
+        if len(rows) > 1 and rng.random() < 0.5:  # a state's class split off: its copy under a new label
+            i = int(rng.integers(len(rows)))
+            block = np.vstack([block, block[rows[i]]])
+            rows = rows.copy()
+            rows[i] = len(block) - 1
+        by_shape.setdefault(m.shape, []).append((u, v, rows, cols, block))
+    stacks = []
+    for items in by_shape.values():
+        ca = max(it[4].shape[0] for it in items) + 1  # one unused padding class at least
+        cb = max(it[4].shape[1] for it in items) + 1
+        blocks = rng.random((len(items), ca, cb)) * 100  # padding: finite junk no label points to
+        for k, it in enumerate(items):
+            blocks[k, : it[4].shape[0], : it[4].shape[1]] = it[4]
+        stacks.append(solvers.FactoredStack([it[0] for it in items], [it[1] for it in items],
+                                            np.stack([it[2] for it in items]), np.stack([it[3] for it in items]), blocks))
+    return solvers.PairwiseProblem(problem.unary, stacks, problem.constraints, names=problem.names)
+
+
+def test_factored_twin_is_the_same_problem():
+    for seed in range(40):
+        p = random_problem(seed, max_states=6, layouts=seed % 3)
+        f = factored_twin(p, seed)
+        assert all(g.factored for g in f.groups) and f.n_edges == p.n_edges
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            x = np.array([rng.integers(k) for k in p.n_states])
+            assert f.energy(x) == p.energy(x)
+        # spread out, every matrix is the original one
+        assert {(u, v): m.tolist() for u, v, m in f.edges} == {(u, v): m.tolist() for u, v, m in p.edges}
+        g = f.groups[0] if f.groups else None
+        if g is not None:
+            np.testing.assert_array_equal(g.dense(cap=5.0), np.minimum(g.costs, 5.0))
+
+
+@pytest.mark.parametrize("backend", EXACT + APPROX)
+def test_factored_problems_against_brute_force(backend):
+    for seed in range(max(4, N_CASES[backend] // 3)):
+        p = random_problem(seed, max_states=6, layouts=2 if seed % 2 else 0)
+        ref = brute_or_none(p)
+        f = factored_twin(p, seed)
+        got = _solve_or_none(f, backend, reduce=seed % 4 < 2)
+        if ref is None:
+            assert isinstance(got, solvers.Infeasible), (seed, got)
+            continue
+        if isinstance(got, solvers.Infeasible):
+            assert backend in APPROX and not got.proven, (seed, got)
+            continue
+        assert got.energy == pytest.approx(p.energy(got.assignment))
+        if CAPS[backend].exact:
+            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+        else:
+            assert got.energy >= ref.energy - TOL, seed
+        if got.lower_bound is not None:
+            assert got.lower_bound <= ref.energy + TOL, seed
+
+
+def test_factored_problems_keep_their_factors_through_presolve_reductions_and_trws(monkeypatch):
+    """The default path (presolve, reductions, TRW-S with either kernel) never spreads a factored
+    group's matrices; the result equals the dense problem's."""
+    from solvers.problem import EdgeGroup
+
+    spread = []
+    original = EdgeGroup.dense
+
+    def counting(self, cap=None):
+        if self.factored:
+            spread.append(len(self))
+        return original(self, cap)
+
+    monkeypatch.setattr(EdgeGroup, "dense", counting)
+    for seed in range(30):
+        p = random_problem(seed, max_vars=10, max_states=6, p_edge=0.6, layouts=2, p_inf=0.05)
+        f = factored_twin(p, seed)
+        ref = brute_or_none(p)
+        for kernel in ("numpy", "numba"):
+            dense, got = _solve_or_none(p, "trws", kernel=kernel), _solve_or_none(f, "trws", kernel=kernel,
+                                                                                  local_search=False)
+            if ref is None:
+                assert isinstance(got, solvers.Infeasible), seed
+                continue
+            assert got.energy >= ref.energy - TOL and got.lower_bound <= ref.energy + TOL, seed
+            if dense.status == "optimal":  # the same messages on the same classes: the same certificate
+                assert got.status == "optimal" and got.energy == pytest.approx(ref.energy, abs=TOL), seed
+    assert spread == []
