@@ -19,7 +19,7 @@ from apmodel import _torch_private as tp
 from apmodel import expansion
 from apmodel.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.placement_model import _joint_classes, _pair_sum
+from apmodel.placement_model import _joint_classes, _pair_factors
 from apmodel.pricing import build_cost_context
 from apmodel.options import PlanOptions
 from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
@@ -145,7 +145,7 @@ def _factored(rng, n_rows, n_cols, distinct_rows, distinct_cols, scale=1.0):
     return (block, rows, cols), block[np.ix_(rows, cols)]
 
 
-def test_pair_sum_counts_repeated_matrices_once():
+def test_pair_factors_count_repeated_matrices_once():
     rng = np.random.default_rng(0)
     (fa, a), (fb, b), (fc, c) = (_factored(rng, 300, 257, 9, 5, 1e3), _factored(rng, 257, 300, 4, 11, 1 / 7),
                                  _factored(rng, 300, 257, 3, 3))
@@ -154,13 +154,13 @@ def test_pair_sum_counts_repeated_matrices_once():
     want = a.copy()
     for f, transposed in terms[1:]:
         want = want + (dense[id(f)].T if transposed else dense[id(f)])
-    out = np.empty((300, 257))
-    _pair_sum(terms, out)
+    block, rows, cols = _pair_factors(terms)
+    out = block[np.ix_(rows, cols)]
+    assert block.size <= 9 * 4 * 5 * 11 * 3 * 3  # one entry per class pair, never more
     np.testing.assert_allclose(out, want, rtol=1e-13)  # the term-by-term sum, up to its rounding
     np.testing.assert_array_equal(out, (21 * a + 14 * b.T) + c)  # each distinct matrix once, times its count
-    one = np.empty((300, 257))
-    _pair_sum([(fb, True)], one)
-    np.testing.assert_array_equal(one, b.T)
+    block, rows, cols = _pair_factors([(fb, True)])
+    np.testing.assert_array_equal(block[np.ix_(rows, cols)], b.T)
 
 
 def test_joint_classes_group_indices_labelled_alike_by_every_vector():
