@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .local_search import LocalSearch
-from .marginal import _classes, factored_classes
+from .marginal import ClassCorners, _classes, factored_classes
 from . import trws_compiled
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
@@ -271,11 +271,11 @@ class TRWS:
                     continue
                 u, v = g.u[mask], g.v[mask]
                 if g.factored:  # classes from the factors; the dense matrices are never made
-                    rows, cols, blocks = g.row_class[mask], g.col_class[mask], g.blocks[mask]
+                    rows, cols, blocks = g.row_class[mask], g.col_class[mask], g.blocks  # the blocks are not copied
                     if transposed:
                         rows, cols, blocks, u, v = cols, rows, blocks.transpose(0, 2, 1), v, u
                     raw = None
-                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, rng)
+                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, np.flatnonzero(mask))
                 else:
                     raw = g.costs if mask.all() else g.costs[mask]
                     if transposed:
@@ -286,7 +286,9 @@ class TRWS:
                     block = None
                     if int(cu.max()) * int(cv.max()) <= COMPRESS_RATIO * a * b:
                         block = _class_block(raw, lu, cu, lv, cv)
-                scale += float(_finite_absmax_per_edge(raw if block is None else block).sum())
+                absmax = block.finite_absmax() if isinstance(block, ClassCorners) else \
+                    _finite_absmax_per_edge(raw if block is None else block)
+                scale += float(absmax.sum())
                 parts.append((raw, u, v, lu, cu, lv, cv, block))
         self.scale = scale + 1.0
         self.big = BIG_FACTOR * self.scale
@@ -351,6 +353,8 @@ class TRWS:
         for raw, u, v, lu, cu, lv, cv, block in parts:
             cid = np.arange(start, start + len(u))
             start += len(u)
+            if isinstance(block, ClassCorners):  # the numpy kernel takes padded blocks
+                block = block.padded()
             if max(int(cu.max()), int(cv.max())) <= cap:
                 if block is None:
                     block = _class_block(raw, lu, cu, lv, cv)

@@ -67,7 +67,8 @@ class RaggedEdges:
     ``parts``: per group of edges ``(raw, u, v, lu, cu, lv, cv, block)`` as :class:`solvers.trws.TRWS`
     builds them: costs ``raw`` (k, n_u, n_v) with ``u`` earlier than ``v`` (None for edges given
     factored), class labels and counts of rows and columns, and the padded class block (NaN
-    padding) or None (the edge's raw matrix is used, one class per state).  ``big``: the finite stand-in of a forbidden pair.
+    padding; :class:`solvers.marginal.ClassCorners` for edges given factored) or None (the edge's
+    raw matrix is used, one class per state).  ``big``: the finite stand-in of a forbidden pair.
     """
 
     def __init__(self, parts, n_states: np.ndarray, offsets: np.ndarray, gamma: np.ndarray, big: float,
@@ -100,18 +101,18 @@ class RaggedEdges:
         # destination class); written in place, forbidden pairs (+inf) then capped at ``big``
         self.blk, self.blk_t = np.empty(self.bptr[-1]), np.empty(self.bptr[-1])
         pos = 0
-        for raw, _, _, _, _, _, _, block in parts:
+        for raw, _, _, _, cu, _, cv, block in parts:
             if block is None:
                 k, a, b = raw.shape
                 self.blk[pos : pos + raw.size].reshape(k, a, b)[...] = raw
                 self.blk_t[pos : pos + raw.size].reshape(k, b, a)[...] = raw.transpose(0, 2, 1)
                 pos += raw.size
-            else:  # each edge's valid (cu, cv) corner of the NaN-padded block
-                valid = ~np.isnan(block)
-                n = int(valid.sum())
-                self.blk[pos : pos + n] = block[valid]
-                self.blk_t[pos : pos + n] = block.transpose(0, 2, 1)[valid.transpose(0, 2, 1)]
-                pos += n
+            else:  # each edge's valid (cu, cv) corner of the NaN-padded block (or of ClassCorners)
+                for e, (a, b) in enumerate(zip(cu.tolist(), cv.tolist())):
+                    corner = block[e, :a, :b] if isinstance(block, np.ndarray) else block.corner(e)
+                    self.blk[pos : pos + a * b].reshape(a, b)[...] = corner
+                    self.blk_t[pos : pos + a * b].reshape(b, a)[...] = corner.T
+                    pos += a * b
         np.minimum(self.blk, big, out=self.blk)
         np.minimum(self.blk_t, big, out=self.blk_t)
         self.uptr, self.vptr = ptr(n_states[self.eu]), ptr(n_states[self.ev])

@@ -932,9 +932,10 @@ def test_factored_problems_keep_their_factors_through_presolve_reductions_and_tr
         p = random_problem(seed, max_vars=10, max_states=6, p_edge=0.6, layouts=2, p_inf=0.05)
         f = factored_twin(p, seed)
         ref = brute_or_none(p)
-        for kernel in ("numpy", "numba"):
-            dense, got = _solve_or_none(p, "trws", kernel=kernel), _solve_or_none(f, "trws", kernel=kernel,
-                                                                                  local_search=False)
+        # a reversed order makes TRW-S take every edge the other way round (transposed factors)
+        for kernel, order in (("numpy", None), ("numba", None), ("numba", np.arange(p.n_vars)[::-1].copy())):
+            dense = _solve_or_none(p, "trws", kernel=kernel, order=order)
+            got = _solve_or_none(f, "trws", kernel=kernel, local_search=False, order=order)
             if ref is None:
                 assert isinstance(got, solvers.Infeasible), seed
                 continue
