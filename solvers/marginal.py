@@ -191,7 +191,7 @@ def build_marginal_model(problem: PairwiseProblem, compress: bool = True) -> Mar
         k, (a, b) = len(g), g.shape
         block = None
         if compress and g.factored:
-            lu, cu, lv, cv, corners = factored_classes(g.row_class, g.col_class, g.blocks)
+            lu, cu, lv, cv, corners = factored_classes(g.row_class, g.col_class, g.blocks, g.block_of)
             block = corners.padded()
         elif compress:
             lu, cu = _classes(g.costs, 1, rng)

@@ -101,7 +101,7 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
     check_vars("unary costs and single-variable constraints")
 
     # 2. arc consistency
-    finite = [np.isfinite(g.blocks if g.factored else g.costs) for g in p.groups]
+    finite = [np.isfinite(g.blocks)[g.block_of] if g.factored else np.isfinite(g.costs) for g in p.groups]
     idx_u = [p.offsets[g.u][:, None] + np.arange(g.shape[0]) for g in p.groups]
     idx_v = [p.offsets[g.v][:, None] + np.arange(g.shape[1]) for g in p.groups]
     for _round in range(MAX_AC_ROUNDS):

@@ -64,18 +64,19 @@ class EdgeGroup:
     (+inf = forbidden pair).  ``edge_ids[k]`` is the edge's position in ``problem.edges``.
 
     A group given factored (:class:`FactoredStack`) also holds ``row_class`` (k, a), ``col_class``
-    (k, b) and ``blocks`` (k, ca, cb), with ``costs[k] = blocks[k][np.ix_(row_class[k],
-    col_class[k])]``; ``costs`` is then spread out on first use and kept. Backends that read the
-    factors (the presolve, the reductions, TRW-S, the energy) never spread it.
+    (k, b), ``blocks`` (n, ca, cb) and ``block_of`` (k,), with ``costs[k] =
+    blocks[block_of[k]][np.ix_(row_class[k], col_class[k])]``; ``costs`` is then spread out on
+    first use and kept. Backends that read the factors (the presolve, the reductions, TRW-S, the
+    energy) never spread it.
     """
 
-    __slots__ = ("shape", "u", "v", "edge_ids", "row_class", "col_class", "blocks", "_costs")
+    __slots__ = ("shape", "u", "v", "edge_ids", "row_class", "col_class", "blocks", "block_of", "_costs")
 
     def __init__(self, shape: tuple[int, int], u: np.ndarray, v: np.ndarray, costs: np.ndarray | None,
                  edge_ids: np.ndarray, *, row_class: np.ndarray | None = None, col_class: np.ndarray | None = None,
-                 blocks: np.ndarray | None = None) -> None:
+                 blocks: np.ndarray | None = None, block_of: np.ndarray | None = None) -> None:
         self.shape, self.u, self.v, self.edge_ids = shape, u, v, edge_ids
-        self.row_class, self.col_class, self.blocks = row_class, col_class, blocks
+        self.row_class, self.col_class, self.blocks, self.block_of = row_class, col_class, blocks, block_of
         self._costs = costs
 
     def __len__(self) -> int:
@@ -97,21 +98,20 @@ class EdgeGroup:
         if self.blocks is None or self._costs is not None:
             return self.costs.copy() if cap is None else np.minimum(self.costs, cap)
         blocks = self.blocks if cap is None else np.minimum(self.blocks, cap)
-        ks = np.arange(len(self))[:, None, None]
-        return blocks[ks, self.row_class[:, :, None], self.col_class[:, None, :]]
+        return blocks[self.block_of[:, None, None], self.row_class[:, :, None], self.col_class[:, None, :]]
 
     def matrix(self, k: int) -> np.ndarray:
         """Edge ``k``'s ``(a, b)`` matrix (a view of ``costs`` or, factored, a new array)."""
         if self.blocks is None or self._costs is not None:
             return self.costs[k]
-        return self.blocks[k][np.ix_(self.row_class[k], self.col_class[k])]
+        return self.blocks[self.block_of[k]][np.ix_(self.row_class[k], self.col_class[k])]
 
     def at(self, xu: np.ndarray, xv: np.ndarray) -> np.ndarray:
         """Every edge's cost at states ``xu[k]`` of ``u[k]`` and ``xv[k]`` of ``v[k]``."""
         ks = np.arange(len(self))
         if self.blocks is None or self._costs is not None:
             return self.costs[ks, xu, xv]
-        return self.blocks[ks, self.row_class[ks, xu], self.col_class[ks, xv]]
+        return self.blocks[self.block_of, self.row_class[ks, xu], self.col_class[ks, xv]]
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,11 @@ class EdgeStack:
 @dataclass(frozen=True)
 class FactoredStack:
     """Edges of one matrix shape whose matrices repeat rows and columns, given by their distinct
-    values: edge ``k`` joins ``u[k] < v[k]`` with the matrix ``blocks[k][np.ix_(row_class[k],
+    values: edge ``k`` joins ``u[k] < v[k]`` with the matrix ``blocks[block_of[k]][np.ix_(row_class[k],
     col_class[k])]`` (``row_class`` (k, a) and ``col_class`` (k, b) integers indexing ``blocks``
-    (k, ca, cb); entries no class points to are not read but must not be NaN or -inf).
+    (n, ca, cb); ``block_of`` (k,), default ``0..k-1``, lets edges share blocks, as the reductions
+    hand on the rows of a placement problem's blocks they keep; entries no class points to are not
+    read but must not be NaN or -inf).
 
     A placement problem's matrices are sums of redistribution prices that depend on a few
     distinct placements: stored so, a 4-D mesh's gigabytes of pairs are a few hundred megabytes,
@@ -148,6 +150,7 @@ class FactoredStack:
     row_class: np.ndarray
     col_class: np.ndarray
     blocks: np.ndarray
+    block_of: Sequence[int] | np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -267,7 +270,11 @@ class PairwiseProblem:
         next_id = 0
         # stable: given order within a shape
         for us, vs, costs, factors in sorted(stacked, key=lambda t: (t[2].shape[1:] if t[3] is None else t[3][0])):
-            low = costs.min(axis=(1, 2), initial=np.inf)  # NaN where any entry is NaN, -inf where any is -inf
+            if factors is None:
+                low = costs.min(axis=(1, 2), initial=np.inf)  # NaN where any entry is NaN, -inf where any is -inf
+            else:  # the blocks the edges use (a reduced problem's stacks share their original's blocks)
+                used, which = np.unique(factors[3], return_inverse=True)
+                low = np.array([costs[i].min(initial=np.inf) for i in used.tolist()])[which.reshape(-1)]
             bad = np.isnan(low) | np.isneginf(low)
             if bad.any():
                 k = int(np.flatnonzero(bad)[0])
@@ -279,26 +286,29 @@ class PairwiseProblem:
             if factors is None:
                 groups.append(EdgeGroup(costs.shape[1:], _readonly(us), _readonly(vs), _readonly(costs), _readonly(ids)))
             else:
-                shape, rows, cols = factors
+                shape, rows, cols, block_of = factors
                 groups.append(EdgeGroup(shape, _readonly(us), _readonly(vs), None, _readonly(ids), row_class=_readonly(rows),
-                                        col_class=_readonly(cols), blocks=_readonly(costs)))
+                                        col_class=_readonly(cols), blocks=_readonly(costs), block_of=_readonly(block_of)))
         return tuple(groups)
 
     def _check_factored(self, fs: FactoredStack, seen: set[tuple[int, int]]) -> tuple:
-        """A :class:`FactoredStack` resolved and checked: ``(u, v, blocks, (shape, row_class, col_class))``."""
+        """A :class:`FactoredStack` resolved and checked: ``(u, v, blocks, (shape, row_class, col_class, block_of))``."""
         blocks = np.ascontiguousarray(fs.blocks, dtype=np.float64)
         rows = np.ascontiguousarray(fs.row_class, dtype=np.int64)
         cols = np.ascontiguousarray(fs.col_class, dtype=np.int64)
         k = len(fs.u)
-        if blocks.ndim != 3 or rows.ndim != 2 or cols.ndim != 2 or not len(blocks) == len(rows) == len(cols) == len(fs.v) == k:
-            raise ValueError(f"FactoredStack: blocks {np.shape(fs.blocks)}, row_class {np.shape(fs.row_class)} and "
-                             f"col_class {np.shape(fs.col_class)} must be (k, ca, cb), (k, a), (k, b) for its {k} edges")
-        for labels, size, what in ((rows, blocks.shape[1], "row_class"), (cols, blocks.shape[2], "col_class")):
+        block_of = np.arange(k, dtype=np.int64) if fs.block_of is None else np.ascontiguousarray(fs.block_of, dtype=np.int64)
+        if blocks.ndim != 3 or rows.ndim != 2 or cols.ndim != 2 or not len(rows) == len(cols) == len(fs.v) == len(block_of) == k:
+            raise ValueError(f"FactoredStack: blocks {np.shape(fs.blocks)}, row_class {np.shape(fs.row_class)}, "
+                             f"col_class {np.shape(fs.col_class)} and block_of {np.shape(block_of)} must be (n, ca, cb), "
+                             f"(k, a), (k, b) and (k,) for its {k} edges")
+        for labels, size, what in ((rows, blocks.shape[1], "row_class"), (cols, blocks.shape[2], "col_class"),
+                                   (block_of, len(blocks), "block_of")):
             if labels.size and (labels.min() < 0 or labels.max() >= size):
-                raise ValueError(f"FactoredStack: {what} must index the blocks' {size} classes, got "
+                raise ValueError(f"FactoredStack: {what} must index the blocks' {size} entries, got "
                                  f"{int(labels.min())}..{int(labels.max())}")
         us, vs = self._check_endpoints(fs.u, fs.v, (rows.shape[1], cols.shape[1]), "FactoredStack", seen)
-        return us, vs, blocks, ((rows.shape[1], cols.shape[1]), rows, cols)
+        return us, vs, blocks, ((rows.shape[1], cols.shape[1]), rows, cols, block_of)
 
     def _check_stack(self, st: EdgeStack, seen: set[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """An :class:`EdgeStack`'s endpoints resolved and checked, and its costs as float64 (no copy when they are)."""

@@ -98,14 +98,20 @@ class Reduction:
 
 
 class _Factored:
-    """One edge's matrix ``block[np.ix_(rows, cols)]`` (from a :class:`~solvers.FactoredStack`), kept
-    factored through what the reductions do to most edges: drop rows (states) and transpose.
-    Arithmetic reads it as the dense matrix (``np.asarray``)."""
+    """One edge's matrix ``blocks[index][np.ix_(rows, cols)]`` (transposed when ``transposed``), from a
+    :class:`~solvers.FactoredStack`, kept factored through what the reductions do to most edges:
+    drop rows (states) and transpose. Arithmetic reads it as the dense matrix (``np.asarray``)."""
 
-    __slots__ = ("block", "rows", "cols")
+    __slots__ = ("blocks", "index", "transposed", "rows", "cols")
 
-    def __init__(self, block: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> None:
-        self.block, self.rows, self.cols = block, rows, cols
+    def __init__(self, blocks: np.ndarray, index: int, rows: np.ndarray, cols: np.ndarray,
+                 transposed: bool = False) -> None:
+        self.blocks, self.index, self.rows, self.cols, self.transposed = blocks, index, rows, cols, transposed
+
+    @property
+    def block(self) -> np.ndarray:
+        b = self.blocks[self.index]
+        return b.T if self.transposed else b
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -113,21 +119,15 @@ class _Factored:
 
     @property
     def T(self) -> _Factored:
-        return _Factored(self.block.T, self.cols, self.rows)
+        return _Factored(self.blocks, self.index, self.cols, self.rows, not self.transposed)
 
     def __getitem__(self, rows: np.ndarray) -> _Factored:
         """The rows ``rows`` (a boolean mask or indices) selects, as ``m[rows]`` of the dense matrix."""
-        return _Factored(self.block, self.rows[rows], self.cols)
+        return _Factored(self.blocks, self.index, self.rows[rows], self.cols, self.transposed)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         dense = self.block[np.ix_(self.rows, self.cols)]
         return dense if dtype is None else dense.astype(dtype, copy=False)
-
-    def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(block, rows, cols)`` with only the classes some row or column uses."""
-        used_r, rows = np.unique(self.rows, return_inverse=True)
-        used_c, cols = np.unique(self.cols, return_inverse=True)
-        return self.block[np.ix_(used_r, used_c)], rows.reshape(-1), cols.reshape(-1)
 
 
 def _rows_with_a_finite_entry(m: np.ndarray | _Factored) -> np.ndarray:
@@ -137,18 +137,18 @@ def _rows_with_a_finite_entry(m: np.ndarray | _Factored) -> np.ndarray:
 
 
 def _factored_stacks(edges: list[tuple[int, int, _Factored]]) -> list[FactoredStack]:
-    """Factored edges as one :class:`~solvers.FactoredStack` per matrix shape, each edge's used
-    classes only (blocks padded with zeros, which no class points to)."""
-    by_shape: dict[tuple[int, int], list] = {}
+    """Factored edges as :class:`~solvers.FactoredStack` s that share the blocks they came with
+    (one per blocks array, orientation and matrix shape): rows dropped and transposes cost no copy."""
+    by_source: dict[tuple, list] = {}
     for u, v, m in edges:
-        by_shape.setdefault(m.shape, []).append((u, v, *m.compact()))
+        by_source.setdefault((id(m.blocks), m.transposed, m.shape), []).append((u, v, m))
     stacks = []
-    for (a, b), items in by_shape.items():
-        blocks = np.zeros((len(items), max(it[2].shape[0] for it in items), max(it[2].shape[1] for it in items)))
-        for k, it in enumerate(items):
-            blocks[k, : it[2].shape[0], : it[2].shape[1]] = it[2]
-        stacks.append(FactoredStack([it[0] for it in items], [it[1] for it in items],
-                                    np.stack([it[3] for it in items]), np.stack([it[4] for it in items]), blocks))
+    for (_, transposed, _), items in by_source.items():
+        blocks = items[0][2].blocks
+        stacks.append(FactoredStack([u for u, _, _ in items], [v for _, v, _ in items],
+                                    np.stack([m.rows for _, _, m in items]), np.stack([m.cols for _, _, m in items]),
+                                    blocks.transpose(0, 2, 1) if transposed else blocks,
+                                    block_of=[m.index for _, _, m in items]))
     return stacks
 
 
@@ -170,7 +170,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         for k in range(len(g)):
             u, v = int(g.u[k]), int(g.v[k])
             # a read-only view (or factors): every rule below makes new matrices, never writes one
-            m = _Factored(g.blocks[k], g.row_class[k], g.col_class[k]) if g.factored else g.costs[k]
+            m = _Factored(g.blocks, int(g.block_of[k]), g.row_class[k], g.col_class[k]) if g.factored else g.costs[k]
             adj[u][v] = m
             adj[v][u] = m.T
     frozen = np.zeros(n, dtype=bool)

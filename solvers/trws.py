@@ -275,7 +275,7 @@ class TRWS:
                     if transposed:
                         rows, cols, blocks, u, v = cols, rows, blocks.transpose(0, 2, 1), v, u
                     raw = None
-                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, np.flatnonzero(mask))
+                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, g.block_of[mask])
                 else:
                     raw = g.costs if mask.all() else g.costs[mask]
                     if transposed:

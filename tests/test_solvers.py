@@ -943,3 +943,22 @@ def test_factored_problems_keep_their_factors_through_presolve_reductions_and_tr
             if dense.status == "optimal":  # the same messages on the same classes: the same certificate
                 assert got.status == "optimal" and got.energy == pytest.approx(ref.energy, abs=TOL), seed
     assert spread == []
+
+
+def test_factored_stack_shares_blocks_and_names_what_is_wrong():
+    block = np.array([[[0.0, 1.0], [2.0, np.inf]]])
+    rows, cols = np.array([[0, 1, 1], [1, 0, 0]]), np.array([[1, 0], [0, 0]])
+    p = solvers.PairwiseProblem([np.zeros(3), np.zeros(2), np.zeros(2)],
+                                [solvers.FactoredStack([0, 0], [1, 2], rows, cols, block, block_of=[0, 0])])
+    want = {(0, 1): block[0][np.ix_(rows[0], cols[0])], (0, 2): block[0][np.ix_(rows[1], cols[1])]}
+    assert {(u, v): m.tolist() for u, v, m in p.edges} == {k: m.tolist() for k, m in want.items()}
+    assert p.energy([1, 0, 0]) == want[(0, 1)][1, 0] + want[(0, 2)][1, 0]
+    cases = [
+        (dict(block_of=[0, 1]), "block_of must index"),
+        (dict(row_class=rows + 1), "row_class must index"),
+        (dict(blocks=np.full((1, 2, 2), np.nan)), "NaN or -inf"),
+    ]
+    for change, message in cases:
+        given = dict(u=[0, 0], v=[1, 2], row_class=rows, col_class=cols, blocks=block, block_of=[0, 0]) | change
+        with pytest.raises(ValueError, match=message):
+            solvers.PairwiseProblem([np.zeros(3), np.zeros(2), np.zeros(2)], [solvers.FactoredStack(**given)])
