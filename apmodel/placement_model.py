@@ -115,37 +115,63 @@ def _rounded_up(n: int) -> int:
     return -(-n // step) * step
 
 
+@dataclass
+class _PairSum:
+    """The sum of one group pair's terms (factored matrices, some transposed), by classes: its
+    block is ``(len(row_first), len(col_first))``, written by :meth:`write`, and the sum is
+    ``block[np.ix_(row_class, col_class)]``.
+
+    The classes are :func:`_joint_classes` of the terms' row and column indices (entries of one
+    class pair are sums of the same numbers); on the 4-D mesh of LLaMA-3 8B the pairs' blocks hold
+    126 M entries where their matrices hold 242 M. A term that appears several times (the same
+    object: the edge between two groups of layer copies, repeated for every layer) enters once,
+    multiplied by its count, in the order of its first appearance. Each entry is the same
+    floating-point sum as adding the dense matrices in that order (a running sum of k copies
+    would round k - 1 times, a product rounds once)."""
+
+    terms: list[tuple[Factors, int]]  # distinct terms as they enter, with their counts
+    row_class: np.ndarray
+    row_first: np.ndarray
+    col_class: np.ndarray
+    col_first: np.ndarray
+
+    @classmethod
+    def of(cls, terms: list[tuple[Factors, bool]]) -> _PairSum:
+        distinct: dict[tuple[int, bool], list] = {}  # (id, transposed) -> [factors as they enter, count]
+        for factors, transposed in terms:
+            entry = distinct.get((id(factors), transposed))
+            if entry is None:
+                block, rows, cols = factors
+                distinct[(id(factors), transposed)] = [(block.T, cols, rows) if transposed else factors, 1]
+            else:
+                entry[1] += 1
+        row_class, row_first = _joint_classes([f[1] for f, _ in distinct.values()])
+        col_class, col_first = _joint_classes([f[2] for f, _ in distinct.values()])
+        return cls([(f, n) for f, n in distinct.values()], row_class, row_first, col_class, col_first)
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (len(self.row_first), len(self.col_first))
+
+    def write(self, out: np.ndarray) -> None:
+        """The block into ``out`` (of :attr:`block_shape`; a view into a stack: nothing else is allocated)."""
+        for i, ((block, rows, cols), count) in enumerate(self.terms):
+            mat = block[np.ix_(rows[self.row_first], cols[self.col_first])]
+            if i == 0:
+                np.multiply(mat, count, out=out)
+            elif count == 1:
+                out += mat
+            else:
+                out += mat * count
+
+
 def _pair_factors(terms: list[tuple[Factors, bool]]) -> Factors:
     """The sum of ``terms`` (each a factored matrix and whether it enters transposed), factored:
-    ``(block, rows, cols)`` with the sum ``block[np.ix_(rows, cols)]``.
-
-    The sum is taken once per class of rows and of columns (:func:`_joint_classes` of the terms'
-    row and column indices: entries of one class pair are sums of the same numbers); on the 4-D
-    mesh of LLaMA-3 8B the pairs' blocks hold 126 M entries where their matrices hold 242 M. A term that appears several times (the
-    same object: the edge between two groups of layer copies, repeated for every layer) enters
-    once, multiplied by its count, in the order of its first appearance. Each entry is the same
-    floating-point sum as adding the dense matrices in that order (a running sum of k copies would
-    round k - 1 times, a product rounds once)."""
-    distinct: dict[tuple[int, bool], list] = {}  # (id, transposed) -> [factors as they enter, count]
-    for factors, transposed in terms:
-        entry = distinct.get((id(factors), transposed))
-        if entry is None:
-            block, rows, cols = factors
-            distinct[(id(factors), transposed)] = [(block.T, cols, rows) if transposed else factors, 1]
-        else:
-            entry[1] += 1
-    row_class, row_first = _joint_classes([f[1] for f, _ in distinct.values()])
-    col_class, col_first = _joint_classes([f[2] for f, _ in distinct.values()])
-    small = np.empty((len(row_first), len(col_first)))
-    for i, ((block, rows, cols), count) in enumerate(distinct.values()):
-        mat = block[np.ix_(rows[row_first], cols[col_first])]
-        if i == 0:
-            np.multiply(mat, count, out=small)
-        elif count == 1:
-            small += mat
-        else:
-            small += mat * count
-    return small, row_class, col_class
+    ``(block, rows, cols)`` with the sum ``block[np.ix_(rows, cols)]`` (:class:`_PairSum`)."""
+    pair = _PairSum.of(terms)
+    block = np.empty(pair.block_shape)
+    pair.write(block)
+    return block, pair.row_class, pair.col_class
 
 
 def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
@@ -617,19 +643,20 @@ class PlacementModel:
         # each pair's matrix factored (its distinct rows and columns), which the solvers read without
         # spreading it (on a 4-D mesh the dense matrices run to gigabytes); one stack per shape and
         # block size (rounded up: a stack's blocks are padded to its largest)
-        by_size: dict[tuple[int, ...], list[list]] = {}
+        by_size: dict[tuple[int, ...], list[tuple[int, int, _PairSum]]] = {}
         for (gu, gv), pair_terms in terms.items():
-            block, rows, cols = _pair_factors(pair_terms)
-            key = (len(group_states[gu]), len(group_states[gv]), _rounded_up(block.shape[0]), _rounded_up(block.shape[1]))
-            by_size.setdefault(key, []).append([gu, gv, block, rows, cols])
+            pair = _PairSum.of(pair_terms)
+            ca, cb = pair.block_shape
+            key = (len(group_states[gu]), len(group_states[gv]), _rounded_up(ca), _rounded_up(cb))
+            by_size.setdefault(key, []).append((gu, gv, pair))
         stacks = []
         for (_, _, ca, cb), items in by_size.items():
-            blocks = np.zeros((len(items), ca, cb))
-            for k, item in enumerate(items):  # zero padding: no class points to it
-                blocks[k, : item[2].shape[0], : item[2].shape[1]] = item[2]
-                item[2] = None  # copied: let it go before the next stack is made
-            stacks.append(solvers.FactoredStack([it[0] for it in items], [it[1] for it in items],
-                                                np.stack([it[3] for it in items]), np.stack([it[4] for it in items]), blocks))
+            blocks = np.zeros((len(items), ca, cb))  # zero padding: no class points to it
+            for k, (_, _, pair) in enumerate(items):  # summed in place: no block is made twice
+                pair.write(blocks[k, : pair.block_shape[0], : pair.block_shape[1]])
+            stacks.append(solvers.FactoredStack([gu for gu, _, _ in items], [gv for _, gv, _ in items],
+                                                np.stack([pair.row_class for _, _, pair in items]),
+                                                np.stack([pair.col_class for _, _, pair in items]), blocks))
 
         # Forbidden states (restrictions) as +inf unaries.
         for g, members in enumerate(grouping.groups):
