@@ -165,15 +165,6 @@ class _PairSum:
                 out += mat * count
 
 
-def _pair_factors(terms: list[tuple[Factors, bool]]) -> Factors:
-    """The sum of ``terms`` (each a factored matrix and whether it enters transposed), factored:
-    ``(block, rows, cols)`` with the sum ``block[np.ix_(rows, cols)]`` (:class:`_PairSum`)."""
-    pair = _PairSum.of(terms)
-    block = np.empty(pair.block_shape)
-    pair.write(block)
-    return block, pair.row_class, pair.col_class
-
-
 def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
     """Default boundary placement: batch (dim 0) sharded on mesh axis 0 when it divides evenly,
     replicated elsewhere (placement strings, one per mesh axis)."""

@@ -19,7 +19,7 @@ from apmodel import _torch_private as tp
 from apmodel import expansion
 from apmodel.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.placement_model import _joint_classes, _pair_factors
+from apmodel.placement_model import _joint_classes, _PairSum
 from apmodel.pricing import build_cost_context
 from apmodel.options import PlanOptions
 from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
@@ -154,13 +154,18 @@ def test_pair_factors_count_repeated_matrices_once():
     want = a.copy()
     for f, transposed in terms[1:]:
         want = want + (dense[id(f)].T if transposed else dense[id(f)])
-    block, rows, cols = _pair_factors(terms)
-    out = block[np.ix_(rows, cols)]
-    assert block.size <= 9 * 4 * 5 * 11 * 3 * 3  # one entry per class pair, never more
+    pair = _PairSum.of(terms)
+    block = np.full((pair.block_shape[0] + 2, pair.block_shape[1] + 3), np.nan)  # written in place, as into a stack
+    pair.write(block[: pair.block_shape[0], : pair.block_shape[1]])
+    assert np.isnan(block[pair.block_shape[0]:]).all() and np.isnan(block[:, pair.block_shape[1]:]).all()
+    assert pair.block_shape[0] * pair.block_shape[1] <= 9 * 4 * 3 * 5 * 11 * 3  # one entry per class pair, never more
+    out = block[np.ix_(pair.row_class, pair.col_class)]
     np.testing.assert_allclose(out, want, rtol=1e-13)  # the term-by-term sum, up to its rounding
     np.testing.assert_array_equal(out, (21 * a + 14 * b.T) + c)  # each distinct matrix once, times its count
-    block, rows, cols = _pair_factors([(fb, True)])
-    np.testing.assert_array_equal(block[np.ix_(rows, cols)], b.T)
+    one = _PairSum.of([(fb, True)])
+    block = np.empty(one.block_shape)
+    one.write(block)
+    np.testing.assert_array_equal(block[np.ix_(one.row_class, one.col_class)], b.T)
 
 
 def test_joint_classes_group_indices_labelled_alike_by_every_vector():
