@@ -107,9 +107,15 @@ class RaggedEdges:
                 self.blk[pos : pos + raw.size].reshape(k, a, b)[...] = raw
                 self.blk_t[pos : pos + raw.size].reshape(k, b, a)[...] = raw.transpose(0, 2, 1)
                 pos += raw.size
-            else:  # each edge's valid (cu, cv) corner of the NaN-padded block (or of ClassCorners)
+            elif isinstance(block, np.ndarray):  # each edge's valid (cu, cv) corner of the NaN-padded block
+                valid = ~np.isnan(block)
+                n = int(valid.sum())
+                self.blk[pos : pos + n] = block[valid]
+                self.blk_t[pos : pos + n] = block.transpose(0, 2, 1)[valid.transpose(0, 2, 1)]
+                pos += n
+            else:  # ClassCorners: each corner read from its edge's block and copied straight in
                 for e, (a, b) in enumerate(zip(cu.tolist(), cv.tolist())):
-                    corner = block[e, :a, :b] if isinstance(block, np.ndarray) else block.corner(e)
+                    corner = block.corner(e)
                     self.blk[pos : pos + a * b].reshape(a, b)[...] = corner
                     self.blk_t[pos : pos + a * b].reshape(b, a)[...] = corner.T
                     pos += a * b
