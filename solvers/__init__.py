@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 from .backends import BUILTIN_BACKENDS, UNDECLARED, BackendSpec, Capabilities
 
 if TYPE_CHECKING:  # the lazily loaded names, for type checkers
-    from .problem import EdgeGroup, EdgeStack, FactoredStack, LinearConstraint, PairwiseProblem
+    from .problem import EdgeGroup, EdgeStack, FactoredStack, GroupFactors, LinearConstraint, PairwiseProblem
     from .registry import (SolverRegistry, all_capabilities, available, capabilities, check_capabilities,
                            default_registry, register, solve)
     from .solution import BackendResult, Infeasible, Solution, SolverError, TimeLimitReached, Unsupported
     from .trws import warm_up_in_background
 
 _LAZY = {
-    "EdgeGroup": "problem", "EdgeStack": "problem", "FactoredStack": "problem", "LinearConstraint": "problem", "PairwiseProblem": "problem",
+    "EdgeGroup": "problem", "EdgeStack": "problem", "FactoredStack": "problem", "GroupFactors": "problem", "LinearConstraint": "problem", "PairwiseProblem": "problem",
     "SolverRegistry": "registry", "all_capabilities": "registry", "available": "registry",
     "capabilities": "registry", "check_capabilities": "registry", "default_registry": "registry",
     "register": "registry", "solve": "registry",

@@ -190,8 +190,9 @@ def build_marginal_model(problem: PairwiseProblem, compress: bool = True) -> Mar
     for g in p.groups:
         k, (a, b) = len(g), g.shape
         block = None
-        if compress and g.factored:
-            lu, cu, lv, cv, corners = factored_classes(g.row_class, g.col_class, g.blocks, g.block_of)
+        if compress and g.factors is not None:
+            f = g.factors
+            lu, cu, lv, cv, corners = factored_classes(f.row_class, f.col_class, f.blocks, f.block_of)
             block = corners.padded()
         elif compress:
             lu, cu = _classes(g.costs, 1, rng)

@@ -41,9 +41,10 @@ def _supports(g: EdgeGroup, finite: np.ndarray, other: np.ndarray, towards_u: bo
     """Per edge of ``g``, which states of one end (u when ``towards_u``, else v) have a finite pair
     with a state ``other`` allows at the other end. ``finite``: ``g``'s finite-entry mask, of its
     class blocks when it is factored (then computed per class and read back per state)."""
-    if not g.factored:
+    f = g.factors
+    if f is None:
         return (finite & other[:, None, :]).any(axis=2) if towards_u else (finite & other[:, :, None]).any(axis=1)
-    mine, theirs = (g.row_class, g.col_class) if towards_u else (g.col_class, g.row_class)
+    mine, theirs = (f.row_class, f.col_class) if towards_u else (f.col_class, f.row_class)
     if not towards_u:
         finite = finite.transpose(0, 2, 1)
     present = np.zeros((len(g), finite.shape[2]), dtype=bool)  # classes of the other end holding an allowed state
@@ -101,7 +102,8 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
     check_vars("unary costs and single-variable constraints")
 
     # 2. arc consistency
-    finite = [np.isfinite(g.blocks)[g.block_of] if g.factored else np.isfinite(g.costs) for g in p.groups]
+    finite = [np.isfinite(g.costs) if g.factors is None else np.isfinite(g.factors.blocks)[g.factors.block_of]
+              for g in p.groups]
     idx_u = [p.offsets[g.u][:, None] + np.arange(g.shape[0]) for g in p.groups]
     idx_v = [p.offsets[g.v][:, None] + np.arange(g.shape[1]) for g in p.groups]
     for _round in range(MAX_AC_ROUNDS):

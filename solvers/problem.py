@@ -58,26 +58,36 @@ class LinearConstraint:
         object.__setattr__(self, "terms", terms)
 
 
+@dataclass(frozen=True)
+class GroupFactors:
+    """A factored group's matrices (:class:`FactoredStack`, checked): edge ``k``'s is
+    ``blocks[block_of[k]][np.ix_(row_class[k], col_class[k])]``."""
+
+    row_class: np.ndarray  # (k, a)
+    col_class: np.ndarray  # (k, b)
+    blocks: np.ndarray  # (n, ca, cb)
+    block_of: np.ndarray  # (k,)
+
+
 class EdgeGroup:
     """Edges whose cost matrices have the same shape ``(a, b)``, stacked.
 
     ``u[k] < v[k]`` are the endpoints of edge ``k`` and ``costs[k]`` its ``(a, b)`` matrix
     (+inf = forbidden pair).  ``edge_ids[k]`` is the edge's position in ``problem.edges``.
 
-    A group given factored (:class:`FactoredStack`) also holds ``row_class`` (k, a), ``col_class``
-    (k, b), ``blocks`` (n, ca, cb) and ``block_of`` (k,), with ``costs[k] =
-    blocks[block_of[k]][np.ix_(row_class[k], col_class[k])]``; ``costs`` is then spread out on
-    first use and kept. Backends that read the factors (the presolve, the reductions, TRW-S, the
-    energy) never spread it.
+    A group given factored (:class:`FactoredStack`) holds ``factors`` (:class:`GroupFactors`);
+    ``costs`` is then spread out on first use and kept. Backends that read the factors (the
+    presolve, the reductions, TRW-S, the energy) never spread it.
     """
 
-    __slots__ = ("shape", "u", "v", "edge_ids", "row_class", "col_class", "blocks", "block_of", "_costs")
+    __slots__ = ("shape", "u", "v", "edge_ids", "factors", "_costs")
 
     def __init__(self, shape: tuple[int, int], u: np.ndarray, v: np.ndarray, costs: np.ndarray | None,
-                 edge_ids: np.ndarray, *, row_class: np.ndarray | None = None, col_class: np.ndarray | None = None,
-                 blocks: np.ndarray | None = None, block_of: np.ndarray | None = None) -> None:
+                 edge_ids: np.ndarray, factors: GroupFactors | None = None) -> None:
+        if (costs is None) == (factors is None):
+            raise ValueError("an edge group has either its costs or their factors")
         self.shape, self.u, self.v, self.edge_ids = shape, u, v, edge_ids
-        self.row_class, self.col_class, self.blocks, self.block_of = row_class, col_class, blocks, block_of
+        self.factors = factors
         self._costs = costs
 
     def __len__(self) -> int:
@@ -85,7 +95,7 @@ class EdgeGroup:
 
     @property
     def factored(self) -> bool:
-        return self.blocks is not None
+        return self.factors is not None
 
     @property
     def costs(self) -> np.ndarray:
@@ -96,23 +106,26 @@ class EdgeGroup:
 
     def dense(self, cap: float | None = None) -> np.ndarray:
         """A new ``(k, a, b)`` array of the matrices, entries above ``cap`` (when given) set to it."""
-        if self.blocks is None or self._costs is not None:
+        f = self.factors
+        if f is None or self._costs is not None:
             return self.costs.copy() if cap is None else np.minimum(self.costs, cap)
-        blocks = self.blocks if cap is None else np.minimum(self.blocks, cap)
-        return blocks[self.block_of[:, None, None], self.row_class[:, :, None], self.col_class[:, None, :]]
+        blocks = f.blocks if cap is None else np.minimum(f.blocks, cap)
+        return blocks[f.block_of[:, None, None], f.row_class[:, :, None], f.col_class[:, None, :]]
 
     def matrix(self, k: int) -> np.ndarray:
         """Edge ``k``'s ``(a, b)`` matrix (a view of ``costs`` or, factored, a new array)."""
-        if self.blocks is None or self._costs is not None:
+        f = self.factors
+        if f is None or self._costs is not None:
             return self.costs[k]
-        return self.blocks[self.block_of[k]][np.ix_(self.row_class[k], self.col_class[k])]
+        return f.blocks[f.block_of[k]][np.ix_(f.row_class[k], f.col_class[k])]
 
     def at(self, xu: np.ndarray, xv: np.ndarray) -> np.ndarray:
         """Every edge's cost at states ``xu[k]`` of ``u[k]`` and ``xv[k]`` of ``v[k]``."""
         ks = np.arange(len(self))
-        if self.blocks is None or self._costs is not None:
+        f = self.factors
+        if f is None or self._costs is not None:
             return self.costs[ks, xu, xv]
-        return self.blocks[self.block_of, self.row_class[ks, xu], self.col_class[ks, xv]]
+        return f.blocks[f.block_of, f.row_class[ks, xu], f.col_class[ks, xv]]
 
 
 @dataclass(frozen=True)
@@ -288,8 +301,8 @@ class PairwiseProblem:
                 groups.append(EdgeGroup(costs.shape[1:], _readonly(us), _readonly(vs), _readonly(costs), _readonly(ids)))
             else:
                 shape, rows, cols, block_of = factors
-                groups.append(EdgeGroup(shape, _readonly(us), _readonly(vs), None, _readonly(ids), row_class=_readonly(rows),
-                                        col_class=_readonly(cols), blocks=_readonly(costs), block_of=_readonly(block_of)))
+                groups.append(EdgeGroup(shape, _readonly(us), _readonly(vs), None, _readonly(ids), GroupFactors(
+                    _readonly(rows), _readonly(cols), _readonly(costs), _readonly(block_of))))
         return tuple(groups)
 
     def _check_factored(self, fs: FactoredStack, seen: set[tuple[int, int]]) -> tuple:
@@ -320,7 +333,8 @@ class PairwiseProblem:
         us, vs = self._check_endpoints(st.u, st.v, costs.shape[1:], "EdgeStack", seen)
         return us, vs, costs
 
-    def _check_endpoints(self, u_in: Sequence, v_in: Sequence, shape: tuple[int, ...], what: str,
+    def _check_endpoints(self, u_in: Sequence[int] | np.ndarray, v_in: Sequence[int] | np.ndarray, shape: tuple[int, ...],
+                         what: str,
                          seen: set[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """A stack's endpoints resolved, checked against its matrices' ``shape`` and added to ``seen``."""
         us = np.array([self._resolve_var(u, what) for u in u_in], dtype=np.int64)

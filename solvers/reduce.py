@@ -170,7 +170,8 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         for k in range(len(g)):
             u, v = int(g.u[k]), int(g.v[k])
             # a read-only view (or factors): every rule below makes new matrices, never writes one
-            m = _Factored(g.blocks, int(g.block_of[k]), g.row_class[k], g.col_class[k]) if g.factored else g.costs[k]
+            f = g.factors
+            m = g.costs[k] if f is None else _Factored(f.blocks, int(f.block_of[k]), f.row_class[k], f.col_class[k])
             adj[u][v] = m
             adj[v][u] = m.T
     frozen = np.zeros(n, dtype=bool)

@@ -270,12 +270,13 @@ class TRWS:
                 if not mask.any():
                     continue
                 u, v = g.u[mask], g.v[mask]
-                if g.factored:  # classes from the factors; the dense matrices are never made
-                    rows, cols, blocks = g.row_class[mask], g.col_class[mask], g.blocks  # the blocks are not copied
+                f = g.factors
+                if f is not None:  # classes from the factors; the dense matrices are never made
+                    rows, cols, blocks = f.row_class[mask], f.col_class[mask], f.blocks  # the blocks are not copied
                     if transposed:
                         rows, cols, blocks, u, v = cols, rows, blocks.transpose(0, 2, 1), v, u
                     raw = None
-                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, g.block_of[mask])
+                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, f.block_of[mask])
                 else:
                     raw = g.costs if mask.all() else g.costs[mask]
                     if transposed:
