@@ -98,24 +98,28 @@ def test_random_problems_against_brute_force(backend, layouts):
     n = N_CASES[backend] if not layouts else max(4, N_CASES[backend] // 3)
     for seed in range(n):
         p = random_problem(seed, max_states=6 if layouts else 4, layouts=layouts)
-        ref = brute_or_none(p)
         got = _solve_or_none(p, backend, reduce=seed % 2 == 0)  # half through the reductions, half raw
-        if ref is None:
-            assert isinstance(got, solvers.Infeasible), (seed, got)
-            continue
-        if isinstance(got, solvers.Infeasible):
-            assert backend in APPROX and not got.proven, (seed, got)
-            continue
-        assert got.energy == pytest.approx(p.energy(got.assignment))
-        assert got.backend == backend
-        if CAPS[backend].exact:
-            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
-            assert got.status == "optimal"
-        else:
-            assert got.energy >= ref.energy - TOL, seed
-        if got.lower_bound is not None:
-            assert got.lower_bound <= ref.energy + TOL, seed
-            assert got.gap is not None and got.gap >= 0
+        _assert_agrees_with_brute_force(p, got, brute_or_none(p), backend, seed)
+
+
+def _assert_agrees_with_brute_force(p: solvers.PairwiseProblem, got, ref, backend: str, seed: int) -> None:
+    """``got`` (a solution or the Infeasible raised) against brute force's ``ref`` (None: infeasible)."""
+    if ref is None:
+        assert isinstance(got, solvers.Infeasible), (seed, got)
+        return
+    if isinstance(got, solvers.Infeasible):
+        assert backend in APPROX and not got.proven, (seed, got)
+        return
+    assert got.energy == pytest.approx(p.energy(got.assignment))
+    assert got.backend == backend
+    if CAPS[backend].exact:
+        assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
+        assert got.status == "optimal"
+    else:
+        assert got.energy >= ref.energy - TOL, seed
+    if got.lower_bound is not None:
+        assert got.lower_bound <= ref.energy + TOL, seed
+        assert got.gap is not None and got.gap >= 0
 
 
 @pytest.mark.parametrize("layouts", [0, 2])
@@ -896,22 +900,8 @@ def test_factored_twin_is_the_same_problem():
 def test_factored_problems_against_brute_force(backend):
     for seed in range(max(4, N_CASES[backend] // 3)):
         p = random_problem(seed, max_states=6, layouts=2 if seed % 2 else 0)
-        ref = brute_or_none(p)
-        f = factored_twin(p, seed)
-        got = _solve_or_none(f, backend, reduce=seed % 4 < 2)
-        if ref is None:
-            assert isinstance(got, solvers.Infeasible), (seed, got)
-            continue
-        if isinstance(got, solvers.Infeasible):
-            assert backend in APPROX and not got.proven, (seed, got)
-            continue
-        assert got.energy == pytest.approx(p.energy(got.assignment))
-        if CAPS[backend].exact:
-            assert got.energy == pytest.approx(ref.energy, abs=TOL), seed
-        else:
-            assert got.energy >= ref.energy - TOL, seed
-        if got.lower_bound is not None:
-            assert got.lower_bound <= ref.energy + TOL, seed
+        got = _solve_or_none(factored_twin(p, seed), backend, reduce=seed % 4 < 2)
+        _assert_agrees_with_brute_force(p, got, brute_or_none(p), backend, seed)
 
 
 def test_factored_problems_keep_their_factors_through_presolve_reductions_and_trws(monkeypatch):
