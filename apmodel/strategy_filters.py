@@ -73,10 +73,17 @@ EXCLUDED: tuple[Exclusion, ...] = (
 )
 
 
+def _is_shard(p: Placement) -> bool:
+    """``isinstance(p, Shard)`` (strided shards included), the common placements answered by type:
+    isinstance on a placement class is a Python ``__instancecheck__`` in torch 2.13."""
+    kind = type(p)
+    return kind is Shard or (kind is not Replicate and kind is not Partial and isinstance(p, Shard))
+
+
 def shardable(shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int], allow_uneven: bool) -> bool:
     deg = [1] * len(shape)
     for p, k in zip(pl, mesh_shape):
-        if isinstance(p, Shard):
+        if _is_shard(p):
             if p.dim >= len(shape):
                 return False
             deg[p.dim] *= k
@@ -97,7 +104,7 @@ def in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
 
 
 def is_masked_partial(p: Placement) -> bool:
-    kind = type(p)  # the common placements first: isinstance on a placement class is a Python call in torch 2.13
+    kind = type(p)  # the common placements by type first (see _is_shard)
     if kind is Shard or kind is Replicate or kind is Partial:
         return False
     return isinstance(p, Partial) and p.reduce_op == "sum"
