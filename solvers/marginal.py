@@ -75,8 +75,8 @@ def _per_edge_ranks(labels: np.ndarray, width: int) -> tuple[np.ndarray, np.ndar
 
 class ClassCorners:
     """The class-pair costs of edges given factored, read from their blocks on demand: edge ``e``'s
-    ``(cu[e], cv[e])`` corner is ``blocks[e][np.ix_(rep_u[e, :cu[e]], rep_v[e, :cv[e]])]`` (the
-    block row and column of every class). Stands where a NaN-padded class block is expected
+    ``(cu[e], cv[e])`` corner is ``blocks[index[e]][np.ix_(rep_u[e, :cu[e]], rep_v[e, :cv[e]])]``
+    (the block row and column of every class). Stands where a NaN-padded class block is expected
     (:meth:`padded` makes that one), so that TRW-S can copy each corner straight into its own
     layout instead of through a padded array as large."""
 
