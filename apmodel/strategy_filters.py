@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -73,7 +73,7 @@ EXCLUDED: tuple[Exclusion, ...] = (
 )
 
 
-def _is_shard(p: Placement) -> bool:
+def _is_shard(p: Placement) -> TypeGuard[Shard]:
     """``isinstance(p, Shard)`` (strided shards included), the common placements answered by type:
     isinstance on a placement class is a Python ``__instancecheck__`` in torch 2.13."""
     kind = type(p)
