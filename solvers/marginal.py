@@ -73,6 +73,13 @@ def _per_edge_ranks(labels: np.ndarray, width: int) -> tuple[np.ndarray, np.ndar
     return (inv.reshape(labels.shape) - start[:, None]).astype(np.int64), np.diff(np.append(start, len(uniq)))
 
 
+def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
+    """Per edge, the largest finite |cost| (0 when none is finite); +inf and NaN (padding) entries skipped."""
+    a = np.abs(c)
+    np.putmask(a, ~(a < np.inf), 0.0)  # NaN < inf is False
+    return a.max(axis=(1, 2), initial=0.0)
+
+
 class ClassCorners:
     """The class-pair costs of edges given factored, read from their blocks on demand: edge ``e``'s
     ``(cu[e], cv[e])`` corner is ``blocks[index[e]][np.ix_(rep_u[e, :cu[e]], rep_v[e, :cv[e]])]``
@@ -101,11 +108,7 @@ class ClassCorners:
 
     def finite_absmax(self) -> np.ndarray:
         """Per edge, the largest finite |cost| of its corner (0 when none is finite)."""
-        out = np.zeros(len(self.cu))
-        for e in range(len(self.cu)):
-            a = np.abs(self.corner(e))
-            out[e] = a[a < np.inf].max(initial=0.0)
-        return out
+        return np.array([_finite_absmax_per_edge(self.corner(e)[None])[0] for e in range(len(self.cu))])
 
 
 def factored_classes(rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray, index: np.ndarray | None = None,
@@ -201,14 +204,12 @@ def build_marginal_model(problem: PairwiseProblem, compress: bool = True) -> Mar
             lu, cu = np.tile(np.arange(a), (k, 1)), np.full(k, a)
             lv, cv = np.tile(np.arange(b), (k, 1)), np.full(k, b)
         mu, mv = int(cu.max()), int(cv.max())
-        # representative state of each class: any member (last write wins)
-        rep_u = np.zeros((k, mu), dtype=np.int64)
-        rep_u[np.arange(k)[:, None], lu] = np.arange(a)[None, :]
-        rep_v = np.zeros((k, mv), dtype=np.int64)
-        rep_v[np.arange(k)[:, None], lv] = np.arange(b)[None, :]
-        ks = np.arange(k)[:, None, None]
-        if block is None:
-            block = g.costs[ks, rep_u[:, :, None], rep_v[:, None, :]]  # (k, mu, mv)
+        if block is None:  # each class pair's cost read at a representative state of each class: any member
+            rep_u = np.zeros((k, mu), dtype=np.int64)
+            rep_u[np.arange(k)[:, None], lu] = np.arange(a)[None, :]  # last write wins
+            rep_v = np.zeros((k, mv), dtype=np.int64)
+            rep_v[np.arange(k)[:, None], lv] = np.arange(b)[None, :]
+            block = g.costs[np.arange(k)[:, None, None], rep_u[:, :, None], rep_v[:, None, :]]  # (k, mu, mv)
         exists = np.isfinite(block) & (np.arange(mu)[None, :, None] < cu[:, None, None]) & (
             np.arange(mv)[None, None, :] < cv[:, None, None])
         e_idx, I, J = np.nonzero(exists)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .local_search import LocalSearch
-from .marginal import ClassCorners, _classes, factored_classes
+from .marginal import ClassCorners, _classes, _finite_absmax_per_edge, factored_classes
 from . import trws_compiled
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
@@ -155,13 +155,6 @@ def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
 def _class_dense(lu: np.ndarray, lv: np.ndarray, block: np.ndarray) -> np.ndarray:
     """The (k, a, b) matrices of class labels and a class block (the inverse of :func:`_class_block`)."""
     return block[np.arange(len(block))[:, None, None], lu[:, :, None], lv[:, None, :]]
-
-
-def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
-    """Per edge, the largest finite |cost| (0 when none is finite); +inf and NaN (padding) entries skipped."""
-    a = np.abs(c)
-    np.putmask(a, ~(a < np.inf), 0.0)  # NaN < inf is False
-    return a.max(axis=(1, 2), initial=0.0)
 
 
 UNIFIED_MAX_CLASSES = 32  # edges with at most this many row / column classes share one padded block array
