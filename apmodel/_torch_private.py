@@ -75,6 +75,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from apmodel.placements import is_partial
+
 __all__ = [
     "OpOverload",
     "overload_packet",
@@ -856,7 +858,7 @@ def mixed_partials(specs: Sequence[PlacementsT | None]) -> bool:
     for pl in specs:
         if pl is None:
             continue
-        kinds = {(type(x), x.reduce_op) for x in pl if isinstance(x, Partial)}
+        kinds = {(type(x), x.reduce_op) for x in pl if is_partial(x)}
         if len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"}):
             return True
     return False

@@ -135,6 +135,12 @@ class _PairSum:
     col_class: np.ndarray
     col_first: np.ndarray
 
+    @staticmethod
+    def key(terms: list[tuple[Factors, bool]]) -> tuple:
+        """What the sum depends on: the terms' identities and orientations in order (two pairs with
+        equal keys have equal classes and bit-for-bit equal blocks; the factors outlive the key)."""
+        return tuple((id(factors), transposed) for factors, transposed in terms)
+
     @classmethod
     def of(cls, terms: list[tuple[Factors, bool]]) -> _PairSum:
         distinct: dict[tuple[int, bool], list] = {}  # (id, transposed) -> [factors as they enter, count]
@@ -156,7 +162,7 @@ class _PairSum:
     def write(self, out: np.ndarray) -> None:
         """The block into ``out`` (of :attr:`block_shape`; a view into a stack: nothing else is allocated)."""
         for i, ((block, rows, cols), count) in enumerate(self.terms):
-            mat = block[np.ix_(rows[self.row_first], cols[self.col_first])]
+            mat = block[rows[self.row_first]][:, cols[self.col_first]]  # rows, then columns: 2x np.ix_'s speed
             if i == 0:
                 np.multiply(mat, count, out=out)
             elif count == 1:
@@ -634,20 +640,30 @@ class PlacementModel:
         # each pair's matrix factored (its distinct rows and columns), which the solvers read without
         # spreading it (on a 4-D mesh the dense matrices run to gigabytes); one stack per shape and
         # block size (rounded up: a stack's blocks are padded to its largest)
-        by_size: dict[tuple[int, ...], list[tuple[int, int, _PairSum]]] = {}
+        # Pairs with the same terms in the same order (a layer's two projections of one shape, each
+        # group pair of a repeated block) have the same sum: it is made once and the pairs share it.
+        by_size: dict[tuple[int, ...], tuple[list[tuple[int, int, int]], list[_PairSum]]] = {}
+        made: dict[tuple, tuple[tuple[int, ...], int]] = {}  # terms' key -> (stack key, block index)
         for (gu, gv), pair_terms in terms.items():
-            pair = _PairSum.of(pair_terms)
-            ca, cb = pair.block_shape
-            key = (len(group_states[gu]), len(group_states[gv]), _rounded_up(ca), _rounded_up(cb))
-            by_size.setdefault(key, []).append((gu, gv, pair))
+            terms_key = _PairSum.key(pair_terms)
+            slot = made.get(terms_key)
+            if slot is None:
+                pair = _PairSum.of(pair_terms)
+                ca, cb = pair.block_shape
+                size = (len(group_states[gu]), len(group_states[gv]), _rounded_up(ca), _rounded_up(cb))
+                pairs = by_size.setdefault(size, ([], []))[1]
+                slot = made[terms_key] = (size, len(pairs))
+                pairs.append(pair)
+            by_size[slot[0]][0].append((gu, gv, slot[1]))
         stacks = []
-        for (_, _, ca, cb), items in by_size.items():
-            blocks = np.zeros((len(items), ca, cb))  # zero padding: no class points to it
-            for k, (_, _, pair) in enumerate(items):  # summed in place: no block is made twice
+        for (_, _, ca, cb), (edges, pairs) in by_size.items():
+            blocks = np.zeros((len(pairs), ca, cb))  # zero padding: no class points to it
+            for k, pair in enumerate(pairs):  # summed in place: no block is made twice
                 pair.write(blocks[k, : pair.block_shape[0], : pair.block_shape[1]])
-            stacks.append(solvers.FactoredStack([gu for gu, _, _ in items], [gv for _, gv, _ in items],
-                                                np.stack([pair.row_class for _, _, pair in items]),
-                                                np.stack([pair.col_class for _, _, pair in items]), blocks))
+            stacks.append(solvers.FactoredStack([gu for gu, _, _ in edges], [gv for _, gv, _ in edges],
+                                                np.stack([pairs[k].row_class for _, _, k in edges]),
+                                                np.stack([pairs[k].col_class for _, _, k in edges]), blocks,
+                                                block_of=np.array([k for _, _, k in edges], dtype=np.int64)))
 
         # Forbidden states (restrictions) as +inf unaries.
         for g, members in enumerate(grouping.groups):

@@ -126,14 +126,18 @@ class _LocalShapes:
     """The per-device shapes a strategy gives one node's tensor inputs (in input-slot order, see
     :meth:`CostContext._local_call`) and tensor outputs: what its priced call depends on."""
 
-    def __init__(self, node: fx.Node, mesh_shape: tuple[int, ...]) -> None:
+    def __init__(self, node: fx.Node, mesh_shape: tuple[int, ...],
+                 memo: dict[tuple[int, ...], pl.ByIdentity[tuple[int, ...]]]) -> None:
         flat, _ = tree_flatten((node.args, node.kwargs))
         vals = (a.meta.get("val") for a in flat if isinstance(a, fx.Node))
         self.inputs = [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)]
         self.outputs = [tuple(o.shape) for o in tree_flatten(node.meta.get("val"))[0] if isinstance(o, torch.Tensor)]
-        # per global shape, a placement tuple's local shape (strategies share their tuples)
-        self._local = {shape: pl.ByIdentity(lambda p, shape=shape: pl.local_shape(shape, p, mesh_shape))
-                       for shape in set(self.inputs + self.outputs)}
+        # per global shape, a placement tuple's local shape: ``memo`` is shared by every node priced
+        # on the mesh (the strategies of all nodes share their placement tuples)
+        for shape in set(self.inputs + self.outputs):
+            if shape not in memo:
+                memo[shape] = pl.ByIdentity(lambda p, shape=shape: pl.local_shape(shape, p, mesh_shape))
+        self._local = memo
 
     def _shape(self, shape: tuple[int, ...], placement: tuple | None) -> tuple[int, ...]:
         return shape if placement is None else self._local[shape](placement)
@@ -183,6 +187,7 @@ class CostContext:
         if self.comm is not None and not isinstance(self.comm, CheckedComm):
             self.comm = CheckedComm(self.comm)
         self._bucketed_comms: dict[int, Any] = {}
+        self._local_shapes: dict[tuple[int, ...], pl.ByIdentity[tuple[int, ...]]] = {}  # see _LocalShapes
 
     def itemsize(self, dtype: torch.dtype) -> int:
         """Bytes per element as priced (the pricing dtype for floating tensors)."""
@@ -243,7 +248,7 @@ class CostContext:
         result = np.zeros(len(strategies))
         # strategies with the same local shapes (and, for a region, alternatives) make the same
         # call: priced once
-        local_shapes = _LocalShapes(node, self.mesh_shape)
+        local_shapes = _LocalShapes(node, self.mesh_shape, self._local_shapes)
         priced: dict[tuple, float] = {}
         for si, s in enumerate(strategies):
             modes = region.alternative_on_axes(s.inputs, backward=backward) if region is not None else None

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from apmodel.placements import is_partial, is_replicate, is_shard
 
 __all__ = ["Placements", "Placed", "Exclusion", "EXCLUDED", "Filter", "TensorChecks", "shardable", "in_vocabulary",
            "is_masked_partial", "unmask_placements"]
@@ -73,17 +75,10 @@ EXCLUDED: tuple[Exclusion, ...] = (
 )
 
 
-def _is_shard(p: Placement) -> TypeGuard[Shard]:
-    """``isinstance(p, Shard)`` (strided shards included), the common placements answered by type:
-    isinstance on a placement class is a Python ``__instancecheck__`` in torch 2.13."""
-    kind = type(p)
-    return kind is Shard or (kind is not Replicate and kind is not Partial and isinstance(p, Shard))
-
-
 def shardable(shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int], allow_uneven: bool) -> bool:
     deg = [1] * len(shape)
     for p, k in zip(pl, mesh_shape):
-        if _is_shard(p):
+        if is_shard(p):
             if p.dim >= len(shape):
                 return False
             deg[p.dim] *= k
@@ -95,7 +90,7 @@ def shardable(shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int], a
 
 def in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
     for p in pl:
-        if type(p) is Shard or isinstance(p, Replicate):
+        if type(p) is Shard or is_replicate(p):
             continue
         if type(p) is Partial and p.reduce_op in partial_reduce_ops:
             continue
@@ -104,7 +99,7 @@ def in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
 
 
 def is_masked_partial(p: Placement) -> bool:
-    kind = type(p)  # the common placements by type first (see _is_shard)
+    kind = type(p)  # the common placements by type first (see apmodel.placements.is_shard)
     if kind is Shard or kind is Replicate or kind is Partial:
         return False
     return isinstance(p, Partial) and p.reduce_op == "sum"
@@ -142,11 +137,11 @@ def _keep_input(op: object, slot: int, pl: Placements | None, shape: tuple[int, 
         return True
     if not in_vocabulary(pl, f.partial_reduce_ops) or not shardable(shape, pl, f.mesh_shape, f.allow_uneven):
         return False
-    if not f.partial_inputs and any(isinstance(p, Partial) for p in pl):
+    if not f.partial_inputs and any(is_partial(p) for p in pl):
         return False
     # Partial means are produced (a batch-sharded mean loss) but, by default, reduced before use:
     # consuming one (P(avg) x R -> P(avg) for every linear op) would double the strategies of mm.
-    if any(isinstance(p, Partial) and p.reduce_op not in f.partial_input_ops for p in pl):
+    if any(is_partial(p) and p.reduce_op not in f.partial_input_ops for p in pl):
         return False
     return not any(ex.matches_input(op, slot, pl) for ex in EXCLUDED)
 

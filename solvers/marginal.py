@@ -97,7 +97,14 @@ class ClassCorners:
         return (len(self.cu), self.rep_u.shape[1], self.rep_v.shape[1])
 
     def corner(self, e: int) -> np.ndarray:
-        return self.blocks[self.index[e]][np.ix_(self.rep_u[e, : self.cu[e]], self.rep_v[e, : self.cv[e]])]
+        # rows, then columns: twice the speed of one np.ix_ gather
+        return self.blocks[self.index[e]][self.rep_u[e, : self.cu[e]]][:, self.rep_v[e, : self.cv[e]]]
+
+    def identity(self, e: int) -> tuple:
+        """What :meth:`corner` ``e`` is made of (the blocks array, while it lives, the block and the
+        classes' rows and columns in it): edges with equal identities have equal corners."""
+        return (id(self.blocks), int(self.index[e]), self.rep_u[e, : self.cu[e]].tobytes(),
+                self.rep_v[e, : self.cv[e]].tobytes())
 
     def padded(self) -> np.ndarray:
         """``(k, max cu, max cv)`` with every corner, NaN elsewhere."""

@@ -96,31 +96,47 @@ class RaggedEdges:
         self.eu, self.ev = cat(eu, np.int64), cat(ev, np.int64)
         self.lu, self.lv = cat(lu, np.int64), cat(lv, np.int64)
         self.mu, self.mv = cat(mu, np.int64), cat(mv, np.int64)
-        self.bptr = ptr(self.mu * self.mv)
-        # each edge's block row-major, and transposed at the same offsets (the forward sweep reads a row per
-        # destination class); written in place, forbidden pairs (+inf) then capped at ``big``
-        self.blk, self.blk_t = np.empty(self.bptr[-1]), np.empty(self.bptr[-1])
-        pos = 0
+        # each edge's block row-major at bptr[e], and transposed at the same offset (the forward sweep reads
+        # a row per destination class); the kernels only read them, so edges given factored whose corners
+        # are the same (the same source block and class representatives: the planner's repeated pairs)
+        # share one copy; written in place, forbidden pairs (+inf) then capped at ``big``
+        self.bptr = np.zeros(len(self.eu) + 1, dtype=np.int64)
+        copies: list[tuple[int, Any, int | None]] = []  # (offset, source, edge of a ClassCorners; None: a whole part)
+        first: dict[tuple, int] = {}  # a corner's identity -> its offset
+        pos = e0 = 0
         for raw, _, _, _, cu, _, cv, block in parts:
-            if block is None:
-                k, a, b = raw.shape
-                self.blk[pos : pos + raw.size].reshape(k, a, b)[...] = raw
-                self.blk_t[pos : pos + raw.size].reshape(k, b, a)[...] = raw.transpose(0, 2, 1)
-                pos += raw.size
-            elif isinstance(block, np.ndarray):  # each edge's valid (cu, cv) corner of the NaN-padded block
-                valid = ~np.isnan(block)
-                n = int(valid.sum())
-                self.blk[pos : pos + n] = block[valid]
-                self.blk_t[pos : pos + n] = block.transpose(0, 2, 1)[valid.transpose(0, 2, 1)]
-                pos += n
-            else:  # ClassCorners: each corner read from its edge's block and copied straight in
-                for e, (a, b) in enumerate(zip(cu.tolist(), cv.tolist())):
-                    corner = block.corner(e)
-                    self.blk[pos : pos + a * b].reshape(a, b)[...] = corner
-                    self.blk_t[pos : pos + a * b].reshape(b, a)[...] = corner.T
+            if block is None or isinstance(block, np.ndarray):  # a whole part, edge after edge
+                sizes = np.full(len(raw), raw.shape[1] * raw.shape[2]) if block is None else cu * cv
+                self.bptr[e0 : e0 + len(sizes)] = pos + np.cumsum(sizes) - sizes
+                copies.append((pos, raw if block is None else block, None))
+                pos += int(sizes.sum())
+                e0 += len(sizes)
+                continue
+            for e, (a, b) in enumerate(zip(cu.tolist(), cv.tolist())):  # ClassCorners
+                key = block.identity(e)
+                at = first.get(key)
+                if at is None:
+                    at = first[key] = pos
+                    copies.append((pos, block, e))
                     pos += a * b
-        np.minimum(self.blk, big, out=self.blk)
-        np.minimum(self.blk_t, big, out=self.blk_t)
+                self.bptr[e0 + e] = at
+            e0 += len(cu)
+        self.bptr[-1] = pos
+        self.blk, self.blk_t = np.empty(pos), np.empty(pos)
+        for at, source, edge in copies:
+            if edge is not None:
+                corner = source.corner(edge)
+                a, b = corner.shape
+                np.minimum(corner, big, out=self.blk[at : at + a * b].reshape(a, b))
+                np.minimum(corner.T, big, out=self.blk_t[at : at + a * b].reshape(b, a))
+                continue
+            valid = ~np.isnan(source)  # raw matrices hold no NaN; NaN-padded blocks: each edge's (cu, cv) corner
+            if not valid.all():
+                flat, flat_t = source[valid], source.transpose(0, 2, 1)[valid.transpose(0, 2, 1)]
+            else:
+                flat, flat_t = source.reshape(-1), source.transpose(0, 2, 1).reshape(-1)
+            np.minimum(flat, big, out=self.blk[at : at + flat.size])
+            np.minimum(flat_t, big, out=self.blk_t[at : at + flat.size])
         self.uptr, self.vptr = ptr(n_states[self.eu]), ptr(n_states[self.ev])
         self.msg_f = np.zeros(self.vptr[-1])
         self.msg_b = np.zeros(self.uptr[-1])

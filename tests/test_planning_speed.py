@@ -229,3 +229,30 @@ def test_captured_module_generates_its_code_on_first_use():
             values[name] = torch.ones(())
     out = captured.gm(*[values[n.name] for n in placeholders])
     torch.testing.assert_close(out[0], step(x, model.w).detach())
+
+
+def test_group_pairs_with_the_same_terms_share_one_block():
+    """Every pair's matrix is the sum of its graph edges' redistribution matrices (built here edge by
+    edge, dense), although pairs whose terms are the same objects share one block."""
+    from apmodel.api import build_model
+
+    cfg = config("llama3-debug", n_layers=2)
+    with torch.device("meta"):
+        model = build(cfg)
+    pm = build_model(capture(model, sample_inputs(cfg, batch=4, seq=64)), (2, 2))
+    problem = pm.compile()
+    group_of = pm.compiled.grouping.group_of
+    want: dict[tuple[int, int], np.ndarray] = {}
+    for e in pm.edges:
+        gu, gv = group_of[e.producer], group_of[e.consumer]
+        if gu != gv:
+            m = pm.edge_matrix(e)
+            key = (min(gu, gv), max(gu, gv))
+            want[key] = want[key] + (m.T if gu > gv else m) if key in want else (m.T if gu > gv else m)
+    got = {(u, v): m for u, v, m in problem.edges}
+    assert got.keys() == want.keys()
+    for key, m in want.items():
+        np.testing.assert_allclose(got[key], m, rtol=1e-12, err_msg=str(key))
+    factored = [g.factors for g in problem.groups if g.factors is not None]
+    assert len(factored) == len(problem.groups)
+    assert sum(len(f.blocks) for f in factored) < problem.n_edges  # some pairs share a block
