@@ -623,6 +623,7 @@ class PlacementModel:
 
         # Pairwise: redistribution per graph edge, priced once per distinct (strategies, shape) pair.
         matrix_memo: dict[Hashable, Factors] = {}
+        same_factors: dict[tuple, Factors] = {}  # equal factors (other strategy lists, equal strings) as one object
         terms: dict[tuple[int, int], list[tuple[Factors, bool]]] = {}  # per group pair: (matrix, transposed) in order
         for e in self.edges:
             val = _tensor_value(self.node_by_name[e.producer].meta.get("val"), e.out_index)
@@ -630,7 +631,9 @@ class PlacementModel:
                    tuple(val.shape), val.dtype, self.is_param_gradient(e), self.is_bucketed(e))
             factors = matrix_memo.get(key)
             if factors is None:
-                factors = matrix_memo[key] = self.edge_factors(e)
+                block, rows, cols = self.edge_factors(e)
+                factors = same_factors.setdefault((id(block), rows.tobytes(), cols.tobytes()), (block, rows, cols))
+                matrix_memo[key] = factors
             gu, gv = grouping.group_of[e.producer], grouping.group_of[e.consumer]
             if gu == gv:  # the matrix's diagonal
                 block, rows, cols = factors
