@@ -171,6 +171,37 @@ class _PairSum:
                 out += mat * count
 
 
+#: entries of a block compared first when looking for an equal one (a full comparison follows a match)
+_BLOCK_SAMPLE = 64
+
+
+def _distinct_blocks(pairs: Sequence[_PairSum], ca: int, cb: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs' blocks in one stack ``(n, ca, cb)`` (zero padding), each distinct block once, and
+    the block of every pair. Pairs of different terms can sum to equal blocks (a layer's ops of equal
+    shapes and placements); sharing them halves what the solvers copy and sweep on a 4-D mesh. A
+    block is written into the next free slot, then compared with the earlier ones that agree on a
+    fixed sample of entries; an equal one takes its place (the slot is cleared for the next pair).
+    The slots never written are never touched (``np.zeros`` pages stay unmapped)."""
+    blocks = np.zeros((len(pairs), ca, cb))
+    sample = np.linspace(0, ca * cb - 1, min(_BLOCK_SAMPLE, ca * cb)).astype(np.int64)
+    by_sample: dict[bytes, list[int]] = {}
+    block_of_pair = np.empty(len(pairs), dtype=np.int64)
+    n = 0  # blocks kept
+    for k, pair in enumerate(pairs):  # summed in place: no block is made twice
+        slot = blocks[n]
+        pair.write(slot[: pair.block_shape[0], : pair.block_shape[1]])
+        seen = by_sample.setdefault(slot.reshape(-1)[sample].tobytes(), [])
+        equal = next((m for m in seen if np.array_equal(blocks[m], slot)), None)
+        if equal is None:
+            seen.append(n)
+            block_of_pair[k] = n
+            n += 1
+        else:
+            block_of_pair[k] = equal
+            slot.fill(0.0)
+    return blocks[:n], block_of_pair
+
+
 def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
     """Default boundary placement: batch (dim 0) sharded on mesh axis 0 when it divides evenly,
     replicated elsewhere (placement strings, one per mesh axis)."""
@@ -660,13 +691,11 @@ class PlacementModel:
             by_size[slot[0]][0].append((gu, gv, slot[1]))
         stacks = []
         for (_, _, ca, cb), (edges, pairs) in by_size.items():
-            blocks = np.zeros((len(pairs), ca, cb))  # zero padding: no class points to it
-            for k, pair in enumerate(pairs):  # summed in place: no block is made twice
-                pair.write(blocks[k, : pair.block_shape[0], : pair.block_shape[1]])
+            blocks, block_of_pair = _distinct_blocks(pairs, ca, cb)
             stacks.append(solvers.FactoredStack([gu for gu, _, _ in edges], [gv for _, gv, _ in edges],
                                                 np.stack([pairs[k].row_class for _, _, k in edges]),
                                                 np.stack([pairs[k].col_class for _, _, k in edges]), blocks,
-                                                block_of=np.array([k for _, _, k in edges], dtype=np.int64)))
+                                                block_of=block_of_pair[[k for _, _, k in edges]]))
 
         # Forbidden states (restrictions) as +inf unaries.
         for g, members in enumerate(grouping.groups):

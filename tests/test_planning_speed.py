@@ -19,7 +19,7 @@ from apmodel import _torch_private as tp
 from apmodel import expansion
 from apmodel.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.placement_model import _joint_classes, _PairSum
+from apmodel.placement_model import _distinct_blocks, _joint_classes, _PairSum
 from apmodel.pricing import build_cost_context
 from apmodel.options import PlanOptions
 from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
@@ -166,6 +166,26 @@ def test_pair_factors_count_repeated_matrices_once():
     block = np.empty(one.block_shape)
     one.write(block)
     np.testing.assert_array_equal(block[np.ix_(one.row_class, one.col_class)], b.T)
+
+
+def test_pairs_summing_to_equal_blocks_share_one():
+    """Pairs of other terms whose blocks come out equal (equal copies of a matrix, one term or two
+    terms in either order of equal sums) keep one block; every pair still reads its own sum."""
+    rng = np.random.default_rng(2)
+    (fa, a), (fb, b) = _factored(rng, 40, 30, 6, 5, 10.0), _factored(rng, 40, 30, 3, 4)
+    fa_copy = tuple(x.copy() for x in fa)  # equal, another object
+    fa[0][0, 0] = np.inf  # a forbidden pair, in both
+    fa_copy[0][0, 0] = np.inf
+    a, a_copy = fa[0][np.ix_(fa[1], fa[2])], fa_copy[0][np.ix_(fa_copy[1], fa_copy[2])]
+    pairs = [_PairSum.of([(fa, False)]), _PairSum.of([(fb, False)]), _PairSum.of([(fa_copy, False)]),
+             _PairSum.of([(fa, False), (fb, False)])]
+    want = [a, b, a_copy, a + b]
+    ca = max(p.block_shape[0] for p in pairs)
+    cb = max(p.block_shape[1] for p in pairs)
+    blocks, block_of = _distinct_blocks(pairs, ca, cb)
+    assert block_of.tolist() == [0, 1, 0, 2] and len(blocks) == 3
+    for pair, k, m in zip(pairs, block_of, want):
+        np.testing.assert_array_equal(blocks[k][np.ix_(pair.row_class, pair.col_class)], m)
 
 
 def test_joint_classes_group_indices_labelled_alike_by_every_vector():

@@ -227,23 +227,26 @@ def test_forward_constants_are_the_bound_after_a_forward_sweep(compiled, seed):
 
 
 def test_edges_given_the_same_corner_share_one_copy(compiled):
-    """Factored edges made of the same block and classes are stored once by the compiled kernel,
-    and sweep exactly as the same problem given dense (each edge its own matrix) does."""
+    """Factored edges with equal corners (made of the same block and classes, or of equal copies)
+    are stored once by the compiled kernel, and sweep exactly as the same problem given dense (each
+    edge its own matrix) does."""
     rng = np.random.default_rng(5)
     n, k = 8, 5
     unary = [rng.normal(size=k) for _ in range(n)]
-    blocks = rng.uniform(0, 3, size=(2, 4, 4))
+    blocks = rng.uniform(0, 3, size=(3, 4, 4))
     blocks[0, 1, 2] = np.inf
+    blocks[2] = blocks[0]  # equal to block 0, not the same block
     shared_rows, shared_cols = rng.integers(0, 4, k), rng.integers(0, 4, k)
     other_rows, other_cols = rng.integers(0, 4, k), rng.integers(0, 4, k)
     u, v = [0, 1, 2, 3, 4, 5, 6, 0], [1, 2, 3, 4, 5, 6, 7, 7]
-    block_of = [0, 0, 0, 0, 1, 1, 0, 0]
+    block_of = [0, 0, 0, 0, 1, 1, 0, 2]
     rows = np.array([shared_rows] * 4 + [other_rows] * 2 + [other_rows, shared_rows])
     cols = np.array([shared_cols] * 4 + [other_cols] * 2 + [other_cols, shared_cols])
     factored = solvers.PairwiseProblem(unary, [solvers.FactoredStack(u, v, rows, cols, blocks, block_of)])
     dense = solvers.PairwiseProblem(unary, list(factored.edges))
     got, ref = trws.TRWS(factored, kernel=compiled), trws.TRWS(dense, kernel=compiled)
-    corners = {(b, r.tobytes(), c.tobytes()): len(np.unique(r)) * len(np.unique(c)) for b, r, c in zip(block_of, rows, cols)}
+    corners = {(b % 2, r.tobytes(), c.tobytes()): len(np.unique(r)) * len(np.unique(c))
+               for b, r, c in zip(block_of, rows, cols)}  # blocks 0 and 2 are equal
     assert len(corners) == 3 and len(got.edges.blk) == len(got.edges.blk_t) == sum(corners.values())
     assert len(set(got.edges.bptr[:-1].tolist())) == 3
     h_got, lo_got, hi_got = _run(got, 6)
