@@ -130,9 +130,16 @@ class _Factored:
         return dense if dtype is None else dense.astype(dtype, copy=False)
 
 
-def _rows_with_a_finite_entry(m: np.ndarray | _Factored) -> np.ndarray:
+def _rows_with_a_finite_entry(m: np.ndarray | _Factored, finite_blocks: dict[tuple[int, int, bool], np.ndarray]) -> np.ndarray:
+    """Which rows of ``m`` hold a finite entry; a factored ``m`` reads its block's finite mask from
+    ``finite_blocks`` (made on first use: edges share blocks, and a variable's edges are read again
+    after each change around it)."""
     if isinstance(m, _Factored):
-        return np.isfinite(m.block[:, np.unique(m.cols)]).any(axis=1)[m.rows]
+        key = (id(m.blocks), m.index, m.transposed)
+        finite = finite_blocks.get(key)
+        if finite is None:
+            finite = finite_blocks[key] = np.isfinite(m.block)
+        return finite[:, np.unique(m.cols)].any(axis=1)[m.rows]
     return np.isfinite(m).any(axis=1)
 
 
@@ -182,6 +189,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
     records: list[_Record] = []
     offset = 0.0
     counts = {"fixed": 0, "leaf": 0, "series": 0, "states_removed": 0}
+    finite_blocks: dict[tuple[int, int, bool], np.ndarray] = {}  # see _rows_with_a_finite_entry
 
     def restrict_states(v: int, keep: np.ndarray) -> None:
         if keep.all():
@@ -204,7 +212,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         stale[v] = False
         keep = np.isfinite(unary[v])
         for m in adj[v].values():
-            keep &= _rows_with_a_finite_entry(m)
+            keep &= _rows_with_a_finite_entry(m, finite_blocks)
         restrict_states(v, keep)
         k = len(unary[v])
         if not (dominance and dominated) or frozen[v] or k < 2:
