@@ -123,7 +123,8 @@ class _PairSum:
 
     The classes are :func:`_joint_classes` of the terms' row and column indices (entries of one
     class pair are sums of the same numbers); on the 4-D mesh of LLaMA-3 8B the pairs' blocks hold
-    126 M entries where their matrices hold 242 M. A term that appears several times (the same
+    126 M entries where their matrices hold 242 M (43 M once equal blocks are shared:
+    :func:`_distinct_blocks`). A term that appears several times (the same
     object: the edge between two groups of layer copies, repeated for every layer) enters once,
     multiplied by its count, in the order of its first appearance. Each entry is the same
     floating-point sum as adding the dense matrices in that order (a running sum of k copies

@@ -154,8 +154,9 @@ class FactoredStack:
     read but must not be NaN or -inf).
 
     A placement problem's matrices are sums of redistribution prices that depend on a few
-    distinct placements: stored so, LLaMA-3 8B's 242 M pairs on a 4-D mesh take 126 M entries, and
-    the backends that read the factors never build the dense matrices. Kept without copying
+    distinct placements: stored so, LLaMA-3 8B's 242 M pairs on a 4-D mesh take 126 M entries (43 M
+    with the pairs whose sums are equal sharing a block), and the backends that read the factors
+    never build the dense matrices. Kept without copying
     (like :class:`EdgeStack`); pairs must differ from every other edge given.
     """
 
