@@ -64,6 +64,18 @@ def _run(tr: trws.TRWS, sweeps: int, switch_after: int | None = None):
     return history, tr.msum_lo.copy(), tr.msum_hi.copy()
 
 
+def _assert_sweeps_alike(got: trws.TRWS, ref: trws.TRWS, sweeps: int, tol: float) -> None:
+    """``got`` sweeps as ``ref`` does: the same decoded assignments and energies, and messages and
+    bounds within ``tol`` (relative and absolute)."""
+    h_ref, lo_ref, hi_ref = _run(ref, sweeps)
+    h_got, lo_got, hi_got = _run(got, sweeps)
+    np.testing.assert_allclose(lo_got, lo_ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(hi_got, hi_ref, rtol=tol, atol=tol)
+    for (x1, e1, b1), (x2, e2, b2) in zip(h_ref, h_got):
+        np.testing.assert_array_equal(x1, x2)
+        assert e2 == pytest.approx(e1, rel=1e-12) and b2 == pytest.approx(b1, rel=tol, abs=tol)
+
+
 @pytest.mark.parametrize("unified", [True, False])
 @pytest.mark.parametrize("seed", range(4))
 def test_compiled_sweeps_equal_numpy(compiled, monkeypatch, seed, unified):
@@ -78,13 +90,7 @@ def test_compiled_sweeps_equal_numpy(compiled, monkeypatch, seed, unified):
     assert (len(ref.fwd) > 0) != unified  # per-shape groups (beside edges of single-state variables) or none
     got = trws.TRWS(p, kernel=compiled)
     assert got.edges is not None
-    h_ref, lo_ref, hi_ref = _run(ref, 8)
-    h_got, lo_got, hi_got = _run(got, 8)
-    np.testing.assert_allclose(lo_got, lo_ref, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(hi_got, hi_ref, rtol=1e-9, atol=1e-9)
-    for (x1, e1, b1), (x2, e2, b2) in zip(h_ref, h_got):
-        np.testing.assert_array_equal(x1, x2)
-        assert e2 == pytest.approx(e1, rel=1e-12) and b2 == pytest.approx(b1, rel=1e-9, abs=1e-9)
+    _assert_sweeps_alike(got, ref, 8, tol=1e-9)
 
 
 @pytest.mark.parametrize("unified", [True, False])
@@ -249,13 +255,7 @@ def test_edges_given_the_same_corner_share_one_copy(compiled):
                for b, r, c in zip(block_of, rows, cols)}  # blocks 0 and 2 are equal
     assert len(corners) == 3 and len(got.edges.blk) == len(got.edges.blk_t) == sum(corners.values())
     assert len(set(got.edges.bptr[:-1].tolist())) == 3
-    h_got, lo_got, hi_got = _run(got, 6)
-    h_ref, lo_ref, hi_ref = _run(ref, 6)
-    np.testing.assert_allclose(lo_got, lo_ref, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(hi_got, hi_ref, rtol=1e-12, atol=1e-12)
-    for (x1, e1, b1), (x2, e2, b2) in zip(h_ref, h_got):
-        np.testing.assert_array_equal(x1, x2)
-        assert e2 == pytest.approx(e1, rel=1e-12) and b2 == pytest.approx(b1, rel=1e-12)
+    _assert_sweeps_alike(got, ref, 6, tol=1e-12)
     best = brute_or_none(dense)
     sol = solvers.solve(factored, "trws", kernel=compiled, reduce=False)
     assert best is not None and sol.energy >= best.energy - TOL and sol.lower_bound <= best.energy + TOL
