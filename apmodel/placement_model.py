@@ -178,11 +178,12 @@ _BLOCK_SAMPLE = 64
 
 def _distinct_blocks(pairs: Sequence[_PairSum], ca: int, cb: int) -> tuple[np.ndarray, np.ndarray]:
     """The pairs' blocks in one stack ``(n, ca, cb)`` (zero padding), each distinct block once, and
-    the block of every pair. Pairs of different terms can sum to equal blocks (a layer's ops of equal
-    shapes and placements); sharing them halves what the solvers copy and sweep on a 4-D mesh. A
-    block is written into the next free slot, then compared with the earlier ones that agree on a
-    fixed sample of entries; an equal one takes its place (the slot is cleared for the next pair).
-    The slots never written are never touched (``np.zeros`` pages stay unmapped)."""
+    the block of every pair. Pairs of different terms can sum to equal blocks (a layer's ops of
+    equal shapes and placements); sharing them, with the pairs of equal terms, cuts what the solvers
+    copy and hold to a third on a 4-D mesh. A block is written into the next free slot, then
+    compared with the earlier ones that agree on a fixed sample of entries; an equal one takes its
+    place (the slot is cleared for the next pair). The slots never written are never touched
+    (``np.zeros`` pages stay unmapped)."""
     blocks = np.zeros((len(pairs), ca, cb))
     sample = np.linspace(0, ca * cb - 1, min(_BLOCK_SAMPLE, ca * cb)).astype(np.int64)
     by_sample: dict[bytes, list[int]] = {}

@@ -169,8 +169,8 @@ def test_pair_factors_count_repeated_matrices_once():
 
 
 def test_pairs_summing_to_equal_blocks_share_one():
-    """Pairs of other terms whose blocks come out equal (equal copies of a matrix, one term or two
-    terms in either order of equal sums) keep one block; every pair still reads its own sum."""
+    """Pairs of other terms whose blocks come out equal (a matrix and its equal copy, another
+    object) keep one block; every pair still reads its own sum, forbidden pairs included."""
     rng = np.random.default_rng(2)
     (fa, a), (fb, b) = _factored(rng, 40, 30, 6, 5, 10.0), _factored(rng, 40, 30, 3, 4)
     fa_copy = tuple(x.copy() for x in fa)  # equal, another object
