@@ -542,7 +542,10 @@ def without_redistribute_costs() -> Iterator[None]:
         yield
         return
     patched = []
-    for name, mod in list(sys.modules.items()):
+    # a copy made in one C call: another thread may import meanwhile (the planner's background
+    # warm-up loads numba while strategies are enumerated), and list(sys.modules.items()) can
+    # be interrupted mid-iteration by a garbage collection running Python code
+    for name, mod in sys.modules.copy().items():
         if mod is not None and name.startswith("torch.distributed.tensor"):
             if getattr(mod, "generate_redistribute_costs", None) is original:
                 mod.generate_redistribute_costs = _zero_redistribute_costs
