@@ -99,10 +99,7 @@ def in_vocabulary(pl: Placements, partial_reduce_ops: Iterable[str]) -> bool:
 
 
 def is_masked_partial(p: Placement) -> bool:
-    kind = type(p)  # the common placements by type first (see apmodel.placements.is_shard)
-    if kind is Shard or kind is Replicate or kind is Partial:
-        return False
-    return isinstance(p, Partial) and p.reduce_op == "sum"
+    return type(p) is not Partial and is_partial(p) and p.reduce_op == "sum"
 
 
 def unmask_placements(pl: Placements | None, repl: Placement) -> Placements | None:

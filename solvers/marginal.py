@@ -114,8 +114,16 @@ class ClassCorners:
         return out
 
     def finite_absmax(self) -> np.ndarray:
-        """Per edge, the largest finite |cost| of its corner (0 when none is finite)."""
-        return np.array([_finite_absmax_per_edge(self.corner(e)[None])[0] for e in range(len(self.cu))])
+        """Per edge, the largest finite |cost| of its corner (0 when none is finite); computed once per
+        :meth:`identity` (edges of one block and classes share it)."""
+        by_identity: dict[tuple, float] = {}
+        out = np.empty(len(self.cu))
+        for e in range(len(self.cu)):
+            key = self.identity(e)
+            if key not in by_identity:
+                by_identity[key] = float(_finite_absmax_per_edge(self.corner(e)[None])[0])
+            out[e] = by_identity[key]
+        return out
 
 
 def factored_classes(rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray, index: np.ndarray | None = None,

@@ -106,7 +106,7 @@ class RaggedEdges:
         # their entries are (a fixed sample compared first, then all). On LLaMA-3 8B's 4-D mesh 87 M
         # entries come down to 25 M (blk and blk_t: 1.4 GB to 0.4 GB of fresh memory).
         self.bptr = np.zeros(len(self.eu) + 1, dtype=np.int64)
-        wholes: list[tuple[int, np.ndarray]] = []  # (offset, raw costs or NaN-padded blocks of a whole part)
+        wholes: list[tuple[int, np.ndarray, bool]] = []  # (offset, raw costs or NaN-padded blocks, padded)
         corners: list[tuple[int, np.ndarray]] = []  # (offset, capped corner) of every distinct corner
         at_identity: dict[tuple, int] = {}  # a corner's identity (ClassCorners.identity) -> its offset
         by_sample: dict[tuple, list[tuple[int, np.ndarray]]] = {}  # (shape, sampled entries) -> corners
@@ -115,7 +115,7 @@ class RaggedEdges:
             if block is None or isinstance(block, np.ndarray):  # a whole part, edge after edge
                 sizes = np.full(len(raw), raw.shape[1] * raw.shape[2]) if block is None else cu * cv
                 self.bptr[e0 : e0 + len(sizes)] = pos + np.cumsum(sizes) - sizes
-                wholes.append((pos, raw if block is None else block))
+                wholes.append((pos, raw if block is None else block, block is not None))
                 pos += int(sizes.sum())
                 e0 += len(sizes)
                 continue
@@ -144,9 +144,9 @@ class RaggedEdges:
             a, b = corner.shape
             self.blk[at : at + a * b] = corner.reshape(-1)
             self.blk_t[at : at + a * b].reshape(b, a)[...] = corner.T
-        for at, source in wholes:
-            valid = ~np.isnan(source)  # raw matrices hold no NaN; NaN-padded blocks: each edge's (cu, cv) corner
-            if not valid.all():
+        for at, source, padded in wholes:
+            if padded:  # each edge's valid (cu, cv) corner of the NaN-padded block
+                valid = ~np.isnan(source)
                 flat, flat_t = source[valid], source.transpose(0, 2, 1)[valid.transpose(0, 2, 1)]
             else:
                 flat, flat_t = source.reshape(-1), source.transpose(0, 2, 1).reshape(-1)
