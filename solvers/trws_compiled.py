@@ -14,9 +14,13 @@ sweep direction reads a contiguous row per destination class), the class of each
 class per state and its raw matrix as block).  ``msg_f[vptr[e]:]`` is the message into ``ev[e]``, ``msg_b[uptr[e]:]`` into ``eu[e]``.
 No padding, so every edge, compressible or not, is one loop.
 
-The functions here are plain Python over numpy arrays; :func:`kernels` compiles them with
-``numba.njit(cache=True)`` on first use (a few seconds once, then read from numba's cache next to
-this file).  Without numba installed, :func:`available` is False and TRW-S runs the numpy kernel.
+The loops themselves are in :mod:`solvers.trws_kernels`, which :func:`kernels` imports on first use
+(numba compiles them once, a few seconds, then reads them from its cache next to that file).
+Without numba installed, :func:`available` is False and TRW-S runs the numpy kernel.
+
+The min-plus products of a level with enough entries run on numba's threads
+(:func:`sweep_plan`); the result is the same, bit for bit, on any number of threads.
+``NUMBA_NUM_THREADS=1`` keeps every sweep on one thread.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from dataclasses import dataclass
+import os
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +39,12 @@ log = logging.getLogger(__name__)
 
 #: entries of a class block compared first when looking for an equal one (all are compared on a match)
 _CORNER_SAMPLE = 64
+#: a level's products go to the threads from this many class-block entries: a launch costs ~1-10 µs,
+#: a level of this size ~30 µs on one thread (0.3 ns an entry, the 2-core machine of the benchmarks)
+THREADED_LEVEL_ENTRIES = 100_000
+#: entries of one work item (rows of one edge's block); each item also rebuilds its edge's source
+#: minima (one pass over the source's states), so items much smaller than this waste that pass
+ITEM_ENTRIES = 65_536
 
 
 def available() -> bool:
@@ -42,11 +54,35 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The compiled functions (see the module docstring for the arrays they take)."""
+    """The compiled functions (see :mod:`solvers.trws_kernels` for the arrays they take), how many
+    threads a sweep may use, and what keeps those threads safe (:class:`ThreadGate`)."""
 
     sweep: Any
     edge_bound: Any
     energy: Any
+    threads: int = 1
+    gate: "ThreadGate" = field(default_factory=lambda: ThreadGate())
+
+
+class ThreadGate:
+    """Serialises threaded sweeps within a process and keeps a forked child off the threads.
+
+    numba's thread pools do not all take launches from two Python threads at once (its
+    ``workqueue`` layer aborts), and GNU OpenMP's (its ``omp`` layer here) cannot be used again in
+    a child forked after it started: the child would abort at its first threaded sweep. So one
+    threaded sweep at a time, and a process other than the one that first used the threads sweeps
+    on one thread (the same result)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.owner_pid: int | None = None
+
+    def usable(self) -> bool:
+        """Whether this process may use the threads (and, from now on, owns them)."""
+        pid = os.getpid()
+        if self.owner_pid is None:
+            self.owner_pid = pid
+        return self.owner_pid == pid
 
 
 def warm() -> bool:
@@ -59,8 +95,69 @@ def kernels() -> Kernels:
     """Compile (or load from numba's on-disk cache) the kernels; raises ImportError without numba."""
     import numba
 
-    jit = numba.njit(cache=True, nogil=True)
-    return Kernels(jit(_sweep), jit(_edge_bound), jit(_energy))
+    from . import trws_kernels
+
+    return Kernels(trws_kernels.sweep, trws_kernels.edge_bound, trws_kernels.energy, threads=numba.get_num_threads())
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """Which levels of one sweep direction run their products on threads, and each thread's work
+    items there: rows ``item_d0[i]:item_d1[i]`` of edge ``item_e[i]``'s product; thread ``t`` of
+    level ``L`` has items ``item_ptr[L * threads + t] : item_ptr[L * threads + t + 1]``."""
+
+    threaded: np.ndarray  # bool per level
+    item_ptr: np.ndarray
+    item_e: np.ndarray
+    item_d0: np.ndarray
+    item_d1: np.ndarray
+
+    @property
+    def any_threaded(self) -> bool:
+        return bool(self.threaded.any())
+
+
+def sweep_plan(level_ptr: np.ndarray, order: np.ndarray, src_classes: np.ndarray, dst_classes: np.ndarray,
+               threads: int, *, min_entries: int = THREADED_LEVEL_ENTRIES,
+               item_entries: int = ITEM_ENTRIES) -> SweepPlan:
+    """Deal each level's min-plus products to ``threads`` threads: levels of at least ``min_entries``
+    class-block entries are cut into items of about ``item_entries`` (whole rows of one edge's
+    product), and the items, largest first, each go to the thread with the least work so far
+    (longest-processing-time first: within 4/3 of the best split). Smaller levels, or one thread:
+    not threaded."""
+    n_levels = len(level_ptr) - 1
+    threads = max(1, int(threads))
+    threaded = np.zeros(n_levels, dtype=bool)
+    item_ptr = np.zeros(n_levels * threads + 1, dtype=np.int64)
+    items_e: list[int] = []
+    items_d0: list[int] = []
+    items_d1: list[int] = []
+    entries = src_classes * dst_classes
+    for L in range(n_levels):
+        edges = order[level_ptr[L] : level_ptr[L + 1]]
+        if threads > 1 and int(entries[edges].sum()) >= min_entries:
+            threaded[L] = True
+            items = []  # (entries, edge, first row, end row)
+            for e in edges.tolist():
+                rows, width = int(dst_classes[e]), int(src_classes[e])
+                cuts = np.linspace(0, rows, max(1, min(rows, rows * width // item_entries)) + 1).astype(np.int64)
+                items += [((b - a) * width, e, a, b) for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()) if b > a]
+            loads = np.zeros(threads)
+            dealt: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+            for size, e, a, b in sorted(items, key=lambda item: -item[0]):
+                t = int(np.argmin(loads))
+                loads[t] += size
+                dealt[t].append((e, a, b))
+            for t, mine in enumerate(dealt):
+                for e, a, b in mine:
+                    items_e.append(e)
+                    items_d0.append(a)
+                    items_d1.append(b)
+                item_ptr[L * threads + t + 1] = len(items_e)
+        else:
+            item_ptr[L * threads + 1 : (L + 1) * threads + 1] = len(items_e)
+    as_array = functools.partial(np.asarray, dtype=np.int64)
+    return SweepPlan(threaded, item_ptr, as_array(items_e), as_array(items_d0), as_array(items_d1))
 
 
 class RaggedEdges:
@@ -72,10 +169,11 @@ class RaggedEdges:
     factored), class labels and counts of rows and columns, and the padded class block (NaN
     padding; :class:`solvers.marginal.ClassCorners` for edges given factored) or None (the edge's
     raw matrix is used, one class per state).  ``big``: the finite stand-in of a forbidden pair.
+    ``threads``: how many threads a sweep may use (default: numba's, :func:`kernels`).
     """
 
     def __init__(self, parts, n_states: np.ndarray, offsets: np.ndarray, gamma: np.ndarray, big: float,
-                 lev_f: np.ndarray, lev_b: np.ndarray) -> None:
+                 lev_f: np.ndarray, lev_b: np.ndarray, threads: int | None = None) -> None:
         eu, ev, lu, lv, mu, mv = [], [], [], [], [], []
         for raw, u, v, lab_u, cu, lab_v, cv, block in parts:
             if block is None:  # one class per state: the raw matrix is the block
@@ -168,6 +266,14 @@ class RaggedEdges:
         self.vorder_f, self.vlevel_ptr_f = _by_level(lev_f, n_lev_f)
         m = 1 + int(max(self.mu.max(initial=0), self.mv.max(initial=0)))
         self._s1, self._s2 = np.empty(m), np.empty(m)
+        # each edge's min-plus product (its destination classes: mv forward, mu backward), and who computes what
+        self.prod_ptr = ptr(np.maximum(self.mu, self.mv))
+        self.prod = np.empty(self.prod_ptr[-1])
+        threads = kernels().threads if threads is None else threads
+        self.plan_f = sweep_plan(self.level_ptr_f, self.order_f, self.mu, self.mv, threads)
+        self.plan_b = sweep_plan(self.level_ptr_b, self.order_b, self.mv, self.mu, threads)
+        self._serial_f = sweep_plan(self.level_ptr_f, self.order_f, self.mu, self.mv, 1)
+        self._serial_b = sweep_plan(self.level_ptr_b, self.order_b, self.mv, self.mu, 1)
 
     def sweep(self, forward: bool, unary: np.ndarray, lo: np.ndarray, hi: np.ndarray,
               x: np.ndarray | None) -> None:
@@ -176,10 +282,22 @@ class RaggedEdges:
         xx = x if x is not None and forward else np.zeros(len(self.n_states), dtype=np.int64)
         cond = np.zeros(len(unary)) if decode else np.zeros(0)
         levels = (self.level_ptr_f, self.order_f) if forward else (self.level_ptr_b, self.order_b)
-        kernels().sweep(forward, *levels, self.vlevel_ptr_f, self.vorder_f, self.eu, self.ev, self.uptr, self.vptr,
-                        self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk, self.blk_t, self.gamma, self.offsets,
-                        self.n_states, unary, lo, hi, self.msg_f, self.msg_b, decode, xx, cond, self._s1, self._s2,
-                        self.lows)
+        plan = self.plan_f if forward else self.plan_b
+        k = kernels()
+
+        def run(plan: SweepPlan) -> None:
+            k.sweep(forward, *levels, self.vlevel_ptr_f, self.vorder_f, self.eu, self.ev, self.uptr, self.vptr,
+                    self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk, self.blk_t, self.gamma, self.offsets,
+                    self.n_states, unary, lo, hi, self.msg_f, self.msg_b, decode, xx, cond, self._s1, self.prod,
+                    self.prod_ptr, self.lows, plan.threaded, plan.item_ptr, plan.item_e, plan.item_d0, plan.item_d1)
+
+        if not plan.any_threaded:
+            run(plan)
+        elif k.gate.usable():
+            with k.gate.lock:
+                run(plan)
+        else:  # a child forked from the process that started the threads
+            run(self._serial_f if forward else self._serial_b)
 
     def forward_constants(self) -> float:
         """The sum over edges of the last forward sweep's normalising constants: right after that sweep,
@@ -208,124 +326,3 @@ def _by_level(lev: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices sorted by level (stable) and the start of every level among them."""
     order = np.argsort(lev, kind="stable").astype(np.int64)
     return order, np.searchsorted(lev[order], np.arange(n_levels + 1)).astype(np.int64)
-
-
-def _sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, blk_t,
-           gamma, offsets, n_states, unary, lo, hi, msg_f, msg_b, decode, x, cond, hm, nc, lows):  # pragma: no cover
-    """One sweep, level by level. Forward: messages from every edge's earlier endpoint into its later
-    one, ``lo`` (messages from earlier neighbours) kept in step; with ``decode``, before a level's
-    edges its variables take the state minimising unary + messages from later neighbours + the
-    costs to their already decoded earlier neighbours (``cond``). Backward: from the later endpoint
-    into the earlier one, ``hi`` kept in step. ``hm``, ``nc``: scratch of the largest class count.
-    ``lows``: per edge, the forward message's normalising constant (written by the forward sweep)."""
-    for L in range(len(level_ptr) - 1):
-        if decode:
-            for k in range(vlevel_ptr[L], vlevel_ptr[L + 1]):
-                v = vorder[k]
-                o = offsets[v]
-                best, arg = np.inf, 0
-                for s in range(n_states[v]):
-                    t = unary[o + s] + hi[o + s] + cond[o + s]
-                    if t < best:
-                        best, arg = t, s
-                x[v] = arg
-        for k in range(level_ptr[L], level_ptr[L + 1]):
-            e = order[k]
-            if forward:  # block entry (class of src, class of dst) at src * stride_src + dst * stride_dst
-                src, dst, ps, pd, lsrc, ldst, cs, cd = eu[e], ev[e], uptr[e], vptr[e], lu, lv, mu[e], mv[e]
-                stride_src, stride_dst, into, back, acc, rows = mv[e], 1, msg_f, msg_b, lo, blk_t
-            else:
-                src, dst, ps, pd, lsrc, ldst, cs, cd = ev[e], eu[e], vptr[e], uptr[e], lv, lu, mv[e], mu[e]
-                stride_src, stride_dst, into, back, acc, rows = 1, mv[e], msg_b, msg_f, hi, blk
-            os, od, pb, g = offsets[src], offsets[dst], bptr[e], gamma[src]
-            for c in range(cs):
-                hm[c] = np.inf
-            for s in range(n_states[src]):
-                i = os + s
-                h = g * (unary[i] + lo[i] + hi[i]) - back[ps + s]
-                c = lsrc[ps + s]
-                if h < hm[c]:
-                    hm[c] = h
-            # min-plus product: nc[d] = min over c of hm[c] + cost(c, d), reading one contiguous row
-            # per destination class (forward: the transposed blocks), four running minima per row
-            # (independent, so the loop is not bound by one chain of min latencies)
-            low = np.inf
-            for d in range(cd):
-                row = pb + d * cs
-                b0 = b1 = b2 = b3 = np.inf
-                c = 0
-                while c + 4 <= cs:
-                    b0 = min(b0, hm[c] + rows[row + c])
-                    b1 = min(b1, hm[c + 1] + rows[row + c + 1])
-                    b2 = min(b2, hm[c + 2] + rows[row + c + 2])
-                    b3 = min(b3, hm[c + 3] + rows[row + c + 3])
-                    c += 4
-                while c < cs:
-                    b0 = min(b0, hm[c] + rows[row + c])
-                    c += 1
-                best = min(min(b0, b1), min(b2, b3))
-                nc[d] = best
-                low = min(low, best)
-            if forward:
-                lows[e] = low
-            for t in range(n_states[dst]):
-                new = nc[ldst[pd + t]] - low
-                acc[od + t] += new - into[pd + t]
-                into[pd + t] = new
-            if decode:
-                row = pb + lsrc[ps + x[src]] * stride_src
-                for t in range(n_states[dst]):
-                    cond[od + t] += blk[row + ldst[pd + t] * stride_dst]
-
-
-def _edge_bound(eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, blk, gamma, offsets, n_states, theta, msg_f,
-                msg_b, hu, hv):  # pragma: no cover
-    """Sum over edges of ``min_{i,j} blk[i, j] + gamma_u * theta_u[i] - msg_b[i] - msg_f[j]`` (the edge parts
-    of :meth:`solvers.trws.TRWS.lower_bound`)."""
-    total = 0.0
-    for e in range(len(eu)):
-        u, v = eu[e], ev[e]
-        cu, cv, ou, pu, pv, pb = mu[e], mv[e], offsets[u], uptr[e], vptr[e], bptr[e]
-        g = gamma[u]
-        for c in range(cu):
-            hu[c] = np.inf
-        for d in range(cv):
-            hv[d] = np.inf
-        for s in range(n_states[u]):
-            h = g * theta[ou + s] - msg_b[pu + s]
-            c = lu[pu + s]
-            if h < hu[c]:
-                hu[c] = h
-        for t in range(n_states[v]):
-            h = -msg_f[pv + t]
-            d = lv[pv + t]
-            if h < hv[d]:
-                hv[d] = h
-        b0 = b1 = b2 = b3 = np.inf  # four running minima: independent chains (see _sweep)
-        for c in range(cu):
-            row, h = pb + c * cv, hu[c]
-            d = 0
-            while d + 4 <= cv:
-                b0 = min(b0, blk[row + d] + h + hv[d])
-                b1 = min(b1, blk[row + d + 1] + h + hv[d + 1])
-                b2 = min(b2, blk[row + d + 2] + h + hv[d + 2])
-                b3 = min(b3, blk[row + d + 3] + h + hv[d + 3])
-                d += 4
-            while d < cv:
-                b0 = min(b0, blk[row + d] + h + hv[d])
-                d += 1
-        total += min(min(b0, b1), min(b2, b3))
-    return total
-
-
-def _energy(eu, ev, uptr, vptr, lu, lv, mv, bptr, blk, offsets, unary, x, big):  # pragma: no cover
-    """Unary plus edge costs of assignment ``x``; +inf at the first forbidden pair (a cost ``>= big``)."""
-    total = 0.0
-    for v in range(len(x)):
-        total += unary[offsets[v] + x[v]]
-    for e in range(len(eu)):
-        c = blk[bptr[e] + lu[uptr[e] + x[eu[e]]] * mv[e] + lv[vptr[e] + x[ev[e]]]]
-        if c >= big:
-            return np.inf
-        total += c
-    return total

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import solvers
-from solvers import trws, trws_compiled
+from solvers import trws, trws_compiled, trws_kernels
 from test_solvers import TOL, brute_or_none, random_problem, with_budget
 
 HAS_NUMBA = trws_compiled.available()
@@ -20,7 +20,7 @@ HAS_NUMBA = trws_compiled.available()
 def compiled(monkeypatch):
     """The compiled kernel: numba's when installed, else the same functions interpreted."""
     if not HAS_NUMBA:
-        plain = trws_compiled.Kernels(trws_compiled._sweep, trws_compiled._edge_bound, trws_compiled._energy)
+        plain = trws_compiled.Kernels(trws_kernels.sweep, trws_kernels.edge_bound, trws_kernels.energy)
         monkeypatch.setattr(trws_compiled, "kernels", lambda: plain)
         monkeypatch.setattr(trws_compiled, "available", lambda: True)
     return "numba"
@@ -259,3 +259,103 @@ def test_edges_given_the_same_corner_share_one_copy(compiled):
     best = brute_or_none(dense)
     sol = solvers.solve(factored, "trws", kernel=compiled, reduce=False)
     assert best is not None and sol.energy >= best.energy - TOL and sol.lower_bound <= best.energy + TOL
+
+
+def _threaded(tr: trws.TRWS, threads: int) -> trws.TRWS:
+    """``tr`` with every level of both sweeps dealt to ``threads`` threads in items of a few entries."""
+    e = tr.edges
+    e.plan_f = trws_compiled.sweep_plan(e.level_ptr_f, e.order_f, e.mu, e.mv, threads, min_entries=0, item_entries=6)
+    e.plan_b = trws_compiled.sweep_plan(e.level_ptr_b, e.order_b, e.mv, e.mu, threads, min_entries=0, item_entries=6)
+    return tr
+
+
+def _sweep_state(tr: trws.TRWS, sweeps: int) -> list[np.ndarray]:
+    x = np.zeros(tr.p.n_vars, dtype=np.int64)
+    seen = []
+    for _ in range(sweeps):
+        tr.sweep(True, x)
+        seen += [x.copy(), tr.edges.lows.copy()]
+        tr.sweep(False)
+    return seen + [tr.edges.msg_f, tr.edges.msg_b, tr.msum_lo, tr.msum_hi]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_sweep_plan_deals_every_row_once(threads):
+    """Each row of each edge's product in a threaded level is one item's, on one thread; the threads'
+    loads are within the longest-processing-time bound (the mean plus the largest item)."""
+    rng = np.random.default_rng(threads)
+    n_edges = 40
+    level = rng.integers(0, 6, n_edges)
+    order = np.argsort(level, kind="stable")
+    level_ptr = np.searchsorted(level[order], np.arange(7))
+    src, dst = rng.integers(1, 30, n_edges), rng.integers(1, 30, n_edges)
+    plan = trws_compiled.sweep_plan(level_ptr, order, src, dst, threads, min_entries=500, item_entries=40)
+    entries = [int((src * dst)[order[level_ptr[L]:level_ptr[L + 1]]].sum()) for L in range(6)]
+    assert plan.threaded.tolist() == [w >= 500 for w in entries] and plan.any_threaded
+    for L in range(6):
+        at = L * threads
+        if not plan.threaded[L]:  # no items: one thread runs the level's edges in order
+            assert plan.item_ptr[at + threads] == plan.item_ptr[at]
+            continue
+        covered = {int(e): np.zeros(dst[e], dtype=int) for e in order[level_ptr[L]:level_ptr[L + 1]]}
+        loads = []
+        for t in range(threads):
+            items = range(plan.item_ptr[at + t], plan.item_ptr[at + t + 1])
+            loads.append(sum((plan.item_d1[i] - plan.item_d0[i]) * src[plan.item_e[i]] for i in items))
+            for i in items:
+                covered[int(plan.item_e[i])][plan.item_d0[i]:plan.item_d1[i]] += 1
+        assert all((c == 1).all() for c in covered.values()), L
+        largest = max((plan.item_d1[i] - plan.item_d0[i]) * src[plan.item_e[i]]
+                      for i in range(plan.item_ptr[at], plan.item_ptr[at + threads]))
+        assert max(loads) <= entries[L] / threads + largest
+    threaded_edges = sum(int(level_ptr[L + 1] - level_ptr[L]) for L in range(6) if plan.threaded[L])
+    assert len(plan.item_e) > threaded_edges  # large products were cut into several items
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_threaded_sweeps_equal_one_thread_bit_for_bit(compiled, seed):
+    """Products dealt to threads in small items (rows of one edge split over threads) leave every
+    message, normalising constant and decoded assignment exactly as one thread makes them."""
+    p = _mixed_problem(seed, n=60)
+    one = trws.TRWS(p, kernel=compiled)
+    many = _threaded(trws.TRWS(p, kernel=compiled), 3)
+    assert many.edges.plan_f.threaded.all() and len(many.edges.plan_f.item_e) > len(many.edges.eu)
+    for got, ref in zip(_sweep_state(many, 6), _sweep_state(one, 6)):
+        np.testing.assert_array_equal(got, ref)
+
+
+def _sweep_in_child(seed: int, queue) -> None:
+    tr = _threaded(trws.TRWS(_mixed_problem(seed, n=60), kernel="numba"), 2)
+    queue.put([a.tolist() for a in _sweep_state(tr, 3)])
+
+
+@pytest.mark.skipif(not HAS_NUMBA or not hasattr(__import__("os"), "fork"), reason="needs numba and fork")
+def test_threaded_sweeps_after_fork_and_from_two_threads():
+    """A child forked after the parent used the threads sweeps on one thread (GNU OpenMP's pool would
+    abort it) with the same result; two Python threads sweeping at once take turns (numba's workqueue
+    pool aborts on concurrent launches)."""
+    import multiprocessing
+    import threading
+
+    p = _mixed_problem(4, n=60)
+    ref = [a.tolist() for a in _sweep_state(trws.TRWS(p, kernel="numba"), 3)]
+    assert [a.tolist() for a in _sweep_state(_threaded(trws.TRWS(p, kernel="numba"), 2), 3)] == ref
+    assert trws_compiled.kernels().gate.owner_pid == __import__("os").getpid()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_sweep_in_child, args=(4, queue))
+    child.start()
+    got = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0 and got == ref
+    results: list = [None, None]
+
+    def sweep_into(k: int) -> None:
+        results[k] = [a.tolist() for a in _sweep_state(_threaded(trws.TRWS(p, kernel="numba"), 2), 3)]
+
+    workers = [threading.Thread(target=sweep_into, args=(k,)) for k in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert results == [ref, ref]
