@@ -285,11 +285,12 @@ class RaggedEdges:
         plan = self.plan_f if forward else self.plan_b
         k = kernels()
 
-        def run(plan: SweepPlan) -> None:
+        def run(dealt: SweepPlan) -> None:
             k.sweep(forward, *levels, self.vlevel_ptr_f, self.vorder_f, self.eu, self.ev, self.uptr, self.vptr,
                     self.lu, self.lv, self.mu, self.mv, self.bptr, self.blk, self.blk_t, self.gamma, self.offsets,
                     self.n_states, unary, lo, hi, self.msg_f, self.msg_b, decode, xx, cond, self._s1, self.prod,
-                    self.prod_ptr, self.lows, plan.threaded, plan.item_ptr, plan.item_e, plan.item_d0, plan.item_d1)
+                    self.prod_ptr, self.lows, dealt.threaded, dealt.item_ptr, dealt.item_e, dealt.item_d0,
+                    dealt.item_d1)
 
         if not plan.any_threaded:
             run(plan)

@@ -92,7 +92,7 @@ def sweep(forward, level_ptr, order, vlevel_ptr, vorder, eu, ev, uptr, vptr, lu,
     edges its variables take the state minimising unary + messages from later neighbours + the
     costs to their already decoded earlier neighbours (``cond``). Backward: from the later endpoint
     into the earlier one, ``hi`` kept in step. ``hm``: scratch of the largest class count; ``prod``:
-    the products, ``prod_ptr[e]`` where edge ``e``'s start. ``lows``: per edge, the forward message's
+    the products, edge ``e``'s from ``prod_ptr[e]``. ``lows``: per edge, the forward message's
     normalising constant (written by the forward sweep). Levels with ``threaded[L]`` run their
     products on threads, thread ``t``'s items at ``item_ptr[L * n + t] : item_ptr[L * n + t + 1]``
     (``n`` threads)."""
