@@ -116,6 +116,12 @@ class SweepPlan:
     def any_threaded(self) -> bool:
         return bool(self.threaded.any())
 
+    @classmethod
+    def one_thread(cls, n_levels: int) -> SweepPlan:
+        """Every level on the calling thread (no items)."""
+        none = np.zeros(0, dtype=np.int64)
+        return cls(np.zeros(n_levels, dtype=bool), np.zeros(n_levels + 1, dtype=np.int64), none, none, none)
+
 
 def sweep_plan(level_ptr: np.ndarray, order: np.ndarray, src_classes: np.ndarray, dst_classes: np.ndarray,
                threads: int, *, min_entries: int = THREADED_LEVEL_ENTRIES,
@@ -272,8 +278,6 @@ class RaggedEdges:
         threads = kernels().threads if threads is None else threads
         self.plan_f = sweep_plan(self.level_ptr_f, self.order_f, self.mu, self.mv, threads)
         self.plan_b = sweep_plan(self.level_ptr_b, self.order_b, self.mv, self.mu, threads)
-        self._serial_f = sweep_plan(self.level_ptr_f, self.order_f, self.mu, self.mv, 1)
-        self._serial_b = sweep_plan(self.level_ptr_b, self.order_b, self.mv, self.mu, 1)
 
     def sweep(self, forward: bool, unary: np.ndarray, lo: np.ndarray, hi: np.ndarray,
               x: np.ndarray | None) -> None:
@@ -298,7 +302,7 @@ class RaggedEdges:
             with k.gate.lock:
                 run(plan)
         else:  # a child forked from the process that started the threads
-            run(self._serial_f if forward else self._serial_b)
+            run(SweepPlan.one_thread(len(levels[0]) - 1))
 
     def forward_constants(self) -> float:
         """The sum over edges of the last forward sweep's normalising constants: right after that sweep,
