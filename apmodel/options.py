@@ -184,6 +184,17 @@ class PlanOptions:
                    "gradient's reductions are priced as their share of one bucket (0: each alone, as the "
                    "interpreter and parallelize(bucket_cap_mb=0) run them).", toml="cost.bucket_MB",
         flag="--bucket-mb", kind="float", range="[0, inf)", unit="MB, 2^20 bytes")
+    overlap: bool = option(
+        True, help="Price the step as the native program runs it: each collective issued as soon as its input "
+                   "exists and waited just before its first reader, parameter gathers prefetched, so "
+                   "communication hides behind computation where the dependencies allow (the objective is "
+                   "the simulated step); off: compute and communication summed, each collective waited as "
+                   "issued, and parallelize runs so.", toml="cost.overlap", flag="--overlap", kind="bool")
+    inflight_mb: float = option(
+        100.0, help="Most bytes of collectives in flight at once in the overlapped program (prefetched "
+                    "parameter gathers, gradient reductions not yet waited); a collective larger than this "
+                    "runs alone.", toml="cost.inflight_mb", flag="--inflight-mb", kind="float", range="(0, inf)",
+        unit="MB, 2^20 bytes")
     topology: Mapping[str, Any] = option(
         default_factory=dict, help="Overrides of the device's topology: " + "; ".join(
             f"{k} ({s.help})" for k, s in TOPOLOGY_SPECS.items()) + ".",
@@ -391,7 +402,8 @@ class PlanOptions:
         """The options a plan file recorded (keys of other kinds, e.g. ``model``, are ignored).
 
         Plans saved before this record existed keep their meaning: ``memory_limit_GB`` (1e9
-        bytes), a plan without ``bucket_mb`` was priced with every collective alone (0), and
+        bytes), a plan without ``bucket_mb`` was priced with every collective alone (0), one without
+        ``overlap`` serially, and
         other missing keys take today's defaults."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in record.items() if k in names and v is not None}
@@ -399,6 +411,8 @@ class PlanOptions:
             values["memory_limit_bytes"] = float(record["memory_limit_GB"]) * 1e9
         if "bucket_mb" not in record:  # a plan from before bucket pricing: every collective priced alone
             values["bucket_mb"] = 0.0
+        if "overlap" not in record:  # a plan from before overlap pricing: priced and run serially
+            values["overlap"] = False
         for key in ("compute_model", "comm_model"):
             if isinstance(values.get(key), str) and values[key].startswith("<object "):
                 raise OptionsError(f"the plan was priced with a {key} object ({values[key][8:-1]}) that a plan file "

@@ -25,6 +25,7 @@ from apmodel.clustering import local_signature
 from apmodel.cost_labels import node_labels
 from apmodel.option_spec import is_int, is_number
 from apmodel.regions import region_of
+from apmodel.step_timeline import step_timeline
 from apmodel.strategies import Strategy
 
 if TYPE_CHECKING:
@@ -225,6 +226,11 @@ class Plan:
     #: The pipeline this plan is a stage plan of (:meth:`apmodel.pipeline_record.PipelineChoice.to_json`:
     #: degree, schedule, microbatches, stages, price, alternatives); None for a plan without one.
     pipeline: dict[str, Any] | None = None
+    #: The step as the program runs it (:mod:`apmodel.step_timeline`): ``enabled`` (priced with
+    #: overlap), ``step_us`` (= ``objective_us``), ``exposed_comm_us``, ``hidden_comm_us``,
+    #: ``serial_us`` (compute + communication summed), ``peak_inflight_bytes``, ``inflight_mb``;
+    #: empty in files written before overlap was priced (those were priced serially).
+    overlap: dict[str, Any] = field(default_factory=dict)
     # Transient: what the plan was solved on (not saved).
     model: "PlacementModel | None" = field(default=None, repr=False, compare=False)
 
@@ -256,6 +262,7 @@ class Plan:
             comm_us=breakdown["comm_us"],
             comm_by_collective=breakdown["comm_by_collective"],
             per_layer=breakdown["per_layer"],
+            overlap=breakdown["overlap"],
             solver=dict(solver),
             sizes=pmodel.summary(),
             timings=dict(timings),
@@ -297,6 +304,7 @@ class Plan:
             "warnings": list(self.warnings),
             "memory": dict(self.memory),
             **({} if self.pipeline is None else {"pipeline": self.pipeline}),
+            **({"overlap": dict(self.overlap)} if self.overlap else {}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -375,6 +383,15 @@ class Plan:
                 raise _bad(source, f"memory[{k!r}]", "a number of bytes or null", v)
             if v is not None:
                 _finite(source, f"memory[{k!r}]", float(v))
+        overlap = dict(_str_keyed(source, "overlap", data.get("overlap", {}), "an object"))
+        for k, v in overlap.items():
+            if k == "enabled":
+                if not isinstance(v, bool):
+                    raise _bad(source, "overlap['enabled']", "true or false", v)
+            elif not is_number(v) or float(v) < 0:
+                raise _bad(source, f"overlap[{k!r}]", "a number >= 0", v)
+            else:
+                _finite(source, f"overlap[{k!r}]", float(v))
         return cls(
             mesh_shape=mesh_shape,
             fingerprint=data["fingerprint"],
@@ -393,6 +410,7 @@ class Plan:
             node_ranks=node_ranks,
             param_ndim=param_ndim,
             pipeline=pipeline,
+            overlap=overlap,
         )
 
     @classmethod
@@ -476,11 +494,14 @@ def planned_edges(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy
 
 
 def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> dict[str, Any]:
-    """Objective of ``node_strategy`` under ``pmodel``'s costs, broken down (all in µs)."""
+    """Objective of ``node_strategy`` under ``pmodel``'s costs, broken down (all in µs): the step
+    (``overlap``: the timeline of :mod:`apmodel.step_timeline` when the cost context prices overlap,
+    else the serial sum), compute and communication sums, per collective and per layer."""
     cost = pmodel.cost
     compute_total = 0.0
     per_layer: dict[str, dict[str, float]] = defaultdict(lambda: {"compute_us": 0.0, "comm_us": 0.0})
     compute_memo: dict[Any, float] = {}
+    node_compute: dict[str, float] = {}
     label = node_labels(pmodel.nodes, pmodel.captured.is_backward)  # where each node's cost is booked
     region_nodes = [n for n in pmodel.nodes if n.op == "call_function" and region_of(n.target) is not None]
     for n in pmodel.nodes:
@@ -489,6 +510,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
         c = compute_memo.get(key)
         if c is None:
             c = compute_memo[key] = float(cost.compute_vector(n, [s])[0])
+        node_compute[n.name] = c
         compute_total += c
         per_layer[label[n.name]]["compute_us"] += c
     by_collective: dict[str, float] = defaultdict(float)
@@ -515,8 +537,19 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
         add_steps(tuple(val.shape), val.dtype, pmodel.output_strs(node_strategy[name], 0), want, "outputs")
+    serial = compute_total + comm_total
+    step: dict[str, Any] = {"enabled": False, "step_us": serial, "exposed_comm_us": comm_total, "hidden_comm_us": 0.0,
+                            "serial_us": serial}
+    if getattr(cost, "overlap", False):
+        timeline = step_timeline(pmodel, node_strategy, node_compute, overlap=True, inflight_bytes=cost.inflight_bytes,
+                                 overlap_slowdown=cost.overlap_slowdown)
+        exposed = max(0.0, timeline.step_us - compute_total)
+        step = {"enabled": True, "step_us": timeline.step_us, "exposed_comm_us": exposed,
+                "hidden_comm_us": max(0.0, comm_total - exposed), "serial_us": serial,
+                "peak_inflight_bytes": timeline.peak_inflight_bytes, "inflight_mb": cost.inflight_bytes / 2**20}
     return {
-        "objective_us": compute_total + comm_total,
+        "objective_us": step["step_us"],
+        "overlap": step,
         "compute_us": compute_total,
         "comm_us": comm_total,
         "comm_by_collective": dict(sorted(by_collective.items())),

@@ -182,6 +182,13 @@ class CostContext:
     param_elements: int = 0
     """elements of the model's parameters: bounds a bucket (a small model's gathers fill less than
     the cap); 0: unknown, buckets taken as full"""
+    overlap: bool = False
+    """price the step as the overlapped program runs it (:mod:`apmodel.step_timeline`); False: the
+    serial sum"""
+    inflight_bytes: float = 100 * 2**20
+    """the overlapped program's in-flight limit (bytes)"""
+    overlap_slowdown: float = 0.0
+    """share of a hidden collective's time the computation still loses (the device's)"""
 
     def __post_init__(self) -> None:
         if self.comm is not None and not isinstance(self.comm, CheckedComm):
@@ -467,4 +474,5 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
     return CostContext(
         mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=dtype, hbm_bytes=spec.hbm_GiB * 2**30,
         reduce_dtype=full, master_dtype=full, bucket_bytes=bucket_bytes, param_elements=param_elements,
+        overlap=options.overlap, inflight_bytes=options.inflight_mb * 2**20, overlap_slowdown=spec.overlap_slowdown,
     )

@@ -47,6 +47,14 @@ MEMORY_EFFICIENCY = 0.85
 GPU_LAUNCH_FLOOR_US = 2.0
 #: Minimum time of one operator on a CPU (dispatcher overhead of an eager ATen op), µs.
 CPU_LAUNCH_FLOOR_US = 5.0
+#: Share of a hidden collective's time the computation still loses to it on a GPU: NCCL's kernels
+#: take a few SMs and some HBM bandwidth from the matmuls they run beside (a few per cent in
+#: overlapped FSDP and TP traces); taken as 0.05.
+GPU_OVERLAP_SLOWDOWN = 0.05
+#: The same on CPU processes over gloo: the collective's copies and reductions run on the cores
+#: the computation uses (fitted on a 2-core host, 2 gloo processes, by benchmarks/runtime.py's
+#: overlap rows).
+CPU_OVERLAP_SLOWDOWN = 0.3
 
 #: Ring (Simple protocol) bus bandwidth as a fraction of the NVLink line rate.
 #: H100: nccl-tests reach ~370 GB/s bus bandwidth on 450 GB/s NVLink 4 (docs/design.md,
@@ -105,6 +113,9 @@ class DeviceSpec:
     #: NCCL generation used to pick NCCL's per-architecture caps: "ampere", "hopper",
     #: "blackwell", or "cpu" (no NCCL; a host-memory collective library)
     arch: str = "hopper"
+    #: fraction of a collective's time that the computation still loses while the collective
+    #: runs behind it (see costmodels.overlap.simulate)
+    overlap_slowdown: float = GPU_OVERLAP_SLOWDOWN
 
     def __post_init__(self) -> None:
         if not self.peak_tflops:
@@ -115,6 +126,8 @@ class DeviceSpec:
         for f in ("hbm_TBps", "hbm_GiB", "nic_GBps"):
             if not (getattr(self, f) > 0):
                 raise ValueError(f"device {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
+        if not 0 <= self.overlap_slowdown <= 1:
+            raise ValueError(f"device {self.name!r}: overlap_slowdown must lie in [0, 1], got {self.overlap_slowdown}")
         if not (0 < self.matmul_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
             raise ValueError(f"device {self.name!r}: efficiencies must lie in (0, 1]")
         # freeze the mapping so that a DeviceSpec cannot be mutated through it
@@ -213,7 +226,7 @@ _CPU = DeviceSpec(
                       ring_efficiency=0.8, extra_latency_us=5.0),
     nic_GBps=10e9 / 8 / 1e9, nic_latency_us=20.0,
     launch_floor_us=CPU_LAUNCH_FLOOR_US, matmul_efficiency=0.6, memory_efficiency=0.7,
-    arch="cpu",
+    arch="cpu", overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
 )
 
 #: Read-only table of built-in devices, by canonical name.
