@@ -197,8 +197,7 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
     dtype (one key) that do not depend on one another into one collective per bucket of at most
     ``cap_mb`` MB, in graph order, with Inductor's FX bucketing (``torch._inductor.fx_passes.
     bucketing``, what ``bucket_all_gathers_fx`` and friends turn on under ``torch.compile``); then
-    restores a topological node order and waits for each collective right after issuing it. Each
-    element is gathered or reduced exactly as before.
+    restores a topological node order. Each element is gathered or reduced exactly as before.
 
     Inductor's own passes merge runs of one key only while no collective of another key comes
     between; here each key is bucketed on its own, so the parameters' gathers on a 2-D mesh (axis
@@ -231,14 +230,10 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
             buckets = greedy(gm, cap, of_key, lambda n, key=key: key)
             if buckets:
                 merge(gm, buckets)
-    # back to a topological order, kept as close to the traced one as the merges allow
+    # back to a topological order, kept as close to the traced one as the merges allow (where each
+    # collective is waited is decided after: apmodel.lowering.native)
     sort = getattr(tools_common, "stable_topological_sort", None) or tools_common.legalize_graph
     sort(gm)
-    # each collective waited right after it is issued: one in flight at a time, in the same order
-    # on every rank (gloo aborted a process when several were in flight on a 2x2 mesh)
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and "wait_tensor" in str(node.target) and isinstance(node.args[0], torch.fx.Node):
-            node.args[0].append(node)
     gm.recompile()
 
 

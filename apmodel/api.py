@@ -27,7 +27,7 @@ from apmodel import search
 from apmodel.capture import CapturedGraph, capture
 from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
-from apmodel.lowering.module import DEFAULT_BUCKET_CAP_MB
+from apmodel.lowering.module import DEFAULT_BUCKET_CAP_MB, DEFAULT_INFLIGHT_MB
 from apmodel.pricing import DTYPES, CostContext, build_cost_context
 from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.options import PlanOptions, make_options, run_precision_of
@@ -478,6 +478,7 @@ def parallelize(
     plan: Plan | None = None,
     lowering: str = "native",
     bucket_cap_mb: float | None = None,
+    overlap: bool | None = None,
     options: PlanOptions | None = None,
     **option_values: Any,
 ) -> nn.Module:
@@ -505,6 +506,10 @@ def parallelize(
             (parameter gathers, gradient reductions) merged into buckets of at most this many MB;
             0: one collective per planned step. None (default): the size the plan was priced with
             (the option ``bucket_mb``, 25 MB unless set), so the program runs what was priced.
+        overlap: native lowering: collectives issued as soon as their inputs exist and waited just
+            before their first reader, parameter gathers prefetched, at most the option
+            ``inflight_mb`` in flight; False: each waited as it is issued. None (default): as the
+            plan was priced (the option ``overlap``, on unless set; plans saved before it: off).
 
     Returns the module, with DTensor parameters placed as planned (tied parameters stay one
     Parameter; buffers updated in forward, such as BatchNorm statistics, are written back after
@@ -531,6 +536,7 @@ def parallelize(
         opts = make_options(options, **option_values)
         precision = opts.run_precision
         priced_bucket_mb = opts.bucket_mb
+        priced_overlap, inflight_mb = opts.overlap, opts.inflight_mb
     elif option_values or options is not None or constraints:
         raise TypeError("planning options given together with plan=: the plan is used as it is")
     else:
@@ -538,8 +544,12 @@ def parallelize(
         # plans saved before the option existed were priced per collective, and ran with 25 MB buckets
         recorded = plan.workload.get("bucket_mb")
         priced_bucket_mb = DEFAULT_BUCKET_CAP_MB if recorded is None else float(recorded)
+        priced_overlap = bool(plan.workload.get("overlap", False))  # plans from before it: serial
+        inflight_mb = float(plan.workload.get("inflight_mb") or DEFAULT_INFLIGHT_MB)
     if bucket_cap_mb is None:
         bucket_cap_mb = priced_bucket_mb
+    if overlap is None:
+        overlap = priced_overlap
     # Mixed precision: traced as it runs (bf16 parameters and inputs), so the graph holds the casts
     # the model's code makes at that dtype; the parameters themselves stay in the model's dtype.
     captured = lowering_stage.capture_on_meta(
@@ -556,7 +566,7 @@ def parallelize(
     else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with
         captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
     return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering,
-                                  bucket_cap_mb=bucket_cap_mb)
+                                  bucket_cap_mb=bucket_cap_mb, inflight_mb=inflight_mb if overlap else None)
 
 
 def parallelize_pipeline(

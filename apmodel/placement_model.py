@@ -314,6 +314,16 @@ class PlacementModel:
             state_itemsize=cost.state_itemsize, region_working_bytes=cost.region_working_bytes,
         )
         self._compiled: CompiledModel | None = None
+        #: weight of the parameters' gathers and gradients' reductions in the compiled problem (1:
+        #: their price; less: the overlap surrogate, see apmodel.search.solve_model)
+        self.weight_traffic_scale = 1.0
+
+    def set_weight_traffic_scale(self, scale: float) -> None:
+        """Weigh the parameters' gathers and gradients' reductions by ``scale`` in the compiled
+        problem (the plan is still priced at full price); recompiles on the next solve."""
+        if scale != self.weight_traffic_scale:
+            self.weight_traffic_scale = float(scale)
+            self._compiled = None
 
     # ------------------------------------------------------------------ graph structure
     def _collect_edges(self) -> list[Edge]:
@@ -656,6 +666,7 @@ class PlacementModel:
 
         # Pairwise: redistribution per graph edge, priced once per distinct (strategies, shape) pair.
         matrix_memo: dict[Hashable, Factors] = {}
+        scaled_blocks: dict[int, np.ndarray] = {}  # a shared block scaled once (weight_traffic_scale)
         same_factors: dict[tuple, Factors] = {}  # equal factors (other strategy lists, equal strings) as one object
         terms: dict[tuple[int, int], list[tuple[Factors, bool]]] = {}  # per group pair: (matrix, transposed) in order
         for e in self.edges:
@@ -665,6 +676,12 @@ class PlacementModel:
             factors = matrix_memo.get(key)
             if factors is None:
                 block, rows, cols = self.edge_factors(e)
+                if self.weight_traffic_scale != 1.0 and self.is_bucketed(e):
+                    scaled = scaled_blocks.get(id(block))
+                    if scaled is None:  # forbidden pairs (+inf) stay forbidden
+                        scaled = scaled_blocks[id(block)] = np.where(np.isinf(block), block,
+                                                                     block * self.weight_traffic_scale)
+                    block = scaled
                 factors = same_factors.setdefault((id(block), rows.tobytes(), cols.tobytes()), (block, rows, cols))
                 matrix_memo[key] = factors
             gu, gv = grouping.group_of[e.producer], grouping.group_of[e.consumer]

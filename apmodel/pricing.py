@@ -463,16 +463,18 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
     if options.run_precision is not None and captured is not None and _traced_at(captured, DTYPES[options.run_precision[0]]):
         dtype = None  # traced at the param dtype with the model's own casts: price each tensor as traced
     bucket_bytes = options.bucket_mb * 2**20
+    overlap = options.overlap
     param_elements = 0
     if captured is not None:
         nodes = captured.gm.graph.nodes
         param_elements = sum(n.meta["val"].numel() for n in nodes if captured.roles.get(n.name) == "param")
         if any(n.op == "call_function" and region_of(n.target) is not None for n in nodes):
             # a local_map region issues blocking collectives of its own: the native program then
-            # keeps every collective in traced order, unmerged (apmodel.lowering.native)
+            # keeps every collective in traced order, unmerged and waited as issued (apmodel.lowering.native)
             bucket_bytes = 0.0
+            overlap = False
     return CostContext(
         mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=dtype, hbm_bytes=spec.hbm_GiB * 2**30,
         reduce_dtype=full, master_dtype=full, bucket_bytes=bucket_bytes, param_elements=param_elements,
-        overlap=options.overlap, inflight_bytes=options.inflight_mb * 2**20, overlap_slowdown=spec.overlap_slowdown,
+        overlap=overlap, inflight_bytes=options.inflight_mb * 2**20, overlap_slowdown=spec.overlap_slowdown,
     )

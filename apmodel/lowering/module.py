@@ -43,6 +43,8 @@ LOWERINGS = ("native", "interpret")
 #: Default bucket size of the native program's collectives, in MB (DDP's ``bucket_cap_mb``): the
 #: planning option ``bucket_mb``'s default, the size plans are priced with.
 DEFAULT_BUCKET_CAP_MB: float = default_of("bucket_mb")
+#: Default in-flight limit of the overlapped native program, MB: the planning option ``inflight_mb``'s default.
+DEFAULT_INFLIGHT_MB: float = default_of("inflight_mb")
 
 
 def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
@@ -52,7 +54,8 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
         params = [model.get_parameter(prog.captured.param_fqn[n.name]).to_local() for n in prog.params]
         buffers = [_global(model.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
         inputs = [n.meta["val"] for n in prog.inputs]
-        prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_cap_mb)
+        prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_cap_mb,
+                                    prog.inflight_mb)
     return prog.native
 
 
@@ -161,7 +164,8 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
           local_kernels: Callable[[torch.device], dict] = default_local_kernels,
-          lowering: str = "native", bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB) -> nn.Module:
+          lowering: str = "native", bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+          inflight_mb: float | None = DEFAULT_INFLIGHT_MB) -> nn.Module:
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
 
     ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
@@ -176,7 +180,10 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     ``lowering``: "native" (default) traces the step once into a forward and a backward graph over
     local shards with explicit functional collectives (see :mod:`apmodel.lowering.native`);
     ``torch.compile`` of the returned module compiles them. "interpret" runs the joint graph node by
-    node over DTensors each step (slower; for debugging a plan).
+    node over DTensors each step (slower; for debugging a plan). ``inflight_mb``: the native program
+    issues each collective as soon as its input exists and waits for it just before its first
+    reader, parameter gathers prefetched, at most this many MB in flight (the planning option
+    ``inflight_mb``); None: each collective waited as it is issued (a plan priced without overlap).
 
     Raises ValueError for an unknown ``lowering``, a mesh of the wrong shape, a plan made for another graph (fingerprint), a
     plan with uneven shards, or a plan inconsistent with the graph.
@@ -194,7 +201,8 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
         )
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
-    prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering, bucket_cap_mb=bucket_cap_mb)
+    prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering, bucket_cap_mb=bucket_cap_mb,
+                          inflight_mb=inflight_mb)
     prog.retrace_model = _meta_twin(model, prog.param_dtype)  # structure only (meta tensors): for other input shapes
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them

@@ -41,6 +41,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
 from apmodel.lowering.graph import _flatten, _unflatten
+from apmodel.step_timeline import op_kind
+from costmodels.overlap import ProgramOp, issue_order, serial_order
 
 if TYPE_CHECKING:
     from apmodel.lowering.program import LoweredProgram
@@ -100,12 +102,17 @@ class NativeProgram:
     ``device``, so nothing is allocated and no collective runs. ``bucket_cap_mb``: collectives of
     one kind and process group that do not depend on one another are merged into buckets of at
     most this size, as the plan was priced with the same size (None or 0: one collective per
-    planned step, as a plan made with ``bucket_mb=0`` was priced)."""
+    planned step, as a plan made with ``bucket_mb=0`` was priced). ``inflight_mb``: collectives
+    issued as soon as their inputs exist and waited just before their first reader, parameters'
+    gathers prefetched, at most this many MB in flight (:func:`order_collectives`); None: each
+    waited right after it is issued."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 inputs: Sequence[torch.Tensor], device: torch.device, bucket_cap_mb: float | None = None) -> None:
+                 inputs: Sequence[torch.Tensor], device: torch.device, bucket_cap_mb: float | None = None,
+                 inflight_mb: float | None = None) -> None:
         self.prog = prog
         self.bucket_cap_mb = bucket_cap_mb
+        self.inflight_mb = inflight_mb
         self.device = device
         self.mesh = prog.mesh
         start = time.perf_counter()
@@ -117,9 +124,11 @@ class NativeProgram:
         self._saved_layout: list[Any] = []     # per saved node: its value's structure, leaves as _Layout / constants
         self._output_layouts: list[_Layout | None] = []
         self._regions: list[tuple[Callable, dict, str]] = []
+        self._saved_static: list[bool] = []  # per saved tensor: a parameter's value (prefetchable in backward)
         prog.redistributions = []
         traced = make_fx(lambda p, b, x: self._forward(p, b, x), tracing_mode="fake")(*fake)
-        self.forward_graph: fx.GraphModule = self._finish(traced, "forward")
+        n_static = len(param_locals) + len(buffers)
+        self.forward_graph: fx.GraphModule = self._finish(traced, "forward", [True] * n_static)
         self.forward_redistributions = list(prog.redistributions)
         out_vals = self.forward_graph.graph.find_nodes(op="output")[0].args[0]
         n_out = len(prog.fwd_outputs)
@@ -130,7 +139,8 @@ class NativeProgram:
         prog.redistributions = []
         self._regions = []
         self.backward_graph: fx.GraphModule = self._finish(
-            make_fx(lambda s, t: self._backward(s, t), tracing_mode="fake")(saved_fake, tangents), "backward")
+            make_fx(lambda s, t: self._backward(s, t), tracing_mode="fake")(saved_fake, tangents), "backward",
+            self._saved_static)
         self.backward_redistributions = list(prog.redistributions)
         prog.redistributions = []
         self.trace_s = time.perf_counter() - start
@@ -162,6 +172,7 @@ class NativeProgram:
             self._output_layouts.append(_Layout.of(v))
             outputs.append(v.to_local() if isinstance(v, DTensor) else v)
         saved: list[torch.Tensor] = []
+        param_values = prog.captured.param_value_chain()
         for n in prog.saved:
             leaves, spec = _flatten(env[n])
             layout = []
@@ -169,6 +180,7 @@ class NativeProgram:
                 if isinstance(leaf, torch.Tensor):
                     layout.append(("tensor", _Layout.of(leaf)))
                     saved.append(leaf.to_local() if isinstance(leaf, DTensor) else leaf)
+                    self._saved_static.append(n.name in param_values)
                 else:
                     layout.append(("constant", leaf))
             self._saved_layout.append((spec, layout))
@@ -219,10 +231,12 @@ class NativeProgram:
             grads.append(v.full_tensor() if isinstance(v, DTensor) else v)  # the input was the global tensor
         return tuple(grads)
 
-    def _finish(self, gm: fx.GraphModule, phase: str) -> fx.GraphModule:
-        """The traced graph made lean (no-op aliases dropped, collectives bucketed, frequent ops
-        through their Python bindings) and its region operators turned into :class:`_RegionCall`
-        s with their ranks (in the order they ran: one traced node per region step)."""
+    def _finish(self, gm: fx.GraphModule, phase: str, static: Sequence[bool]) -> fx.GraphModule:
+        """The traced graph made lean (no-op aliases dropped, collectives bucketed and ordered,
+        frequent ops through their Python bindings) and its region operators turned into
+        :class:`_RegionCall` s with their ranks (in the order they ran: one traced node per region
+        step). ``static``: per leading placeholder, whether it is a parameter's value (its
+        collectives may be prefetched)."""
         _drop_aliases(gm.graph)
         gm.graph.eliminate_dead_code()
         region_ops = {target for target, _, _ in self._regions}
@@ -231,6 +245,8 @@ class NativeProgram:
         # right after it is issued, as the interpreter runs it
         if self.bucket_cap_mb and not region_ops:
             gm = _bucketed(gm, self.bucket_cap_mb, phase)
+        # a region's own collectives are blocking: its graph keeps every collective waited as issued
+        order_collectives(gm, None if region_ops else self.inflight_mb, static)
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
         if len(nodes) != len(self._regions):
             raise RuntimeError(f"native {phase} graph: {len(nodes)} region calls traced, {len(self._regions)} run")
@@ -315,7 +331,7 @@ _TORCH_FUNCTIONS = {
 def _count_collectives(gm: fx.GraphModule) -> dict[str, int]:
     counts: dict[str, int] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "namespace", None) in ("_c10d_functional", "c10d_functional"):
+        if n.op == "call_function" and _is_collective(n.target):
             name = overload_packet(n.target).__name__
             if name != "wait_tensor":
                 counts[name] = counts.get(name, 0) + 1
@@ -336,6 +352,74 @@ def _bucketed(gm: fx.GraphModule, cap_mb: float, phase: str) -> fx.GraphModule:
     logger.info("native %s graph: %d collectives bucketed into %d (cap %.0f MB)", phase, sum(before.values()),
                 sum(_count_collectives(candidate).values()), cap_mb)
     return candidate
+
+
+def _program_ops(graph: fx.Graph, static: Sequence[bool]) -> tuple[list[fx.Node], list[ProgramOp]]:
+    """The graph's nodes as a step program (:class:`costmodels.overlap.ProgramOp`): placeholders
+    are sources (static: the leading ``static`` flags), functional collectives issues and waits,
+    views views, the rest compute (heavy as :func:`apmodel.step_timeline.op_kind` says); no durations."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    ops: list[ProgramOp] = []
+    placeholder = 0
+    for n in nodes:
+        inputs = tuple(dict.fromkeys(index[a] for a in n.all_input_nodes))
+        if n.op == "placeholder":
+            ops.append(ProgramOp("source", static=placeholder < len(static) and bool(static[placeholder]), label=n.name))
+            placeholder += 1
+        elif n.op == "get_attr":
+            ops.append(ProgramOp("source", static=True, label=n.name))
+        elif n.op == "call_function" and _is_collective(n.target):
+            if overload_packet(n.target).__name__ == "wait_tensor":
+                producer = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+                if producer is not None and ops[index[producer]].kind == "issue":
+                    ops.append(ProgramOp("wait", (index[producer],), label=n.name))
+                    continue
+                ops.append(ProgramOp("compute", inputs, label=n.name))
+            else:
+                ops.append(ProgramOp("issue", inputs, nbytes=_bytes(n), label=n.name))
+        elif n.op in ("call_function", "call_method"):
+            kind, weight = op_kind(n.target)
+            ops.append(ProgramOp(kind, inputs, weight=weight, label=n.name))  # type: ignore[arg-type]
+        else:  # the output, a call_module
+            ops.append(ProgramOp("compute", inputs, label=n.name))
+    return nodes, ops
+
+
+def _is_collective(target: Any) -> bool:
+    return getattr(target, "namespace", None) in ("_c10d_functional", "c10d_functional")
+
+
+def _bytes(node: fx.Node) -> float:
+    """Bytes a collective holds while in flight: the larger of its output and its inputs."""
+    sizes = [0]
+    for v in [node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)]:
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(t, torch.Tensor):
+                sizes.append(t.numel() * t.element_size())
+    return float(max(sizes))
+
+
+def order_collectives(gm: fx.GraphModule, inflight_mb: float | None, static: Sequence[bool]) -> None:
+    """Put ``gm``'s nodes in the order the program runs: with ``inflight_mb``, each collective
+    issued as soon as its inputs exist and waited just before its first reader, parameters'
+    gathers prefetched, at most ``inflight_mb`` MB in flight (:func:`costmodels.overlap.issue_order`,
+    the order the planner priced); None: each collective waited right after it is issued (a gloo
+    process aborted under load with many in flight on a 2x2 mesh before the limit existed). The
+    order depends on the graph's structure only, so every rank issues its collectives alike."""
+    nodes, ops = _program_ops(gm.graph, static)
+    order = serial_order(ops) if inflight_mb is None else issue_order(ops, inflight_mb * 2**20)
+    cursor = nodes[order[0]]
+    for i in order[1:]:
+        node = nodes[i]
+        if node.op == "output":
+            continue
+        cursor.append(node)
+        cursor = node
+    output = next(n for n in nodes if n.op == "output")
+    cursor.append(output)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _bind_python_calls(graph: fx.Graph) -> None:

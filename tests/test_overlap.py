@@ -1,0 +1,277 @@
+"""Communication overlapped with computation: the order the program runs, its price, and its numerics.
+
+Truths: timelines computed by hand (communication that fits behind compute costs nothing, longer
+communication is exposed by the difference, a chained collective waits for the one it reads);
+the serial sum (overlap off prices exactly compute + communication, the planner's pairwise
+objective); the solver's serial optimum re-priced with overlap (the kept plan is never slower);
+and, on real gloo processes, the same program run with every collective waited as issued (losses
+and gradients equal, rel 1e-6).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import apmodel
+from apmodel.plans import price
+from costmodels.overlap import ProgramError, ProgramOp as Op, issue_order, serial_order, simulate
+
+from _dist_utils import run_distributed
+from _helpers import full_weights
+from _tiny import fixed_tokens, tiny_llama
+from zoo_models import ZOO
+
+
+def _labels(ops, order):
+    return [ops[i].label for i in order]
+
+
+def _gather_before_matmul(comm_us: float) -> list[Op]:
+    """x -> mm0 (100 µs); w gathered (comm_us), then mm1 (50 µs) reads mm0 and the gathered w."""
+    return [Op("source", static=True, label="w"), Op("source", label="x"),
+            Op("compute", (1,), 100.0, weight=1, label="mm0"),
+            Op("issue", (0,), comm_us, lane=0, nbytes=10, label="gather"), Op("wait", (3,), label="wait"),
+            Op("compute", (2, 4), 50.0, weight=1, label="mm1")]
+
+
+def test_communication_that_fits_behind_compute_costs_nothing() -> None:
+    ops = _gather_before_matmul(80.0)
+    order = issue_order(ops, inflight_limit_bytes=100)
+    assert _labels(ops, order) == ["w", "x", "gather", "mm0", "wait", "mm1"]  # issued first, waited last
+    tl = simulate(ops, order)
+    assert tl.step_us == pytest.approx(150.0)
+    assert tl.exposed_comm_us == pytest.approx(0.0) and tl.hidden_comm_us == pytest.approx(80.0)
+
+
+def test_communication_longer_than_compute_is_exposed_by_the_difference() -> None:
+    ops = _gather_before_matmul(130.0)
+    tl = simulate(ops, issue_order(ops, inflight_limit_bytes=100))
+    assert tl.step_us == pytest.approx(100.0 + 30.0 + 50.0)
+    assert tl.exposed_comm_us == pytest.approx(30.0)
+
+
+def test_without_overlap_the_step_is_the_serial_sum() -> None:
+    ops = _gather_before_matmul(80.0)
+    order = serial_order(ops)
+    assert _labels(ops, order) == ["w", "x", "mm0", "gather", "wait", "mm1"]
+    assert simulate(ops, order).step_us == pytest.approx(100.0 + 80.0 + 50.0)
+
+
+def test_an_activation_collective_waits_for_its_producer_and_hides_behind_independent_compute() -> None:
+    # a -> mm_a (40) -> all_reduce (30) -> add reads it; mm_b (60) is independent of the all-reduce
+    ops = [Op("source", label="a"), Op("compute", (0,), 40.0, weight=1, label="mm_a"),
+           Op("issue", (1,), 30.0, lane=1, nbytes=1, label="ar"), Op("wait", (2,), label="wait"),
+           Op("compute", (0,), 60.0, weight=1, label="mm_b"), Op("compute", (3, 4), 5.0, label="add")]
+    order = issue_order(ops, inflight_limit_bytes=10)
+    assert _labels(ops, order) == ["a", "mm_a", "ar", "mm_b", "wait", "add"]
+    tl = simulate(ops, order)
+    assert tl.step_us == pytest.approx(105.0)  # the all-reduce (40..70) ran under mm_b (40..100)
+    serial = simulate(ops, serial_order(ops))
+    assert serial.step_us == pytest.approx(135.0)
+
+
+def _chained_gather(matmuls: int) -> list[Op]:
+    """w gathered on axis 1 (20 µs), then on axis 0 (30 µs), read by the last of ``matmuls`` + 1
+    matmuls (100 µs each, the last 10 µs) of x."""
+    ops = [Op("source", static=True, label="w"), Op("source", label="x"),
+           Op("issue", (0,), 20.0, lane=1, nbytes=1, label="g1"), Op("wait", (2,), label="w1"),
+           Op("issue", (3,), 30.0, lane=0, nbytes=1, label="g0"), Op("wait", (4,), label="w0")]
+    prev = 1
+    for k in range(matmuls):
+        ops.append(Op("compute", (prev,), 100.0, weight=1, label=f"mm{k}"))
+        prev = len(ops) - 1
+    ops.append(Op("compute", (5, prev), 10.0, weight=1, label="last"))
+    return ops
+
+
+def test_a_chained_collective_is_waited_once_a_heavy_op_ran_since_it_was_issued() -> None:
+    ops = _chained_gather(2)
+    order = issue_order(ops, inflight_limit_bytes=10)
+    assert _labels(ops, order) == ["w", "x", "g1", "mm0", "w1", "g0", "mm1", "w0", "last"]
+    tl = simulate(ops, order, keep_spans=True)
+    spans = {ops[i].label: (lane, s, e) for i, lane, s, e in tl.spans}
+    assert spans["g1"][1:] == (0.0, 20.0) and spans["g0"][1:] == (100.0, 130.0)  # the second hop after mm0
+    assert tl.step_us == pytest.approx(210.0)  # both hops hidden
+    # one matmul only: the first hop is waited after it, the second (30 µs) is exposed whole
+    one = _chained_gather(1)
+    assert simulate(one, issue_order(one, 10)).step_us == pytest.approx(100.0 + 30.0 + 10.0)
+
+
+def test_the_inflight_limit_holds_and_a_larger_collective_runs_alone() -> None:
+    # eight parameters' gathers of 40 bytes, each read by its own matmul; limit 100 bytes
+    ops: list[Op] = [Op("source", label="x")]
+    for k in range(8):
+        ops.append(Op("source", static=True, label=f"w{k}"))
+    prev = 0
+    for k in range(8):
+        g = len(ops)
+        ops += [Op("issue", (1 + k,), 10.0, lane=0, nbytes=40, label=f"g{k}"), Op("wait", (g,), label=f"wait{k}")]
+        ops.append(Op("compute", (prev, g + 1), 20.0, weight=1, label=f"mm{k}"))
+        prev = len(ops) - 1
+    order = issue_order(ops, inflight_limit_bytes=100)
+    tl = simulate(ops, order)
+    assert tl.peak_inflight_bytes <= 100
+    assert tl.step_us < simulate(ops, serial_order(ops)).step_us
+    big = [Op("source", static=True), Op("issue", (0,), 1.0, lane=0, nbytes=500), Op("wait", (1,)),
+           Op("compute", (2,), 1.0)]
+    assert simulate(big, issue_order(big, 100)).peak_inflight_bytes == 500  # alone: nothing else in flight
+
+
+def test_orders_are_permutations_that_respect_every_dependency() -> None:
+    # random DAGs of compute, views and collectives: every op once, every input before its reader
+    import random
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        ops: list[Op] = [Op("source", static=rng.random() < 0.5) for _ in range(3)]
+        for _ in range(40):
+            i = len(ops)
+            pick = rng.random()
+            readable = [j for j in range(i) if ops[j].kind != "issue"]
+            if pick < 0.3:
+                ops.append(Op("issue", (rng.choice(readable),), rng.uniform(1, 50), lane=rng.randint(0, 1),
+                              nbytes=rng.uniform(1, 60)))
+                ops.append(Op("wait", (i,)))
+            else:
+                k = rng.randint(1, 3)
+                ops.append(Op("view" if pick < 0.4 else "compute", tuple(sorted(set(rng.sample(readable, min(k, len(readable)))))),
+                              rng.uniform(0, 30), weight=float(rng.random() < 0.5)))
+        for order in (issue_order(ops, 100.0), serial_order(ops)):
+            tl = simulate(ops, order)  # raises on a missing op or a reader before its input
+            assert tl.step_us >= tl.compute_us - 1e-9
+            assert tl.step_us <= tl.compute_us + tl.comm_us + 1e-9 or order == serial_order(ops)
+
+
+def test_a_program_that_reads_a_later_op_is_refused() -> None:
+    with pytest.raises(ProgramError, match="reads only earlier"):
+        issue_order([Op("compute", (1,)), Op("source")], 10)
+    with pytest.raises(ProgramError, match="exactly one issue"):
+        issue_order([Op("source"), Op("wait", (0,))], 10)
+
+
+# ------------------------------------------------------------------------------------------- plans
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.fixture(scope="module")
+def tiny_captured():
+    from apmodel.lowering import capture_on_meta
+
+    tokens, targets = fixed_tokens()
+    return capture_on_meta(tiny_llama("meta"), (tokens,), _lm_loss, targets=(targets,))
+
+
+def test_overlap_off_prices_compute_plus_communication_exactly(tiny_captured) -> None:
+    plan = apmodel.plan(tiny_captured, (2, 2), device="h100", overlap=False)
+    assert plan.objective_us == pytest.approx(plan.compute_us + plan.comm_us, rel=1e-12)
+    assert plan.objective_us == pytest.approx(plan.solver["energy_us"], rel=1e-9)
+    assert plan.overlap["enabled"] is False
+
+
+def test_the_kept_plan_is_never_slower_than_the_serial_optimum_repriced(tiny_captured) -> None:
+    for mesh, device in (((2, 2), "h100"), ((4,), "a100"), ((2, 4), "cpu")):
+        serial = apmodel.plan(tiny_captured, mesh, device=device, overlap=False)
+        overlapped = apmodel.plan(tiny_captured, mesh, device=device)
+        repriced = price(overlapped.model, serial.node_strategy)  # the serial optimum, priced by its step
+        assert overlapped.objective_us <= repriced["objective_us"] + 1e-6, (mesh, device)
+        assert overlapped.objective_us == pytest.approx(overlapped.overlap["step_us"])
+        # the step never costs more than the sum, never less than the computation
+        assert overlapped.compute_us - 1e-6 <= overlapped.objective_us <= overlapped.overlap["serial_us"] + 1e-6
+        candidates = overlapped.solver["overlap_candidates"]
+        assert candidates[0]["weight_traffic_scale"] == 1.0
+        assert candidates[0]["serial_us"] == pytest.approx(serial.objective_us, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------- gloo programs
+def _waits_after_issue(gm) -> list[int]:
+    """For each functional collective of ``gm``: how many nodes lie between it and its wait."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    gaps = []
+    for n in nodes:
+        if n.op == "call_function" and "wait_tensor" in str(n.target) and isinstance(n.args[0], torch.fx.Node):
+            gaps.append(pos[n] - pos[n.args[0]] - 1)
+    return gaps
+
+
+def _inflight_peak_bytes(gm) -> tuple[float, float]:
+    """Most bytes of collectives issued and not yet waited, walking ``gm`` in its order, and the
+    largest single collective."""
+    from apmodel.lowering.native import _bytes, _is_collective
+
+    used = peak = largest = 0.0
+    live: dict[Any, float] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not _is_collective(n.target):
+            continue
+        if "wait_tensor" in str(n.target):
+            used -= live.pop(n.args[0], 0.0)
+        else:
+            live[n] = _bytes(n)
+            used += live[n]
+            peak, largest = max(peak, used), max(largest, live[n])
+    return peak, largest
+
+
+def _overlap_worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    mesh = dist.init_device_mesh("cpu", (2, 2))
+    tokens, targets = fixed_tokens()
+    out: dict[str, Any] = {}
+
+    def run(build, full, args, loss_fn, tgts, **kw) -> dict[str, Any]:
+        with torch.device("meta"):
+            model = build()
+        model = apmodel.parallelize(model, mesh, tuple(a.to("meta") for a in args), loss_fn=loss_fn,
+                                    targets=tuple(t.to("meta") for t in tgts), **kw)
+        model.to_empty(device="cpu")
+        apmodel.lowering.load_full_state_dict(model, full)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses, grads = [], {}
+        for step in range(3):
+            loss = model(*args, *tgts)
+            loss.backward()
+            if step == 0:
+                grads = {k: p.grad.full_tensor() for k, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach().full_tensor()))
+        native = model._apmodel_program.native
+        graphs = (native.forward_graph, native.backward_graph)
+        return {"losses": losses, "grads": grads, "gaps": [g for gm in graphs for g in _waits_after_issue(gm)],
+                "inflight": [_inflight_peak_bytes(gm) for gm in graphs]}
+
+    llama_full = full_weights(tiny_llama("cpu"))
+    for overlap in (True, False):
+        out[("llama", overlap)] = run(lambda: tiny_llama("meta"), llama_full, (tokens,), _lm_loss, (targets,),
+                                      device="h100", overlap=overlap, inflight_mb=0.05)
+    case = next(c for c in ZOO if c.name == "cnn_batchnorm")
+    args, _, tgts = case.step_inputs()
+    weights = full_weights(case.seeded())
+    for overlap in (True, False):
+        out[("cnn_batchnorm", overlap)] = run(case.build, weights, args, case.loss_fn, tgts, device="h100",
+                                              overlap=overlap)
+    return out
+
+
+@pytest.mark.slow
+def test_overlapped_program_equals_the_serial_one_on_2x2_gloo() -> None:
+    out = run_distributed(_overlap_worker, 4, timeout_s=900)[0]
+    for name in ("llama", "cnn_batchnorm"):
+        on, off = out[(name, True)], out[(name, False)]
+        assert on["losses"] == pytest.approx(off["losses"], rel=1e-6), name
+        assert on["grads"].keys() == off["grads"].keys() and on["grads"], name
+        for k, g in off["grads"].items():
+            scale = max(float(g.abs().max()), 1e-12)
+            assert float((on["grads"][k] - g).abs().max()) <= 1e-6 * scale + 1e-8, (name, k)
+        assert all(gap == 0 for gap in off["gaps"]), name  # serial: each wait right after its issue
+        assert any(gap > 0 for gap in on["gaps"]), name  # overlapped: waits moved away from the issues
+    # the in-flight limit (0.05 MB) held in the graphs' order; a collective larger than it runs alone
+    for peak, largest in out[("llama", True)]["inflight"]:
+        assert peak <= max(0.05 * 2**20, largest), (peak, largest)
