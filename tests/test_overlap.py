@@ -176,7 +176,7 @@ def test_overlap_off_prices_compute_plus_communication_exactly(tiny_captured) ->
 def test_the_kept_plan_is_never_slower_than_the_serial_optimum_repriced(tiny_captured) -> None:
     for mesh, device in (((2, 2), "h100"), ((4,), "a100"), ((2, 4), "cpu")):
         serial = apmodel.plan(tiny_captured, mesh, device=device, overlap=False)
-        overlapped = apmodel.plan(tiny_captured, mesh, device=device)
+        overlapped = apmodel.plan(tiny_captured, mesh, device=device, overlap=True)
         repriced = price(overlapped.model, serial.node_strategy)  # the serial optimum, priced by its step
         assert overlapped.objective_us <= repriced["objective_us"] + 1e-6, (mesh, device)
         assert overlapped.objective_us == pytest.approx(overlapped.overlap["step_us"])
