@@ -162,7 +162,7 @@ def _phase_program(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy]
     for n in in_phase:
         inputs = [read(e, f"{e.producer}->{n.name}") for e in by_consumer.get(n.name, []) if e.slot >= 0]
         kind, weight = op_kind(n.target)
-        op_of[n.name] = b.add(ProgramOp(kind, tuple(dict.fromkeys(inputs)), compute_us[n.name], weight=weight,
+        op_of[n.name] = b.add(ProgramOp(kind, tuple(dict.fromkeys(inputs)), compute_us[n.name], weight=weight,  # type: ignore[arg-type]
                                         label=n.name))
     for name, _ in cap.roles.items():  # gradients and buffer updates, at their placeholders' placements
         for e in by_consumer.get(name, []):
@@ -198,7 +198,8 @@ def step_timeline(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy],
     program runs them (``overlap``; ``inflight_bytes`` the in-flight limit) and timed.
     ``compute_us``: each call node's priced compute."""
     phases: dict[str, tuple[list[ProgramOp], Timeline]] = {}
-    start, lanes = 0.0, {}
+    start = 0.0
+    lanes: dict[Any, float] = {}
     for phase in ("forward", "backward"):
         ops = _phase_program(pmodel, node_strategy, phase == "backward", compute_us)
         order = issue_order(ops, inflight_bytes) if overlap else serial_order(ops)

@@ -29,7 +29,8 @@ FULL: dict[str, Any] = {
     "topology": {"gpus_per_node": 8, "intra_GBps": 450.0, "inter_GBps": 50.0, "intra_latency_us": 0.0,
                  "inter_latency_us": 0.0, "nvls": True},
     "cost": {"calibration": "calibration.json", "compute_profile": "profile.json",
-             "compute_model": "mypkg.costs:MyCompute", "comm_model": "mypkg.costs:MyCollectives", "bucket_MB": 25.0},
+             "compute_model": "mypkg.costs:MyCompute", "comm_model": "mypkg.costs:MyCollectives", "bucket_MB": 25.0,
+             "overlap": True, "inflight_mb": 64.0},
     "planner": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25,
                 "optimizer": "sgd", "ac": "selective", "memory_limit_GB": 70.0, "merge_copies": True,
                 "flow_coupling": True, "seeding": True, "seed_radius": 2, "seed_widen_inputs": False,
@@ -75,6 +76,8 @@ compute_profile = "profile.json"
 compute_model = "mypkg.costs:MyCompute"
 comm_model = "mypkg.costs:MyCollectives"
 bucket_MB = 25.0
+overlap = true
+inflight_mb = 64.0
 
 [planner]
 param_policy = "full_shard"
