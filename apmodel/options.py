@@ -185,7 +185,7 @@ class PlanOptions:
                    "interpreter and parallelize(bucket_cap_mb=0) run them).", toml="cost.bucket_MB",
         flag="--bucket-mb", kind="float", range="[0, inf)", unit="MB, 2^20 bytes")
     overlap: bool = option(
-        False, help="Price the step as the native program runs it: each collective issued as soon as its input "
+        True, help="Price the step as the native program runs it: each collective issued as soon as its input "
                    "exists and waited just before its first reader, parameter gathers prefetched, so "
                    "communication hides behind computation where the dependencies allow (the objective is "
                    "the simulated step); off: compute and communication summed, each collective waited as "

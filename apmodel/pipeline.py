@@ -279,13 +279,16 @@ def microbatch_workload(workload: Workload, mesh_shape: Sequence[int], microbatc
 
 def _stage_options(options: PlanOptions, mesh_shape: Sequence[int], axis: int, degree: int) -> PlanOptions:
     """``options`` for the stage mesh: mesh-axis options renumbered; the collective model on the
-    stage mesh's real rank strides (when they are not row-major over its own shape)."""
+    stage mesh's real rank strides (when they are not row-major over its own shape); priced
+    serially: the schedule's timeline adds up each unit's forward and backward (stage_costs), so
+    a stage plan's overlap is not modelled yet."""
     if options.input_placements is not None or options.output_placements is not None:
         raise PipelineError("input_placements / output_placements name mesh axes of the full mesh; they cannot be "
                             "combined with a pipeline axis yet")
     sub, strides = stage_mesh(mesh_shape, axis, degree)
     kept = [i for i in range(len(mesh_shape)) if i != axis or mesh_shape[axis] // degree > 1]
-    changes: dict[str, Any] = {"replicate_axes": tuple(kept.index(a) for a in options.replicate_axes if a in kept)}
+    changes: dict[str, Any] = {"replicate_axes": tuple(kept.index(a) for a in options.replicate_axes if a in kept),
+                               "overlap": False}
     row_major = tuple(math.prod(sub[i + 1:]) for i in range(len(sub)))
     if strides != row_major and options.comm_model is None:
         spec = costmodels.device(options.device) if isinstance(options.device, str) else options.device

@@ -317,6 +317,8 @@ class PlacementModel:
         #: weight of the parameters' gathers and gradients' reductions in the compiled problem (1:
         #: their price; less: the overlap surrogate, see apmodel.search.solve_model)
         self.weight_traffic_scale = 1.0
+        #: compute cost vectors by (local signature, strategy list), priced once per model
+        self._compute_memo: dict[Hashable, np.ndarray] = {}
 
     def set_weight_traffic_scale(self, scale: float) -> None:
         """Weigh the parameters' gathers and gradients' reductions by ``scale`` in the compiled
@@ -652,7 +654,7 @@ class PlacementModel:
         group_states = [self.strategies[ms[0]] for ms in grouping.groups]
 
         # Unary: compute cost of each member, priced once per distinct content.
-        compute_memo: dict[Hashable, np.ndarray] = {}
+        compute_memo = self._compute_memo  # kept across recompiles (constraints and scales leave it valid)
         unary = [np.zeros(len(s)) for s in group_states]
         for g, members in enumerate(grouping.groups):
             for m in members:

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from apmodel.formatting import fmt_bytes, fmt_us
 from apmodel.report_data import (ROLES, Bars, collective_label, layer_bars, memory_bars, natural, natural_item,
-                                 pct, placement_data, recipe_bars, recipe_rows, time_bars)
-from apmodel.report_figures import FONT, Drawing, esc, layout_bars, layout_grid, paint, svg
+                                 pct, placement_data, recipe_bars, recipe_rows, time_bars, timeline_lanes)
+from apmodel.report_figures import FONT, Drawing, esc, layout_bars, layout_grid, layout_lanes, paint, svg
 
 if TYPE_CHECKING:
     from apmodel.plans import Plan
@@ -39,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 def plan_figures(plan: "Plan", *, recipes: Sequence[Any] | None = None,
                  free_plan: "Plan | None" = None) -> list[Drawing]:
-    """The report's figures: placement grid, time breakdown, per layer, memory, recipes (if given)."""
+    """The report's figures: placement grid, time breakdown, per layer, one layer's timeline
+    (with overlap), memory, recipes (if given)."""
     blocks, _ = placement_data(plan)
     out = [layout_grid(blocks, plan.mesh_shape), layout_bars(time_bars(plan)), layout_bars(layer_bars(plan))]
+    out += [layout_lanes(lanes) for lanes in timeline_lanes(plan)]
     mem = memory_bars(plan)
     if mem is not None:
         out.append(layout_bars(mem))
@@ -185,6 +187,10 @@ def plan_page(plan: "Plan", *, recipes: Sequence[Any] | None = None, free_plan: 
     lead = (f"Objective <b>{esc(fmt_us(plan.objective_us))} µs</b> per step: compute {esc(fmt_us(plan.compute_us))} µs "
             f"({pct(plan.compute_us, plan.objective_us)}), communication {esc(fmt_us(plan.comm_us))} µs "
             f"({pct(plan.comm_us, plan.objective_us)})")
+    hidden = plan.overlap.get("hidden_comm_us", 0.0) if plan.overlap.get("enabled") else 0.0
+    if plan.overlap.get("enabled"):
+        lead += (f", of which {esc(fmt_us(hidden))} µs hidden behind computation (serial sum "
+                 f"{esc(fmt_us(plan.overlap['serial_us']))} µs)")
     if mem.get("peak_bytes") is not None:
         lead += f"; peak memory {esc(fmt_bytes(mem['peak_bytes']))} of {esc(fmt_bytes(mem.get('hbm_bytes')))}"
     lead += f'; <span class="{"warn" if warnings else "ok"}">{len(warnings)} warning{"s" * (len(warnings) != 1)}</span>.'
@@ -213,8 +219,10 @@ def plan_page(plan: "Plan", *, recipes: Sequence[Any] | None = None, free_plan: 
                    for k, v in sorted(plan.comm_by_collective.items(), key=lambda kv: -kv[1])]
     body.append('<section id="time"><h2>Compute and communication</h2>'
                 f"{_figure(layout_bars(time_bars(plan)))}"
-                f"{_table(('term', 'µs', 'share'), [('compute', fmt_us(plan.compute_us), pct(plan.compute_us, plan.objective_us))] + collectives + [('total', fmt_us(plan.objective_us), '100.0%')], numeric=(1, 2))}"
-                f"{_figure(layout_bars(layer_bars(plan)))}</section>")
+                f"{_table(('term', 'µs', 'share'), [('compute', fmt_us(plan.compute_us), pct(plan.compute_us, plan.objective_us))] + collectives + ([('hidden behind computation', '-' + fmt_us(hidden), '-' + pct(hidden, plan.objective_us))] if hidden else []) + [('total', fmt_us(plan.objective_us), '100.0%')], numeric=(1, 2))}"
+                f"{_figure(layout_bars(layer_bars(plan)))}"
+                + "".join(_figure(layout_lanes(lanes)) for lanes in timeline_lanes(plan))
+                + "</section>")
 
     mem_bars = memory_bars(plan)
     if mem_bars is None:

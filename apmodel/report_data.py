@@ -227,3 +227,60 @@ def recipe_bars(rows: list[dict[str, Any]]) -> Bars:
             for r in rows if r["objective"] is not None]
     return Bars("recipes-chart", "Found plan versus hand-written recipes (µs per step)", "us", bars,
                  caption="Same cost model, same solver; recipes that do not apply are listed in the table only.")
+
+
+@dataclass
+class Lanes:
+    """One layer's forward or backward on the step's timeline: per lane (``"compute"``, ``"axis 0"``,
+    ...) the spans ``(start µs, end µs, colour key, tooltip)`` from the window's start."""
+
+    id: str
+    title: str
+    lanes: list[tuple[str, list[tuple[float, float, str, str]]]]
+    caption: str = ""
+
+
+def timeline_lanes(plan: "Plan", layer: str | None = None) -> list[Lanes]:
+    """The forward and the backward of one layer (default: the middle one) as the program runs them
+    (:func:`apmodel.step_timeline.step_timeline`, with overlap as priced); empty without the plan's
+    model or without overlap."""
+    from apmodel.cost_labels import node_labels
+    from apmodel.step_timeline import step_timeline
+
+    pm = plan.model
+    if pm is None or not plan.overlap.get("enabled"):
+        return []
+    label = node_labels(pm.nodes, pm.captured.is_backward)
+    layers = sorted({v for v in label.values() if re.fullmatch(r".*\.\d+", v)}, key=natural)
+    if not layers:
+        return []
+    layer = layer if layer in layers else layers[len(layers) // 2]
+    compute = {n.name: float(pm.cost.compute_vector(n, [plan.node_strategy[n.name]])[0]) for n in pm.nodes}
+    tl = step_timeline(pm, plan.node_strategy, compute, overlap=True, inflight_bytes=pm.cost.inflight_bytes,
+                       overlap_slowdown=pm.cost.overlap_slowdown, keep_spans=True)
+    out = []
+    for phase, (ops, timed) in tl.phases.items():
+        spans: dict[str, list[tuple[float, float, str, str]]] = {}
+        for i, lane, start, end in timed.spans:
+            op = ops[i]
+            if op.kind == "issue":
+                kind, _, ends = op.label.partition(" ")
+                producer, _, consumer = ends.partition("->")
+                owner = producer if consumer == "output" else consumer
+                key, name = kind, f"axis {lane}"
+            else:
+                owner, key, name = op.label, "compute", "compute"
+            if label.get(owner) != layer or end <= start:
+                continue
+            spans.setdefault(name, []).append((start, end, key, f"{op.label} {end - start:,.1f} µs"))
+        if "compute" not in spans:
+            continue
+        # the window starts with the layer's computation; a collective prefetched earlier is clipped
+        t0 = min(s for s, _, _, _ in spans["compute"])
+        lanes = [(name, [(max(s, t0) - t0, e - t0, k, tip + (" (started earlier)" if s < t0 else ""))
+                         for s, e, k, tip in spans[name] if e > t0])
+                 for name in ["compute", *sorted(n for n in spans if n != "compute")] if name in spans]
+        out.append(Lanes(f"timeline-{phase}", f"{layer}, {phase}: computation and communication lanes (µs)",
+                         lanes, caption="Each collective on its mesh axis's lane, from its start to its end; the "
+                                        "computation waits where a reader needs a collective not yet done."))
+    return out

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any, Sequence
 
 from apmodel.formatting import fmt_bytes, fmt_us
-from apmodel.report_data import ROLES, Bars, Block, collective_label, pct
+from apmodel.report_data import ROLES, Bars, Block, Lanes, collective_label, pct
 
 #: Fill colours of the bar segments; collectives are shaded lighter on higher mesh axes.
 _SEGMENT_COLOURS = MappingProxyType({
@@ -280,6 +280,35 @@ def layout_bars(b: Bars, width: float = 900.0) -> Drawing:
     d.height = y + pad
     return d
 
+
+
+def layout_lanes(b: Lanes, width: float = 900.0) -> Drawing:
+    """A timeline: one row per lane, each span a box from its start to its end."""
+    pad, row_h, gap = 8.0, 20.0, 6.0
+    label_w = max([_text_width(name, 11) for name, _ in b.lanes] + [40]) + 14
+    plot_w = width - label_w - pad - 40
+    vmax = max([e for _, spans in b.lanes for _, e, _, _ in spans] + [1e-9])
+    step = _nice_step(vmax)
+    vmax = math.ceil(vmax / step - 1e-9) * step
+    d = Drawing(b.id, b.title, width, 0, caption=b.caption)
+    y = top = _title(d, pad) + 4
+    for name, spans in b.lanes:
+        d.shapes.append(_Text(label_w - 8, y + row_h - 5.5, name, 11, anchor="end"))
+        for start, end, key, tip in spans:
+            d.shapes.append(_Rect(label_w + plot_w * start / vmax, y, max(plot_w * (end - start) / vmax, 0.5), row_h,
+                                  _segment_colour(key), tip, stroke="#ffffff"))
+        y += row_h + gap
+    bottom = top + len(b.lanes) * (row_h + gap) - gap
+    d.shapes.append(_Line(label_w, bottom, label_w + plot_w, bottom, "#999999"))
+    for i in range(int(round(vmax / step)) + 1):
+        x = label_w + plot_w * i * step / vmax
+        d.shapes.append(_Line(x, bottom, x, bottom + 4, "#999999"))
+        d.shapes.append(_Text(x, bottom + 16, _tick_label(i * step, "us"), 10, anchor="middle", fill="#555555"))
+    keys = list(dict.fromkeys(k for _, spans in b.lanes for _, _, k, _ in spans if k != "compute"))
+    y = _legend(d, [("compute", _segment_colour("compute"))] + [(collective_label(k), _segment_colour(k)) for k in keys], label_w,
+                bottom + 26, width - pad)
+    d.height = y + pad
+    return d
 
 
 # ------------------------------------------------------------------------------ painters

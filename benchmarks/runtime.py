@@ -131,9 +131,12 @@ def _trainer(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Cal
 
 
 def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe: str | None = None,
-                     planned_for: dict[str, Any] | None = None) -> tuple[Callable[[], float], int]:
+                     planned_for: dict[str, Any] | None = None, plan: Any = None, overlap: bool | None = None,
+                     optimizer: bool = True, keep: list | None = None) -> tuple[Callable[[], float], int]:
     """apmodel's program for ``mesh``; ``planned_for``: the options of the hardware the plan is priced
-    for (default: H100s)."""
+    for (default: H100s); ``plan``: run this plan instead of planning; ``overlap``: as
+    ``parallelize``'s; ``optimizer``: False times forward and backward only (what a plan prices);
+    ``keep``: gets the plan the program runs."""
     device = mesh.device_type
     import apmodel
     from apmodel import recipes
@@ -147,13 +150,79 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
     if recipe is not None:  # the same parallelism as the hand-written baseline, to compare runtimes alone
         r = recipes.get(recipe)
         extra.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
+    if plan is not None:
+        extra = {"plan": plan}
     model = apmodel.parallelize(_build(name, "meta"), mesh, (tokens,), targets=(targets,), loss_fn=_loss,
-                                lowering=lowering, **extra)
+                                lowering=lowering, overlap=overlap, **extra)
+    if keep is not None:
+        keep.append(model._apmodel_program.plan)
     model.to_empty(device=device)
     load_full_state_dict(model, full)
     nodes = sum(1 for n in model._apmodel_program.captured.gm.graph.nodes if n.op == "call_function")
     run = torch.compile(model, fullgraph=True) if compiled else model
+    if not optimizer:
+        return _forward_backward(model, lambda: run(tokens, targets)), nodes
     return _trainer(model, lambda: run(tokens, targets)), nodes
+
+
+def _forward_backward(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Callable[[], float]:
+    def step() -> float:
+        forward().backward()
+        model.zero_grad(set_to_none=True)
+        return 0.0
+
+    return step
+
+
+#: The ranking's plans of the model on --world processes, each (label, how it is made): made for
+#: this machine (``"here"``) or for H100s, a recipe's constraints, ``parallelize`` keywords.
+RANKED_PLANS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("planner, this machine", {"for": "here"}),
+    ("planner, this machine, serial optimum", {"for": "here", "overlap": False}),
+    ("planner, this machine, 1 MB in flight", {"for": "here", "inflight_mb": 1.0}),
+    ("planner, H100", {"for": "h100"}),
+    ("DDP recipe", {"for": "here", "recipe": "ddp"}),
+    ("FSDP recipe", {"for": "here", "recipe": "fsdp"}),
+    ("FSDP recipe, unbucketed", {"for": "here", "recipe": "fsdp", "bucket_mb": 0.0}),
+    ("Megatron TP recipe", {"for": "here", "recipe": "megatron_tp"}),
+    ("Megatron TP+SP recipe", {"for": "here", "recipe": "megatron_tp_sp"}),
+)
+
+
+def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int) -> list[dict[str, Any]]:
+    """Each plan of :data:`RANKED_PLANS`: its step priced for this machine (with overlap, as the
+    program runs it; forward and backward) and measured (median, interleaved rounds)."""
+    import apmodel
+    from apmodel import recipes
+
+    tokens, targets = _batch(name, "cpu")
+    made = []
+    for label, how in RANKED_PLANS:
+        options = dict(here) if how["for"] == "here" else {"device": how["for"]}
+        options.update({k: v for k, v in how.items() if k in ("overlap", "inflight_mb", "bucket_mb")})
+        if "recipe" in how:
+            r = recipes.get(how["recipe"])
+            options.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
+        keep: list[Any] = []
+        step, _ = _apmodel_variant(name, mesh, "native", False, planned_for=options, optimizer=False, keep=keep,
+                                   overlap=how.get("overlap"))
+        run_options = {k: options[k] for k in ("overlap", "inflight_mb", "bucket_mb") if k in options}
+        # the price of the program that runs, on this machine: the plan replayed under this machine's costs
+        priced = apmodel.plan(_build(name, "meta"), tuple(mesh.shape), (tokens.to("meta"),),
+                              targets=(targets.to("meta"),), loss_fn=_loss, replay=keep[0],
+                              **{**here, **run_options})
+        made.append((label, step, priced))
+    measured = _interleaved_median_ms([s for _, s, _ in made], warmup, steps)
+    return [{"model": name, "world": dist_world(), "plan": label, "predicted_ms": p.objective_us / 1e3,
+             "measured_ms": ms, "serial_predicted_ms": p.overlap.get("serial_us", p.objective_us) / 1e3,
+             "hidden_ms": p.overlap.get("hidden_comm_us", 0.0) / 1e3}
+            for (label, _, p), ms in zip(made, measured)]
+
+
+def dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
 
 
 def _calibrate_gloo(out_dir: str) -> dict[str, Any]:
@@ -186,7 +255,9 @@ def _calibrate_gloo(out_dir: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], compile_: bool, warmup: int,
-            steps: int, device: str) -> None:
+            steps: int, device: str, ranking: str = "") -> None:
+    """``ranking``: "" (the variants), "also" (then the ranking on the last model), "only" (the
+    ranking alone, on a 2 x world/2 mesh when world is 4)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -196,12 +267,13 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     rows: list[dict[str, Any]] = []
+    ranked: list[dict[str, Any]] = []
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)
-        mesh = init_device_mesh(device, (world,))
+        mesh = init_device_mesh(device, (2, world // 2) if ranking == "only" and world == 4 else (world,))
         this_machine = _calibrate_gloo(out_dir) if device == "cpu" and world > 1 else None
-        for name in names:
+        for name in names if ranking != "only" else []:
             tokens, targets = _batch(name, device)
             variants: list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]] = []
             if world == 1:
@@ -211,8 +283,12 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
                 variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
             variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False)))
             if this_machine is not None:
+                kept: list[Any] = []
                 variants.append(("apmodel native, plan for this machine",
-                                 lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine)))
+                                 lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine,
+                                                          keep=kept)))
+                variants.append(("apmodel native, plan for this machine, overlap off",  # the same plan, run serially
+                                 lambda: _apmodel_variant(name, mesh, "native", False, plan=kept[0], overlap=False)))
             if world > 1:
                 variants.append(("apmodel native, DDP plan", lambda: _apmodel_variant(name, mesh, "native", False, "ddp")))
                 variants.append(("apmodel native, FSDP plan",
@@ -226,10 +302,13 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
                 if rank == 0:
                     logger.warning("%s, %d process(es), %s: %.2f ms", name, world, label, ms)
             del built
+        if ranking and this_machine is not None:
+            ranked += _ranking(names[-1], mesh, this_machine, warmup, steps)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out_dir, "rows.json").write_text(json.dumps(rows))
+        Path(out_dir, "ranked.json").write_text(json.dumps(ranked))
 
 
 def _plain(name: str, tokens: torch.Tensor, targets: torch.Tensor, device: str = "cpu") -> Callable[[], float]:
@@ -263,11 +342,31 @@ def _fsdp2(name: str, mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) ->
 
 
 def _run(world: int, names: list[str], compile_: bool, warmup: int, steps: int,
-         device: str = "cpu") -> list[dict[str, Any]]:
+         device: str = "cpu", ranking: str = "") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The variants' rows, and the ranking's (with ``ranking``, on the last model)."""
     with tempfile.TemporaryDirectory(prefix="apmodel_runtime_") as tmp:
-        args = (world, os.path.join(tmp, "store"), tmp, names, compile_, warmup, steps, device)
+        args = (world, os.path.join(tmp, "store"), tmp, names, compile_, warmup, steps, device, ranking)
         mp.start_processes(_worker_entry, args=args, nprocs=world, start_method="spawn")
-        return json.loads(Path(tmp, "rows.json").read_text())
+        return json.loads(Path(tmp, "rows.json").read_text()), json.loads(Path(tmp, "ranked.json").read_text())
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(xs, ys).statistic)
+
+
+def ranking_summary(ranked: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per world size: Spearman between predicted and measured steps, and measured / predicted."""
+    out: dict[str, Any] = {}
+    for world in sorted({r["world"] for r in ranked}):
+        rows = [r for r in ranked if r["world"] == world]
+        ratios = [r["measured_ms"] / r["predicted_ms"] for r in rows]
+        out[str(world)] = {"plans": len(rows), "spearman": spearman([r["predicted_ms"] for r in rows],
+                                                                    [r["measured_ms"] for r in rows]),
+                           "measured_over_predicted_min": min(ratios), "measured_over_predicted_max": max(ratios)}
+    return out
 
 
 def _worker_entry(rank: int, *args: Any) -> None:
@@ -303,16 +402,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile (Inductor) variants")
     ap.add_argument("--json", default=None, metavar="PATH", help="write rows and ratios as JSON")
+    ap.add_argument("--ranking", action="store_true",
+                    help="also rank the plans of RANKED_PLANS (last model): predicted against measured steps")
+    ap.add_argument("--ranking-worlds", default="", help="comma-separated further process counts for the ranking "
+                                                         "alone (e.g. 4: a 2x2 mesh)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: one process on one GPU (NCCL), the one-process variants only")
     args = ap.parse_args(argv)
+    args.ranking_worlds = [int(w) for w in args.ranking_worlds.split(",") if w.strip()]
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
-    rows = _run(1, names, not args.no_compile, args.warmup, args.steps, args.device)
+    rows, ranked = _run(1, names, not args.no_compile, args.warmup, args.steps, args.device)
+    ranked = []
     if args.device == "cpu":
-        rows += _run(args.world, names, not args.no_compile, args.warmup, args.steps)
+        more, ranked = _run(args.world, names, not args.no_compile, args.warmup, args.steps,
+                            ranking="also" if args.ranking else "")
+        rows += more
+        for world in args.ranking_worlds:
+            ranked += _run(world, names, False, args.warmup, args.steps, ranking="only")[1]
     where = "CPU, gloo" if args.device == "cpu" else "CUDA, NCCL"
     table = Table(title=f"median step, AdamW, {args.steps} steps after {args.warmup} (torch {torch.__version__}, {where})")
     for col in ("model", "processes", "variant", "step ms", "graph nodes"):
@@ -326,8 +435,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in ratios.items():
         for k, v in s.items():
             console.print(f"{name}: {k} = {v:.2f}")
+    ranks = ranking_summary(ranked) if ranked else {}
+    if ranked:
+        table = Table(title="plans ranked: predicted (priced for this machine, with overlap) and measured step, "
+                            "forward + backward")
+        for col in ("model", "processes", "plan", "predicted ms", "serial ms", "measured ms", "measured / predicted"):
+            table.add_column(col, justify="left" if col in ("model", "plan") else "right")
+        for r in ranked:
+            table.add_row(r["model"], str(r["world"]), r["plan"], f"{r['predicted_ms']:.2f}",
+                          f"{r['serial_predicted_ms']:.2f}", f"{r['measured_ms']:.2f}",
+                          f"{r['measured_ms'] / r['predicted_ms']:.2f}")
+        console.print(table)
+        for world, s in ranks.items():
+            console.print(f"ranking on {world} processes: Spearman {s['spearman']:.2f}, measured / predicted "
+                          f"{s['measured_over_predicted_min']:.2f} to {s['measured_over_predicted_max']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios, "ranked": ranked, "ranking": ranks},
+                                              indent=2))
     return 0
 
 

@@ -190,7 +190,8 @@ def test_one_op_at_two_dtypes_is_two_prices():
                  vocab_size=4096, max_seq_len=512)
     with torch.device("meta"):
         model = build(cfg)
-    found = apmodel.plan(model, (2,), sample_inputs(cfg, 8, 512, device="meta"), mixed_precision=True)
+    found = apmodel.plan(model, (2,), sample_inputs(cfg, 8, 512, device="meta"), mixed_precision=True,
+                         overlap=False)  # the serial price is the solver's objective
     assert found.objective_us == pytest.approx(found.solver["energy_us"], rel=1e-9)
 
 

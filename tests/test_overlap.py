@@ -275,3 +275,16 @@ def test_overlapped_program_equals_the_serial_one_on_2x2_gloo() -> None:
     # the in-flight limit (0.05 MB) held in the graphs' order; a collective larger than it runs alone
     for peak, largest in out[("llama", True)]["inflight"]:
         assert peak <= max(0.05 * 2**20, largest), (peak, largest)
+
+
+def test_the_report_draws_one_layers_timeline_from_the_priced_program(tiny_captured) -> None:
+    from apmodel.report_data import timeline_lanes
+
+    plan = apmodel.plan(tiny_captured, (2, 2), device="h100", overlap=True)
+    drawn = timeline_lanes(plan, "layers.0")
+    assert [lanes.id for lanes in drawn] == ["timeline-forward", "timeline-backward"]
+    compute = sum(e - s for lanes in drawn for name, spans in lanes.lanes if name == "compute" for s, e, _, _ in spans)
+    assert compute == pytest.approx(plan.per_layer["layers.0"]["compute_us"], rel=1e-9)  # every op of the layer once
+    for lanes in drawn:
+        assert all(0 <= s < e for _, spans in lanes.lanes for s, e, _, _ in spans)
+    assert timeline_lanes(apmodel.plan(tiny_captured, (2, 2), device="h100", overlap=False)) == []

@@ -46,7 +46,8 @@ def test_budget_ends_are_full_shard_and_free(captured):
 def test_budget_row_holds_and_objective_falls_as_it_loosens(captured):
     objectives = []
     for high in (0.25, 0.4, 0.6, 1.0):
-        plan = _plan(captured, param_budget_ratio=high)
+        # the serial objective: a looser row can only lower the optimum of the problem solved
+        plan = _plan(captured, param_budget_ratio=high, overlap=False)
         assert _mean_ratio(plan) <= high + 1e-9
         objectives.append(plan.objective_us)
     assert all(b <= a * (1 + 1e-9) for a, b in zip(objectives, objectives[1:])), objectives
