@@ -280,7 +280,8 @@ def _check_png(path: Path) -> np.ndarray:
 def test_write_pngs(plan, tmp_path):
     pytest.importorskip("matplotlib")
     paths = report.write_pngs(plan, tmp_path / "figs")
-    assert sorted(p.name for p in paths) == ["memory.png", "per-layer.png", "placement-grid.png", "time-breakdown.png"]
+    assert sorted(p.name for p in paths) == ["memory.png", "per-layer.png", "placement-grid.png", "time-breakdown.png",
+                                             "timeline-backward.png", "timeline-forward.png"]
     for p in paths:
         _check_png(p)
 
