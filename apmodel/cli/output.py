@@ -28,14 +28,16 @@ def overlapped(plan) -> bool:
 
 
 def step_keys(plan) -> dict[str, Any]:
-    """``step_us``, ``exposed_comm_us``, ``hidden_comm_us``, and the serial objective and the
-    solver's bound on it (``serial_objective_us``, ``serial_lower_bound_us``)."""
+    """``step_us``, ``exposed_comm_us``, ``hidden_comm_us``, the plan's serial objective
+    (``serial_objective_us``), and the serial solve's own objective and the solver's bound on it
+    (``serial_solve_us``, ``serial_lower_bound_us``: the certificate, of the serial problem)."""
     ov = plan.overlap
     lb = plan.solver.get("lower_bound_us")
     return {"step_us": ov.get("step_us", plan.objective_us),
             "exposed_comm_us": ov.get("exposed_comm_us", plan.comm_us),
             "hidden_comm_us": ov.get("hidden_comm_us", 0.0),
             "serial_objective_us": ov.get("serial_us", plan.objective_us),
+            "serial_solve_us": plan.solver.get("energy_us"),
             "serial_lower_bound_us": None if lb is None or not math.isfinite(lb) else float(lb),
             "overlap": overlapped(plan)}
 
