@@ -152,6 +152,8 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
         extra.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
     if plan is not None:
         extra = {"plan": plan}
+    if overlap is not None:
+        extra.pop("overlap", None)  # how the program runs; the plan keeps how it was priced
     model = apmodel.parallelize(_build(name, "meta"), mesh, (tokens,), targets=(targets,), loss_fn=_loss,
                                 lowering=lowering, overlap=overlap, **extra)
     if keep is not None:
@@ -175,12 +177,15 @@ def _forward_backward(model: torch.nn.Module, forward: Callable[[], torch.Tensor
 
 
 #: The ranking's plans of the model on --world processes, each (label, how it is made): made for
-#: this machine (``"here"``) or for H100s, a recipe's constraints, ``parallelize`` keywords.
+#: this machine (``"here"``) or another device, a recipe's constraints (those that need two mesh
+#: axes are left out on one), planning options (bucket and in-flight sizes change the program too).
 RANKED_PLANS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("planner, this machine", {"for": "here"}),
-    ("planner, this machine, serial optimum", {"for": "here", "overlap": False}),
+    ("planner, this machine, serial optimum", {"for": "here", "overlap": False}),  # planned serially, run overlapped
     ("planner, this machine, 1 MB in flight", {"for": "here", "inflight_mb": 1.0}),
+    ("planner, this machine, unbucketed", {"for": "here", "bucket_mb": 0.0}),
     ("planner, H100", {"for": "h100"}),
+    ("planner, A100", {"for": "a100"}),
     ("DDP recipe", {"for": "here", "recipe": "ddp"}),
     ("FSDP recipe", {"for": "here", "recipe": "fsdp"}),
     ("FSDP recipe, unbucketed", {"for": "here", "recipe": "fsdp", "bucket_mb": 0.0}),
@@ -190,7 +195,7 @@ RANKED_PLANS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int) -> list[dict[str, Any]]:
-    """Each plan of :data:`RANKED_PLANS`: its step priced for this machine (with overlap, as the
+    """Each plan of :data:`RANKED_PLANS`, run with overlap: its step priced for this machine (as the
     program runs it; forward and backward) and measured (median, interleaved rounds)."""
     import apmodel
     from apmodel import recipes
@@ -202,15 +207,18 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
         options.update({k: v for k, v in how.items() if k in ("overlap", "inflight_mb", "bucket_mb")})
         if "recipe" in how:
             r = recipes.get(how["recipe"])
-            options.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
+            try:
+                options.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
+            except recipes.NotApplicable:  # tensor parallel recipes need a second mesh axis
+                continue
         keep: list[Any] = []
         step, _ = _apmodel_variant(name, mesh, "native", False, planned_for=options, optimizer=False, keep=keep,
-                                   overlap=how.get("overlap"))
-        run_options = {k: options[k] for k in ("overlap", "inflight_mb", "bucket_mb") if k in options}
+                                   overlap=True)
+        run_options = {k: options[k] for k in ("inflight_mb", "bucket_mb") if k in options}
         # the price of the program that runs, on this machine: the plan replayed under this machine's costs
         priced = apmodel.plan(_build(name, "meta"), tuple(mesh.shape), (tokens.to("meta"),),
                               targets=(targets.to("meta"),), loss_fn=_loss, replay=keep[0],
-                              **{**here, **run_options})
+                              param_policy="free", **{**here, **run_options})  # free: any storage replays
         made.append((label, step, priced))
     measured = _interleaved_median_ms([s for _, s, _ in made], warmup, steps)
     return [{"model": name, "world": dist_world(), "plan": label, "predicted_ms": p.objective_us / 1e3,
