@@ -288,3 +288,55 @@ def test_the_report_draws_one_layers_timeline_from_the_priced_program(tiny_captu
     for lanes in drawn:
         assert all(0 <= s < e for _, spans in lanes.lanes for s, e, _, _ in spans)
     assert timeline_lanes(apmodel.plan(tiny_captured, (2, 2), device="h100", overlap=False)) == []
+
+
+def _inductor_code_worker(rank: int, world: int, overlap: bool = True) -> list[str]:
+    """The code Inductor writes for the overlapped tiny LLaMA's forward and backward on (2,)."""
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    mesh = dist.init_device_mesh("cpu", (world,))
+    tokens, targets = fixed_tokens()
+    with torch.device("meta"):
+        model = tiny_llama("meta")
+    model = apmodel.parallelize(model, mesh, (tokens.to("meta"),), loss_fn=_lm_loss, targets=(targets.to("meta"),),
+                                device="h100", overlap=overlap)
+    model.to_empty(device="cpu")
+    apmodel.lowering.load_full_state_dict(model, full_weights(tiny_llama("cpu")))
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    _, code = run_and_get_code(lambda: compiled(tokens, targets).backward())
+    return code
+
+
+def _kernels_between_issue_and_wait(code: str) -> list[int]:
+    """For each functional collective in Inductor's code: the kernel calls between its issue and its wait."""
+    import re
+
+    lines = code.splitlines()
+    issued: dict[str, int] = {}
+    gaps = []
+    for i, line in enumerate(lines):
+        m = re.search(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)", line)
+        out = re.search(r"torch\.ops\._c10d_functional\.\w+_out\.default\(.*out=(\w+)\)", line)
+        if m or out:
+            issued[(m or out).group(1)] = i
+            continue
+        w = re.search(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)", line)
+        if w and w.group(1) in issued:
+            start = issued.pop(w.group(1))
+            gaps.append(sum(1 for x in lines[start + 1:i] if re.search(r"(cpp_fused|extern_kernels\.|aten\.)", x)))
+    return gaps
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_collectives_overlapped() -> None:
+    """Under torch.compile (default options), Inductor's generated code keeps computation between a
+    collective's issue and its wait, where the native program put it; with overlap off every wait
+    follows its issue, so the check fails if Inductor collapsed the waits."""
+    gaps = {}
+    for overlap in (True, False):
+        code = run_distributed(_inductor_code_worker, 2, overlap, timeout_s=900)[0]
+        gaps[overlap] = [g for c in code for g in _kernels_between_issue_and_wait(c)]
+        assert gaps[overlap], "no functional collective found in Inductor's code"
+    assert any(g > 0 for g in gaps[True]), gaps
+    assert all(g == 0 for g in gaps[False]), gaps
