@@ -542,7 +542,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
                             "serial_us": serial}
     if getattr(cost, "overlap", False):
         timeline = step_timeline(pmodel, node_strategy, node_compute, overlap=True, inflight_bytes=cost.inflight_bytes,
-                                 overlap_slowdown=cost.overlap_slowdown)
+                                 overlap_slowdown=cost.overlap_slowdown, max_inflight=cost.max_inflight)
         exposed = max(0.0, timeline.step_us - compute_total)
         step = {"enabled": True, "step_us": timeline.step_us, "exposed_comm_us": exposed,
                 "hidden_comm_us": max(0.0, comm_total - exposed), "serial_us": serial,

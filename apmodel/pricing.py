@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 import costmodels
+from costmodels.overlap import GLOO_MAX_INFLIGHT
 from apmodel import placements as pl
 from apmodel._torch_private import tree_flatten, tree_unflatten
 from apmodel.regions import is_backward, region_of
@@ -189,6 +190,9 @@ class CostContext:
     """the overlapped program's in-flight limit (bytes)"""
     overlap_slowdown: float = 0.0
     """share of a hidden collective's time the computation still loses (the device's)"""
+    max_inflight: int | None = None
+    """most collectives in flight at once (one on CPU processes over gloo:
+    :data:`costmodels.overlap.GLOO_MAX_INFLIGHT`); None: no count limit"""
 
     def __post_init__(self) -> None:
         if self.comm is not None and not isinstance(self.comm, CheckedComm):
@@ -477,4 +481,5 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
         mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=dtype, hbm_bytes=spec.hbm_GiB * 2**30,
         reduce_dtype=full, master_dtype=full, bucket_bytes=bucket_bytes, param_elements=param_elements,
         overlap=overlap, inflight_bytes=options.inflight_mb * 2**20, overlap_slowdown=spec.overlap_slowdown,
+        max_inflight=GLOO_MAX_INFLIGHT if spec.arch == "cpu" else None,
     )

@@ -257,7 +257,8 @@ def timeline_lanes(plan: "Plan", layer: str | None = None) -> list[Lanes]:
     layer = layer if layer in layers else layers[len(layers) // 2]
     compute = {n.name: float(pm.cost.compute_vector(n, [plan.node_strategy[n.name]])[0]) for n in pm.nodes}
     tl = step_timeline(pm, plan.node_strategy, compute, overlap=True, inflight_bytes=pm.cost.inflight_bytes,
-                       overlap_slowdown=pm.cost.overlap_slowdown, keep_spans=True)
+                       overlap_slowdown=pm.cost.overlap_slowdown, max_inflight=pm.cost.max_inflight,
+                       keep_spans=True)
     out = []
     for phase, (ops, timed) in tl.phases.items():
         spans: dict[str, list[tuple[float, float, str, str]]] = {}

@@ -193,16 +193,17 @@ def _boundary_steps(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy
 
 def step_timeline(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy], compute_us: Mapping[str, float], *,
                   overlap: bool, inflight_bytes: float, overlap_slowdown: float = 0.0,
-                  keep_spans: bool = False) -> StepTimeline:
+                  max_inflight: int | None = None, keep_spans: bool = False) -> StepTimeline:
     """The step of ``node_strategy`` (µs): its forward and backward programs ordered as the native
-    program runs them (``overlap``; ``inflight_bytes`` the in-flight limit) and timed.
+    program runs them (``overlap``; ``inflight_bytes`` the in-flight limit, ``max_inflight`` the
+    most collectives in flight, one on gloo) and timed.
     ``compute_us``: each call node's priced compute."""
     phases: dict[str, tuple[list[ProgramOp], Timeline]] = {}
     start = 0.0
     lanes: dict[Any, float] = {}
     for phase in ("forward", "backward"):
         ops = _phase_program(pmodel, node_strategy, phase == "backward", compute_us)
-        order = issue_order(ops, inflight_bytes) if overlap else serial_order(ops)
+        order = issue_order(ops, inflight_bytes, max_inflight) if overlap else serial_order(ops)
         tl = simulate(ops, order, overlap_slowdown=overlap_slowdown if overlap else 0.0, start_us=start,
                       lanes_free_us=lanes, keep_spans=keep_spans)
         phases[phase] = (ops, tl)

@@ -99,7 +99,15 @@ def _static_rooted(ops: Sequence[ProgramOp]) -> list[bool]:
     return rooted
 
 
-def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float) -> list[int]:
+#: Collectives in flight at once on CPU processes over gloo: one. Several at once (each issued
+#: early, waited late) crashed or timed out a 2- or 4-process gloo group now and then under load
+#: on the 2-core host (a SIGSEGV in one process, "Connection reset by peer" in the others; torch
+#: 2.13, stress runs of benchmarks/runtime.py's kind of program), never with one; one in flight
+#: still runs behind the computation.
+GLOO_MAX_INFLIGHT = 1
+
+
+def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float, max_inflight: int | None = None) -> list[int]:
     """The order the program runs in with overlap (a permutation of ``range(len(ops))``).
 
     * Compute ops that read anything but static values keep their relative order: they are the
@@ -112,8 +120,9 @@ def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float) -> list[i
       likely finished), else they stay blocked until a reader needs it.
     * Waits and views are emitted where they are first read (a wait forced earlier only to make
       room under the limit, oldest first).
-    Deterministic: every rank orders the same program alike, so collectives of one process group
-    are issued in the same order everywhere."""
+    ``max_inflight``: at most this many collectives in flight at once (None: no count limit;
+    :data:`GLOO_MAX_INFLIGHT` on gloo). Deterministic: every rank orders the same program alike,
+    so collectives of one process group are issued in the same order everywhere."""
     _check(ops)
     n = len(ops)
     users: list[list[int]] = [[] for _ in range(n)]
@@ -173,6 +182,8 @@ def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float) -> list[i
                 heapq.heappush(ready_issues, u)
 
     def fits(i: int) -> bool:
+        if max_inflight is not None and len(inflight) >= max_inflight:
+            return False
         return not inflight or state["used"] + ops[i].nbytes <= inflight_limit_bytes
 
     def demand(target: int) -> None:

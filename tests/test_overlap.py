@@ -340,3 +340,18 @@ def test_inductor_keeps_the_collectives_overlapped() -> None:
         assert gaps[overlap], "no functional collective found in Inductor's code"
     assert any(g > 0 for g in gaps[True]), gaps
     assert all(g == 0 for g in gaps[False]), gaps
+
+
+def test_a_count_limit_keeps_one_collective_in_flight() -> None:
+    """gloo's limit (one in flight): the second gather waits until the first is waited, and the
+    first still runs behind the computation."""
+    ops = [Op("source", static=True, label="w0"), Op("source", static=True, label="w1"), Op("source", label="x"),
+           Op("issue", (0,), 50.0, lane=0, nbytes=1, label="g0"), Op("wait", (3,), label="wait0"),
+           Op("issue", (1,), 50.0, lane=0, nbytes=1, label="g1"), Op("wait", (5,), label="wait1"),
+           Op("compute", (2,), 100.0, weight=1, label="mm0"), Op("compute", (4, 7), 100.0, weight=1, label="mm1"),
+           Op("compute", (6, 8), 10.0, weight=1, label="mm2")]
+    order = issue_order(ops, 1e9, max_inflight=1)
+    assert _labels(ops, order) == ["w0", "w1", "x", "g0", "mm0", "wait0", "g1", "mm1", "wait1", "mm2"]
+    assert simulate(ops, order).step_us == pytest.approx(210.0)  # both gathers hidden, one at a time
+    both = issue_order(ops, 1e9)
+    assert _labels(ops, both)[3:5] == ["g0", "g1"]  # without the count limit both lead

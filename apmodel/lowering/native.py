@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
 from apmodel.lowering.graph import _flatten, _unflatten
 from apmodel.step_timeline import op_kind
-from costmodels.overlap import ProgramOp, issue_order, serial_order
+from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
 
 if TYPE_CHECKING:
     from apmodel.lowering.program import LoweredProgram
@@ -246,7 +246,8 @@ class NativeProgram:
         if self.bucket_cap_mb and not region_ops:
             gm = _bucketed(gm, self.bucket_cap_mb, phase)
         # a region's own collectives are blocking: its graph keeps every collective waited as issued
-        order_collectives(gm, None if region_ops else self.inflight_mb, static)
+        order_collectives(gm, None if region_ops else self.inflight_mb, static,
+                          GLOO_MAX_INFLIGHT if self.mesh.device_type == "cpu" else None)
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
         if len(nodes) != len(self._regions):
             raise RuntimeError(f"native {phase} graph: {len(nodes)} region calls traced, {len(self._regions)} run")
@@ -400,15 +401,17 @@ def _bytes(node: fx.Node) -> float:
     return float(max(sizes))
 
 
-def order_collectives(gm: fx.GraphModule, inflight_mb: float | None, static: Sequence[bool]) -> None:
+def order_collectives(gm: fx.GraphModule, inflight_mb: float | None, static: Sequence[bool],
+                      max_inflight: int | None = None) -> None:
     """Put ``gm``'s nodes in the order the program runs: with ``inflight_mb``, each collective
     issued as soon as its inputs exist and waited just before its first reader, parameters'
     gathers prefetched, at most ``inflight_mb`` MB in flight (:func:`costmodels.overlap.issue_order`,
-    the order the planner priced); None: each collective waited right after it is issued (a gloo
-    process aborted under load with many in flight on a 2x2 mesh before the limit existed). The
-    order depends on the graph's structure only, so every rank issues its collectives alike."""
+    the order the planner priced; ``max_inflight`` collectives at most, one on gloo:
+    :data:`costmodels.overlap.GLOO_MAX_INFLIGHT`); None: each collective waited right after it is
+    issued. The order depends on the graph's structure only, so every rank issues its collectives
+    alike."""
     nodes, ops = _program_ops(gm.graph, static)
-    order = serial_order(ops) if inflight_mb is None else issue_order(ops, inflight_mb * 2**20)
+    order = serial_order(ops) if inflight_mb is None else issue_order(ops, inflight_mb * 2**20, max_inflight)
     cursor = nodes[order[0]]
     for i in order[1:]:
         node = nodes[i]
