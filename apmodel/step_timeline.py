@@ -18,7 +18,7 @@ Times in µs, sizes in bytes.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch.fx as fx
@@ -67,26 +67,13 @@ def op_kind(target: Any) -> tuple[str, float]:
 
 
 @dataclass
-class StepTimeline:
-    """The step of one plan (µs): ``step_us`` from the forward's start to the backward's end;
-    ``compute_us`` and ``comm_us`` the sums (what the serial price adds up);
-    ``exposed_comm_us`` the compute lane's waits; ``hidden_comm_us`` the rest of ``comm_us``;
-    ``peak_inflight_bytes`` the most collective bytes in flight; ``phases``: the forward's and the
-    backward's :class:`costmodels.overlap.Timeline` and programs (for drawing)."""
+class StepTimeline(Timeline):
+    """The step of one plan (µs), from the forward's start to the backward's end (the fields of
+    :class:`costmodels.overlap.Timeline` over both), whether it was ordered with ``overlap``, and
+    ``phases``: the forward's and the backward's programs and timelines (for drawing)."""
 
-    step_us: float
-    compute_us: float
-    comm_us: float
-    exposed_comm_us: float
-    hidden_comm_us: float
-    peak_inflight_bytes: float
-    overlap: bool
-    phases: dict[str, tuple[list[ProgramOp], Timeline]]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step_us": self.step_us, "exposed_comm_us": self.exposed_comm_us,
-                "hidden_comm_us": self.hidden_comm_us, "peak_inflight_bytes": self.peak_inflight_bytes,
-                "overlap": self.overlap}
+    overlap: bool = False
+    phases: dict[str, tuple[list[ProgramOp], Timeline]] = field(default_factory=dict)
 
 
 class _ProgramBuilder:

@@ -100,10 +100,11 @@ def _static_rooted(ops: Sequence[ProgramOp]) -> list[bool]:
 
 
 #: Collectives in flight at once on CPU processes over gloo: one. Several at once (each issued
-#: early, waited late) crashed or timed out a 2- or 4-process gloo group now and then under load
-#: on the 2-core host (a SIGSEGV in one process, "Connection reset by peer" in the others; torch
-#: 2.13, stress runs of benchmarks/runtime.py's kind of program), never with one; one in flight
-#: still runs behind the computation.
+#: early, waited late) crashed a 2- or 4-process gloo group now and then on the 2-core host (a
+#: SIGSEGV in one process, "Connection reset by peer" in the others; 2 of 3 one-minute stress runs
+#: on 2 processes, torch 2.13), with gloo's default two worker threads per process group, where
+#: two collectives run at once; never with one worker thread. One in flight still runs behind the
+#: computation.
 GLOO_MAX_INFLIGHT = 1
 
 

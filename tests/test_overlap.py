@@ -22,6 +22,7 @@ from costmodels.overlap import ProgramError, ProgramOp as Op, issue_order, seria
 
 from _dist_utils import run_distributed
 from _helpers import full_weights
+from test_native import _grads_and_losses, _lower
 from _tiny import fixed_tokens, tiny_llama
 from zoo_models import ZOO
 
@@ -226,25 +227,11 @@ def _overlap_worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def run(build, full, args, loss_fn, tgts, **kw) -> dict[str, Any]:
-        with torch.device("meta"):
-            model = build()
-        model = apmodel.parallelize(model, mesh, tuple(a.to("meta") for a in args), loss_fn=loss_fn,
-                                    targets=tuple(t.to("meta") for t in tgts), **kw)
-        model.to_empty(device="cpu")
-        apmodel.lowering.load_full_state_dict(model, full)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        losses, grads = [], {}
-        for step in range(3):
-            loss = model(*args, *tgts)
-            loss.backward()
-            if step == 0:
-                grads = {k: p.grad.full_tensor() for k, p in model.named_parameters() if p.grad is not None}
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss.detach().full_tensor()))
+        model = _lower(build, full, mesh, args, loss_fn, targets=tgts, **kw)
+        r = _grads_and_losses(model, lambda m: m(*args, *tgts))  # 3 AdamW steps, the first step's gradients
         native = model._apmodel_program.native
         graphs = (native.forward_graph, native.backward_graph)
-        return {"losses": losses, "grads": grads, "gaps": [g for gm in graphs for g in _waits_after_issue(gm)],
+        return {**r, "gaps": [g for gm in graphs for g in _waits_after_issue(gm)],
                 "inflight": [_inflight_peak_bytes(gm) for gm in graphs]}
 
     llama_full = full_weights(tiny_llama("cpu"))
