@@ -99,12 +99,12 @@ def _static_rooted(ops: Sequence[ProgramOp]) -> list[bool]:
     return rooted
 
 
-#: Collectives in flight at once on CPU processes over gloo: one. Several at once (each issued
-#: early, waited late) crashed a 2- or 4-process gloo group now and then on the 2-core host (a
-#: SIGSEGV in one process, "Connection reset by peer" in the others; 2 of 3 one-minute stress runs
-#: on 2 processes, torch 2.13), with gloo's default two worker threads per process group, where
-#: two collectives run at once; never with one worker thread. One in flight still runs behind the
-#: computation.
+#: Collectives in flight at once on CPU processes over gloo: one. With several in flight (issued
+#: early, waited late) gloo's two worker threads per process group run two collectives on one
+#: context at once: 6 of 14 one-minute stress runs on 2 and 4 processes crashed (SIGSEGV,
+#: "malloc(): unaligned tcache chunk detected", the other ranks then "Connection reset by peer";
+#: torch 2.13 on the 2-core host), none of 14 with one in flight. One in flight still runs behind
+#: the computation.
 GLOO_MAX_INFLIGHT = 1
 
 
