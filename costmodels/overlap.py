@@ -146,7 +146,6 @@ def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float, max_infli
     # next link starts without waiting for a reader at the end of the step
     feeds_collective = [False] * n
     for i in range(n - 1, -1, -1):
-        op = ops[i]
         feeds_collective[i] = any(ops[u].kind == "issue" or (ops[u].kind in ("view", "wait") and feeds_collective[u])
                                   for u in users[i])
     chain_links = [c for c, w in wait_of.items() if feeds_collective[w]]
