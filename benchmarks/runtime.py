@@ -4,6 +4,7 @@
     python benchmarks/runtime.py --models tiny --json runtime.json
     python benchmarks/runtime.py --no-compile            # skip the Inductor variants (minutes)
     python benchmarks/runtime.py --device cuda --json runtime_cuda.json   # one GPU, one process
+    python benchmarks/runtime.py --models mid --ranking-only --ranking-worlds 4   # plans ranked, 2 and 4 processes
 
 Each variant trains the same model with AdamW (one intra-op thread per process, as on a shared
 2-core machine) and reports the median step (forward, backward, optimizer step) of ``--steps``
@@ -15,7 +16,15 @@ them alike. Variants:
   Inductor, ``fullgraph=True``), and the interpreter (``lowering="interpret"``);
 * ``--world`` processes (default 2): DDP; FSDP2 (``fully_shard`` per block and at the root); apmodel
   on mesh (world,) native eager with its own plan and with the DDP and FSDP recipes' plans (the
-  same communication as the baselines: the runtime compared alone), native compiled, interpreter.
+  same communication as the baselines: the runtime compared alone), native compiled, interpreter;
+  the plan for this machine (below) runs with overlap and, the same plan, without
+  (``parallelize(..., overlap=False)``).
+
+``--ranking``: every plan of :data:`RANKED_PLANS` (the planner's for this machine and for other
+devices, recipes, other bucket and in-flight sizes) run with overlap, forward and backward only,
+its step predicted for this machine (the plan replayed under this machine's costs) against the
+measured median; Spearman's rank correlation and measured / predicted per process count
+(``--ranking-worlds 4``: also on a 2x2 mesh).
 
 The planner's own plan is priced for H100s and NVLink; on gloo over loopback a collective costs
 ~300 µs whatever its size, so a plan with more, smaller collectives can lose here and win there.
@@ -202,6 +211,7 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
 
     tokens, targets = _batch(name, "cpu")
     made = []
+    failed: list[dict[str, Any]] = []
     for label, how in RANKED_PLANS:
         options = dict(here) if how["for"] == "here" else {"device": how["for"]}
         options.update({k: v for k, v in how.items() if k in ("overlap", "inflight_mb", "bucket_mb")})
@@ -212,8 +222,13 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
             except recipes.NotApplicable:  # tensor parallel recipes need a second mesh axis
                 continue
         keep: list[Any] = []
-        step, _ = _apmodel_variant(name, mesh, "native", False, planned_for=options, optimizer=False, keep=keep,
-                                   overlap=True)
+        try:
+            step, _ = _apmodel_variant(name, mesh, "native", False, planned_for=options, optimizer=False, keep=keep,
+                                       overlap=True)
+        except RuntimeError as e:  # every rank runs the same plan, so every rank skips it alike
+            logger.warning("ranking: %s on %s could not run: %s", label, tuple(mesh.shape), str(e).splitlines()[0])
+            failed.append({"model": name, "world": dist_world(), "plan": label, "error": str(e).splitlines()[0]})
+            continue
         run_options = {k: options[k] for k in ("inflight_mb", "bucket_mb") if k in options}
         # the price of the program that runs, on this machine: the plan replayed under this machine's costs
         priced = apmodel.plan(_build(name, "meta"), tuple(mesh.shape), (tokens.to("meta"),),
@@ -224,7 +239,7 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
     return [{"model": name, "world": dist_world(), "plan": label, "predicted_ms": p.objective_us / 1e3,
              "measured_ms": ms, "serial_predicted_ms": p.overlap.get("serial_us", p.objective_us) / 1e3,
              "hidden_ms": p.overlap.get("hidden_comm_us", 0.0) / 1e3}
-            for (label, _, p), ms in zip(made, measured)]
+            for (label, _, p), ms in zip(made, measured)] + failed
 
 
 def dist_world() -> int:
@@ -233,12 +248,12 @@ def dist_world() -> int:
     return dist.get_world_size()
 
 
-def _calibrate_gloo(out_dir: str) -> dict[str, Any]:
+def _calibrate_gloo(out_dir: str, mesh: Any) -> dict[str, Any]:
     """Plan options for this machine: the CPU device with the collective model corrected by
     collectives timed on the world's gloo group now (``apmodel calibrate`` from live timings) and
     the compute model fitted to kernels timed on one thread now (``apmodel calibrate-compute
-    --quick --threads 1``, the benchmark's thread count). Every rank times the collectives;
-    rank 0 times the kernels, fits and writes both, the others wait for it."""
+    --quick --threads 1``, the benchmark's thread count). Every rank times the collectives on
+    each mesh axis's group; rank 0 times the kernels, fits and writes both, the others wait."""
     import torch.distributed as dist
 
     import costmodels
@@ -247,14 +262,14 @@ def _calibrate_gloo(out_dir: str) -> dict[str, Any]:
     from costmodels.collective_timing import time_collectives
     from costmodels.fitting import calibrate_compute
 
-    logs = time_collectives()
+    logs = [(log, axis) for axis in range(mesh.ndim) for log in time_collectives(mesh.get_group(axis))]
     path = Path(out_dir, "gloo_calibration.json")
     profile = Path(out_dir, "cpu_profile.json")
     options = {"device": "cpu", "gpus_per_node": dist.get_world_size()}
     if dist.get_rank() == 0:
-        base = build_cost_context((dist.get_world_size(),), PlanOptions(**options)).comm.model
-        costmodels.Calibration.fit(base, [(log, 0) for log in logs]).save(path)
-        for log in logs:
+        base = build_cost_context(tuple(mesh.shape), PlanOptions(**options)).comm.model
+        costmodels.Calibration.fit(base, logs).save(path)
+        for log, _ in logs:
             logger.warning("gloo %s, %d ranks: %s", log.kind, log.ranks,
                            ", ".join(f"{r.size_bytes // 1024} KiB {r.oop_time_us:.0f} µs" for r in log.rows))
         profile.write_text(calibrate_compute(quick=True, threads=1).profile.dumps(), encoding="utf-8")
@@ -280,7 +295,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
         if device == "cuda":
             torch.cuda.set_device(rank)
         mesh = init_device_mesh(device, (2, world // 2) if ranking == "only" and world == 4 else (world,))
-        this_machine = _calibrate_gloo(out_dir) if device == "cpu" and world > 1 else None
+        this_machine = _calibrate_gloo(out_dir, mesh) if device == "cpu" and world > 1 else None
         for name in names if ranking != "only" else []:
             tokens, targets = _batch(name, device)
             variants: list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]] = []
@@ -369,7 +384,7 @@ def ranking_summary(ranked: list[dict[str, Any]]) -> dict[str, Any]:
     """Per world size: Spearman between predicted and measured steps, and measured / predicted."""
     out: dict[str, Any] = {}
     for world in sorted({r["world"] for r in ranked}):
-        rows = [r for r in ranked if r["world"] == world]
+        rows = [r for r in ranked if r["world"] == world and "error" not in r]
         ratios = [r["measured_ms"] / r["predicted_ms"] for r in rows]
         out[str(world)] = {"plans": len(rows), "spearman": spearman([r["predicted_ms"] for r in rows],
                                                                     [r["measured_ms"] for r in rows]),
@@ -412,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="write rows and ratios as JSON")
     ap.add_argument("--ranking", action="store_true",
                     help="also rank the plans of RANKED_PLANS (last model): predicted against measured steps")
+    ap.add_argument("--ranking-only", action="store_true", help="the ranking alone, on --world and --ranking-worlds")
     ap.add_argument("--ranking-worlds", default="", help="comma-separated further process counts for the ranking "
                                                          "alone (e.g. 4: a 2x2 mesh)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -422,9 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; known: {sorted(MODELS)}")
-    rows, ranked = _run(1, names, not args.no_compile, args.warmup, args.steps, args.device)
-    ranked = []
-    if args.device == "cpu":
+    rows: list[dict[str, Any]] = []
+    ranked: list[dict[str, Any]] = []
+    if args.ranking_only:
+        for world in [args.world, *args.ranking_worlds]:
+            ranked += _run(world, names, False, args.warmup, args.steps, ranking="only")[1]
+    else:
+        rows = _run(1, names, not args.no_compile, args.warmup, args.steps, args.device)[0]
+    if args.device == "cpu" and not args.ranking_only:
         more, ranked = _run(args.world, names, not args.no_compile, args.warmup, args.steps,
                             ranking="also" if args.ranking else "")
         rows += more
@@ -449,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                             "forward + backward")
         for col in ("model", "processes", "plan", "predicted ms", "serial ms", "measured ms", "measured / predicted"):
             table.add_column(col, justify="left" if col in ("model", "plan") else "right")
-        for r in ranked:
+        for r in (r for r in ranked if "error" not in r):
             table.add_row(r["model"], str(r["world"]), r["plan"], f"{r['predicted_ms']:.2f}",
                           f"{r['serial_predicted_ms']:.2f}", f"{r['measured_ms']:.2f}",
                           f"{r['measured_ms'] / r['predicted_ms']:.2f}")
