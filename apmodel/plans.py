@@ -493,10 +493,12 @@ def planned_edges(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy
         yield e, val, src, tuple(pl.to_str(x) for x in dst_p)
 
 
-def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> dict[str, Any]:
+def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy], *, keep_spans: bool = False) -> dict[str, Any]:
     """Objective of ``node_strategy`` under ``pmodel``'s costs, broken down (all in µs): the step
     (``overlap``: the timeline of :mod:`apmodel.step_timeline` when the cost context prices overlap,
-    else the serial sum), compute and communication sums, per collective and per layer."""
+    else the serial sum), compute and communication sums, per collective and per layer;
+    ``timeline``: the :class:`~apmodel.step_timeline.StepTimeline` priced with overlap (with its
+    spans if ``keep_spans``), else None."""
     cost = pmodel.cost
     compute_total = 0.0
     per_layer: dict[str, dict[str, float]] = defaultdict(lambda: {"compute_us": 0.0, "comm_us": 0.0})
@@ -523,26 +525,33 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
             per_layer[label[n.name]]["compute_us"] -= us
             per_layer[label[n.name]]["comm_us"] += us
 
-    def add_steps(shape, dtype, src, dst, layer, gradient=False, bucketed=False):
+    def add_steps(shape, dtype, src, dst, layer, gradient=False, bucketed=False) -> list:
         nonlocal comm_total
-        for kind, axis, _nbytes, us in cost.redistribution_steps(shape, dtype, src, dst, gradient=gradient,
-                                                                 bucketed=bucketed):
+        steps = cost.redistribution_steps(shape, dtype, src, dst, gradient=gradient, bucketed=bucketed)
+        for kind, axis, _nbytes, us in steps:
             by_collective[collective_key(kind, (axis,))] += us
             comm_total += us
             per_layer[layer]["comm_us"] += us
+        return steps
 
-    for e, val, src, dst in planned_edges(pmodel, node_strategy):
-        add_steps(tuple(val.shape), val.dtype, src, dst, label[e.consumer],
-                  gradient=pmodel.is_param_gradient(e), bucketed=pmodel.is_bucketed(e))
+    # each redistribution's collectives, by (producer, output, consumer, slot) and by boundary output:
+    # the step timeline runs the same ones
+    edge_steps = {(e.producer, e.out_index, e.consumer, e.slot): add_steps(
+        tuple(val.shape), val.dtype, src, dst, label[e.consumer], gradient=pmodel.is_param_gradient(e),
+        bucketed=pmodel.is_bucketed(e)) for e, val, src, dst in planned_edges(pmodel, node_strategy)}
+    boundary_steps = {}
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
-        add_steps(tuple(val.shape), val.dtype, pmodel.output_strs(node_strategy[name], 0), want, "outputs")
+        boundary_steps[name] = add_steps(tuple(val.shape), val.dtype, pmodel.output_strs(node_strategy[name], 0), want,
+                                         "outputs")
     serial = compute_total + comm_total
     step: dict[str, Any] = {"enabled": False, "step_us": serial, "exposed_comm_us": comm_total, "hidden_comm_us": 0.0,
                             "serial_us": serial}
+    timeline = None
     if getattr(cost, "overlap", False):
-        timeline = step_timeline(pmodel, node_strategy, node_compute, overlap=True, inflight_bytes=cost.inflight_bytes,
-                                 overlap_slowdown=cost.overlap_slowdown, max_inflight=cost.max_inflight)
+        timeline = step_timeline(pmodel, node_compute, edge_steps, boundary_steps, overlap=True,
+                                 inflight_bytes=cost.inflight_bytes, overlap_slowdown=cost.overlap_slowdown,
+                                 max_inflight=cost.max_inflight, keep_spans=keep_spans)
         exposed = max(0.0, timeline.step_us - compute_total)
         step = {"enabled": True, "step_us": timeline.step_us, "exposed_comm_us": exposed,
                 "hidden_comm_us": max(0.0, comm_total - exposed), "serial_us": serial,
@@ -550,6 +559,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy]) -> di
     return {
         "objective_us": step["step_us"],
         "overlap": step,
+        "timeline": timeline,
         "compute_us": compute_total,
         "comm_us": comm_total,
         "comm_by_collective": dict(sorted(by_collective.items())),

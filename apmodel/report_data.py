@@ -242,10 +242,10 @@ class Lanes:
 
 def timeline_lanes(plan: "Plan", layer: str | None = None) -> list[Lanes]:
     """The forward and the backward of one layer (default: the middle one) as the program runs them
-    (:func:`apmodel.step_timeline.step_timeline`, with overlap as priced); empty without the plan's
+    (the timeline :func:`apmodel.plans.price` prices, with its spans); empty without the plan's
     model or without overlap."""
     from apmodel.cost_labels import node_labels
-    from apmodel.step_timeline import step_timeline
+    from apmodel.plans import price
 
     pm = plan.model
     if pm is None or not plan.overlap.get("enabled"):
@@ -255,10 +255,9 @@ def timeline_lanes(plan: "Plan", layer: str | None = None) -> list[Lanes]:
     if not layers:
         return []
     layer = layer if layer in layers else layers[len(layers) // 2]
-    compute = {n.name: float(pm.cost.compute_vector(n, [plan.node_strategy[n.name]])[0]) for n in pm.nodes}
-    tl = step_timeline(pm, plan.node_strategy, compute, overlap=True, inflight_bytes=pm.cost.inflight_bytes,
-                       overlap_slowdown=pm.cost.overlap_slowdown, max_inflight=pm.cost.max_inflight,
-                       keep_spans=True)
+    tl = price(pm, plan.node_strategy, keep_spans=True)["timeline"]
+    if tl is None:  # the model's costs price no overlap (a plan file's record said otherwise)
+        return []
     out = []
     for phase, (ops, timed) in tl.phases.items():
         spans: dict[str, list[tuple[float, float, str, str]]] = {}

@@ -21,13 +21,9 @@ import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import torch.fx as fx
-
-from apmodel import placements as pl
 from apmodel._torch_private import overload_packet
 from apmodel.capture import ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, ROLE_TANGENT
 from apmodel.regions import region_of
-from apmodel.strategies import Strategy
 from costmodels.overlap import ProgramOp, Timeline, issue_order, serial_order, simulate
 
 if TYPE_CHECKING:
@@ -76,19 +72,24 @@ class StepTimeline(Timeline):
     phases: dict[str, tuple[list[ProgramOp], Timeline]] = field(default_factory=dict)
 
 
+#: a planned redistribution's collectives, ``(kind, mesh axis, bytes, µs)`` each
+Steps = Sequence[tuple[str, int, float, float]]
+#: an edge of the placement model as ``(producer, output index, consumer, input slot)``
+EdgeKey = tuple[str, int, str, int]
+
+
 class _ProgramBuilder:
     """The ops of one phase's program, appended in program order."""
 
     def __init__(self) -> None:
         self.ops: list[ProgramOp] = []
-        self.readers: list[int] = []
 
     def add(self, op: ProgramOp) -> int:
         self.ops.append(op)
         return len(self.ops) - 1
 
-    def chain(self, source: int, steps: Sequence[tuple[str, int, float, float]], label: str) -> int:
-        """A redistribution's collectives (kind, axis, bytes, µs) in turn after ``source``: the last wait."""
+    def chain(self, source: int, steps: Steps, label: str) -> int:
+        """A redistribution's collectives in turn after ``source``: the last wait."""
         at = source
         for kind, axis, nbytes, us in steps:
             issue = self.add(ProgramOp("issue", (at,), float(us), lane=int(axis), nbytes=float(nbytes),
@@ -97,10 +98,9 @@ class _ProgramBuilder:
         return at
 
 
-def _phase_program(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy], backward: bool,
-                   compute_us: Mapping[str, float]) -> list[ProgramOp]:
+def _phase_program(pmodel: PlacementModel, backward: bool, compute_us: Mapping[str, float],
+                   edge_steps: Mapping[EdgeKey, Steps], boundary_steps: Mapping[str, Steps]) -> list[ProgramOp]:
     cap = pmodel.captured
-    cost = pmodel.cost
     static_values = pmodel.param_values
     is_bwd = cap.is_backward
     b = _ProgramBuilder()
@@ -119,31 +119,14 @@ def _phase_program(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy]
             i = op_of[name] = b.add(ProgramOp("source", static=static, label=name))
         return i
 
-    if not backward:
-        for name, role in cap.roles.items():
-            if role in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT):
-                source(name)
-    else:
-        for name, role in cap.roles.items():
-            if role == ROLE_TANGENT:
-                source(name)
-
-    def steps_of(e: Any, dst: tuple[str, ...] | None = None) -> list:
-        prod = pmodel.node_by_name[e.producer]
-        val = prod.meta["val"][e.out_index] if isinstance(prod.meta["val"], (list, tuple)) else prod.meta["val"]
-        src = pmodel.output_strs(node_strategy[e.producer], e.out_index)
-        if dst is None:
-            cons = node_strategy[e.consumer]
-            placement = cons.outputs[0] if e.slot < 0 else cons.inputs[e.slot]
-            dst = None if placement is None else tuple(pl.to_str(x) for x in placement)
-        if src is None or dst is None:
-            return []
-        return cost.redistribution_steps(tuple(val.shape), val.dtype, src, dst, gradient=pmodel.is_param_gradient(e),
-                                         bucketed=pmodel.is_bucketed(e))
+    first_sources = (ROLE_TANGENT,) if backward else (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT)
+    for name, role in cap.roles.items():
+        if role in first_sources:
+            source(name)
 
     def read(e: Any, label: str) -> int:
         at = op_of[e.producer] if e.producer in op_of else source(e.producer)
-        return b.chain(at, steps_of(e), label)
+        return b.chain(at, edge_steps.get((e.producer, e.out_index, e.consumer, e.slot), ()), label)
 
     outputs: list[int] = []
     for n in in_phase:
@@ -151,14 +134,13 @@ def _phase_program(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy]
         kind, weight = op_kind(n.target)
         op_of[n.name] = b.add(ProgramOp(kind, tuple(dict.fromkeys(inputs)), compute_us[n.name], weight=weight,  # type: ignore[arg-type]
                                         label=n.name))
-    for name, _ in cap.roles.items():  # gradients and buffer updates, at their placeholders' placements
+    for name in cap.roles:  # gradients and buffer updates, at their placeholders' placements
         for e in by_consumer.get(name, []):
             if e.slot < 0 and e.producer in phase_names:
                 outputs.append(read(e, f"{e.producer}->{name}"))
-    for name, want in pmodel.boundary_outputs.items():
+    for name, steps in boundary_steps.items():
         if name in phase_names:
-            prod = pmodel.node_by_name[name]
-            outputs.append(b.chain(op_of[name], _boundary_steps(pmodel, node_strategy, prod, want), f"{name}->output"))
+            outputs.append(b.chain(op_of[name], steps, f"{name}->output"))
     read_later: set[str] = set()
     if not backward:  # what the backward reads from the forward is the forward's output
         read_later = {e.producer for e in pmodel.edges if e.producer in phase_names
@@ -169,27 +151,21 @@ def _phase_program(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy]
     return b.ops
 
 
-def _boundary_steps(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy], prod: fx.Node,
-                    want: tuple[str, ...]) -> list:
-    val = prod.meta["val"][0] if isinstance(prod.meta["val"], (list, tuple)) else prod.meta["val"]
-    src = pmodel.output_strs(node_strategy[prod.name], 0)
-    if src is None:
-        return []
-    return pmodel.cost.redistribution_steps(tuple(val.shape), val.dtype, src, want)
-
-
-def step_timeline(pmodel: PlacementModel, node_strategy: Mapping[str, Strategy], compute_us: Mapping[str, float], *,
-                  overlap: bool, inflight_bytes: float, overlap_slowdown: float = 0.0,
-                  max_inflight: int | None = None, keep_spans: bool = False) -> StepTimeline:
-    """The step of ``node_strategy`` (µs): its forward and backward programs ordered as the native
-    program runs them (``overlap``; ``inflight_bytes`` the in-flight limit, ``max_inflight`` the
-    most collectives in flight, one on gloo) and timed.
-    ``compute_us``: each call node's priced compute."""
+def step_timeline(pmodel: PlacementModel, compute_us: Mapping[str, float], edge_steps: Mapping[EdgeKey, Steps],
+                  boundary_steps: Mapping[str, Steps], *, overlap: bool, inflight_bytes: float,
+                  overlap_slowdown: float = 0.0, max_inflight: int | None = None,
+                  keep_spans: bool = False) -> StepTimeline:
+    """The step of a plan (µs): its forward and backward programs ordered as the native program
+    runs them (``overlap``; ``inflight_bytes`` the in-flight limit, ``max_inflight`` the most
+    collectives in flight, one on gloo) and timed. ``compute_us``: each node's priced compute;
+    ``edge_steps`` / ``boundary_steps``: the collectives of each planned redistribution, by edge
+    and by forward output brought to its boundary placement (as :func:`apmodel.plans.price`
+    prices them)."""
     phases: dict[str, tuple[list[ProgramOp], Timeline]] = {}
     start = 0.0
     lanes: dict[Any, float] = {}
     for phase in ("forward", "backward"):
-        ops = _phase_program(pmodel, node_strategy, phase == "backward", compute_us)
+        ops = _phase_program(pmodel, phase == "backward", compute_us, edge_steps, boundary_steps)
         order = issue_order(ops, inflight_bytes, max_inflight) if overlap else serial_order(ops)
         tl = simulate(ops, order, overlap_slowdown=overlap_slowdown if overlap else 0.0, start_us=start,
                       lanes_free_us=lanes, keep_spans=keep_spans)
