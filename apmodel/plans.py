@@ -548,7 +548,7 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy], *, ke
     step: dict[str, Any] = {"enabled": False, "step_us": serial, "exposed_comm_us": comm_total, "hidden_comm_us": 0.0,
                             "serial_us": serial}
     timeline = None
-    if getattr(cost, "overlap", False):
+    if cost.overlap:
         timeline = step_timeline(pmodel, node_compute, edge_steps, boundary_steps, overlap=True,
                                  inflight_bytes=cost.inflight_bytes, overlap_slowdown=cost.overlap_slowdown,
                                  max_inflight=cost.max_inflight, keep_spans=keep_spans)

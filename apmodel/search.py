@@ -111,7 +111,7 @@ def solve_model(
     serial objective)."""
     timings = dict(timings or {})
     plan = _solve_once(pmodel, options, timings, workload)
-    if not getattr(pmodel.cost, "overlap", False) or options.solver == "brute":
+    if not pmodel.cost.overlap or options.solver == "brute":  # brute force: the pairwise problem's exact truth
         return plan
     serial_stats = dict(plan.solver)
     candidates = [(plan, 1.0)]
