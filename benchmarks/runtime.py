@@ -124,16 +124,18 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _trainer(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Callable[[], float]:
+def _trainer(model: torch.nn.Module, forward: Callable[[], torch.Tensor], optimizer: bool = True) -> Callable[[], float]:
+    """One training step; ``optimizer=False``: forward and backward only (what a plan prices)."""
     # foreach: torchtitan's default; the per-tensor loop costs a DTensor dispatch per op and
     # parameter (3.3 ms against 0.75 ms a step on the tiny model), which FSDP2 and apmodel share
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True) if optimizer else None
 
     def step() -> float:
         loss = forward()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
         return 0.0
 
     return step
@@ -171,18 +173,7 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
     load_full_state_dict(model, full)
     nodes = sum(1 for n in model._apmodel_program.captured.gm.graph.nodes if n.op == "call_function")
     run = torch.compile(model, fullgraph=True) if compiled else model
-    if not optimizer:
-        return _forward_backward(model, lambda: run(tokens, targets)), nodes
-    return _trainer(model, lambda: run(tokens, targets)), nodes
-
-
-def _forward_backward(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> Callable[[], float]:
-    def step() -> float:
-        forward().backward()
-        model.zero_grad(set_to_none=True)
-        return 0.0
-
-    return step
+    return _trainer(model, lambda: run(tokens, targets), optimizer), nodes
 
 
 #: The ranking's plans of the model on --world processes, each (label, how it is made): made for
@@ -227,7 +218,8 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
                                        overlap=True)
         except RuntimeError as e:  # every rank runs the same plan, so every rank skips it alike
             logger.warning("ranking: %s on %s could not run: %s", label, tuple(mesh.shape), str(e).splitlines()[0])
-            failed.append({"model": name, "world": dist_world(), "plan": label, "error": str(e).splitlines()[0]})
+            failed.append({"model": name, "world": torch.distributed.get_world_size(), "plan": label,
+                           "error": str(e).splitlines()[0]})
             continue
         run_options = {k: options[k] for k in ("inflight_mb", "bucket_mb") if k in options}
         # the price of the program that runs, on this machine: the plan replayed under this machine's costs
@@ -236,16 +228,11 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
                               param_policy="free", **{**here, **run_options})  # free: any storage replays
         made.append((label, step, priced))
     measured = _interleaved_median_ms([s for _, s, _ in made], warmup, steps)
-    return [{"model": name, "world": dist_world(), "plan": label, "predicted_ms": p.objective_us / 1e3,
+    world = torch.distributed.get_world_size()
+    return [{"model": name, "world": world, "plan": label, "predicted_ms": p.objective_us / 1e3,
              "measured_ms": ms, "serial_predicted_ms": p.overlap.get("serial_us", p.objective_us) / 1e3,
              "hidden_ms": p.overlap.get("hidden_comm_us", 0.0) / 1e3}
             for (label, _, p), ms in zip(made, measured)] + failed
-
-
-def dist_world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()
 
 
 def _calibrate_gloo(out_dir: str, mesh: Any) -> dict[str, Any]:
@@ -373,21 +360,17 @@ def _run(world: int, names: list[str], compile_: bool, warmup: int, steps: int,
         return json.loads(Path(tmp, "rows.json").read_text()), json.loads(Path(tmp, "ranked.json").read_text())
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (ties get their mean rank)."""
+def ranking_summary(ranked: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per world size: Spearman's rank correlation (ties at their mean rank) between predicted and
+    measured steps, and measured / predicted."""
     from scipy.stats import spearmanr
 
-    return float(spearmanr(xs, ys).statistic)
-
-
-def ranking_summary(ranked: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per world size: Spearman between predicted and measured steps, and measured / predicted."""
     out: dict[str, Any] = {}
     for world in sorted({r["world"] for r in ranked}):
         rows = [r for r in ranked if r["world"] == world and "error" not in r]
         ratios = [r["measured_ms"] / r["predicted_ms"] for r in rows]
-        out[str(world)] = {"plans": len(rows), "spearman": spearman([r["predicted_ms"] for r in rows],
-                                                                    [r["measured_ms"] for r in rows]),
+        out[str(world)] = {"plans": len(rows), "spearman": float(spearmanr([r["predicted_ms"] for r in rows],
+                                                                               [r["measured_ms"] for r in rows]).statistic),
                            "measured_over_predicted_min": min(ratios), "measured_over_predicted_max": max(ratios)}
     return out
 

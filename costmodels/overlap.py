@@ -148,10 +148,7 @@ def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float, max_infli
     for i in range(n - 1, -1, -1):
         feeds_collective[i] = any(ops[u].kind == "issue" or (ops[u].kind in ("view", "wait") and feeds_collective[u])
                                   for u in users[i])
-    chain_links = [c for c, w in wait_of.items() if feeds_collective[w]]
-    is_link = [False] * n
-    for c in chain_links:
-        is_link[c] = True
+    is_link = [i in wait_of and feeds_collective[wait_of[i]] for i in range(n)]
     # a view a collective reads is taken as soon as it can be, so the collective is not held back
     eager_view = [op.kind == "view" and any(ops[u].kind == "issue" or feeds_collective[u] for u in users[i])
                   for i, op in enumerate(ops)]
