@@ -144,7 +144,7 @@ def test_orders_are_permutations_that_respect_every_dependency() -> None:
         for order in (issue_order(ops, 100.0), serial_order(ops)):
             tl = simulate(ops, order)  # raises on a missing op or a reader before its input
             assert tl.step_us >= tl.compute_us - 1e-9
-            assert tl.step_us <= tl.compute_us + tl.comm_us + 1e-9 or order == serial_order(ops)
+            assert tl.step_us <= tl.compute_us + tl.comm_us + 1e-9
 
 
 def test_a_program_that_reads_a_later_op_is_refused() -> None:
