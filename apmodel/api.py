@@ -565,8 +565,16 @@ def parallelize(
         plan = lowering_stage.plan_on_one_rank(solve, mesh)
     else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with
         captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
+        opts = PlanOptions.from_record(plan.workload)
+
+    def replan(other: CapturedGraph, pins: Sequence[Any]) -> Plan:
+        """The step traced in other module modes (eval), planned like this one around the stored parameters."""
+        return lowering_stage.plan_on_one_rank(
+            lambda: plan_workload(Workload(other, tuple(mesh.shape)), opts, constraints=pins).plan, mesh)
+
     return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering,
-                                  bucket_cap_mb=bucket_cap_mb, inflight_mb=inflight_mb if overlap else None)
+                                  bucket_cap_mb=bucket_cap_mb, inflight_mb=inflight_mb if overlap else None,
+                                  replan=replan)
 
 
 def parallelize_pipeline(

@@ -17,7 +17,7 @@ from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.autograd import _FromGlobal, _JointStep
 from apmodel.lowering.graph import _fmt, _tokens
 from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
-from apmodel.lowering.program import LoweredProgram
+from apmodel.lowering.program import LoweredProgram, ModelModes
 from apmodel.lowering.records import planned_redistributions
 from apmodel.options import default_of
 
@@ -78,9 +78,11 @@ def _global(x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> Any:
-    """One step of the native program: local tensors in, the forward graph, DTensor outputs."""
+    """One step of the native program: local tensors in, the forward graph, DTensor outputs.
+    Without gradients (``no_grad``, ``inference_mode``) the forward graph runs without what it
+    saves for backward (:attr:`NativeProgram.inference_graph`)."""
     inputs = [_global(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-    prog = traced.for_inputs(inputs)
+    prog = traced.for_inputs(inputs, ModelModes.of(self))
     native = _native_program(prog, self)
     device = native.device
     param_owners, buffer_owners = _owners(self, prog)
@@ -97,8 +99,12 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> An
     compiling = torch.compiler.is_compiling()
     if compiling:
         params = [v.to_local() for v in params]
-    outs = NativeStep.apply(native, not compiling, *params, *buffers, *inputs)
-    outs = outs if isinstance(outs, tuple) else (outs,)
+    if compiling or torch.is_grad_enabled():
+        outs = NativeStep.apply(native, not compiling, *params, *buffers, *inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+    else:  # forward only: nothing kept for a backward
+        outs = native.run(native.inference_graph, [v.to_local() for v in params], buffers, inputs)
+        outs = (*outs[:native.n_outputs], *outs[native.n_outputs + native.n_saved:])
     n_out = native.n_outputs
     with torch.no_grad():  # buffer updates of the step (the global value)
         for n, new in zip(prog.buffer_update, outs[n_out:]):
@@ -117,7 +123,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         inputs = [x.to(traced.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     if traced.lowering == "native":
         return _native_forward(self, traced, inputs)
-    prog = traced.for_inputs(inputs)  # the plan as traced, or replayed on these shapes
+    prog = traced.for_inputs(inputs, ModelModes.of(self))  # the plan as traced, or replayed on these shapes/modes
     dinputs = []
     for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
         pl = prog.storage[node]
@@ -165,7 +171,8 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
           local_kernels: Callable[[torch.device], dict] = default_local_kernels,
           lowering: str = "native", bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-          inflight_mb: float | None = DEFAULT_INFLIGHT_MB) -> nn.Module:
+          inflight_mb: float | None = DEFAULT_INFLIGHT_MB,
+          replan: Callable[[Any, Sequence[Any]], Any] | None = None) -> nn.Module:
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
 
     ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
@@ -184,6 +191,11 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     issues each collective as soon as its input exists and waits for it just before its first
     reader, parameter gathers prefetched, at most this many MB in flight (the planning option
     ``inflight_mb``); None: each collective waited as it is issued (a plan priced without overlap).
+
+    ``replan(captured, constraints)``: a plan for the step at modules' other modes when it traces
+    to another graph (a model with BatchNorm or dropout called after ``eval()``); ``constraints``
+    keep the parameters where they are stored. :func:`apmodel.parallelize` passes one that plans on
+    one rank under the plan's options; None: such a call is refused with a message.
 
     Raises ValueError for an unknown ``lowering``, a mesh of the wrong shape, a plan made for another graph (fingerprint), a
     plan with uneven shards, or a plan inconsistent with the graph.
@@ -204,6 +216,8 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering, bucket_cap_mb=bucket_cap_mb,
                           inflight_mb=inflight_mb)
     prog.retrace_model = _meta_twin(model, prog.param_dtype)  # structure only (meta tensors): for other input shapes
+    prog.training_modes = ModelModes.of(model)  # the modes the step was captured in
+    prog.replan = replan
     # params -> DTensors (local chunk of the tensor each rank holds: no communication). Buffers (RoPE
     # tables, ...) stay plain tensors with the global value, so the user's init code can fill them
     # as usual; each step wraps them at their planned placement (the planner keeps them replicated).

@@ -125,6 +125,7 @@ class NativeProgram:
         self._output_layouts: list[_Layout | None] = []
         self._regions: list[tuple[Callable, dict, str]] = []
         self._saved_static: list[bool] = []  # per saved tensor: a parameter's value (prefetchable in backward)
+        self._inference_graph: fx.GraphModule | None = None
         prog.redistributions = []
         traced = make_fx(lambda p, b, x: self._forward(p, b, x), tracing_mode="fake")(*fake)
         n_static = len(param_locals) + len(buffers)
@@ -290,6 +291,22 @@ class NativeProgram:
     @property
     def n_saved(self) -> int:
         return self._n_saved
+
+    @property
+    def inference_graph(self) -> fx.GraphModule:
+        """The forward graph without what it saves for backward (those outputs None, the work
+        and collectives only they needed dropped), made on first use: a call without gradients
+        runs it. Every rank drops the same nodes, so the collectives still match across ranks."""
+        if self._inference_graph is None:
+            graph = copy.deepcopy(self.forward_graph.graph)
+            output = graph.find_nodes(op="output")[0]
+            values = list(output.args[0])
+            n_out = self.n_outputs
+            values[n_out:n_out + self._n_saved] = [None] * self._n_saved
+            output.args = (type(output.args[0])(values),)
+            graph.eliminate_dead_code()
+            self._inference_graph = fx.GraphModule(self.forward_graph, graph)
+        return self._inference_graph
 
 
 #: Ops that return their input unchanged when the output's shape, stride, offset and dtype equal the

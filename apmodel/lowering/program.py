@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from apmodel import placements
@@ -159,6 +159,63 @@ def _contiguous(x: Any) -> Any:
     if isinstance(x, DTensor) and not x.to_local().is_contiguous():
         return x.clone(memory_format=torch.contiguous_format)
     return x
+
+
+@dataclass(frozen=True)
+class ModelModes:
+    """What of a model's state changes its step's graph without changing its code: ``training``
+    of each module (``modules()`` order: BatchNorm's statistics, dropout) and ``requires_grad``
+    of each parameter (``parameters()`` order: which gradients the step computes)."""
+
+    training: tuple[bool, ...]
+    trainable: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelModes":
+        return cls(tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()))
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module) -> Any:
+        """``model`` (a structural copy of the model these modes were read from) in these modes
+        while inside, restored after."""
+        before = ModelModes.of(model)
+        try:
+            self._set(model)
+            yield
+        finally:
+            before._set(model)
+
+    def _set(self, model: nn.Module) -> None:
+        for m, training in zip(model.modules(), self.training, strict=True):
+            m.training = training
+        for p, trainable in zip(model.parameters(), self.trainable, strict=True):
+            p.requires_grad_(trainable)
+
+    def describe(self, model: nn.Module, planned: "ModelModes | None") -> str:
+        """How these modes differ from ``planned``'s, in words (modules and parameters named)."""
+        changes = []
+        if planned is None or planned.training != self.training:
+            evaluating = [f"{name or '<root>'} ({type(m).__name__})"
+                          for (name, m), training in zip(model.named_modules(), self.training) if not training]
+            changes.append(f"{len(evaluating)} module(s) in eval mode" + _some(evaluating))
+        if planned is not None and planned.trainable != self.trainable:
+            named = [name for name, _ in model.named_parameters()]
+            frozen = [n for n, now, then in zip(named, self.trainable, planned.trainable) if then and not now]
+            thawed = [n for n, now, then in zip(named, self.trainable, planned.trainable) if now and not then]
+            if frozen:
+                changes.append(f"{len(frozen)} parameter(s) frozen since planning" + _some(frozen))
+            if thawed:
+                changes.append(f"{len(thawed)} parameter(s) unfrozen since planning" + _some(thawed))
+        return "; ".join(changes)
+
+
+def _some(names: Sequence[str], shown: int = 3) -> str:
+    return f" ({', '.join(names[:shown])}{', ...' if len(names) > shown else ''})" if names else ""
+
+
+def _glob_literal(name: str) -> str:
+    """``name`` as a glob pattern matching itself only."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,8 +382,13 @@ class LoweredProgram:
         """buffer FQN -> its value after the last forward (global, replicated), to write back"""
         self.retrace_model: nn.Module | None = None
         """a meta copy of the user's model, to trace the step again for other input shapes"""
+        self.training_modes: ModelModes | None = None
+        """the model's modes when the step was captured (None: not known; taken as unchanged)"""
+        self.replan: Callable[[Any, Sequence[Any]], Any] | None = None
+        """``replan(captured, constraints)``: a plan for a graph of another structure (the model in
+        eval mode), made under the plan's options; None: such a graph is refused"""
         self.variants: dict[tuple, LoweredProgram] = {}
-        """the plan replayed on other input shapes, by the inputs' shapes"""
+        """the plan replayed on other input shapes or module modes, by (shapes, modes)"""
         self._kernels: dict[torch.device, dict] = {}
 
     def _region_comms(self, modes: Sequence[str | None]) -> dict[str, RegionComm]:
@@ -375,13 +437,17 @@ class LoweredProgram:
 
     # -------------------------------------------------------------------------------------------
 
-    def for_inputs(self, inputs: Sequence[Any]) -> "LoweredProgram":
-        """This program, or the plan replayed on the shapes of ``inputs`` (traced once per shape).
+    def for_inputs(self, inputs: Sequence[Any], modes: ModelModes | None = None) -> "LoweredProgram":
+        """This program, or the plan replayed on the shapes of ``inputs`` and the model's ``modes``
+        (None: as captured), traced once per (shapes, modes).
 
         Same dtypes are required. A new batch (or sequence) size re-traces the step on the meta
         device, checks that the graph has the plan's structure (same nodes and ops) and lowers the
         plan's node strategies on it; a size the plan's shardings cannot divide raises a
-        ValueError naming the input, the node and the mesh axes."""
+        ValueError naming the input, the node and the mesh axes. Modules switched to eval mode
+        (BatchNorm on running statistics, dropout off) and parameters frozen or unfrozen since
+        planning trace to another graph: that graph is planned (:attr:`replan`) with every
+        parameter kept where it is stored."""
         sig = self.signature
         shapes = []
         for i, (node, x) in enumerate(zip(self.inputs, inputs)):
@@ -394,15 +460,17 @@ class LoweredProgram:
                     f"shape {tuple(want.shape)} and dtype {want.dtype} (re-plan for another dtype or rank)"
                 )
             shapes.append(tuple(x.shape))
-        key = tuple(shapes)
-        if all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs)):
+        if modes is None or modes == self.training_modes:
+            modes = None
+        key = (tuple(shapes), modes)
+        if modes is None and all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs)):
             return self
         variant = self.variants.get(key)
         if variant is None:
-            variant = self.variants[key] = self._replay_on(inputs)
+            variant = self.variants[key] = self._replay_on(inputs, modes)
         return variant
 
-    def _replay_on(self, inputs: Sequence[Any]) -> "LoweredProgram":
+    def _replay_on(self, inputs: Sequence[Any], modes: ModelModes | None) -> "LoweredProgram":
         from apmodel.capture import capture
         from apmodel.checkpointing import checkpoint, policy_of
         from apmodel.plans import PlanMismatch, structure_fingerprint
@@ -411,23 +479,67 @@ class LoweredProgram:
             raise ValueError("this program cannot be traced again (made without lower()); re-plan for new shapes")
         sig = self.signature
         shapes = ", ".join(f"{sig.name(i)} {tuple(x.shape)}" for i, x in enumerate(inputs))
+        where = f"input shapes {shapes}"
+        if modes is not None:
+            where += f" with {modes.describe(self.retrace_model, self.training_modes)}"
+        self._check_divisible(inputs)
         args, kwargs, targets = sig.split([torch.empty(x.shape, dtype=x.dtype, device="meta") for x in inputs])
         try:
-            captured = capture(self.retrace_model, args, kwargs=kwargs, targets=targets, **self.captured.trace_options)
+            # the step's graph has its backward even when called under no_grad (evaluation), so
+            # that it is the plan's graph; a forward-only call runs only the forward part of it
+            with torch.enable_grad(), modes.applied(self.retrace_model) if modes else contextlib.nullcontext():
+                captured = capture(self.retrace_model, args, kwargs=kwargs, targets=targets,
+                                   **self.captured.trace_options)
         except Exception as e:  # the user's model rejects these shapes (mismatched batch, too long, ...)
-            raise ValueError(f"the step cannot be traced at input shapes {shapes}: {type(e).__name__}: {e}") from e
+            raise ValueError(f"the step cannot be traced at {where}: {type(e).__name__}: {e}") from e
         captured = checkpoint(captured, policy_of(self.captured))  # the plan's activation checkpointing
-        if structure_fingerprint(captured) != structure_fingerprint(self.captured):
-            raise PlanMismatch(f"at input shapes {shapes} the model traces to another graph; re-plan for these shapes")
-        plan = copy.copy(self.plan)
-        plan.fingerprint = captured.fingerprint
+        if structure_fingerprint(captured) == structure_fingerprint(self.captured):
+            plan = copy.copy(self.plan)
+            plan.fingerprint = captured.fingerprint
+        elif modes is None:
+            raise PlanMismatch(f"at {where} the model traces to another graph; re-plan for these shapes")
+        elif self.replan is None:
+            raise PlanMismatch(
+                f"at {where} the model traces to another graph than the planned step, and this program "
+                "was lowered without a way to plan it (apmodel.lowering.lower(..., replan=None)): use "
+                "apmodel.parallelize, which plans it, or keep the model in the mode it was planned in")
+        else:
+            logger.info("planning the step at %s (another graph than the training step's)", where)
+            plan = self.replan(captured, self._storage_pins())
         try:
             variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups, self.lowering,
                                      self.bucket_cap_mb, self.inflight_mb)
         except ValueError as e:
-            raise ValueError(f"the plan cannot run at input shapes {shapes}: {e}") from None
-        logger.info("replayed the plan on input shapes %s", shapes)
+            raise ValueError(f"the plan cannot run at {where}: {e}") from None
+        variant.training_modes = modes
+        logger.info("replayed the plan at %s", where)
         return variant
+
+    def _check_divisible(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Refuse inputs the plan's input placements cannot split evenly, saying how to pad."""
+        mesh_shape = tuple(self.mesh.shape)
+        for i, (node, x) in enumerate(zip(self.inputs, inputs)):
+            for d, size in enumerate(x.shape):
+                ways = math.prod(mesh_shape[a] for a, p in enumerate(self.storage[node])
+                                 if isinstance(p, Shard) and p.dim == d)
+                if size % ways:
+                    name = self.signature.name(i)
+                    raise ValueError(
+                        f"input {name} has size {size} in dim {d}, which the plan splits {ways} ways "
+                        f"({_fmt(self.storage[node])} on mesh {mesh_shape}): pad it to {-(-size // ways) * ways} "
+                        f"(and mask the padding out of the loss), or drop the last partial batch "
+                        f"(DataLoader(..., drop_last=True))")
+
+    def _storage_pins(self) -> list[Any]:
+        """Constraints keeping every parameter at its storage placement (a plan for another graph
+        of the same model runs on the parameters as they are stored)."""
+        from apmodel.constraints import fix
+
+        pins = []
+        for n in self.params:
+            fqn = self.captured.param_fqn[n.name]
+            pins.append(fix(_glob_literal(fqn), _fmt(self.storage[n]), name=f"parameter {fqn} stored as {_fmt(self.storage[n])}"))
+        return pins
 
     def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str,
                       gradient: bool = False) -> DTensor:
