@@ -28,9 +28,10 @@ from apmodel.capture import CapturedGraph, capture
 from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
 from apmodel.lowering.module import DEFAULT_BUCKET_CAP_MB, DEFAULT_INFLIGHT_MB
+from apmodel.machine import detect as detect_machine
 from apmodel.pricing import DTYPES, CostContext, build_cost_context
 from apmodel.placement_model import ConstraintConflict, PlacementModel
-from apmodel.options import PlanOptions, make_options, run_precision_of
+from apmodel.options import DEVICE_AUTO, PlanOptions, make_options, run_precision_of
 from apmodel.plans import Plan
 from apmodel.search import fit_in_memory, replay_constraints
 from apmodel.workloads import TraceFailed, Workload, WorkloadError, parse_mesh
@@ -497,7 +498,11 @@ def parallelize(
             ``module(*inputs, *targets, **kwargs)``.
         allow_unused_parameters: plan even if a trainable parameter gets no gradient.
         constraints, options and option keywords (``device``, ``solver``, ``input_placements``...):
-            as for :func:`plan`.
+            as for :func:`plan`, except that ``device`` defaults to ``"auto"`` (when ``options``
+            is not given): the mesh's own hardware (the GPU's spec and GPUs per node; on CPU
+            processes the CPU spec with collectives timed on the mesh's process groups and a
+            compute profile fitted once per machine and cached; see :mod:`apmodel.machine`). The
+            plan's ``workload["priced_for"]`` says what was priced.
         plan: a :class:`~apmodel.plans.Plan` (e.g. ``Plan.load(path)``): skip planning.
         lowering: "native" (default): the step traced once into a forward and a backward graph
             over local shards with explicit functional collectives, which ``torch.compile``
@@ -532,7 +537,12 @@ def parallelize(
         raise ValueError(f"apmodel.parallelize: this {type(model).__name__} has already been parallelized; "
                          "parallelize the original single-device module (or a fresh one built on meta)")
     _check_step_arguments("apmodel.parallelize", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=False)
+    machine = None
     if plan is None:
+        if option_values.get("device", DEVICE_AUTO if options is None else None) == DEVICE_AUTO:
+            machine = detect_machine(mesh, {k: v for k, v in option_values.items() if k != "device"})
+            logger.info("parallelize prices this machine: %s", machine.description)
+            option_values = machine.options
         opts = make_options(options, **option_values)
         precision = opts.run_precision
         priced_bucket_mb = opts.bucket_mb
@@ -560,7 +570,10 @@ def parallelize(
         captured = checkpoint(captured, opts.ac)  # the lowered graph is the one planned
 
         def solve() -> Plan:
-            return plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan
+            found = plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan
+            if machine is not None:  # the plan says what it priced
+                found.workload["priced_for"] = f"this machine (device='auto'): {machine.description}"
+            return found
 
         plan = lowering_stage.plan_on_one_rank(solve, mesh)
     else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with

@@ -65,6 +65,9 @@ Execution = Literal["eager", "graphs"]
 PricingDtype = Literal["bf16", "fp16", "fp32", "fp8"]
 
 PARAM_POLICIES: tuple[str, ...] = get_args(ParamPolicy)
+#: ``parallelize``'s default ``device``: the live mesh's hardware (:mod:`apmodel.machine`); not a
+#: value the options themselves take.
+DEVICE_AUTO = "auto"
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 AC_POLICIES: tuple[str, ...] = get_args(ACPolicy)
 EXECUTIONS: tuple[str, ...] = get_args(Execution)
@@ -293,6 +296,10 @@ class PlanOptions:
         set_(self, "pp_degrees", tuple(sorted({int(d) for d in self.pp_degrees})))
         set_(self, "topology", dict(self.topology))
         set_(self, "solver_options", dict(self.solver_options))
+        if self.device == DEVICE_AUTO:  # resolved by apmodel.machine before options are made
+            raise OptionsError("device 'auto' prices the hardware of a live mesh: it is apmodel.parallelize's "
+                               "default; planning without processes names the device (see `apmodel devices`)",
+                               "device")
         if isinstance(self.mixed_precision, (tuple, list)):  # ("bf16", "fp32"): FSDP2's policy pair
             pair = tuple(self.mixed_precision)
             if len(pair) != 2 or pair[0] not in MIXED_PARAM_DTYPES or pair[1] != "fp32":

@@ -145,7 +145,7 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
                      planned_for: dict[str, Any] | None = None, plan: Any = None, overlap: bool | None = None,
                      optimizer: bool = True, keep: list | None = None) -> tuple[Callable[[], float], int]:
     """apmodel's program for ``mesh``; ``planned_for``: the options of the hardware the plan is priced
-    for (default: H100s); ``plan``: run this plan instead of planning; ``overlap``: as
+    for (None: parallelize's default, ``device="auto"``, the mesh's own hardware); ``plan``: run this plan instead of planning; ``overlap``: as
     ``parallelize``'s; ``optimizer``: False times forward and backward only (what a plan prices);
     ``keep``: gets the plan the program runs."""
     device = mesh.device_type
@@ -157,7 +157,7 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
     ref = _build(name, device)
     full = {k: v.detach().clone() for k, v in list(ref.named_parameters()) + list(ref.named_buffers())}
     del ref
-    extra: dict[str, Any] = dict(planned_for or {"device": "h100"})
+    extra: dict[str, Any] = dict(planned_for or {})
     if recipe is not None:  # the same parallelism as the hand-written baseline, to compare runtimes alone
         r = recipes.get(recipe)
         extra.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
@@ -175,6 +175,9 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
     run = torch.compile(model, fullgraph=True) if compiled else model
     return _trainer(model, lambda: run(tokens, targets), optimizer), nodes
 
+
+#: The planning options of the variants planned for H100s (the planner's default target).
+H100: dict[str, Any] = {"device": "h100"}
 
 #: The ranking's plans of the model on --world processes, each (label, how it is made): made for
 #: this machine (``"here"``) or another device, a recipe's constraints (those that need two mesh
@@ -265,9 +268,10 @@ def _calibrate_gloo(out_dir: str, mesh: Any) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], compile_: bool, warmup: int,
-            steps: int, device: str, ranking: str = "") -> None:
+            steps: int, device: str, ranking: str = "", mesh_2d: bool = False) -> None:
     """``ranking``: "" (the variants), "also" (then the ranking on the last model), "only" (the
-    ranking alone, on a 2 x world/2 mesh when world is 4)."""
+    ranking alone, on a 2 x world/2 mesh when world is 4); ``mesh_2d``: the variants on a 2 x
+    world/2 mesh too."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -281,7 +285,8 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)
-        mesh = init_device_mesh(device, (2, world // 2) if ranking == "only" and world == 4 else (world,))
+        two_d = (ranking == "only" or mesh_2d) and world >= 4 and world % 2 == 0
+        mesh = init_device_mesh(device, (2, world // 2) if two_d else (world,))
         this_machine = _calibrate_gloo(out_dir, mesh) if device == "cpu" and world > 1 else None
         for name in names if ranking != "only" else []:
             tokens, targets = _batch(name, device)
@@ -291,8 +296,10 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
             else:
                 variants.append(("DDP", lambda: (_ddp(name, tokens, targets), None)))
                 variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
-            variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False)))
+            variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False, planned_for=H100)))
             if this_machine is not None:
+                variants.append(("apmodel native, device auto",  # parallelize measures this machine itself
+                                 lambda: _apmodel_variant(name, mesh, "native", False)))
                 kept: list[Any] = []
                 variants.append(("apmodel native, plan for this machine",
                                  lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine,
@@ -300,15 +307,16 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
                 variants.append(("apmodel native, plan for this machine, overlap off",  # the same plan, run serially
                                  lambda: _apmodel_variant(name, mesh, "native", False, plan=kept[0], overlap=False)))
             if world > 1:
-                variants.append(("apmodel native, DDP plan", lambda: _apmodel_variant(name, mesh, "native", False, "ddp")))
+                variants.append(("apmodel native, DDP plan", lambda: _apmodel_variant(name, mesh, "native", False, "ddp", planned_for=H100)))
                 variants.append(("apmodel native, FSDP plan",
-                                 lambda: _apmodel_variant(name, mesh, "native", False, "fsdp")))
+                                 lambda: _apmodel_variant(name, mesh, "native", False, "fsdp", planned_for=H100)))
             if compile_:
-                variants.append(("apmodel native compiled", lambda: _apmodel_variant(name, mesh, "native", True)))
-            variants.append(("apmodel interpreter", lambda: _apmodel_variant(name, mesh, "interpret", False)))
+                variants.append(("apmodel native compiled", lambda: _apmodel_variant(name, mesh, "native", True, planned_for=H100)))
+            variants.append(("apmodel interpreter", lambda: _apmodel_variant(name, mesh, "interpret", False, planned_for=H100)))
             built = [(label, *make()) for label, make in variants]
             for ms, (label, _, nodes) in zip(_interleaved_median_ms([step for _, step, _ in built], warmup, steps), built):
-                rows.append({"model": name, "world": world, "variant": label, "step_ms": ms, "nodes": nodes})
+                rows.append({"model": name, "world": world, "mesh": "x".join(map(str, mesh.shape)), "variant": label,
+                             "step_ms": ms, "nodes": nodes})
                 if rank == 0:
                     logger.warning("%s, %d process(es), %s: %.2f ms", name, world, label, ms)
             del built
@@ -352,10 +360,10 @@ def _fsdp2(name: str, mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) ->
 
 
 def _run(world: int, names: list[str], compile_: bool, warmup: int, steps: int,
-         device: str = "cpu", ranking: str = "") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+         device: str = "cpu", ranking: str = "", mesh_2d: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The variants' rows, and the ranking's (with ``ranking``, on the last model)."""
     with tempfile.TemporaryDirectory(prefix="apmodel_runtime_") as tmp:
-        args = (world, os.path.join(tmp, "store"), tmp, names, compile_, warmup, steps, device, ranking)
+        args = (world, os.path.join(tmp, "store"), tmp, names, compile_, warmup, steps, device, ranking, mesh_2d)
         mp.start_processes(_worker_entry, args=args, nprocs=world, start_method="spawn")
         return json.loads(Path(tmp, "rows.json").read_text()), json.loads(Path(tmp, "ranked.json").read_text())
 
@@ -381,7 +389,8 @@ def _worker_entry(rank: int, *args: Any) -> None:
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Ratios the README quotes: apmodel on mesh (1,) against plain eager, on `world` processes
-    against FSDP2, and the host time per joint-graph node apmodel adds to plain eager."""
+    against FSDP2 (and parallelize's ``device="auto"`` plan against the plan for this machine
+    calibrated by hand), and the host time per joint-graph node apmodel adds to plain eager."""
     out: dict[str, Any] = {}
     by = {(r["model"], r["world"], r["variant"]): r for r in rows}
     for name in sorted({r["model"] for r in rows}):
@@ -396,6 +405,10 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             for (m, w, v), r in by.items():
                 if m == name and v == variant and w > 1 and (m, w, "FSDP2") in by:
                     s[f"{variant} / FSDP2 ({w} processes)"] = r["step_ms"] / by[(m, w, "FSDP2")]["step_ms"]
+        for (m, w, v), r in by.items():  # parallelize's own measurement of the machine against the benchmark's
+            hand = by.get((m, w, "apmodel native, plan for this machine"))
+            if m == name and v == "apmodel native, device auto" and hand:
+                s[f"device auto / plan for this machine ({w} processes)"] = r["step_ms"] / hand["step_ms"]
         out[name] = s
     return out
 
@@ -413,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranking-only", action="store_true", help="the ranking alone, on --world and --ranking-worlds")
     ap.add_argument("--ranking-worlds", default="", help="comma-separated further process counts for the ranking "
                                                          "alone (e.g. 4: a 2x2 mesh)")
+    ap.add_argument("--mesh-2d", action="store_true", help="the multi-process variants on a 2 x world/2 mesh "
+                                                          "(world 4: 2x2) instead of a 1D one")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: one process on one GPU (NCCL), the one-process variants only")
     args = ap.parse_args(argv)
@@ -430,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = _run(1, names, not args.no_compile, args.warmup, args.steps, args.device)[0]
     if args.device == "cpu" and not args.ranking_only:
         more, ranked = _run(args.world, names, not args.no_compile, args.warmup, args.steps,
-                            ranking="also" if args.ranking else "")
+                            ranking="also" if args.ranking else "", mesh_2d=args.mesh_2d)
         rows += more
         for world in args.ranking_worlds:
             ranked += _run(world, names, False, args.warmup, args.steps, ranking="only")[1]
