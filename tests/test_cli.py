@@ -271,6 +271,17 @@ def error_line(res) -> str:
     return errors[0]
 
 
+def test_gpus_per_node_that_splits_the_mesh_unevenly_is_named(tmp_path):
+    """--gpus-per-node 3 on a 2x2 mesh: named before tracing, by plan and by calibrate."""
+    line = error_line(invoke("plan", "--model", "test_cli:exploding_factory", "--mesh", "2x2", "--gpus-per-node", "3"))
+    assert line.startswith("error: --gpus-per-node 3 lays mesh (2, 2) onto nodes unevenly") and \
+        line.endswith("use 1, 2 or a value >= 4"), line
+    log = DATA / "nccl_tests_synthetic_h100x8_all_gather.txt"
+    line = error_line(invoke("calibrate", str(log), "--mesh", "2x4", "--axis", "1", "--gpus-per-node", "3",
+                             "--out", str(tmp_path / "cal.json")))
+    assert line.startswith("error: --gpus-per-node 3 lays mesh (2, 4) onto nodes unevenly"), line
+
+
 def test_missing_calibration_file_is_named(tmp_path):
     cfg = tmp_path / "apmodel.toml"
     cfg.write_text('[cost]\ncalibration = "missing.json"\n')
