@@ -356,7 +356,9 @@ def plan(
     """Plan ``model`` on a mesh of ``mesh_shape``: the cheapest per-operator placements.
 
     ``model`` is an ``nn.Module`` (ideally on the meta device) called as
-    ``model(*sample_inputs, **kwargs)``; ``loss_fn(output, *targets)`` turns its output into the
+    ``model(*sample_inputs, **kwargs)``; the step is traced on the meta device whatever device the
+    module and its inputs are on (only shapes matter, as for :func:`parallelize`), so inputs made
+    on the CPU do for a model built on meta. ``loss_fn(output, *targets)`` turns its output into the
     scalar loss (``loss_fn(output, *sample_inputs)`` when no ``targets`` are given: models that
     take their labels). Options: ``options`` and/or their keywords (:class:`PlanOptions`), e.g.
     ``device="h200"`` (the accelerator of the cost model: ``"h100"``, ``"h200"``, ``"a100"``,
