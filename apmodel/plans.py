@@ -510,10 +510,6 @@ def _check_consistent(plan: Plan, source: str) -> None:
     if recorded is not None and (not isinstance(recorded, list) or tuple(recorded) != mesh):
         raise PlanFileError(f"{source}: field 'mesh_shape' {list(mesh)} disagrees with 'workload.mesh' "
                             f"{_short(recorded)}, the mesh it was planned on: {_EDITED}")
-    stage_mesh = None if plan.pipeline is None else tuple(plan.pipeline["stage_mesh"])
-    if stage_mesh is not None and stage_mesh != mesh:
-        raise PlanFileError(f"{source}: field 'mesh_shape' {list(mesh)} disagrees with 'pipeline.stage_mesh' "
-                            f"{list(stage_mesh)}, the mesh of the stage plan: {_EDITED}")
     gpus = plan.workload.get("gpus_per_node")
     if is_int(gpus) and gpus >= 1 and gpus != default_of("gpus_per_node"):  # the default only warns when planning
         problem = node_layout_problem(mesh, gpus)
