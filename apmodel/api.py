@@ -538,6 +538,7 @@ def parallelize(
     _check_step_arguments("apmodel.parallelize", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=False)
     if plan is None:
         opts = make_options(options, **option_values)
+        opts.check_mesh(tuple(mesh.shape))  # on every rank, before one of them plans for all
         precision = opts.run_precision
         priced_bucket_mb = opts.bucket_mb
         priced_overlap, inflight_mb = opts.overlap, opts.inflight_mb

@@ -141,6 +141,9 @@ def test_gpus_per_node_that_splits_the_mesh_unevenly_is_named(caplog):
         apmodel.plan(tiny_llama("meta"), (2, 2), (tokens,), targets=(targets,), loss_fn=_lm_loss, gpus_per_node=3)
     with pytest.raises(OptionsError, match=r"gpus_per_node 3 lays mesh \(2, 2\)"):
         apmodel.cost_context((2, 2), gpus_per_node=3)
+    with pytest.raises(OptionsError, match=r"gpus_per_node 3 lays mesh \(2, 2\)"):  # on every rank, before planning
+        apmodel.parallelize(tiny_llama("meta"), fake_mesh((2, 2)), (tokens,), targets=(targets,), loss_fn=_lm_loss,
+                            gpus_per_node=3)
     # the default (8) is a guess the user did not make: a mesh it does not fit is a warning, once
     with caplog.at_level("WARNING", logger="apmodel.options"):
         apmodel.cost_context((2, 7))
