@@ -327,22 +327,26 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> "Plan":
-        """A plan from the object :meth:`to_json` writes.
+        """A plan from the object :meth:`to_json` writes: the one validation of every plan file
+        reader (:meth:`load`: ``report``, ``diff``, ``explain``, replay; the plan ``parallelize``
+        broadcasts).
 
         Raises :class:`PlanFileError` (a ValueError) naming ``source`` and the offending field for
-        a missing field, a value of the wrong type, a malformed placement, or placements whose
-        token count is not the mesh's number of axes.
+        a missing or unknown field, a value of the wrong type or range (costs, times and counts
+        finite and >= 0, fingerprints a sha256 in hex), a malformed placement, placements whose
+        token count is not the mesh's number of axes, or fields that disagree (see
+        :func:`_check_consistent`).
         """
         if not isinstance(data, dict) or data.get("format") != "apmodel-plan":
             raise PlanFileError(f"{source}: not an apmodel plan file (missing \"format\": \"apmodel-plan\")")
-        unknown = [k for k in data if k not in PLAN_FIELDS]
-        if unknown:
-            raise PlanFileError(f"{source}: unknown field {_short(unknown[0])} (a plan file holds {', '.join(PLAN_FIELDS)}): "
-                                "remove it, or read the file with the apmodel that wrote it")
         version = data.get("version")
         if not is_int(version) or version not in READABLE_VERSIONS:
             raise PlanFileError(f"{source}: plan format version {_short(version)} is not supported (this apmodel reads "
                                 f"{', '.join(map(str, READABLE_VERSIONS))})")
+        unknown = [k for k in data if k not in PLAN_FIELDS]
+        if unknown:
+            raise PlanFileError(f"{source}: unknown field {_short(unknown[0])} (a plan file holds {', '.join(PLAN_FIELDS)}): "
+                                "remove it, or read the file with the apmodel that wrote it")
         if version == 1:
             logger.info("%s: plan format version 1 records no tensor ranks; its placements are checked against the "
                         "mesh only (save it again to record them)", source)
