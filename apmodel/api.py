@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from apmodel import search
-from apmodel.capture import CapturedGraph, capture
+from apmodel.capture import CapturedGraph
 from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
 from apmodel.lowering.module import DEFAULT_BUCKET_CAP_MB, DEFAULT_INFLIGHT_MB
@@ -96,7 +96,9 @@ def cost_context(mesh_shape: Sequence[int], options: PlanOptions | None = None, 
     """The cost models of ``options`` (or of the option keywords: ``device``, ``dtype``,
     ``compute_model``, ``comm_model``, ``calibration``, ``mixed_precision``, ...) on a mesh.
     See :func:`apmodel.pricing.build_cost_context`."""
-    return build_cost_context(mesh_shape, make_options(options, **option_values))
+    opts = make_options(options, **option_values)
+    opts.check_mesh(mesh_shape)
+    return build_cost_context(mesh_shape, opts)
 
 
 def placement_model(
@@ -137,15 +139,15 @@ def _trace_workload(workload: Workload | CapturedGraph, precision: tuple[str, st
         return workload
     if isinstance(workload.model, CapturedGraph):
         return workload.model
-    try:
-        if precision is not None:  # traced as it runs: bf16 parameters and inputs (see lowering.capture_on_meta)
-            from apmodel import lowering
+    from apmodel import lowering
 
-            return lowering.capture_on_meta(
-                workload.model, workload.sample_inputs, workload.loss_fn, param_dtype=DTYPES[precision[0]],
-                kwargs=workload.kwargs, targets=workload.targets, allow_unused_parameters=workload.allow_unused_parameters)
-        return capture(workload.model, workload.sample_inputs, workload.loss_fn, kwargs=workload.kwargs,
-                       targets=workload.targets, allow_unused_parameters=workload.allow_unused_parameters)
+    try:
+        # on the meta device whatever device the model and inputs are on (only shapes matter), as
+        # parallelize traces it; mixed precision: as it runs, bf16 parameters and inputs
+        return lowering.capture_on_meta(
+            workload.model, workload.sample_inputs, workload.loss_fn,
+            param_dtype=None if precision is None else DTYPES[precision[0]], kwargs=workload.kwargs,
+            targets=workload.targets, allow_unused_parameters=workload.allow_unused_parameters)
     except Exception as e:
         if not workload.record.get("model"):
             raise  # a module from Python: its own error is the clearest
@@ -355,7 +357,9 @@ def plan(
     """Plan ``model`` on a mesh of ``mesh_shape``: the cheapest per-operator placements.
 
     ``model`` is an ``nn.Module`` (ideally on the meta device) called as
-    ``model(*sample_inputs, **kwargs)``; ``loss_fn(output, *targets)`` turns its output into the
+    ``model(*sample_inputs, **kwargs)``; the step is traced on the meta device whatever device the
+    module and its inputs are on (only shapes matter, as for :func:`parallelize`), so inputs made
+    on the CPU do for a model built on meta. ``loss_fn(output, *targets)`` turns its output into the
     scalar loss (``loss_fn(output, *sample_inputs)`` when no ``targets`` are given: models that
     take their labels). Options: ``options`` and/or their keywords (:class:`PlanOptions`), e.g.
     ``device="h200"`` (the accelerator of the cost model: ``"h100"``, ``"h200"``, ``"a100"``,
@@ -544,6 +548,7 @@ def parallelize(
             logger.info("parallelize prices this machine: %s", machine.description)
             option_values = machine.options
         opts = make_options(options, **option_values)
+        opts.check_mesh(tuple(mesh.shape))  # on every rank, before one of them plans for all
         precision = opts.run_precision
         priced_bucket_mb = opts.bucket_mb
         priced_overlap, inflight_mb = opts.overlap, opts.inflight_mb

@@ -51,11 +51,17 @@ This module imports no torch: the CLI validates options before the slow imports.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import logging
+import math
+from collections import Counter
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from apmodel.option_spec import GROUPS, BadValue, OptionSpec, is_number, option, spec_of
+
+logger = logging.getLogger(__name__)
 
 ParamPolicy = Literal["full_shard", "free"]
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-nomomentum", "none"]
@@ -86,6 +92,50 @@ def torch_dtype(name: str) -> Any:
     if name not in TORCH_DTYPE_NAMES:
         raise ValueError(f"dtype {name!r} is not one of {sorted(TORCH_DTYPE_NAMES)}")
     return getattr(torch, TORCH_DTYPE_NAMES[name])
+
+
+def _groups_alike(mesh_shape: Sequence[int], gpus_per_node: int, axis: int) -> bool:
+    """Whether every group of devices along ``axis`` (ranks numbered row-major, ``gpus_per_node``
+    consecutive ranks per node) spreads over nodes alike, as the topology prices them all by the
+    group of rank 0. A group's spread depends only on its first rank modulo ``gpus_per_node``, so
+    the first ranks are enumerated modulo it, not one by one."""
+    g = gpus_per_node
+    strides = [math.prod(mesh_shape[i + 1:]) for i in range(len(mesh_shape))]
+    firsts = {0}
+    for i, (size, stride) in enumerate(zip(mesh_shape, strides)):
+        if i != axis:  # c * stride modulo g repeats after g steps
+            firsts = {(r + c * stride) % g for r in firsts for c in range(min(size, g))}
+    spreads = {tuple(sorted(Counter((r + j * strides[axis]) // g for j in range(mesh_shape[axis])).values()))
+               for r in firsts}
+    return len(spreads) == 1
+
+
+def uneven_node_axis(mesh_shape: Sequence[int], gpus_per_node: int) -> int | None:
+    """The first mesh axis whose device groups spread over nodes differently under
+    ``gpus_per_node`` (see :func:`_groups_alike`), or None when every axis's groups are alike."""
+    if gpus_per_node >= math.prod(mesh_shape):  # one node holds the whole mesh
+        return None
+    return next((a for a in range(len(mesh_shape)) if not _groups_alike(mesh_shape, gpus_per_node, a)), None)
+
+
+def node_layout_problem(mesh_shape: Sequence[int], gpus_per_node: int) -> str | None:
+    """Why ``gpus_per_node`` cannot lay ``mesh_shape`` onto nodes the cost model can price (what
+    follows the value in a message, with the values that can), or None when it can."""
+    axis = uneven_node_axis(mesh_shape, gpus_per_node)
+    if axis is None:
+        return None
+    world = math.prod(mesh_shape)
+    fitting = [d for d in range(1, min(world, 1024)) if world % d == 0 and uneven_node_axis(mesh_shape, d) is None]
+    return (f"lays mesh {tuple(mesh_shape)} onto nodes unevenly: the device groups along mesh axis {axis} span nodes "
+            f"differently (ranks numbered row-major), which the cost model cannot price; use "
+            f"{', '.join(map(str, fitting))} or a value >= {world}")
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_default_nodes(mesh_shape: tuple[int, ...], gpus_per_node: int, label: str) -> None:
+    """Once per mesh: the default ``gpus_per_node`` is a guess the user did not make, so a mesh it
+    does not fit is priced as it lays out (rank 0's groups), with a warning rather than an error."""
+    logger.warning("%s %d (the default) %s", label, gpus_per_node, node_layout_problem(mesh_shape, gpus_per_node))
 
 
 #: Hamming radius of split-dimension seeding (:mod:`apmodel.seeding`); the AutoParallel paper's
@@ -326,8 +376,17 @@ class PlanOptions:
             raise OptionsError(f"unknown planning option {unknown[0]!r} (options: {', '.join(option_names())})")
         return dataclasses.replace(self, **changes)
 
-    def check_mesh(self, mesh_shape: Sequence[int]) -> None:
-        """Options that name mesh axes must name axes of ``mesh_shape``."""
+    def check_mesh(self, mesh_shape: Sequence[int], label: Callable[[str], str] = str) -> None:
+        """Options that name mesh axes must name axes of ``mesh_shape``; ``gpus_per_node`` must lay it
+        onto nodes alike (:func:`node_layout_problem`; the default only warns). ``label`` names an
+        option in the error (the CLI's flags)."""
+        # a collective model object comes with its own topology (a pipeline stage's, on the full mesh's strides)
+        topology_priced = self.comm_model is None or isinstance(self.comm_model, str)
+        problem = node_layout_problem(mesh_shape, self.gpus_per_node) if topology_priced else None
+        if problem is not None and self.gpus_per_node == default_of("gpus_per_node"):
+            _warn_default_nodes(tuple(mesh_shape), self.gpus_per_node, label("gpus_per_node"))
+        elif problem is not None:
+            raise OptionsError(f"{label('gpus_per_node')} {self.gpus_per_node} {problem}", "gpus_per_node")
         outside = [a for a in self.replicate_axes if a >= len(mesh_shape)]
         if outside:
             raise OptionsError(f"replicate_axes {list(self.replicate_axes)} name an axis outside mesh {tuple(mesh_shape)}")

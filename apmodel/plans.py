@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from apmodel import placements as pl
 from apmodel.clustering import local_signature
 from apmodel.cost_labels import node_labels
 from apmodel.option_spec import is_int, is_number
+from apmodel.options import default_of, node_layout_problem
 from apmodel.regions import region_of
 from apmodel.step_timeline import step_timeline
 from apmodel.strategies import Strategy
@@ -44,6 +46,14 @@ logger = logging.getLogger(__name__)
 PLAN_FORMAT_VERSION = 2
 PIPELINE_FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
+#: Every top-level field a plan file may hold (what :meth:`Plan.to_json` writes); any other is refused.
+PLAN_FIELDS = ("format", "version", "mesh_shape", "fingerprint", "structure_fingerprint", "workload", "objective_us",
+               "compute_us", "comm_us", "comm_by_collective", "per_layer", "solver", "sizes", "timings",
+               "param_placements", "param_ndim", "node_strategy", "warnings", "memory", "pipeline", "overlap")
+#: What :func:`apmodel.capture.capture` and :func:`structure_fingerprint` write: a sha256 in hex.
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+#: How an error about a field that only an edit can make ends: what to do about it.
+_EDITED = "the file was edited or is corrupt: restore it or re-plan"
 
 class PlanMismatch(ValueError):
     """A plan used with a mesh or model other than the one it was made for."""
@@ -167,13 +177,16 @@ def _str_keyed(source: str, where: str, value: Any, what: str) -> dict:
 
 
 def _number_map(source: str, where: str, value: Any, *, ints: bool = False) -> dict[str, Any]:
-    """A ``{name: number}`` object (``ints``: integers only), checked entry by entry."""
+    """A ``{name: number}`` object (``ints``: integers only) of finite numbers >= 0 (costs, times,
+    counts), checked entry by entry."""
     ok = is_int if ints else is_number
     what = "an object of integers" if ints else "an object of numbers"
     for k, v in _str_keyed(source, where, value, what).items():
         if not ok(v):
             raise _bad(source, f"{where}[{k!r}]", "an integer" if ints else "a number", v)
         _finite(source, f"{where}[{k!r}]", float(v))
+        if v < 0:
+            raise _bad(source, f"{where}[{k!r}]", "a number >= 0", v)
     return {k: (int(v) if ints else float(v)) for k, v in value.items()}
 
 
@@ -188,7 +201,7 @@ def parse_collective_key(key: str) -> tuple[str, str | None, tuple[int, ...]]:
     """``(kind, region or None, mesh axes)`` of a :func:`collective_key`."""
     label, _, axes = key.partition("@axis")
     kind, _, region = label.partition(" (")
-    return kind, region[:-1] or None, tuple(int(a) for a in axes.split("+") if a.isdigit())
+    return kind, region[:-1] or None, tuple(int(a) for a in axes.split("+") if a.isdecimal())
 
 
 @dataclass
@@ -314,11 +327,15 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> "Plan":
-        """A plan from the object :meth:`to_json` writes.
+        """A plan from the object :meth:`to_json` writes: the one validation of every plan file
+        reader (:meth:`load`: ``report``, ``diff``, ``explain``, replay; the plan ``parallelize``
+        broadcasts).
 
         Raises :class:`PlanFileError` (a ValueError) naming ``source`` and the offending field for
-        a missing field, a value of the wrong type, a malformed placement, or placements whose
-        token count is not the mesh's number of axes.
+        a missing or unknown field, a value of the wrong type or range (costs, times and counts
+        finite and >= 0, fingerprints a sha256 in hex), a malformed placement, placements whose
+        token count is not the mesh's number of axes, or fields that disagree (see
+        :func:`_check_consistent`).
         """
         if not isinstance(data, dict) or data.get("format") != "apmodel-plan":
             raise PlanFileError(f"{source}: not an apmodel plan file (missing \"format\": \"apmodel-plan\")")
@@ -326,6 +343,10 @@ class Plan:
         if not is_int(version) or version not in READABLE_VERSIONS:
             raise PlanFileError(f"{source}: plan format version {_short(version)} is not supported (this apmodel reads "
                                 f"{', '.join(map(str, READABLE_VERSIONS))})")
+        unknown = [k for k in data if k not in PLAN_FIELDS]
+        if unknown:
+            raise PlanFileError(f"{source}: unknown field {_short(unknown[0])} (a plan file holds {', '.join(PLAN_FIELDS)}): "
+                                "remove it, or read the file with the apmodel that wrote it")
         if version == 1:
             logger.info("%s: plan format version 1 records no tensor ranks; its placements are checked against the "
                         "mesh only (save it again to record them)", source)
@@ -341,6 +362,9 @@ class Plan:
         for key in ("fingerprint", "structure_fingerprint"):
             if not isinstance(data[key], str):
                 raise _bad(source, key, "a string", data[key])
+            if not _FINGERPRINT.fullmatch(data[key]):
+                raise PlanFileError(f"{source}: field {key!r} must be the 64 hex digits of the graph's sha256, got "
+                                    f"{_short(data[key])}: {_EDITED}")
         raw_nodes = _str_keyed(source, "node_strategy", data["node_strategy"], "an object mapping node names to strategies")
         if not raw_nodes:
             raise PlanFileError(f"{source}: field 'node_strategy' is empty: a plan places at least one node")
@@ -361,6 +385,8 @@ class Plan:
             if not is_number(data[key]):
                 raise _bad(source, key, "a number (µs)", data[key])
             numbers[key] = _finite(source, key, float(data[key]))
+            if numbers[key] < 0:
+                raise _bad(source, key, "a time >= 0 (µs)", data[key])
         solver = dict(_str_keyed(source, "solver", data.get("solver", {}), "an object"))
         for k, v in solver.items():
             if isinstance(v, float) and math.isnan(v):
@@ -383,6 +409,8 @@ class Plan:
                 raise _bad(source, f"memory[{k!r}]", "a number of bytes or null", v)
             if v is not None:
                 _finite(source, f"memory[{k!r}]", float(v))
+                if v < 0:
+                    raise _bad(source, f"memory[{k!r}]", "a number of bytes >= 0 or null", v)
         overlap = dict(_str_keyed(source, "overlap", data.get("overlap", {}), "an object"))
         for k, v in overlap.items():
             if k == "enabled":
@@ -392,7 +420,7 @@ class Plan:
                 raise _bad(source, f"overlap[{k!r}]", "a number >= 0", v)
             else:
                 _finite(source, f"overlap[{k!r}]", float(v))
-        return cls(
+        plan = cls(
             mesh_shape=mesh_shape,
             fingerprint=data["fingerprint"],
             structure_fingerprint=data["structure_fingerprint"],
@@ -412,6 +440,8 @@ class Plan:
             pipeline=pipeline,
             overlap=overlap,
         )
+        _check_consistent(plan, source)
+        return plan
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -436,7 +466,8 @@ class Plan:
     def check_compatible(self, captured: "CapturedGraph", mesh_shape: tuple[int, ...], *, exact: bool = True) -> None:
         """Refuse a mesh or model other than the plan's, with a message saying what differs.
 
-        ``exact=False`` (replay) accepts a graph with the same structure but other shapes.
+        ``exact=False`` (replay) accepts a graph with the same structure but other shapes, and says
+        so: a fingerprint that differs there is also what an edited plan file shows.
         """
         if tuple(mesh_shape) != tuple(self.mesh_shape):
             raise PlanMismatch(f"plan was made for mesh {tuple(self.mesh_shape)}, got mesh {tuple(mesh_shape)}")
@@ -447,6 +478,11 @@ class Plan:
             )
         if not exact and structure_fingerprint(captured) != self.structure_fingerprint:
             raise PlanMismatch("plan was made for a model with a different graph structure (ops or layers differ); it cannot be replayed")
+        if not exact and captured.fingerprint != self.fingerprint:
+            logger.warning("replayed plan was made for a graph with fingerprint %s, this model traces to %s: same ops "
+                           "and layers, other shapes, and its placements are priced at these; if the model and its "
+                           "inputs did not change, the plan file was edited: re-plan", self.fingerprint[:12],
+                           captured.fingerprint[:12])
 
     # ------------------------------------------------------------------ inspection
     def explain(self, target: str) -> list[dict[str, Any]]:
@@ -466,6 +502,45 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, tuple):
         return list(o)
     raise TypeError(f"cannot serialise {type(o).__name__} into a plan file")
+
+
+def _check_consistent(plan: Plan, source: str) -> None:
+    """What a plan file says twice must agree: the fields an edit changes alone are refused, naming
+    them (each field's own type and range are checked as it is read). From the file alone, not the
+    model's graph: whether the fingerprint is this model's is checked where a model is at hand
+    (:meth:`Plan.check_compatible`: replay, explain, report)."""
+    mesh = tuple(plan.mesh_shape)
+    recorded = plan.workload.get("mesh")
+    if recorded is not None and (not isinstance(recorded, list) or tuple(recorded) != mesh):
+        raise PlanFileError(f"{source}: field 'mesh_shape' {list(mesh)} disagrees with 'workload.mesh' "
+                            f"{_short(recorded)}, the mesh it was planned on: {_EDITED}")
+    gpus = plan.workload.get("gpus_per_node")
+    if is_int(gpus) and gpus >= 1 and gpus != default_of("gpus_per_node"):  # the default only warns when planning
+        problem = node_layout_problem(mesh, gpus)
+        if problem is not None:
+            raise PlanFileError(f"{source}: field 'workload.gpus_per_node': {gpus} {problem}, and re-plan")
+    for key in plan.comm_by_collective:
+        outside = [a for a in parse_collective_key(key)[2] if a >= len(mesh)]
+        if outside:
+            raise PlanFileError(f"{source}: field \"comm_by_collective[{key!r}]\" names mesh axis {outside[0]}, "
+                                f"outside mesh {mesh}: {_EDITED}")
+    step = plan.overlap.get("step_us")
+    if step is not None and not math.isclose(step, plan.objective_us, rel_tol=1e-9, abs_tol=1e-9):
+        raise PlanFileError(f"{source}: field 'objective_us' {plan.objective_us!r} disagrees with 'overlap.step_us' "
+                            f"{step!r} (the same step time): {_EDITED}")
+    nodes = plan.sizes.get("nodes")
+    if nodes is not None and nodes != len(plan.node_strategy):
+        raise PlanFileError(f"{source}: field 'node_strategy' places {len(plan.node_strategy)} nodes, but "
+                            f"\"sizes['nodes']\" says the graph has {nodes}: {_EDITED}")
+    if plan.param_ndim:  # every parameter of the planned model (empty: a version 1 file, saved again or not)
+        extra = sorted(set(plan.param_placements) - set(plan.param_ndim))
+        if extra:
+            raise PlanFileError(f"{source}: field \"param_placements[{extra[0]!r}]\" places a parameter the planned "
+                                f"model does not have (field 'param_ndim' records its parameters): {_EDITED}")
+        missing = sorted(set(plan.param_ndim) - set(plan.param_placements))
+        if missing:
+            raise PlanFileError(f"{source}: field 'param_placements' does not place parameter {missing[0]!r} of the "
+                                f"planned model (field 'param_ndim' records it): {_EDITED}")
 
 
 def structure_fingerprint(captured: "CapturedGraph") -> str:

@@ -116,3 +116,37 @@ def test_cost_model_apis_name_their_misuses():
         cm.MeasuredCompute(None)
     with pytest.raises(TypeError, match=r"NCCLCollectives needs a Topology, got tuple"):
         cm.NCCLCollectives((8,))
+
+
+def test_plan_moves_sample_inputs_on_cpu_to_meta_itself():
+    """A model on meta (the README's advice) with inputs made on the CPU plans as parallelize does:
+    only the shapes matter, so plan traces them on meta (it raised torch's device mismatch)."""
+    tokens, targets = fixed_tokens()
+    on_cpu = apmodel.plan(tiny_llama("meta"), (2, 2), (tokens,), targets=(targets,), loss_fn=_lm_loss, device="h100")
+    meta_tokens, meta_targets = _meta_batch()
+    on_meta = apmodel.plan(tiny_llama("meta"), (2, 2), (meta_tokens,), targets=(meta_targets,), loss_fn=_lm_loss,
+                           device="h100")
+    assert on_cpu.fingerprint == on_meta.fingerprint and on_cpu.node_strategy == on_meta.node_strategy
+    assert tokens.device.type == "cpu"  # the caller's tensors are left where they are
+
+
+def test_gpus_per_node_that_splits_the_mesh_unevenly_is_named(caplog):
+    """3 GPUs per node put ranks 0-2 on one node and rank 3 on another: along axis 0 group {0, 2}
+    shares a node and {1, 3} crosses the network, which the topology cannot price alike."""
+    from apmodel.options import OptionsError
+
+    tokens, targets = _meta_batch()
+    with pytest.raises(OptionsError, match=r"^gpus_per_node 3 lays mesh \(2, 2\) onto nodes unevenly: the device "
+                                           r"groups along mesh axis 0 span nodes differently .* use 1, 2 or a value >= 4$"):
+        apmodel.plan(tiny_llama("meta"), (2, 2), (tokens,), targets=(targets,), loss_fn=_lm_loss, gpus_per_node=3)
+    with pytest.raises(OptionsError, match=r"gpus_per_node 3 lays mesh \(2, 2\)"):
+        apmodel.cost_context((2, 2), gpus_per_node=3)
+    with pytest.raises(OptionsError, match=r"gpus_per_node 3 lays mesh \(2, 2\)"):  # on every rank, before planning
+        apmodel.parallelize(tiny_llama("meta"), fake_mesh((2, 2)), (tokens,), targets=(targets,), loss_fn=_lm_loss,
+                            gpus_per_node=3)
+    # the default (8) is a guess the user did not make: a mesh it does not fit is a warning, once
+    with caplog.at_level("WARNING", logger="apmodel.options"):
+        apmodel.cost_context((2, 9))  # a mesh no other test plans, so the once is this test's
+        apmodel.cost_context((2, 9))
+    said = [r.getMessage() for r in caplog.records if "onto nodes unevenly" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("gpus_per_node 8 (the default) lays mesh (2, 9)"), said

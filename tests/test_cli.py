@@ -96,6 +96,39 @@ def test_explain_prints_the_candidate_table(llama_plan):
     assert res.exit_code != 0 and "no.such.param" in res.output
 
 
+#: Plan files edited into disagreeing with themselves (issue 43: report, diff and explain read them
+#: without a word) and the start of what every command says about them.
+EDITS = {
+    "mesh 2x2 to 2x3": (lambda d: d.update(mesh_shape=[2, 3]),
+                        "field 'mesh_shape' [2, 3] disagrees with 'workload.mesh' [2, 2], the mesh it was planned on: "
+                        "the file was edited or is corrupt: restore it or re-plan"),
+    "negative objective": (lambda d: d.update(objective_us=-1.0), "field 'objective_us' must be a time >= 0 (µs), got -1.0"),
+    "fingerprint": (lambda d: d.update(fingerprint="1234abcd"),
+                    "field 'fingerprint' must be the 64 hex digits of the graph's sha256, got '1234abcd'"),
+    "unknown parameter": (lambda d: d["param_placements"].update({"layers.9.extra.weight": "S(0)S(1)"}),
+                          "field \"param_placements['layers.9.extra.weight']\" places a parameter the planned model "
+                          "does not have"),
+}
+
+
+@pytest.mark.parametrize("command", ["report", "diff", "diff-second", "explain"])
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_every_command_refuses_an_edited_plan_file_alike(llama_plan, tmp_path, edit, command):
+    """One validation on load (Plan.from_json) behind every command: the same line, naming the file and the field."""
+    _, good = llama_plan
+    data = json.loads(good.read_text())
+    mutate, message = EDITS[edit]
+    mutate(data)
+    bad = tmp_path / "edited.json"
+    bad.write_text(json.dumps(data))
+    args = {"report": ["report", str(bad), "--no-trace", "--out", str(tmp_path / "r.html")],
+            "diff": ["diff", str(bad), str(good)], "diff-second": ["diff", str(good), str(bad)],
+            "explain": ["explain", str(bad), "layers.0.attention.wq.weight"]}[command]
+    line = error_line(invoke(*args))
+    assert line.startswith(f"error: {bad}: {message}"), line
+    assert not (tmp_path / "r.html").exists()
+
+
 def test_user_factory_with_config_constraint_and_diff(llama_plan, tmp_path):
     cfg = tmp_path / "apmodel.toml"
     cfg.write_text('[solver]\nbackend = "highs"\n\n[[constraints]]\nfix = "up.weight"\nplacement = "S(1)"\n')
@@ -269,6 +302,17 @@ def error_line(res) -> str:
     errors = [ln for ln in lines if ln.startswith("error: ")]
     assert len(errors) == 1 and errors[0] == lines[-1], res.stderr
     return errors[0]
+
+
+def test_gpus_per_node_that_splits_the_mesh_unevenly_is_named(tmp_path):
+    """--gpus-per-node 3 on a 2x2 mesh: named before tracing, by plan and by calibrate."""
+    line = error_line(invoke("plan", "--model", "test_cli:exploding_factory", "--mesh", "2x2", "--gpus-per-node", "3"))
+    assert line.startswith("error: --gpus-per-node 3 lays mesh (2, 2) onto nodes unevenly") and \
+        line.endswith("use 1, 2 or a value >= 4"), line
+    log = DATA / "nccl_tests_synthetic_h100x8_all_gather.txt"
+    line = error_line(invoke("calibrate", str(log), "--mesh", "2x4", "--axis", "1", "--gpus-per-node", "3",
+                             "--out", str(tmp_path / "cal.json")))
+    assert line.startswith("error: --gpus-per-node 3 lays mesh (2, 4) onto nodes unevenly"), line
 
 
 def test_missing_calibration_file_is_named(tmp_path):

@@ -26,11 +26,15 @@ from apmodel.plans import Plan, PlanFileError, PlanMismatch, diff
 OVERRIDES = dict(n_layers=1, dim=32, n_heads=2, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=8)
 
 
-@pytest.fixture(scope="module")
-def tiny_plan() -> Plan:
+def _tiny_step() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     with torch.device("meta"):
         m = apmodel.models.build("llama3-debug", **OVERRIDES)
-    inputs = apmodel.models.sample_inputs(apmodel.models.config("llama3-debug", **OVERRIDES), 4, 8, device="meta")
+    return m, apmodel.models.sample_inputs(apmodel.models.config("llama3-debug", **OVERRIDES), 4, 8, device="meta")
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> Plan:
+    m, inputs = _tiny_step()
     return apmodel.plan(m, (2, 2), inputs)
 
 
@@ -98,6 +102,25 @@ BAD = [
     (_set(("format",), "other"), "not an apmodel plan file"),
     (_delete("node_strategy"), "missing field 'node_strategy'"),
     (_delete("objective_us"), "missing field 'objective_us'"),
+    # what an edit alone changes: the file disagrees with itself (issue 43: each was read without a word)
+    (_set(("mesh_shape",), [2, 3]), "field 'mesh_shape' [2, 3] disagrees with 'workload.mesh' [2, 2], the mesh it was "
+                                    "planned on: the file was edited or is corrupt: restore it or re-plan"),
+    (_set(("objective_us",), -1.0), "field 'objective_us' must be a time >= 0 (µs), got -1.0"),
+    (_set(("comm_us",), -0.5), "field 'comm_us' must be a time >= 0 (µs), got -0.5"),
+    (_set(("objective_us",), 1.0), "field 'objective_us' 1.0 disagrees with 'overlap.step_us'"),
+    (_set(("comm_by_collective",), {"all_gather@axis0": -3.0}), "field \"comm_by_collective['all_gather@axis0']\" must "
+                                                                 "be a number >= 0"),
+    (_set(("comm_by_collective",), {"all_gather@axis2": 3.0}), "names mesh axis 2, outside mesh (2, 2)"),
+    (_set(("memory", "peak_bytes"), -1), "field \"memory['peak_bytes']\" must be a number of bytes >= 0"),
+    (_set(("fingerprint",), "edited"), "field 'fingerprint' must be the 64 hex digits of the graph's sha256, got "
+                                       "'edited': the file was edited"),
+    (_set(("structure_fingerprint",), "0" * 63 + "g"), "field 'structure_fingerprint' must be the 64 hex digits"),
+    (_set(("param_placements", "not.a.param"), "RR"), "field \"param_placements['not.a.param']\" places a parameter "
+                                                      "the planned model does not have"),
+    (lambda d: d["param_placements"].pop(_first_param(d)), "field 'param_placements' does not place parameter"),
+    (_set(("sizes", "nodes"), 7), "\"sizes['nodes']\" says the graph has 7"),
+    (_set(("workload", "gpus_per_node"), 3), "field 'workload.gpus_per_node': 3 lays mesh (2, 2) onto nodes unevenly"),
+    (_set(("objectve_us",), 1.0), "unknown field 'objectve_us' (a plan file holds format, version, mesh_shape"),
 ]
 
 
@@ -145,7 +168,8 @@ def test_roundtrip_and_old_files_without_warnings(tiny_plan, valid_text, tmp_pat
 def _one_axis(d: dict[str, Any]) -> dict[str, Any]:
     """The same plan cut to its first mesh axis (a plan for another mesh)."""
     d = copy.deepcopy(d)
-    d["mesh_shape"] = d["mesh_shape"][:1]
+    d["mesh_shape"] = d["workload"]["mesh"] = d["mesh_shape"][:1]
+    d["comm_by_collective"] = {k: v for k, v in d["comm_by_collective"].items() if k.endswith("@axis0")}
     cut = lambda s: None if s is None else pl.tuple_to_str(pl.parse(s)[:1])  # noqa: E731
     d["param_placements"] = {k: cut(v) for k, v in d["param_placements"].items()}
     d["node_strategy"] = {k: {"out": [cut(p) for p in v["out"]], "in": [cut(p) for p in v["in"]]}
@@ -371,3 +395,29 @@ def test_a_fifo_is_refused_not_read(tmp_path):
         Plan.load(fifo)
     with pytest.raises(ConfigError, match="not a regular file"):
         load_config(fifo)
+
+
+def test_replay_refuses_an_edited_fingerprint_or_says_it_differs(valid_text, tmp_path, caplog):
+    """apmodel.plan(..., replay=path) read a plan file with an edited fingerprint without a word."""
+    path = tmp_path / "edited.json"
+    d = _valid(valid_text)
+    d["fingerprint"] = "edited"
+    path.write_text(json.dumps(d))
+    m, inputs = _tiny_step()
+    with pytest.raises(PlanFileError, match=rf"^{re.escape(str(path))}: field 'fingerprint' must be the 64 hex digits"):
+        apmodel.plan(m, (2, 2), inputs, replay=path)
+    # a well-formed fingerprint of another graph: replay takes other shapes of the same structure, and says so
+    d["fingerprint"] = "0" * 64
+    path.write_text(json.dumps(d))
+    with caplog.at_level(logging.WARNING, logger="apmodel.plans"):
+        replayed = apmodel.plan(m, (2, 2), inputs, replay=path)
+    said = [r.getMessage() for r in caplog.records if "replayed plan" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("replayed plan was made for a graph with fingerprint 000000000000, "
+                                                 f"this model traces to {replayed.fingerprint[:12]}"), said
+    assert "the plan file was edited: re-plan" in said[0]
+    assert replayed.node_strategy == Plan.from_json(_valid(valid_text)).node_strategy
+    caplog.clear()
+    path.write_text(valid_text)  # the file as written: replayed without a warning
+    with caplog.at_level(logging.WARNING, logger="apmodel.plans"):
+        apmodel.plan(m, (2, 2), inputs, replay=path)
+    assert not [r for r in caplog.records if "replayed plan" in r.getMessage()]

@@ -32,7 +32,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import typer
 from rich.console import Console
@@ -47,6 +47,9 @@ from apmodel.cli.output import plan_json, print_plan
 from apmodel.formatting import fmt_bytes as _fmt_bytes
 from apmodel.formatting import fmt_us as _fmt_us
 from apmodel.formatting import strategy_str as _strategy_str
+
+if TYPE_CHECKING:
+    from apmodel.options import PlanOptions
 
 logger = logging.getLogger("apmodel.cli")
 
@@ -215,7 +218,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     _check_files(cfg)
     options = cfg.plan_options()
     options.check_available(lambda name: option_spec(name).flag)
-    options.check_mesh(mesh)
+    options.check_mesh(mesh, lambda name: option_spec(name).flag)
 
     from apmodel.api import plan_workload
     from apmodel.workloads import TraceFailed, load_workload
@@ -475,13 +478,16 @@ def calibrate(
     _setup_logging(verbose)
     with _errors(verbose):
         options = PlanOptions(**options_from_flags(option_flags))
-        _calibrate(logs, out, axes=axis, ranks=ranks, kind=kind, mesh=mesh, device=options.device_name,
-                   gpus_per_node=options.gpus_per_node, use=use)
+        _calibrate(logs, out, axes=axis, ranks=ranks, kind=kind, mesh=mesh, options=options, use=use)
 
 
 def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[int], kind: str, mesh: Optional[str],
-               device: str, gpus_per_node: int, use: str) -> None:
+               options: "PlanOptions", use: str) -> None:
     import costmodels
+
+    from apmodel.options import option_spec
+
+    device, gpus_per_node = options.device_name, options.gpus_per_node
 
     check_writable(out)
     if len(axes) not in (1, len(logs)):
@@ -513,6 +519,7 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
             raise ValueError(f"--axis {ax} is not an axis of mesh {shape}")
         if log.ranks is None:  # --mesh gives the axis size: the rank count of a log measured on it
             log.ranks = shape[ax]
+    options.check_mesh(shape, lambda name: option_spec(name).flag)  # the nodes the logs' axes cross
     base = costmodels.NCCLCollectives(costmodels.Topology(shape, costmodels.device(device), gpus_per_node))
     pairs = list(zip(parsed, axes))
     cal = costmodels.Calibration.fit(base, pairs, use=use)
