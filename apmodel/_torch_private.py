@@ -61,7 +61,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch._ops import OpOverload
@@ -443,14 +443,13 @@ def _static_shardable(shape: tuple, placements: PlacementsT, mesh_shape: tuple[i
         return None
     shards = [1] * len(shape)
     for p, k in zip(placements, mesh_shape):
-        kind = type(p)
-        if kind is Shard:
+        if type(p) is Shard:  # not a subclass (_StridedShard)
             if p.dim >= len(shape):
                 return False
             shards[p.dim] *= k
             if shape[p.dim] < shards[p.dim]:
                 return False
-        elif kind is not Replicate and kind is not Partial:
+        elif type(p) is not Replicate and type(p) is not Partial:
             return None
     return True
 
@@ -491,9 +490,10 @@ def _map_args(obj: object, fn) -> object:
         return fn(obj)
     if isinstance(obj, (list, tuple)):
         mapped = [_map_args(o, fn) for o in obj]
-        if mapped and all(isinstance(m, OpStrategy) for m in mapped):
+        strategies = [m for m in mapped if isinstance(m, OpStrategy)]
+        if mapped and len(strategies) == len(mapped):
             # a list of tensors: DTensor represents it as a TupleStrategy
-            return TupleStrategy(tuple(mapped) if isinstance(obj, tuple) else mapped)
+            return TupleStrategy(tuple(strategies) if isinstance(obj, tuple) else strategies)
         return type(obj)(mapped)
     return obj
 
@@ -543,13 +543,13 @@ def without_redistribute_costs() -> Iterator[None]:
     for name, mod in sys.modules.copy().items():
         if mod is not None and name.startswith("torch.distributed.tensor"):
             if getattr(mod, "generate_redistribute_costs", None) is original:
-                mod.generate_redistribute_costs = _zero_redistribute_costs
+                setattr(mod, "generate_redistribute_costs", _zero_redistribute_costs)
                 patched.append(mod)
     try:
         yield
     finally:
         for mod in patched:
-            mod.generate_redistribute_costs = original
+            setattr(mod, "generate_redistribute_costs", original)
 
 
 def _meta_kernels_shadowing_composites() -> list[tuple[OpOverload, Any]]:
@@ -921,7 +921,8 @@ class SingleDimRule:
             rows = [entries[i] for i in combo]
             specs: list[PlacementsT | None] = []
             for pos in range(width):
-                specs.append(None if rows[0][pos] is None else tuple(r[pos] for r in rows))
+                # a column's None (a non-tensor slot) is None in every entry
+                specs.append(None if rows[0][pos] is None else cast(PlacementsT, tuple(r[pos] for r in rows)))
             if mixed_partials(specs):
                 continue
             ins = [pl for pl in specs[nout:] if pl is not None]

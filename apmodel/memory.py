@@ -95,7 +95,9 @@ def _value(node: fx.Node, index: int = 0) -> torch.Tensor | None:
 def storage_root(node: fx.Node) -> fx.Node:
     """The node whose value owns ``node``'s storage (following views back to their base)."""
     while aliases_first_input(node):
-        node = node.args[0]
+        base = node.args[0]
+        assert isinstance(base, fx.Node)  # aliases_first_input checks it
+        node = base
     return node
 
 

@@ -212,7 +212,9 @@ def balls(
     inputs, outputs = boundary_placements(captured, mesh_shape, options.input_placements, options.output_placements)
     keep: dict[str, set] = {}
     for name, idx in captured.input_index.items():
-        keep.setdefault(name, set()).add(tuple(pl.from_str(t) for t in inputs[idx]))
+        placed = inputs[idx]
+        assert placed is not None  # None only where no input has the position
+        keep.setdefault(name, set()).add(tuple(pl.from_str(t) for t in placed))
     out_names = [name for name, role in captured.roles.items() if role == "output"]
     for i, name in enumerate(out_names):
         tangent = captured.output_tangent.get(name)

@@ -109,7 +109,7 @@ def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
     from apmodel.strategies import input_slots
 
     slots = input_slots(node)
-    if node.target is operator.getitem and slots and slots[0][1] == int(node.args[1]) and isinstance(
+    if node.target is operator.getitem and slots and slots[0][1] == node.args[1] and isinstance(
         slots[0][0].meta.get("val"), (tuple, list)
     ):
         return [(0, slots[0][0], slots[0][1])]
