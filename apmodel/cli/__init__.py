@@ -32,7 +32,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import typer
 from rich.console import Console
@@ -47,6 +47,9 @@ from apmodel.cli.output import plan_json, print_plan
 from apmodel.formatting import fmt_bytes as _fmt_bytes
 from apmodel.formatting import fmt_us as _fmt_us
 from apmodel.formatting import strategy_str as _strategy_str
+
+if TYPE_CHECKING:
+    from rich.status import Status
 
 logger = logging.getLogger("apmodel.cli")
 
@@ -140,7 +143,7 @@ class _Progress:
     def __init__(self, enabled: bool) -> None:
         self.console = Console(stderr=True)
         self.live = enabled and self.console.is_terminal
-        self._status = None
+        self._status: Status | None = None
 
     def __enter__(self) -> "_Progress":
         if self.live:
@@ -227,7 +230,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
         result = plan_workload(workload, options, constraints=cfg.constraints, compare_recipes=compare_recipes,
                                record=record, progress=progress)
     except TraceFailed as e:  # data-dependent ops, unsupported ops...: name the model and the op
-        raise CLIError(f"--model {e.model!r}: {e.what}: {describe_error(e.__cause__)}") from e
+        raise CLIError(f"--model {e.model!r}: {e.what}: {describe_error(e.cause)}") from e
     except solvers.TimeLimitReached as e:
         hint = "a longer --time-limit" + ("" if options.solver == "trws" else " or --solver trws (approximate, fast)")
         limit = "no" if options.time_limit is None else f"{options.time_limit:g} s"
@@ -300,6 +303,7 @@ def _explain(plan_file: Path, target: str, top: int) -> None:
     with _Progress(True) as progress:
         attach(saved, progress=progress)
     pm = saved.model
+    assert pm is not None  # attach sets it
     node = pm.fqn_to_node.get(target, target)
     rows = saved.explain(target)
     by_str = {str(s): s for s in pm.strategies[node]}

@@ -32,7 +32,7 @@ import linecache
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -154,10 +154,11 @@ class NativeProgram:
         env: dict[fx.Node, Any] = {}
         for n, local in zip(prog.params, param_locals):
             val = n.meta["val"]
-            v = DTensor.from_local(local, mesh, prog.storage[n], run_check=False, shape=val.shape, stride=val.stride())
-            if prog.param_dtype is not None and v.is_floating_point():  # mixed precision: compute in the param dtype
-                v = v.to(prog.param_dtype)
-            env[n] = v
+            param: torch.Tensor = DTensor.from_local(local, mesh, prog.storage[n], run_check=False, shape=val.shape,
+                                                     stride=val.stride())
+            if prog.param_dtype is not None and param.is_floating_point():  # mixed precision: compute in the param dtype
+                param = param.to(prog.param_dtype)
+            env[n] = param
         for n, b in zip(prog.buffers, buffers):  # the global value on every rank: its local chunk
             env[n] = distribute_tensor(b, mesh, prog.storage[n], src_data_rank=None)
         for n, x in zip(prog.inputs, inputs):
@@ -219,7 +220,8 @@ class NativeProgram:
                 continue
             v = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
                                    "backward", gradient=True)
-            grads.append(v.to(master).to_local())  # mixed precision: the gradient of the fp32 master
+            # mixed precision: the gradient of the fp32 master (DTensor.to gives a DTensor; torch's stub says Tensor)
+            grads.append(v.to(master).to_local())  # type: ignore[attr-defined]
         self.input_has_grad = []
         for i in prog.inputs:
             g = prog.input_grad.get(i)
@@ -463,10 +465,10 @@ class NativeStep(torch.autograd.Function):
     their planned placements) and the buffers' new values."""
 
     @staticmethod
-    def forward(ctx: Any, native: NativeProgram, as_dtensors: bool, *values: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, native: NativeProgram, as_dtensors: bool, *values: torch.Tensor) -> Any:
         n_p, n_b = len(native.prog.params), len(native.prog.buffers)
         params = values[:n_p]
-        locals_ = [p.to_local() for p in params] if as_dtensors else list(params)  # no grad here: no autograd node
+        locals_ = [cast(DTensor, p).to_local() for p in params] if as_dtensors else list(params)  # no grad here: no autograd node
         outs = native.run(native.forward_graph, locals_, list(values[n_p:n_p + n_b]), list(values[n_p + n_b:]))
         n_out, n_saved = native.n_outputs, native.n_saved
         ctx.native = native
@@ -477,7 +479,7 @@ class NativeStep(torch.autograd.Function):
         return (*outs[:n_out], *updates)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         native: NativeProgram = ctx.native
         n_out = native.n_outputs
         grads_in = native.run(native.backward_graph, list(ctx.saved_tensors), list(grads[:n_out]))

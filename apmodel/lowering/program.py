@@ -118,7 +118,7 @@ def _plain_partials(x: DTensor) -> DTensor:
     local = x.to_local().clone()
     new: list[Placement] = []
     for axis, p in enumerate(x.placements):
-        if hasattr(p, "mask_buffer"):
+        if isinstance(p, Partial) and hasattr(p, "mask_buffer"):  # torch's masked partial is a Partial
             if p.mask_buffer.data is None and x.device_mesh.size(axis) == 1:
                 # DTensor skips size-1 axes when it partitions the ids, so no mask was made; the one
                 # rank of the axis holds every row, so there is nothing to mask
@@ -277,9 +277,9 @@ class LoweredProgram:
             slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
                      for (leaf, prod, k), dst in zip(tl, ins)]
             outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
-            for v, pl in zip(_tensor_vals(n), outs):
-                if isinstance(v, torch.Tensor) and pl is not None:
-                    _check_even(n.name, v.shape, pl, mesh_shape)
+            for v, out_pl in zip(_tensor_vals(n), outs):
+                if isinstance(v, torch.Tensor) and out_pl is not None:
+                    _check_even(n.name, v.shape, out_pl, mesh_shape)
             for s in slots:
                 if s.dst is not None:
                     pv = _tensor_vals(s.producer)[s.index]
@@ -307,8 +307,8 @@ class LoweredProgram:
         fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
         self.saved: list[fx.Node] = []
         seen = set()
-        for s in self.bwd_steps:
-            for a in s.node.all_input_nodes:
+        for bwd_step in self.bwd_steps:
+            for a in bwd_step.node.all_input_nodes:
                 if a in fwd_set and a not in seen:
                     seen.add(a)
                     self.saved.append(a)
@@ -438,7 +438,7 @@ class LoweredProgram:
         if _tokens(x.placements) == _tokens(dst):
             return x
         if gradient and self.reduce_dtype is not None and x.is_floating_point():
-            x = x.to(self.reduce_dtype)
+            x = x.to(self.reduce_dtype)  # type: ignore[assignment]  # a DTensor's to() is a DTensor; torch's stub says Tensor
         self.redistributions.append(
             Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype,
                            gradient=gradient)
@@ -513,13 +513,15 @@ class LoweredProgram:
         val = s.node.meta["val"]
         pl = s.outputs[0] if s.outputs and s.outputs[0] is not None else tuple(Replicate() for _ in self.mesh.shape)
         value = s.fill
+        assert value is not None  # a fill step has its value
         coordinate = self.mesh.get_coordinate() or [0] * self.mesh.ndim
         for axis, p in enumerate(pl):
             if isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[axis] != 0:
                 value = 0
         local = torch.full(placements.local_shape(tuple(val.shape), pl, tuple(self.mesh.shape)), value,
                            dtype=val.dtype, device=device)
-        return DTensor.from_local(local, self.mesh, pl, run_check=False, shape=tuple(val.shape),
+        # from_local takes any int sequence as shape; torch's stub says torch.Size
+        return DTensor.from_local(local, self.mesh, pl, run_check=False, shape=tuple(val.shape),  # type: ignore[arg-type]
                                   stride=tuple(val.stride()))
 
     def _local_outputs(self, s: _Step) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -562,8 +564,9 @@ class LoweredProgram:
                 pl = s.outputs[i] if i < len(s.outputs) and s.outputs[i] is not None else R
                 v = vals[i] if i < len(vals) else None
                 shape = tuple(v.shape) if isinstance(v, torch.Tensor) and pl is not R else None
-                stride = tuple(v.stride()) if shape is not None else None
-                outs[i] = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape, stride=stride)
+                stride = tuple(v.stride()) if isinstance(v, torch.Tensor) and shape is not None else None
+                # from_local takes any int sequence as shape; torch's stub says torch.Size
+                outs[i] = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape, stride=stride)  # type: ignore[arg-type]
         return outs[0] if single else tuple(outs)
 
     def _place_outputs(self, s: _Step, out: Any) -> Any:
