@@ -224,7 +224,7 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
             continue
         keys = list(dict.fromkeys(key_of(n) for n in gm.graph.nodes if n.op == "call_function" and is_kind(n)))
         for key in keys:  # one key at a time: the others' collectives do not break its runs
-            def of_key(n: torch.fx.Node, key: Any = key) -> bool:
+            def of_key(n: torch.fx.Node, key: Any = key, is_kind: Callable[[torch.fx.Node], bool] = is_kind) -> bool:
                 return is_kind(n) and key_of(n) == key
 
             buckets = greedy(gm, cap, of_key, lambda n, key=key: key)
@@ -442,7 +442,7 @@ def _static_shardable(shape: tuple, placements: PlacementsT, mesh_shape: tuple[i
     if not all(type(n) is int for n in shape):
         return None
     shards = [1] * len(shape)
-    for p, k in zip(placements, mesh_shape):
+    for p, k in zip(placements, mesh_shape, strict=False):
         if type(p) is Shard:  # not a subclass (_StridedShard)
             if p.dim >= len(shape):
                 return False
@@ -543,13 +543,13 @@ def without_redistribute_costs() -> Iterator[None]:
     for name, mod in sys.modules.copy().items():
         if mod is not None and name.startswith("torch.distributed.tensor"):
             if getattr(mod, "generate_redistribute_costs", None) is original:
-                setattr(mod, "generate_redistribute_costs", _zero_redistribute_costs)
+                mod.generate_redistribute_costs = _zero_redistribute_costs  # type: ignore[attr-defined]  # torch's private module, untyped
                 patched.append(mod)
     try:
         yield
     finally:
         for mod in patched:
-            setattr(mod, "generate_redistribute_costs", original)
+            mod.generate_redistribute_costs = original  # type: ignore[attr-defined]
 
 
 def _meta_kernels_shadowing_composites() -> list[tuple[OpOverload, Any]]:
@@ -1038,7 +1038,7 @@ def _full_mesh_strategies(p, op, args, kwargs, mesh, memo):
         out = []
         for part in (widest.candidates[:half], widest.candidates[half:]):
             narrowed = TensorArg(widest.shape, widest.stride, widest.dtype, part)
-            swap = lambda a: narrowed if a is widest else a  # noqa: E731
+            swap = lambda a, narrowed=narrowed: narrowed if a is widest else a  # noqa: E731
             out += solve(_replace(a_args, swap), {k: _replace(v, swap) for k, v in a_kwargs.items()})
         return out
 

@@ -185,7 +185,7 @@ class InputSignature:
         """Flat inputs -> ``(args, kwargs, targets)`` of the traced call (constants included in
         ``kwargs``; ``targets`` is None when the loss reads the model's arguments)."""
         n_kw = len(self.kwarg_names)
-        kwargs = dict(zip(self.kwarg_names, flat[self.n_args:self.n_args + n_kw]))
+        kwargs = dict(zip(self.kwarg_names, flat[self.n_args:self.n_args + n_kw], strict=False))
         kwargs.update(self.constant_kwargs)
         targets = tuple(flat[self.n_args + n_kw:]) if self.n_targets is not None else None
         return tuple(flat[: self.n_args]), kwargs, targets
@@ -426,7 +426,7 @@ def _label(gm: fx.GraphModule) -> dict[str, Any]:
     output_tangent: dict[str, str] = {}
     buffer_update: dict[str, str] = {}
     out_node = gm.graph.output_node()
-    for value, desc in zip(_returned(out_node), out_node.meta["desc"]):
+    for value, desc in zip(_returned(out_node), out_node.meta["desc"], strict=True):
         if not isinstance(value, fx.Node):
             continue  # None: an input without gradient
         if isinstance(desc, PlainAOTOutput):
@@ -615,7 +615,7 @@ def capture(
 
     out_node = gm.graph.output_node()
     forward_outs = [
-        (v, d) for v, d in zip(_returned(out_node), out_node.meta["desc"]) if type(d).__name__ == "PlainAOTOutput"
+        (v, d) for v, d in zip(_returned(out_node), out_node.meta["desc"], strict=True) if type(d).__name__ == "PlainAOTOutput"
     ]
     what = "loss_fn" if loss_fn is not None else "model"
     if out_spec.num_leaves != 1 or len(forward_outs) != 1:

@@ -553,7 +553,7 @@ class PlacementModel:
 
             def allowed(s: Strategy, region=region, backward=backward) -> bool:
                 modes = region.alternative_on_axes(s.inputs, backward=backward)
-                return all(want is None or (mode or "replicated") == want for mode, want in zip(modes, per_axis))
+                return all(want is None or (mode or "replicated") == want for mode, want in zip(modes, per_axis, strict=False))
 
             self.restrict(n.name, allowed, label)
             nodes.append(n.name)

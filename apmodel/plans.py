@@ -125,7 +125,7 @@ def strategy_from_json(d: Any, where: str, ndim: int | None = None, source: str 
         raise PlanFileError(f"{source}: field {where!r}: 'out_ndim' and 'in_ndim' come together (or neither)")
     for side, placements in (("out", strategy.outputs), ("in", strategy.inputs)):
         ranks = _ranks_from_json(d, f"{side}_ndim", len(placements), where, source)
-        for i, (placement, rank) in enumerate(zip(placements, ranks or ())):
+        for i, (placement, rank) in enumerate(zip(placements, ranks or (), strict=False)):
             _check_rank(placement, rank, f"{where}.{side}[{i}]", source)
     return strategy
 

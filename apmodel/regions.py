@@ -296,7 +296,7 @@ class LocalRegion:
             leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
             outs = self._run(*leaves)
             wrt = [x for x in leaves if x.requires_grad]
-            got = dict(zip(map(id, wrt), torch.autograd.grad(outs, wrt, grads, allow_unused=True)))
+            got = dict(zip(map(id, wrt), torch.autograd.grad(outs, wrt, grads, allow_unused=True), strict=True))
         return [torch.zeros_like(x) if got.get(id(x)) is None else got[id(x)] for x in leaves]
 
     def _backward(self, *args: torch.Tensor) -> list[torch.Tensor]:

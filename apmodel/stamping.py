@@ -20,6 +20,7 @@ either side, as a middle layer of the model has.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -328,7 +329,7 @@ class _Template:
 
     def _split(self, items: list, tags: list[int | None], nodes: bool) -> list[tuple[Any, ...]]:
         segments: list[tuple[int | None, list]] = []
-        for item, t in zip(items, tags):
+        for item, t in zip(items, tags, strict=True):
             if segments and segments[-1][0] == t:
                 segments[-1][1].append(item)
             else:
@@ -373,7 +374,7 @@ class _Template:
         return all(
             x.op == y.op and (x.op == "placeholder" or x.target == y.target)
             and _split_name(x.name)[0] == _split_name(y.name)[0]
-            for x, y in zip(a, b)
+            for x, y in zip(a, b, strict=True)
         )
 
     def _kind(self, j: int) -> int:
@@ -461,8 +462,8 @@ class _Template:
             for j in (range(n) if ascending else range(n - 1, -1, -1)):
                 i = self._role(j, n)
                 for e in runs[i]:
-                    values.append(fx.node.map_arg(template_values[e], lambda a: lookup(a, i, j)))
-                    descs.append(_relayer_desc(template_descs[e], lambda f: self._relayer_target(f, i, j)))
+                    values.append(fx.node.map_arg(template_values[e], functools.partial(lookup, i=i, j=j)))
+                    descs.append(_relayer_desc(template_descs[e], functools.partial(self._relayer_target, i=i, j=j)))
         out = graph.create_node("output", "output", (type(self.out.args[0])(values),), {}, type_expr=self.out.type)
         out.meta = {**self.out.meta, "desc": descs}
         return gm

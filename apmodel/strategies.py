@@ -351,7 +351,7 @@ def _node_strategies(
         cand = [_distinct_outputs(cache, producer_strategies[p.name], i) for p, i in slots]
     except KeyError as e:
         raise ValueError(f"node {node.name}: no strategies given for its producer {e.args[0]!r}") from None
-    for (p, i), c in zip(slots, cand):
+    for (p, i), c in zip(slots, cand, strict=True):
         if not c:
             raise ValueError(f"node {node.name}: producer {p.name} output {i} has no candidate placement")
 
@@ -366,7 +366,7 @@ def _node_strategies(
         # placements within the ball around this node's seeded input placement (targets a
         # redistribution can reach). Those need not be outputs of any producer strategy, so the
         # widened problem is no longer a restriction of the unseeded one (it can be cheaper).
-        cand = [_with_ball_inputs(c, ball, j, _slot_shape(p, i), ms, allow_uneven) for j, (c, (p, i)) in enumerate(zip(cand, slots))]
+        cand = [_with_ball_inputs(c, ball, j, _slot_shape(p, i), ms, allow_uneven) for j, (c, (p, i)) in enumerate(zip(cand, slots, strict=True))]
     # Arguments with every tensor replaced by a TensorArg (shape + candidate placements).
     it = iter(cand)
 

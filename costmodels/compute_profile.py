@@ -163,7 +163,7 @@ class ComputeProfile:
         for key, v in list(p["matmul"]["tflops"].items()):
             p["matmul"]["tflops"][key] = _sig(v * _peak_ratio(spec, ref, key))
         ratio_tc = _peak_ratio(spec, ref, "bf16")
-        for backend, passes in p["attention"].items():
+        for passes in p["attention"].values():
             if "same_as" in passes:
                 continue
             for ps in passes.values():

@@ -129,7 +129,7 @@ class LocalSearch:
 
     def energy(self, x: np.ndarray) -> float:
         e = float(self.unary[self.p.offsets[:-1] + x].sum())
-        for g, c in zip(self.p.groups, self.costs):
+        for g, c in zip(self.p.groups, self.costs, strict=True):
             e += float(c[np.arange(len(g)), x[g.u], x[g.v]].sum())
         return e
 

@@ -257,7 +257,7 @@ class TRWS:
         parts = []
         scale = float(np.abs(np.where(fin_u, p.unary_flat, 0.0)).max(initial=0.0)) * V
         rng = np.random.default_rng(0)
-        for g, a_u in zip(p.groups, us):
+        for g, a_u in zip(p.groups, us, strict=True):
             flip = a_u != g.u  # edges whose later endpoint (by rank) is g.u
             for mask, transposed in ((~flip, False), (flip, True)):
                 if not mask.any():
@@ -517,7 +517,7 @@ class TRWS:
             g = uf.gamma_rep * theta[uf.sidx] - self.ubwd.msg[uf.rev]
             te = uf.blk + uf.src_min(g, 0, k)[:, :, None] + uf.dst_min(-uf.msg, 0, k)[:, None, :]
             total += float(te.min(axis=(1, 2)).sum())
-        for df, db in zip(self.fwd, self.bwd):
+        for df, db in zip(self.fwd, self.bwd, strict=True):
             g = self.gamma[df.src][:, None] * theta[df.src_idx] - db.msg[df.rev]
             te = df.costs - df.msg[:, None, :] + g[:, :, None]
             total += float(te.min(axis=(1, 2)).sum())

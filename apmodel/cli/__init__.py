@@ -493,7 +493,7 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
                          "or one per log in order")
     axes = axes * len(logs) if len(axes) == 1 else axes
     parsed = [costmodels.parse_nccl_tests(p, kind=None if kind == "auto" else kind) for p in logs]
-    for p, log in zip(logs, parsed):
+    for p, log in zip(logs, parsed, strict=True):
         if log.kind is None:
             raise ValueError(f"{p}: cannot tell the collective from the log; pass --kind")
         if ranks is not None:
@@ -512,13 +512,13 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
             raise ValueError(f"{logs[0]}: the log does not say how many ranks it ran on (no '# Rank' lines); "
                              "pass --ranks N or --mesh")
         shape = (counts.pop(),)
-    for p, log, ax in zip(logs, parsed, axes):
+    for log, ax in zip(parsed, axes, strict=True):
         if ax >= len(shape):
             raise ValueError(f"--axis {ax} is not an axis of mesh {shape}")
         if log.ranks is None:  # --mesh gives the axis size: the rank count of a log measured on it
             log.ranks = shape[ax]
     base = costmodels.NCCLCollectives(costmodels.Topology(shape, costmodels.device(device), gpus_per_node))
-    pairs = list(zip(parsed, axes))
+    pairs = list(zip(parsed, axes, strict=True))
     cal = costmodels.Calibration.fit(base, pairs, use=use)
     cal.meta.update({"device": device, "gpus_per_node": gpus_per_node, "mesh_shape": list(shape),
                      "sources": [str(p) for p in logs]})

@@ -38,11 +38,11 @@ class _JointStep(torch.autograd.Function):
     def forward(ctx, prog: LoweredProgram, device: torch.device, keep: bool, *values):
         env: dict[fx.Node, Any] = {}
         ph = prog.params + prog.buffers + prog.inputs
-        for n, v in zip(ph, values):
+        for n, v in zip(ph, values, strict=False):
             env[n] = v
         ctx.param_dtypes = [v.dtype for v in values[: len(prog.params)]]
         if prog.param_dtype is not None:  # mixed precision: compute with a down-cast of the master shards
-            for n, v in zip(prog.params, values):
+            for n, v in zip(prog.params, values, strict=False):
                 if v.is_floating_point():
                     env[n] = v.to(prog.param_dtype)
         prog._run(prog.fwd_steps, env, "forward", device)
@@ -67,7 +67,7 @@ class _JointStep(torch.autograd.Function):
         prog: LoweredProgram = ctx.prog
         env = dict(ctx.saved_env)
         ctx.saved_env = None
-        for o, g in zip(prog.fwd_outputs, grads):
+        for o, g in zip(prog.fwd_outputs, grads, strict=True):
             t = prog.output_tangent.get(o)
             if t is None:
                 continue
@@ -76,7 +76,7 @@ class _JointStep(torch.autograd.Function):
             env[t] = prog._redistribute(g, prog.storage[t], t.name, "<incoming grad>", 0, "backward")
         prog._run(prog.bwd_steps, env, "backward", ctx.device)
         result: list = [None, None, None]
-        for p, master_dtype in zip(prog.params, ctx.param_dtypes):
+        for p, master_dtype in zip(prog.params, ctx.param_dtypes, strict=True):
             g = prog.param_grad.get(p)
             if g is None:
                 result.append(None)

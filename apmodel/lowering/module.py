@@ -85,7 +85,7 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> An
     device = native.device
     param_owners, buffer_owners = _owners(self, prog)
     params = []
-    for n, (owner, leaf) in zip(prog.params, param_owners):
+    for n, (owner, leaf) in zip(prog.params, param_owners, strict=True):
         v = getattr(owner, leaf)
         if not isinstance(v, DTensor) or v.placements != prog.storage[n]:
             raise ValueError(f"parameter {prog.captured.param_fqn[n.name]!r} must be a DTensor placed "
@@ -100,9 +100,9 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> An
     outs = outs if isinstance(outs, tuple) else (outs,)
     n_out = native.n_outputs
     with torch.no_grad():  # buffer updates of the step (the global value)
-        for n, new in zip(prog.buffer_update, outs[n_out:]):
+        for n, new in zip(prog.buffer_update, outs[n_out:], strict=False):
             getattr(*buffer_owners[n]).copy_(new)
-    results = [o if layout is None else layout.wrap(o, prog.mesh) for o, layout in zip(outs[:n_out], native.output_layouts)]
+    results = [o if layout is None else layout.wrap(o, prog.mesh) for o, layout in zip(outs[:n_out], native.output_layouts, strict=False)]
     traced.redistributions = native.forward_redistributions + (
         native.backward_redistributions if torch.is_grad_enabled() else [])
     return results[0] if len(results) == 1 else tuple(results)
@@ -118,7 +118,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _native_forward(self, traced, inputs)
     prog = traced.for_inputs(inputs)  # the plan as traced, or replayed on these shapes
     dinputs = []
-    for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
+    for i, (node, x) in enumerate(zip(prog.inputs, inputs, strict=False)):
         pl = prog.storage[node]
         if isinstance(x, DTensor):
             x = prog._redistribute(x, pl, node.name, sig.name(i), 0, "input")

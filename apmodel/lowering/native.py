@@ -152,16 +152,16 @@ class NativeProgram:
     def _forward(self, param_locals: list, buffers: list, inputs: list) -> tuple:
         prog, mesh = self.prog, self.mesh
         env: dict[fx.Node, Any] = {}
-        for n, local in zip(prog.params, param_locals):
+        for n, local in zip(prog.params, param_locals, strict=False):
             val = n.meta["val"]
             param: torch.Tensor = DTensor.from_local(local, mesh, prog.storage[n], run_check=False, shape=val.shape,
                                                      stride=val.stride())
             if prog.param_dtype is not None and param.is_floating_point():  # mixed precision: compute in the param dtype
                 param = param.to(prog.param_dtype)
             env[n] = param
-        for n, b in zip(prog.buffers, buffers):  # the global value on every rank: its local chunk
+        for n, b in zip(prog.buffers, buffers, strict=False):  # the global value on every rank: its local chunk
             env[n] = distribute_tensor(b, mesh, prog.storage[n], src_data_rank=None)
-        for n, x in zip(prog.inputs, inputs):
+        for n, x in zip(prog.inputs, inputs, strict=False):
             env[n] = distribute_tensor(x, mesh, prog.storage[n], src_data_rank=None)
         prog._run(prog.fwd_steps, env, "forward", self.device, regions=self._regions)
         outputs = []
@@ -197,7 +197,7 @@ class NativeProgram:
         prog, mesh = self.prog, self.mesh
         env: dict[fx.Node, Any] = {}
         it = iter(saved)
-        for n, (spec, layout) in zip(prog.saved, self._saved_layout):
+        for n, (spec, layout) in zip(prog.saved, self._saved_layout, strict=False):
             leaves = []
             for kind, what in layout:
                 if kind == "constant":
@@ -206,14 +206,14 @@ class NativeProgram:
                     local = next(it)
                     leaves.append(local if what is None else what.wrap(local, mesh))
             env[n] = _unflatten(leaves, spec)
-        for o, g, layout in zip(prog.fwd_outputs, tangents, self._output_layouts):
+        for o, g, layout in zip(prog.fwd_outputs, tangents, self._output_layouts, strict=False):
             t = prog.output_tangent.get(o)
             if t is not None:
                 env[t] = g if layout is None else layout.wrap(g, mesh)
         prog._run(prog.bwd_steps, env, "backward", self.device, regions=self._regions)
         grads: list[torch.Tensor | None] = []
         self.param_has_grad = []
-        for p, master in zip(prog.params, self.master_dtypes):
+        for p, master in zip(prog.params, self.master_dtypes, strict=False):
             g = prog.param_grad.get(p)
             self.param_has_grad.append(g is not None)
             if g is None:
@@ -253,7 +253,7 @@ class NativeProgram:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
         if len(nodes) != len(self._regions):
             raise RuntimeError(f"native {phase} graph: {len(nodes)} region calls traced, {len(self._regions)} run")
-        for node, (target, comms, name) in zip(nodes, self._regions):
+        for node, (target, comms, name) in zip(nodes, self._regions, strict=True):
             if node.target is not target:
                 raise RuntimeError(f"native {phase} graph: region node {node.name} calls {node.target}, expected {target}")
             node.target = _RegionCall(target, comms, name)

@@ -275,9 +275,9 @@ class LoweredProgram:
                 )
             is_getitem = n.target is operator.getitem
             slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
-                     for (leaf, prod, k), dst in zip(tl, ins)]
+                     for (leaf, prod, k), dst in zip(tl, ins, strict=True)]
             outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
-            for v, out_pl in zip(_tensor_vals(n), outs):
+            for v, out_pl in zip(_tensor_vals(n), outs, strict=False):
                 if isinstance(v, torch.Tensor) and out_pl is not None:
                     _check_even(n.name, v.shape, out_pl, mesh_shape)
             for s in slots:
@@ -314,7 +314,7 @@ class LoweredProgram:
                     self.saved.append(a)
         for o in list(self.fwd_outputs) + list(self.buffer_update.values()):
             seen.add(o)
-        for p, g in list(self.param_grad.items()) + list(self.input_grad.items()):
+        for _, g in list(self.param_grad.items()) + list(self.input_grad.items()):
             if g in fwd_set:  # gradient computed without the tangent (rare); keep it
                 seen.add(g)
                 self.saved.append(g)
@@ -384,7 +384,7 @@ class LoweredProgram:
         ValueError naming the input, the node and the mesh axes."""
         sig = self.signature
         shapes = []
-        for i, (node, x) in enumerate(zip(self.inputs, inputs)):
+        for i, (node, x) in enumerate(zip(self.inputs, inputs, strict=False)):
             want = node.meta["val"]
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"input {sig.name(i)} must be a tensor, got {type(x).__name__}")
@@ -395,7 +395,7 @@ class LoweredProgram:
                 )
             shapes.append(tuple(x.shape))
         key = tuple(shapes)
-        if all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs)):
+        if all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs, strict=False)):
             return self
         variant = self.variants.get(key)
         if variant is None:
@@ -527,7 +527,7 @@ class LoweredProgram:
     def _local_outputs(self, s: _Step) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(local shape, dtype) of each tensor output of ``s`` at its planned placement."""
         return [(tuple(v.shape) if pl is None else placements.local_shape(tuple(v.shape), pl, tuple(self.mesh.shape)),
-                 v.dtype) for v, pl in zip(_tensor_vals(s.node), s.outputs) if isinstance(v, torch.Tensor)]
+                 v.dtype) for v, pl in zip(_tensor_vals(s.node), s.outputs, strict=False) if isinstance(v, torch.Tensor)]
 
     def failure_message(self, node_name: str, error: BaseException) -> str:
         """What a native graph's failure at the kernels of joint-graph node ``node_name`` says."""

@@ -66,7 +66,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
         if n.op != "call_function":
             continue
         strat = plan.node_strategy[n.name]
-        for (leaf, prod, idx), dst in zip(_tensor_leaves(n), strat.inputs):
+        for (_, prod, idx), dst in zip(_tensor_leaves(n), strat.inputs, strict=False):
             src = plan.node_strategy[prod.name].outputs[idx]
             if dst is None or src is None:
                 continue
