@@ -61,7 +61,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch._ops import OpOverload
@@ -224,7 +224,7 @@ def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:
             continue
         keys = list(dict.fromkeys(key_of(n) for n in gm.graph.nodes if n.op == "call_function" and is_kind(n)))
         for key in keys:  # one key at a time: the others' collectives do not break its runs
-            def of_key(n: torch.fx.Node, key: Any = key) -> bool:
+            def of_key(n: torch.fx.Node, key: Any = key, is_kind: Callable[[torch.fx.Node], bool] = is_kind) -> bool:
                 return is_kind(n) and key_of(n) == key
 
             buckets = greedy(gm, cap, of_key, lambda n, key=key: key)
@@ -442,15 +442,14 @@ def _static_shardable(shape: tuple, placements: PlacementsT, mesh_shape: tuple[i
     if not all(type(n) is int for n in shape):
         return None
     shards = [1] * len(shape)
-    for p, k in zip(placements, mesh_shape):
-        kind = type(p)
-        if kind is Shard:
+    for p, k in zip(placements, mesh_shape, strict=False):
+        if type(p) is Shard:  # not a subclass (_StridedShard)
             if p.dim >= len(shape):
                 return False
             shards[p.dim] *= k
             if shape[p.dim] < shards[p.dim]:
                 return False
-        elif kind is not Replicate and kind is not Partial:
+        elif type(p) is not Replicate and type(p) is not Partial:
             return None
     return True
 
@@ -491,9 +490,10 @@ def _map_args(obj: object, fn) -> object:
         return fn(obj)
     if isinstance(obj, (list, tuple)):
         mapped = [_map_args(o, fn) for o in obj]
-        if mapped and all(isinstance(m, OpStrategy) for m in mapped):
+        strategies = [m for m in mapped if isinstance(m, OpStrategy)]
+        if mapped and len(strategies) == len(mapped):
             # a list of tensors: DTensor represents it as a TupleStrategy
-            return TupleStrategy(tuple(mapped) if isinstance(obj, tuple) else mapped)
+            return TupleStrategy(tuple(strategies) if isinstance(obj, tuple) else strategies)
         return type(obj)(mapped)
     return obj
 
@@ -543,13 +543,13 @@ def without_redistribute_costs() -> Iterator[None]:
     for name, mod in sys.modules.copy().items():
         if mod is not None and name.startswith("torch.distributed.tensor"):
             if getattr(mod, "generate_redistribute_costs", None) is original:
-                mod.generate_redistribute_costs = _zero_redistribute_costs
+                mod.generate_redistribute_costs = _zero_redistribute_costs  # type: ignore[attr-defined]  # torch's private module, untyped
                 patched.append(mod)
     try:
         yield
     finally:
         for mod in patched:
-            mod.generate_redistribute_costs = original
+            mod.generate_redistribute_costs = original  # type: ignore[attr-defined]
 
 
 def _meta_kernels_shadowing_composites() -> list[tuple[OpOverload, Any]]:
@@ -921,7 +921,8 @@ class SingleDimRule:
             rows = [entries[i] for i in combo]
             specs: list[PlacementsT | None] = []
             for pos in range(width):
-                specs.append(None if rows[0][pos] is None else tuple(r[pos] for r in rows))
+                # a column's None (a non-tensor slot) is None in every entry
+                specs.append(None if rows[0][pos] is None else cast(PlacementsT, tuple(r[pos] for r in rows)))
             if mixed_partials(specs):
                 continue
             ins = [pl for pl in specs[nout:] if pl is not None]
@@ -1037,7 +1038,7 @@ def _full_mesh_strategies(p, op, args, kwargs, mesh, memo):
         out = []
         for part in (widest.candidates[:half], widest.candidates[half:]):
             narrowed = TensorArg(widest.shape, widest.stride, widest.dtype, part)
-            swap = lambda a: narrowed if a is widest else a  # noqa: E731
+            swap = lambda a, narrowed=narrowed: narrowed if a is widest else a  # noqa: E731
             out += solve(_replace(a_args, swap), {k: _replace(v, swap) for k, v in a_kwargs.items()})
         return out
 

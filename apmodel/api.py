@@ -29,10 +29,10 @@ from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
 from apmodel.lowering.module import DEFAULT_BUCKET_CAP_MB, DEFAULT_INFLIGHT_MB
 from apmodel.machine import detect as detect_machine
-from apmodel.pricing import DTYPES, CostContext, build_cost_context
-from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.options import DEVICE_AUTO, PlanOptions, make_options, run_precision_of
+from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.plans import Plan
+from apmodel.pricing import DTYPES, CostContext, build_cost_context
 from apmodel.search import fit_in_memory, replay_constraints
 from apmodel.workloads import TraceFailed, Workload, WorkloadError, parse_mesh
 

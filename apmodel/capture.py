@@ -185,7 +185,7 @@ class InputSignature:
         """Flat inputs -> ``(args, kwargs, targets)`` of the traced call (constants included in
         ``kwargs``; ``targets`` is None when the loss reads the model's arguments)."""
         n_kw = len(self.kwarg_names)
-        kwargs = dict(zip(self.kwarg_names, flat[self.n_args:self.n_args + n_kw]))
+        kwargs = dict(zip(self.kwarg_names, flat[self.n_args:self.n_args + n_kw], strict=False))
         kwargs.update(self.constant_kwargs)
         targets = tuple(flat[self.n_args + n_kw:]) if self.n_targets is not None else None
         return tuple(flat[: self.n_args]), kwargs, targets
@@ -285,7 +285,9 @@ def _is_view(node: fx.Node) -> bool:
     if node.op != "call_function":
         return node.op == "placeholder"
     if node.target is operator.getitem:
-        return _is_view(node.args[0])
+        src = node.args[0]
+        assert isinstance(src, fx.Node), src
+        return _is_view(src)
     schema = op_schema(node.target)
     return schema is None or any(r.alias_info is not None for r in schema.returns)
 
@@ -373,6 +375,13 @@ def _fingerprint(gm: fx.GraphModule, param_fqn: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def _returned(out_node: fx.Node) -> tuple[fx.node.Argument, ...] | list[fx.node.Argument]:
+    """The values an output node returns (its one argument, a tuple or a list)."""
+    values = out_node.args[0]
+    assert isinstance(values, (tuple, list)), values
+    return values
+
+
 def _label(gm: fx.GraphModule) -> dict[str, Any]:
     """Turn AOT descriptors into role / FQN / pairing dictionaries keyed by node name."""
     from apmodel._torch_private import (
@@ -417,7 +426,7 @@ def _label(gm: fx.GraphModule) -> dict[str, Any]:
     output_tangent: dict[str, str] = {}
     buffer_update: dict[str, str] = {}
     out_node = gm.graph.output_node()
-    for value, desc in zip(out_node.args[0], out_node.meta["desc"]):
+    for value, desc in zip(_returned(out_node), out_node.meta["desc"], strict=True):
         if not isinstance(value, fx.Node):
             continue  # None: an input without gradient
         if isinstance(desc, PlainAOTOutput):
@@ -427,9 +436,11 @@ def _label(gm: fx.GraphModule) -> dict[str, Any]:
         elif isinstance(desc, GradAOTOutput):
             of = by_input_desc.get(desc.grad_of)
             if isinstance(desc.grad_of, ParamAOTInput):
+                assert of is not None  # every graph input's descriptor is in by_input_desc
                 role = ROLE_GRAD_PARAM
                 param_grad[of] = value.name
             elif isinstance(desc.grad_of, PlainAOTInput):
+                assert of is not None
                 role = ROLE_GRAD_INPUT
                 input_grad[of] = value.name
             else:
@@ -492,7 +503,8 @@ def _merge_tied_parameters(gm: fx.GraphModule, step: nn.Module) -> dict[str, lis
     if not merged:
         return {}
     out_node = gm.graph.output_node()
-    values = list(out_node.args[0])
+    returned = _returned(out_node)
+    values = list(returned)
     grad_slot = {
         d.grad_of.target: i for i, d in enumerate(out_node.meta["desc"])
         if isinstance(d, GradAOTOutput) and isinstance(d.grad_of, ParamAOTInput)
@@ -500,15 +512,15 @@ def _merge_tied_parameters(gm: fx.GraphModule, step: nn.Module) -> dict[str, lis
     tied: dict[str, list[str]] = {}
     for keep, dups in merged.items():
         keep_slot = grad_slot.get(keep.meta["desc"].target)
-        grads = [values[keep_slot]] if keep_slot is not None else []
+        returned_grads = [values[keep_slot]] if keep_slot is not None else []
         for dup in dups:
             dup.replace_all_uses_with(keep)
             slot = grad_slot.get(dup.meta["desc"].target)
             if slot is not None:
-                grads.append(values[slot])
+                returned_grads.append(values[slot])
                 values[slot] = None
             gm.graph.erase_node(dup)
-        grads = [g for g in grads if isinstance(g, fx.Node)]
+        grads = [g for g in returned_grads if isinstance(g, fx.Node)]
         if len(grads) > 1 and keep_slot is not None:
             total = grads[0]
             with gm.graph.inserting_before(out_node):
@@ -524,7 +536,7 @@ def _merge_tied_parameters(gm: fx.GraphModule, step: nn.Module) -> dict[str, lis
             "capture: parameter %s is tied to %s: one graph input, gradients summed",
             user_fqn(keep.meta["desc"].target), ", ".join(tied[keep.name]),
         )
-    out_node.args = (type(out_node.args[0])(values),) + tuple(out_node.args[1:])
+    out_node.args = (type(returned)(values),) + tuple(out_node.args[1:])
     gm.recompile()
     return tied
 
@@ -603,7 +615,7 @@ def capture(
 
     out_node = gm.graph.output_node()
     forward_outs = [
-        (v, d) for v, d in zip(out_node.args[0], out_node.meta["desc"]) if type(d).__name__ == "PlainAOTOutput"
+        (v, d) for v, d in zip(_returned(out_node), out_node.meta["desc"], strict=True) if type(d).__name__ == "PlainAOTOutput"
     ]
     what = "loss_fn" if loss_fn is not None else "model"
     if out_spec.num_leaves != 1 or len(forward_outs) != 1:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Generic, Hashable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.fx as fx
@@ -107,21 +107,24 @@ def refined_hashes(
     return {name: str(c) for name, c in hashes.items()}
 
 
-class UnionFind:
+_Item = TypeVar("_Item", bound=Hashable)
+
+
+class UnionFind(Generic[_Item]):
     """Plain union-find over hashable items (path halving, union by size)."""
 
-    def __init__(self, items: Sequence[Hashable]) -> None:
+    def __init__(self, items: Sequence[_Item]) -> None:
         self._parent = {x: x for x in items}
         self._size = {x: 1 for x in items}
 
-    def find(self, x: Hashable) -> Hashable:
+    def find(self, x: _Item) -> _Item:
         parent = self._parent
         while parent[x] != x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
-    def union(self, a: Hashable, b: Hashable) -> Hashable:
+    def union(self, a: _Item, b: _Item) -> _Item:
         ra, rb = self.find(a), self.find(b)
         if ra == rb:
             return ra
@@ -131,8 +134,8 @@ class UnionFind:
         self._size[ra] += self._size[rb]
         return ra
 
-    def groups(self) -> dict[Hashable, list[Hashable]]:
-        out: dict[Hashable, list[Hashable]] = defaultdict(list)
+    def groups(self) -> dict[_Item, list[_Item]]:
+        out: dict[_Item, list[_Item]] = defaultdict(list)
         for x in self._parent:
             out[self.find(x)].append(x)
         return dict(out)
@@ -191,7 +194,7 @@ def cluster(
                 continue
             slots = len(by_name[members[0]].all_input_nodes)
             for j in range(slots):
-                producers = []
+                producers: list[str] = []
                 for m in members:
                     ins = by_name[m].all_input_nodes
                     if len(ins) != slots or ins[j].name not in by_name:

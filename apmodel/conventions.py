@@ -277,16 +277,32 @@ def _through_views(node: "fx.Node", is_backward: Mapping[str, bool]) -> list[tup
     return out
 
 
+def _graph_node(a: object) -> "fx.Node | None":
+    """``a`` if it is a graph node (torch.fx imported here: this module loads without torch)."""
+    from torch import fx
+
+    return a if isinstance(a, fx.Node) else None
+
+
+def _int(a: object) -> int:
+    """An integer operand of an ATen op (a dimension)."""
+    assert isinstance(a, int), a
+    return a
+
+
 def _swaps_last_two(node: "fx.Node", op: str) -> bool:
     if op == "t":
         return True
     if op == "transpose":
-        val = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+        src = _graph_node(node.args[0])
+        val = src.meta.get("val") if src is not None else None
         ndim = getattr(val, "ndim", 2)
-        dims = {int(d) % max(ndim, 1) for d in node.args[1:3]}
+        dims = {_int(d) % max(ndim, 1) for d in node.args[1:3]}
         return dims == {ndim - 2, ndim - 1}
     if op == "permute":
-        perm = [int(d) for d in node.args[1]]
+        perm_arg = node.args[1]
+        assert isinstance(perm_arg, (list, tuple)), perm_arg
+        perm = [_int(d) for d in perm_arg]
         n = len(perm)
         return n >= 2 and perm[:-2] == list(range(n - 2)) and perm[-2:] == [n - 1, n - 2]
     return False
@@ -342,12 +358,13 @@ def derive(captured: "CapturedGraph") -> ModelConventions:
                 weight_slot = {"mm": 1, "matmul": 1, "addmm": 2, "linear": 1}.get(op)
                 if weight_slot is None or slots != [weight_slot]:
                     continue  # not x @ W.T (W [out, in]) nor x @ W (W [in, out])
-                acts = [a for j, a in enumerate(user.args) if j != weight_slot and hasattr(a, "op")
+                acts = [n for j, a in enumerate(user.args) if j != weight_slot and (n := _graph_node(a)) is not None
                         and not (op == "addmm" and j == 0) and not (op == "linear" and j == 2)]
                 lin = linears[fqn] = _Linear(fqn, user, acts, in_out=swapped == (op == "linear"))
                 matmul_of[user.name] = fqn
-                bias_arg = user.args[0] if op == "addmm" else (user.args[2] if op == "linear" and len(user.args) > 2 else None)
-                if bias_arg is not None and getattr(bias_arg, "op", None) == "placeholder" and bias_arg.name in fqn_of:
+                bias_arg = _graph_node(
+                    user.args[0] if op == "addmm" else (user.args[2] if op == "linear" and len(user.args) > 2 else None))
+                if bias_arg is not None and bias_arg.op == "placeholder" and bias_arg.name in fqn_of:
                     lin.bias = fqn_of[bias_arg.name]
     # biases added after the matmul (nn.MultiheadAttention's in_proj): add(mm output, 1-D parameter)
     for lin in linears.values():
@@ -355,8 +372,8 @@ def derive(captured: "CapturedGraph") -> ModelConventions:
             continue
         for user, _, _ in _through_views(lin.matmul, is_bwd):
             if _op(user) in _BIAS_ADD_OPS:
-                for a in user.args:
-                    if getattr(a, "op", None) == "placeholder" and a.name in fqn_of and getattr(a.meta.get("val"), "ndim", 0) == 1:
+                for a in map(_graph_node, user.args):
+                    if a is not None and a.op == "placeholder" and a.name in fqn_of and getattr(a.meta.get("val"), "ndim", 0) == 1:
                         lin.bias = fqn_of[a.name]
 
     # which linear's output reaches which linear's input, inside one layer

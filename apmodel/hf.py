@@ -444,8 +444,9 @@ def training_step(spec: str, *, batch: int, seq: int, layers: int | None = None)
     config, head = config_from_spec(spec)
     with torch.device("meta"):
         model = build(config, head, layers=layers)
+    # torch's stub types every Module attribute Tensor | Module; config is a transformers config
     logger.info("%s: %s (%s LM, %d layers, attention %s)", spec, type(model).__name__, head,
-                model.config.num_hidden_layers, model.config._attn_implementation)
+                model.config.num_hidden_layers, model.config._attn_implementation)  # type: ignore[union-attr]
     return step_of(model, batch=batch, seq=seq, name=spec)
 
 

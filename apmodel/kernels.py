@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+
 def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -88,7 +89,7 @@ def flash_attention_backward(
     grad_q = torch.matmul(grad_scores, k) * s
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * s
     # gradients take the strides of their inputs, as the real kernel does
-    return tuple(torch.empty_like(x).copy_(g) for x, g in ((q, grad_q), (k, grad_k), (v, grad_v)))
+    return torch.empty_like(q).copy_(grad_q), torch.empty_like(k).copy_(grad_k), torch.empty_like(v).copy_(grad_v)
 
 
 def rms_norm_backward(
@@ -118,7 +119,7 @@ def rms_norm_backward(
 
 # Ops that traced graphs use but that have no CPU kernel in torch 2.13, mapped to the reference
 # implementations above (used to run a graph traced on meta on real CPU tensors).
-CPU_REFERENCE_KERNELS = MappingProxyType({
+CPU_REFERENCE_KERNELS: MappingProxyType[Any, Callable[..., Any]] = MappingProxyType({
     torch.ops.aten._scaled_dot_product_flash_attention.default: flash_attention_forward,
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default: flash_attention_backward,
     torch.ops.aten._fused_rms_norm_backward.default: rms_norm_backward,
@@ -148,19 +149,19 @@ def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: tor
     """``aten._scaled_dot_product_flash_attention_backward`` through the fused CPU kernel."""
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, logsumexp, 0.0, is_causal, scale=scale)
-    return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), grads))
+    return torch.empty_like(q).copy_(grads[0]), torch.empty_like(k).copy_(grads[1]), torch.empty_like(v).copy_(grads[2])
 
 
 # What the lowered program runs on CPU: PyTorch's fused CPU flash attention (the kernel eager
 # PyTorch uses there), the reference RMSNorm backward (no CPU kernel in torch 2.13).
-CPU_KERNELS = MappingProxyType({
+CPU_KERNELS: MappingProxyType[Any, Callable[..., Any]] = MappingProxyType({
     **CPU_REFERENCE_KERNELS,
     torch.ops.aten._scaled_dot_product_flash_attention.default: cpu_flash_attention_forward,
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default: cpu_flash_attention_backward,
 })
 
 
-def _half_or_reference(op: Any, reference):
+def _half_or_reference(op: Any, reference: Callable[..., Any]) -> Callable[..., Any]:
     """``op`` for fp16 / bf16 inputs, ``reference`` otherwise (flash attention's CUDA kernel
     refuses fp32: "FlashAttention only support fp16 and bf16 data type")."""
 
@@ -175,7 +176,7 @@ def _half_or_reference(op: Any, reference):
 
 # Ops whose device kernel takes only half precision, mapped to a dispatcher that runs the
 # reference implementation for other dtypes (fp32 models lowered on CUDA).
-HALF_ONLY_KERNELS = MappingProxyType({
+HALF_ONLY_KERNELS: MappingProxyType[Any, Callable[..., Any]] = MappingProxyType({
     op: _half_or_reference(op, CPU_REFERENCE_KERNELS[op])
     for op in (
         torch.ops.aten._scaled_dot_product_flash_attention.default,

@@ -95,7 +95,9 @@ def _value(node: fx.Node, index: int = 0) -> torch.Tensor | None:
 def storage_root(node: fx.Node) -> fx.Node:
     """The node whose value owns ``node``'s storage (following views back to their base)."""
     while aliases_first_input(node):
-        node = node.args[0]
+        base = node.args[0]
+        assert isinstance(base, fx.Node)  # aliases_first_input checks it
+        node = base
     return node
 
 
@@ -225,7 +227,7 @@ class MemoryModel:
             total = sum(self.local_bytes(n, o, k) for k, o in enumerate(s.outputs))
             if self.region_working_bytes is not None:
                 total = max(total, self.region_working_bytes(n, s))
-            for (prod, k), dst in zip(input_slots(n), s.inputs):
+            for (prod, k), dst in zip(input_slots(n), s.inputs, strict=False):
                 src = node_strategy[prod.name].outputs[k] if k < len(node_strategy[prod.name].outputs) else None
                 if dst is not None and src is not None and tuple(map(pl.to_str, src)) != tuple(map(pl.to_str, dst)):
                     total += self.local_bytes(prod, dst, k)

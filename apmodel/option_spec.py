@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 #: The groups of the options, in the order the README and ``apmodel plan --help`` show them.
 GROUPS = {"pricing": "Pricing", "search": "Search space", "pipeline": "Pipeline", "solving": "Solving"}
@@ -31,7 +31,7 @@ _OBJECT_SPEC = re.compile(r"[^:]+:[^:]+")
 _RANGE = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
 
 
-def is_int(v: Any) -> bool:
+def is_int(v: Any) -> TypeGuard[int]:
     """A JSON/TOML integer, not a bool (``true`` is not a count)."""
     return isinstance(v, int) and not isinstance(v, bool)
 

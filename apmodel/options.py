@@ -102,7 +102,7 @@ def _groups_alike(mesh_shape: Sequence[int], gpus_per_node: int, axis: int) -> b
     g = gpus_per_node
     strides = [math.prod(mesh_shape[i + 1:]) for i in range(len(mesh_shape))]
     firsts = {0}
-    for i, (size, stride) in enumerate(zip(mesh_shape, strides)):
+    for i, (size, stride) in enumerate(zip(mesh_shape, strides, strict=True)):
         if i != axis:  # c * stride modulo g repeats after g steps
             firsts = {(r + c * stride) % g for r in firsts for c in range(min(size, g))}
     spreads = {tuple(sorted(Counter((r + j * strides[axis]) // g for j in range(mesh_shape[axis])).values()))

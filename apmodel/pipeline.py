@@ -32,6 +32,7 @@ step as one SPMD step per microbatch); the optimizer step is not priced (as in e
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -120,7 +121,7 @@ def stage_mesh(mesh_shape: Sequence[int], axis: int, degree: int) -> tuple[tuple
     if degree == 1:
         return shape, strides
     left = shape[axis] // degree
-    sub = [(left if i == axis else s, st) for i, (s, st) in enumerate(zip(shape, strides)) if i != axis or left > 1]
+    sub = [(left if i == axis else s, st) for i, (s, st) in enumerate(zip(shape, strides, strict=True)) if i != axis or left > 1]
     if not sub:  # the whole mesh is the pipeline: each stage runs on one device
         return (1,), (1,)
     return tuple(s for s, _ in sub), tuple(st for _, st in sub)
@@ -346,8 +347,8 @@ def plan_pipeline(
             limit = search.memory_limit_bytes(options, pmodel)
             fits: bool | None = None if limit is None else True
             try:
-                plan = search.fit_in_memory(pmodel, plan, limit, lambda: search.solve_model(
-                    pmodel, options, timings=plan.timings, workload=plan.workload))
+                plan = search.fit_in_memory(pmodel, plan, limit, functools.partial(
+                    search.solve_model, pmodel, options, timings=plan.timings, workload=plan.workload))
             except OutOfMemory as e:
                 fits = False
                 logger.info("pipeline degree 1: %s", e)

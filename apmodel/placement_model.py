@@ -42,9 +42,10 @@ import solvers
 from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
 from apmodel.clustering import Grouping, cluster, local_signature
-from apmodel.pricing import CostContext
 from apmodel.memory import MemoryModel
+from apmodel.pricing import CostContext
 from apmodel.strategies import Strategy, input_slots
+from apmodel.strategy_filters import Placements
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,24 @@ def _tensor_value(val: Any, index: int) -> torch.Tensor | None:
     if isinstance(val, (list, tuple)):
         val = val[index] if index < len(val) else None
     return val if isinstance(val, torch.Tensor) else None
+
+
+def _tensor(val: Any, index: int) -> torch.Tensor:
+    """:func:`_tensor_value` where a tensor is known to be (a parameter, the producer of an edge)."""
+    t = _tensor_value(val, index)
+    assert t is not None, f"not a tensor: output {index} of {val!r}"
+    return t
+
+
+def _param_placements(s: Strategy) -> Placements:
+    """The placements of a parameter's strategy (its one output, a tensor)."""
+    out = s.outputs[0]
+    assert out is not None
+    return out
+
+
+def _negated(pred: Callable[[Strategy], bool]) -> Callable[[Strategy], bool]:
+    return lambda s: not pred(s)
 
 
 #: a redistribution matrix ``block[np.ix_(rows, cols)]`` as ``(block, rows, cols)`` (:meth:`CostContext.redistribution_factors`)
@@ -399,13 +418,17 @@ class PlacementModel:
             if given is None:
                 given = self._default_batch_placement(val)
             want = self._placement_strs(given, f"input {idx} ({name})")
-            self.restrict(name, lambda s, w=want: self.output_strs(s) == w, f"boundary: input {idx} placed {''.join(want)}")
+            self.restrict(name, self._outputs_placed(want), f"boundary: input {idx} placed {''.join(want)}")
+
+    def _outputs_placed(self, want: tuple[str, ...] | None) -> Callable[[Strategy], bool]:
+        """Whether a strategy places its output ``want`` (placement strings)."""
+        return lambda s: self.output_strs(s) == want
 
     def _apply_tangent_boundary(self) -> None:
         for out, tangent in self.captured.output_tangent.items():
             want = self.boundary_outputs.get(out)
             if want is not None and tangent in self.strategies:
-                self.restrict(tangent, lambda s, w=want: self.output_strs(s) == w, f"boundary: tangent of {out} placed like it")
+                self.restrict(tangent, self._outputs_placed(want), f"boundary: tangent of {out} placed like it")
 
     def _apply_buffer_policy(self) -> None:
         # Buffers (e.g. RoPE tables) are small and not trained: keep them replicated so the lowered
@@ -416,7 +439,7 @@ class PlacementModel:
 
     def _param_shard_factor(self, s: Strategy) -> int:
         f = 1
-        for axis, p in enumerate(s.outputs[0]):
+        for axis, p in enumerate(_param_placements(s)):
             if pl.to_str(p).startswith("S"):
                 f *= self.mesh_shape[axis]
         return f
@@ -427,8 +450,8 @@ class PlacementModel:
             strats = self.strategies[node]
             ok = np.array(
                 [
-                    not any(pl.to_str(p).startswith("P") for p in s.outputs[0])
-                    and all(pl.to_str(s.outputs[0][a]) == "R" for a in self.replicate_axes)
+                    not any(pl.to_str(p).startswith("P") for p in _param_placements(s))
+                    and all(pl.to_str(_param_placements(s)[a]) == "R" for a in self.replicate_axes)
                     for s in strats
                 ]
             )
@@ -448,13 +471,13 @@ class PlacementModel:
         terms = []
         total = 0.0
         for node, fqn in self.captured.param_fqn.items():
-            numel = 1 if per_tensor else _tensor_value(self.node_by_name[node].meta["val"], 0).numel()
+            numel = 1 if per_tensor else _tensor(self.node_by_name[node].meta["val"], 0).numel()
             total += numel
             for i, s in enumerate(self.strategies[node]):
-                if any(pl.to_str(p).startswith("P") for p in s.outputs[0]):
+                if any(pl.to_str(p).startswith("P") for p in _param_placements(s)):
                     continue
                 terms.append((node, i, numel / self._param_shard_factor(s)))
-            self.restrict(node, lambda s: not any(pl.to_str(p).startswith("P") for p in s.outputs[0]), f"policy: parameter {fqn} not partial")
+            self.restrict(node, lambda s: not any(pl.to_str(p).startswith("P") for p in _param_placements(s)), f"policy: parameter {fqn} not partial")
         self.linear_rows.append(("param_budget_ratio" if per_tensor else "param_memory_budget", terms, "<=",
                                  fraction * total))
 
@@ -505,7 +528,7 @@ class PlacementModel:
         nodes = self.select(pattern)
         for n in nodes:
             m = self._matcher(placement, n, on)
-            self.restrict(n, lambda s, m=m: not m(s), label)
+            self.restrict(n, _negated(m), label)
         return nodes
 
     def run_regions_as(self, pattern: str, per_axis: Sequence[str | None], *, name: str | None = None) -> list[str]:
@@ -530,7 +553,7 @@ class PlacementModel:
 
             def allowed(s: Strategy, region=region, backward=backward) -> bool:
                 modes = region.alternative_on_axes(s.inputs, backward=backward)
-                return all(want is None or (mode or "replicated") == want for mode, want in zip(modes, per_axis))
+                return all(want is None or (mode or "replicated") == want for mode, want in zip(modes, per_axis, strict=False))
 
             self.restrict(n.name, allowed, label)
             nodes.append(n.name)
@@ -578,7 +601,7 @@ class PlacementModel:
         """:meth:`edge_matrix` factored: ``(block, rows, cols)`` with the matrix ``block[np.ix_(rows, cols)]``
         (the distinct placements priced once; ``block`` is shared: read it, never write it)."""
         prod = self.node_by_name[e.producer]
-        val = _tensor_value(prod.meta.get("val"), e.out_index)
+        val = _tensor(prod.meta.get("val"), e.out_index)
         src = self._strategy_strs(e.producer, "out", e.out_index)
         dst = self._strategy_strs(e.consumer, "out", 0) if e.slot < 0 else self._strategy_strs(e.consumer, "in", e.slot)
         return self.cost.redistribution_factors(tuple(val.shape), val.dtype, src, dst, gradient=self.is_param_gradient(e),
@@ -594,7 +617,7 @@ class PlacementModel:
             if side == "out":
                 strs = [self.output_strs(s, index) for s in strats]
             else:
-                strs = [None if s.inputs[index] is None else tuple(pl.to_str(x) for x in s.inputs[index]) for s in strats]
+                strs = [None if (inp := s.inputs[index]) is None else tuple(pl.to_str(x) for x in inp) for s in strats]
             self._strs[key] = strs
         return strs
 
@@ -625,7 +648,7 @@ class PlacementModel:
 
     def boundary_vector(self, name: str) -> np.ndarray:
         """Cost (µs) of bringing forward output ``name`` to its required placement."""
-        val = _tensor_value(self.node_by_name[name].meta.get("val"), 0)
+        val = _tensor(self.node_by_name[name].meta.get("val"), 0)
         src = [self.output_strs(s, 0) for s in self.strategies[name]]
         return self.cost.redistribution_matrix(tuple(val.shape), val.dtype, src, [self.boundary_outputs[name]])[:, 0]
 
@@ -672,10 +695,10 @@ class PlacementModel:
         same_factors: dict[tuple, Factors] = {}  # equal factors (other strategy lists, equal strings) as one object
         terms: dict[tuple[int, int], list[tuple[Factors, bool]]] = {}  # per group pair: (matrix, transposed) in order
         for e in self.edges:
-            val = _tensor_value(self.node_by_name[e.producer].meta.get("val"), e.out_index)
-            key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
-                   tuple(val.shape), val.dtype, self.is_param_gradient(e), self.is_bucketed(e))
-            factors = matrix_memo.get(key)
+            val = _tensor(self.node_by_name[e.producer].meta.get("val"), e.out_index)
+            edge_key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
+                        tuple(val.shape), val.dtype, self.is_param_gradient(e), self.is_bucketed(e))
+            factors = matrix_memo.get(edge_key)
             if factors is None:
                 block, rows, cols = self.edge_factors(e)
                 if self.weight_traffic_scale != 1.0 and self.is_bucketed(e):
@@ -685,7 +708,7 @@ class PlacementModel:
                                                                      block * self.weight_traffic_scale)
                     block = scaled
                 factors = same_factors.setdefault((id(block), rows.tobytes(), cols.tobytes()), (block, rows, cols))
-                matrix_memo[key] = factors
+                matrix_memo[edge_key] = factors
             gu, gv = grouping.group_of[e.producer], grouping.group_of[e.consumer]
             if gu == gv:  # the matrix's diagonal
                 block, rows, cols = factors
@@ -724,9 +747,9 @@ class PlacementModel:
             unary[g] = np.where(mask, unary[g], np.inf)
 
         constraints = []
-        for name, rows, sense, rhs in self.linear_rows:
+        for name, row, sense, rhs in self.linear_rows:
             coef: dict[tuple[int, int], float] = defaultdict(float)
-            for node, state, c in rows:
+            for node, state, c in row:
                 coef[(grouping.group_of[node], state)] += c
             constraints.append(solvers.LinearConstraint(name=name, terms=[(g, s, c) for (g, s), c in coef.items()], sense=sense, rhs=rhs))
 
@@ -760,7 +783,7 @@ class PlacementModel:
             "edges": c.problem.n_edges,
         }
 
-    def decode(self, assignment: Sequence[int]) -> dict[str, Strategy]:
+    def decode(self, assignment: Sequence[int] | np.ndarray) -> dict[str, Strategy]:
         """Solver assignment (one state per group) -> strategy per node."""
         c = self._compile()
         out: dict[str, Strategy] = {}

@@ -159,7 +159,7 @@ def shard_degrees(ndim: int, placements: Sequence[Placement] | str, mesh_shape: 
     if len(pl) != len(mesh_shape):
         raise ValueError(f"placements {pl} have {len(pl)} entries, mesh_shape {tuple(mesh_shape)} has {len(mesh_shape)} axes")
     deg = [1] * ndim
-    for p, size in zip(pl, mesh_shape):
+    for p, size in zip(pl, mesh_shape, strict=True):
         if is_shard(p):
             if not 0 <= p.dim < ndim:
                 raise ValueError(f"placement {to_str(p)} shards dim {p.dim} of a {ndim}-d tensor")
@@ -177,13 +177,13 @@ def local_shape(
     leave the shape unchanged. ``placements`` may be a tuple of Placement or a string like "S(0)R".
     """
     deg = shard_degrees(len(global_shape), placements, mesh_shape)
-    return tuple(math.ceil(int(n) / k) for n, k in zip(global_shape, deg))
+    return tuple(math.ceil(int(n) / k) for n, k in zip(global_shape, deg, strict=True))
 
 
 def is_even(global_shape: Sequence[int], placements: Sequence[Placement] | str, mesh_shape: Sequence[int]) -> bool:
     """True when every sharded dimension divides evenly by the number of its shards."""
     deg = shard_degrees(len(global_shape), placements, mesh_shape)
-    return all(int(n) % k == 0 for n, k in zip(global_shape, deg))
+    return all(int(n) % k == 0 for n, k in zip(global_shape, deg, strict=True))
 
 
 class ByIdentity(Generic[_T]):

@@ -135,7 +135,7 @@ def strategy_from_json(d: Any, where: str, ndim: int | None = None, source: str 
         raise PlanFileError(f"{source}: field {where!r}: 'out_ndim' and 'in_ndim' come together (or neither)")
     for side, placements in (("out", strategy.outputs), ("in", strategy.inputs)):
         ranks = _ranks_from_json(d, f"{side}_ndim", len(placements), where, source)
-        for i, (placement, rank) in enumerate(zip(placements, ranks or ())):
+        for i, (placement, rank) in enumerate(zip(placements, ranks or (), strict=False)):
             _check_rank(placement, rank, f"{where}.{side}[{i}]", source)
     return strategy
 
@@ -260,7 +260,11 @@ class Plan:
     ) -> "Plan":
         node_strategy = pmodel.decode(assignment)
         cap = pmodel.captured
-        params = {fqn: node_strategy[node].outputs[0] for node, fqn in cap.param_fqn.items()}
+        params: dict[str, tuple] = {}
+        for node, fqn in cap.param_fqn.items():
+            placed = node_strategy[node].outputs[0]
+            assert placed is not None  # a parameter is a tensor
+            params[fqn] = placed
         for node, others in getattr(cap, "tied_params", {}).items():  # tied weights: one placement, every name
             params.update({fqn: params[cap.param_fqn[node]] for fqn in others})
         breakdown = price(pmodel, node_strategy)
@@ -426,7 +430,9 @@ class Plan:
             structure_fingerprint=data["structure_fingerprint"],
             node_strategy=nodes,
             param_placements=params,
-            **numbers,
+            objective_us=numbers["objective_us"],
+            compute_us=numbers["compute_us"],
+            comm_us=numbers["comm_us"],
             comm_by_collective=_number_map(source, "comm_by_collective", data.get("comm_by_collective", {})),
             per_layer={k: _number_map(source, f"per_layer[{k!r}]", v) for k, v in per_layer.items()},
             solver=solver,
@@ -593,8 +599,10 @@ def price(pmodel: "PlacementModel", node_strategy: Mapping[str, Strategy], *, ke
     by_collective: dict[str, float] = defaultdict(float)
     comm_total = 0.0
     for n in region_nodes:  # a local_map region's own collectives: comm, not compute
+        region = region_of(n.target)
+        assert region is not None  # region_nodes have one
         for kind, axes, us in cost.region_collectives(n, node_strategy[n.name]):
-            by_collective[collective_key(kind, axes, region_of(n.target).name)] += us
+            by_collective[collective_key(kind, axes, region.name)] += us
             compute_total -= us
             comm_total += us
             per_layer[label[n.name]]["compute_us"] -= us

@@ -19,12 +19,12 @@ import torch
 import torch.fx as fx
 
 import costmodels
-from costmodels.overlap import GLOO_MAX_INFLIGHT
 from apmodel import placements as pl
 from apmodel._torch_private import tree_flatten, tree_unflatten
-from apmodel.regions import is_backward, region_of
 from apmodel.options import PRICING_DTYPES, PlanOptions, torch_dtype
+from apmodel.regions import is_backward, region_of
 from apmodel.strategies import Strategy
+from costmodels.overlap import GLOO_MAX_INFLIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,8 @@ def _local(t: torch.Tensor, placement: tuple | None, mesh_shape: Sequence[int]) 
     """The per-device shard of ``t`` as a meta tensor, laid out in ``t``'s dimension order (a
     transposed operand stays transposed: the compute model reads alignment off the strides)."""
     shape = tuple(t.shape) if placement is None else pl.local_shape(tuple(t.shape), placement, mesh_shape)
-    order = sorted(range(len(shape)), key=lambda d: (-t.stride(d), d))  # outermost dimension first
+    stride = t.stride()
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))  # outermost dimension first
     strides = [0] * len(shape)
     step = 1
     for d in reversed(order):
@@ -137,7 +138,7 @@ class _LocalShapes:
         # on the mesh (the strategies of all nodes share their placement tuples)
         for shape in set(self.inputs + self.outputs):
             if shape not in memo:
-                memo[shape] = pl.ByIdentity(lambda p, shape=shape: pl.local_shape(shape, p, mesh_shape))
+                memo[shape] = pl.ByIdentity(functools.partial(pl.local_shape, shape, mesh_shape=mesh_shape))
         self._local = memo
 
     def _shape(self, shape: tuple[int, ...], placement: tuple | None) -> tuple[int, ...]:
@@ -270,6 +271,7 @@ class CostContext:
                 continue
             call_args, call_kwargs, out, inputs, outs = self._local_call(node, s)
             if region is not None:  # a local_map region: the ops it runs, at these local shapes
+                assert modes is not None  # read off the region above
                 value = region.time_us(self, call_args, modes=modes, backward=backward)
             else:
                 value = self.compute.time_us(node.target, call_args, call_kwargs, out, dtype=self.dtype)

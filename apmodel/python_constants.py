@@ -65,7 +65,7 @@ def constant_tensor(data: Any, dtype: torch.dtype | None, device: Any, where: st
         return torch.full(shape, flat[0], dtype=dtype, device=device)
     if values.ndim == 1 and values.dtype.kind in "iu" and len(flat) > 1:
         step = flat[1] - flat[0]
-        if step != 0 and all(b - a == step for a, b in zip(flat, flat[1:])):
+        if step != 0 and all(b - a == step for a, b in zip(flat, flat[1:], strict=False)):
             return torch.arange(flat[0], flat[-1] + step, step, dtype=dtype, device=device)
     if values.size > MAX_ELEMENTS:
         raise ValueError(f"{where}: a constant of {values.size} elements (shape {list(shape)}) built in forward; "

@@ -148,6 +148,7 @@ class RegionComm:
         return _AllToAll.apply(x, [int(r) for r in send_rows], [int(r) for r in recv_rows], self)
 
     def _record(self, kind: str, numel: int, dtype: torch.dtype) -> None:
+        assert self.records is not None  # recording happens while priced (group None), with records
         self.records.append(CollectiveRecord(kind, int(numel), dtype, self.alternative))
 
 
@@ -295,7 +296,7 @@ class LocalRegion:
             leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
             outs = self._run(*leaves)
             wrt = [x for x in leaves if x.requires_grad]
-            got = dict(zip(map(id, wrt), torch.autograd.grad(outs, wrt, grads, allow_unused=True)))
+            got = dict(zip(map(id, wrt), torch.autograd.grad(outs, wrt, grads, allow_unused=True), strict=True))
         return [torch.zeros_like(x) if got.get(id(x)) is None else got[id(x)] for x in leaves]
 
     def _backward(self, *args: torch.Tensor) -> list[torch.Tensor]:
@@ -325,11 +326,11 @@ class LocalRegion:
     # ---------------------------------------------------------------- strategies (one mesh axis)
     def forward_strategies(self) -> list[tuple[list[Placement], list[Placement]]]:
         """Per mesh axis: (output placements, input placements) the region accepts."""
-        R = Replicate()
+        R: Placement = Replicate()
         return [([R] * self.n_out, [R] * self.n_in)] + [(list(a.outputs), list(a.inputs)) for a in self.alternatives]
 
     def backward_strategies(self) -> list[tuple[list[Placement], list[Placement]]]:
-        R = Replicate()
+        R: Placement = Replicate()
         return [([R] * self.n_in, [R] * (self.n_out + self.n_in))] + [a.backward() for a in self.alternatives]
 
     def alternative_on_axes(self, inputs: Sequence[Sequence[Placement] | None], *, backward: bool) -> tuple[str | None, ...]:
@@ -385,7 +386,7 @@ class LocalRegion:
     def _price(self, cost: Any, tensors: list[torch.Tensor], modes: tuple[str | None, ...],
                backward: bool) -> tuple[float, tuple[tuple[str, tuple[int, ...], float], ...], float]:
         mesh_shape = tuple(cost.mesh_shape)
-        axes_of = {name: tuple(i for i, m in enumerate(modes) if m == name) for name in set(modes) - {None}}
+        axes_of = {name: tuple(i for i, m in enumerate(modes) if m == name) for name in set(modes) if name is not None}
         # the trace depends on the local shapes and each alternative's group size, not on which
         # axes carry it: many strategies share one trace
         sizes = tuple(sorted((name, math.prod(mesh_shape[i] for i in axes)) for name, axes in axes_of.items()))

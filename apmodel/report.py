@@ -25,8 +25,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from apmodel.formatting import fmt_bytes, fmt_us
-from apmodel.report_data import (ROLES, Bars, collective_label, layer_bars, memory_bars, natural, natural_item,
-                                 pct, placement_data, recipe_bars, recipe_rows, time_bars, timeline_lanes)
+from apmodel.report_data import (
+    ROLES,
+    Bars,
+    collective_label,
+    layer_bars,
+    memory_bars,
+    natural,
+    natural_item,
+    pct,
+    placement_data,
+    recipe_bars,
+    recipe_rows,
+    time_bars,
+    timeline_lanes,
+)
 from apmodel.report_figures import FONT, Drawing, esc, layout_bars, layout_grid, layout_lanes, paint, svg
 
 if TYPE_CHECKING:

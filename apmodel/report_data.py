@@ -111,7 +111,7 @@ def placement_data(plan: "Plan") -> tuple[list[Block], list[ParamRow]]:
         group, rel = conventions.split(fqn)
         cells = groups.setdefault(group, {})
         stripes = []
-        for a, (stored, role) in enumerate(zip(r.stored, r.roles)):
+        for a, (stored, role) in enumerate(zip(r.stored, r.roles, strict=False)):
             used = r.used(a)
             use_text = "?" if used is None else "/".join(used) or "–"
             text = stored if used is None else f"{stored}→{use_text}"

@@ -135,8 +135,8 @@ def _folded(rows: Sequence[tuple[str, list[Any]]]) -> list[tuple[str, list[Any]]
         first, cells = run[0]
         label = _layer_range([lab for lab, _ in run])
         if len(run) > 1:
-            def renamed(tip: str) -> str:
-                return tip.replace(first, label, 1) + f" (the same in each of {len(run)} layers)"
+            def renamed(tip: str, first: str = first, label: str = label, layers: int = len(run)) -> str:
+                return tip.replace(first, label, 1) + f" (the same in each of {layers} layers)"
 
             cells = [None if c is None else replace(c, stripes=tuple(replace(s, tip=renamed(s.tip)) for s in c.stripes))
                      for c in cells]
@@ -257,7 +257,7 @@ def layout_bars(b: Bars, width: float = 900.0) -> Drawing:
         x = label_w + plot_w * v / vmax
         d.shapes.append(_Line(x, top - 4, x, bottom, "#222222", dash=True))
         d.shapes.append(_Text(x, top - 7, f"{name} {fmt(v)}", 10, anchor="end" if x > width * 0.7 else "middle"))
-    for (label, segs), total in zip(rows, totals):
+    for (label, segs), total in zip(rows, totals, strict=True):
         d.shapes.append(_Text(label_w - 8, y + row_h - 5.5, label, 11, anchor="end"))
         x = label_w
         for key, v in segs:

@@ -18,11 +18,11 @@ from apmodel import seeding as seeding_mod
 from apmodel.capture import CapturedGraph
 from apmodel.checkpointing import policy_of
 from apmodel.constraints import ConstraintLike, apply_all
-from apmodel.pricing import CostContext
 from apmodel.memory import HBM_RESERVE_FRACTION, MemoryEstimate, OutOfMemory
-from apmodel.placement_model import PlacementModel
 from apmodel.options import PlanOptions
+from apmodel.placement_model import PlacementModel
 from apmodel.plans import Plan
+from apmodel.pricing import CostContext
 from apmodel.strategies import enumerate_strategies
 
 logger = logging.getLogger(__name__)
@@ -193,12 +193,13 @@ def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None,
     plan under a memory row (:meth:`PlacementModel.add_memory_limit`, solved by ``solve``), else
     :class:`~apmodel.memory.OutOfMemory` saying the smallest footprint the candidates allow and
     what dominates it."""
-    if limit_bytes is None or plan.memory.get("peak_bytes") is None or plan.memory["peak_bytes"] <= limit_bytes:
+    peak = plan.memory.get("peak_bytes")
+    if limit_bytes is None or peak is None or peak <= limit_bytes:
         return plan
     transient = _transient_bytes(plan)
     logger.info(
         "plan needs %.2f GB per device, over the %.2f GB limit: solving again with a memory row",
-        plan.memory["peak_bytes"] / 1e9, limit_bytes / 1e9,
+        peak / 1e9, limit_bytes / 1e9,
     )
     smallest = pmodel.memory.smallest({n: pmodel.allowed_mask(n) for n in pmodel.strategies}) + transient
     ac = policy_of(pmodel.captured)
@@ -212,7 +213,7 @@ def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None,
             fitted = solve()
         except solvers.Infeasible:
             raise _out_of_memory(fitted, limit_bytes, smallest, ac) from None
-        if fitted.memory["peak_bytes"] <= limit_bytes:
+        if _bytes(fitted, "peak_bytes") <= limit_bytes:
             return fitted
         grown = _transient_bytes(fitted)
         if grown <= transient:
@@ -221,14 +222,25 @@ def fit_in_memory(pmodel: PlacementModel, plan: Plan, limit_bytes: float | None,
     raise _out_of_memory(fitted, limit_bytes, smallest, ac)
 
 
+def _bytes(plan: Plan, key: str) -> float:
+    """``plan.memory[key]``, a byte count (only ``hbm_bytes`` may be None in a priced plan)."""
+    value = plan.memory[key]
+    assert value is not None, key
+    return value
+
+
 def _transient_bytes(plan: Plan) -> float:
     """Bytes of ``plan``'s peak that the memory row does not count (the step's largest transient)."""
-    mem = plan.memory
-    return mem["peak_bytes"] - sum(mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
+    return _bytes(plan, "peak_bytes") - sum(
+        _bytes(plan, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
 
 
 def _out_of_memory(plan: Plan, limit: float, smallest: float, ac: str = "none") -> OutOfMemory:
-    est = MemoryEstimate(**{k: plan.memory[k] for k in MemoryEstimate.__dataclass_fields__})
+    est = MemoryEstimate(
+        params_bytes=_bytes(plan, "params_bytes"), grads_bytes=_bytes(plan, "grads_bytes"),
+        optimizer_bytes=_bytes(plan, "optimizer_bytes"), activations_bytes=_bytes(plan, "activations_bytes"),
+        peak_bytes=_bytes(plan, "peak_bytes"), hbm_bytes=plan.memory["hbm_bytes"],
+    )
     stronger = {"none": "selective", "selective": "full"}.get(ac)
     checkpointing = ""
     if est.dominant_kind() == "activations" and stronger is not None:

@@ -54,9 +54,9 @@ import torch
 import solvers
 from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
-from apmodel.pricing import CostContext, build_cost_context
-from apmodel.placement_model import PlacementModel, default_batch_placement
 from apmodel.options import PlanOptions
+from apmodel.placement_model import PlacementModel, default_batch_placement
+from apmodel.pricing import CostContext, build_cost_context
 from apmodel.strategies import Ball, Strategy, StrategyCache, enumerate_strategies
 
 __all__ = ["AxisComm", "Seed", "axis_options", "seed", "balls", "boundary_placements"]
@@ -212,7 +212,9 @@ def balls(
     inputs, outputs = boundary_placements(captured, mesh_shape, options.input_placements, options.output_placements)
     keep: dict[str, set] = {}
     for name, idx in captured.input_index.items():
-        keep.setdefault(name, set()).add(tuple(pl.from_str(t) for t in inputs[idx]))
+        placed = inputs[idx]
+        assert placed is not None  # None only where no input has the position
+        keep.setdefault(name, set()).add(tuple(pl.from_str(t) for t in placed))
     out_names = [name for name, role in captured.roles.items() if role == "output"]
     for i, name in enumerate(out_names):
         tangent = captured.output_tangent.get(name)

@@ -20,6 +20,7 @@ either side, as a middle layer of the model has.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -196,7 +197,7 @@ class _ForwardRecord(torch.overrides.TorchFunctionMode):
         if isinstance(value, torch.Tensor):
             named = self._named.get(id(value))
             if named is not None:
-                where = ("param", self._relative(named[0]), named[1])
+                where: tuple[Any, ...] = ("param", self._relative(named[0]), named[1])
             elif id(value) in self._source:
                 i, index = self._source[id(value)]
                 where = ("op", self._relative(i), index)
@@ -279,7 +280,7 @@ class _Template:
             tag[n] = previous = t
         self.tag = tag
         # runs of equal tags; each run of layer segments must read 0, 1, ..., k - 1 or the reverse
-        self.parts: list[tuple[str, Any]] = []  # ("outside", nodes) | ("layers", ascending, [nodes of layer 0 ... k-1])
+        self.parts: list[tuple[Any, ...]] = []  # ("outside", nodes) | ("layers", ascending, [nodes of layer 0 ... k-1])
         self.where: dict[fx.Node, tuple[int, int]] = {}  # layer node -> (part, position)
         self.first_differs: set[int] = set()  # parts whose first layer does not match the others
         self.out_tags = self._output_tags(tag)
@@ -326,14 +327,14 @@ class _Template:
         target = _desc_target(desc)
         return self.stack.layer_of(user_fqn(target)) if target is not None else None
 
-    def _split(self, items: list, tags: list[int | None], nodes: bool) -> list[tuple[str, Any]]:
+    def _split(self, items: list, tags: list[int | None], nodes: bool) -> list[tuple[Any, ...]]:
         segments: list[tuple[int | None, list]] = []
-        for item, t in zip(items, tags):
+        for item, t in zip(items, tags, strict=True):
             if segments and segments[-1][0] == t:
                 segments[-1][1].append(item)
             else:
                 segments.append((t, [item]))
-        parts: list[tuple[str, Any]] = [] if not nodes else self.parts
+        parts: list[tuple[Any, ...]] = [] if not nodes else self.parts
         i = 0
         while i < len(segments):
             t, run = segments[i]
@@ -373,7 +374,7 @@ class _Template:
         return all(
             x.op == y.op and (x.op == "placeholder" or x.target == y.target)
             and _split_name(x.name)[0] == _split_name(y.name)[0]
-            for x, y in zip(a, b)
+            for x, y in zip(a, b, strict=True)
         )
 
     def _kind(self, j: int) -> int:
@@ -409,6 +410,7 @@ class _Template:
             if i is None:  # outside the stack: reads the first or the last layer
                 ja = 0 if ta == 0 else n - 1 if ta == k - 1 else None
             else:
+                assert j is not None  # a layer's node has both indices
                 ja = j + (ta - i) if abs(ta - i) <= 1 else None
             if ja is None or not 0 <= ja < n:
                 raise _NotStampable(f"{a.name} read across layers")
@@ -431,7 +433,7 @@ class _Template:
             node = graph.create_node(x.op, target, args, kwargs, name=name, type_expr=x.type)
             if node.name != name:
                 raise _NotStampable(f"name {name} taken")
-            node.meta = self._meta(x.meta, i, j) if i is not None and i != j else dict(x.meta)
+            node.meta = self._meta(x.meta, i, j) if i is not None and j is not None and i != j else dict(x.meta)
             return node
 
         for index, part in enumerate(self.parts):
@@ -460,8 +462,8 @@ class _Template:
             for j in (range(n) if ascending else range(n - 1, -1, -1)):
                 i = self._role(j, n)
                 for e in runs[i]:
-                    values.append(fx.node.map_arg(template_values[e], lambda a: lookup(a, i, j)))
-                    descs.append(_relayer_desc(template_descs[e], lambda f: self._relayer_target(f, i, j)))
+                    values.append(fx.node.map_arg(template_values[e], functools.partial(lookup, i=i, j=j)))
+                    descs.append(_relayer_desc(template_descs[e], functools.partial(self._relayer_target, i=i, j=j)))
         out = graph.create_node("output", "output", (type(self.out.args[0])(values),), {}, type_expr=self.out.type)
         out.meta = {**self.out.meta, "desc": descs}
         return gm
@@ -504,7 +506,7 @@ def _desc_target(desc: Any) -> str | None:
 
 
 def _relayer_desc(desc: Any, rename: Callable[[str], str]) -> Any:
-    if not dataclasses.is_dataclass(desc):
+    if not dataclasses.is_dataclass(desc) or isinstance(desc, type):  # descriptors are instances
         return desc
     changes = {}
     for f in dataclasses.fields(desc):

@@ -39,9 +39,9 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from apmodel import _torch_private as tp
 from apmodel import expansion
+from apmodel._torch_private import fake_mesh
+from apmodel.placements import ByIdentity, local_shape, numbering, tuple_to_str
 from apmodel.strategy_filters import (
     EXCLUDED,
     Exclusion,
@@ -61,8 +63,6 @@ from apmodel.strategy_filters import (
     shardable,
     unmask_placements,
 )
-from apmodel._torch_private import fake_mesh
-from apmodel.placements import ByIdentity, local_shape, numbering, tuple_to_str
 
 __all__ = [
     "Placements",
@@ -159,11 +159,12 @@ class StrategyCache:
 # graph helpers
 
 
-def _is_tensor(v: object) -> bool:
+def _is_tensor(v: object) -> TypeGuard[torch.Tensor]:
     return isinstance(v, torch.Tensor)
 
 
-def _val(node: fx.Node) -> object:
+def _val(node: fx.Node) -> Any:
+    """The node's traced value: a (fake) tensor, a tuple of them, a SymInt... (fx meta is untyped)."""
     return node.meta.get("val")
 
 
@@ -175,7 +176,8 @@ def input_slots(node: fx.Node) -> list[tuple[fx.Node, int]]:
     if node.op == "call_function" and node.target is operator.getitem:
         src, idx = node.args[0], node.args[1]
         if isinstance(src, fx.Node) and isinstance(_val(src), (tuple, list)):
-            return [(src, int(idx))]
+            assert isinstance(idx, int), idx
+            return [(src, idx)]
     slots: list[tuple[fx.Node, int]] = []
 
     def visit(a: object) -> None:
@@ -209,8 +211,9 @@ def _out_placement(producer_strategies: Sequence[Strategy], idx: int) -> tuple[P
     """Distinct placements of output ``idx`` over a producer's strategies, in first-seen order."""
     seen: dict[Placements, None] = {}
     for s in producer_strategies:
-        if idx < len(s.outputs) and s.outputs[idx] is not None:
-            seen.setdefault(s.outputs[idx], None)
+        out = s.outputs[idx] if idx < len(s.outputs) else None
+        if out is not None:
+            seen.setdefault(out, None)
     return tuple(seen)
 
 
@@ -277,7 +280,7 @@ def _op_name(target: object) -> str:
 def node_strategies(
     node: fx.Node,
     mesh: DeviceMesh | Sequence[int],
-    producer_strategies: dict[str, Sequence[Strategy]],
+    producer_strategies: Mapping[str, Sequence[Strategy]],
     **options: Any,
 ) -> list[Strategy]:
     """Candidate strategies of one node (a new list; see :func:`_node_strategies` for the
@@ -295,7 +298,7 @@ def node_strategies(
 def _node_strategies(
     node: fx.Node,
     mesh: DeviceMesh | Sequence[int],
-    producer_strategies: dict[str, Sequence[Strategy]],
+    producer_strategies: Mapping[str, Sequence[Strategy]],
     *,
     allow_uneven: bool = False,
     partial_inputs: bool = True,
@@ -329,7 +332,7 @@ def _node_strategies(
     if node.op == "placeholder":
         if not _is_tensor(val):
             return (Strategy((None,), ()),)
-        key = ("placeholder", tuple(val.shape), ms, allow_uneven, ball)
+        key: tuple = ("placeholder", tuple(val.shape), ms, allow_uneven, ball)
         hit = cache.memo.get(key)
         if hit is None:
             hit = tuple(Strategy((pl,), ()) for pl in placeholder_placements(tuple(val.shape), ms, allow_uneven))
@@ -348,7 +351,7 @@ def _node_strategies(
         cand = [_distinct_outputs(cache, producer_strategies[p.name], i) for p, i in slots]
     except KeyError as e:
         raise ValueError(f"node {node.name}: no strategies given for its producer {e.args[0]!r}") from None
-    for (p, i), c in zip(slots, cand):
+    for (p, i), c in zip(slots, cand, strict=True):
         if not c:
             raise ValueError(f"node {node.name}: producer {p.name} output {i} has no candidate placement")
 
@@ -363,7 +366,7 @@ def _node_strategies(
         # placements within the ball around this node's seeded input placement (targets a
         # redistribution can reach). Those need not be outputs of any producer strategy, so the
         # widened problem is no longer a restriction of the unseeded one (it can be cheaper).
-        cand = [_with_ball_inputs(c, ball, j, _slot_shape(p, i), ms, allow_uneven) for j, (c, (p, i)) in enumerate(zip(cand, slots))]
+        cand = [_with_ball_inputs(c, ball, j, _slot_shape(p, i), ms, allow_uneven) for j, (c, (p, i)) in enumerate(zip(cand, slots, strict=True))]
     # Arguments with every tensor replaced by a TensorArg (shape + candidate placements).
     it = iter(cand)
 
@@ -386,11 +389,11 @@ def _node_strategies(
     # Single-dim rules expand only the combinations in the ball. Full-mesh rules follow their
     # producers' (already restricted) candidates and are not cut further: a view or transpose
     # must be able to pass on whatever its producer may output.
-    restrict_to_ball = (ball is not None and ball.radius < nd and isinstance(op, tp.OpOverload)
-                        and tp.rule_kind(op) == "single_dim")
+    in_ball = ball if (ball is not None and ball.radius < nd and isinstance(op, tp.OpOverload)
+                       and tp.rule_kind(op) == "single_dim") else None
     number = cache.candidate_numbers if with_cands else None
     key = (op, _freeze(args, number), _freeze(kwargs, number), out_shapes, ms, allow_uneven,
-           partial_inputs, tuple(partial_reduce_ops), tuple(partial_input_ops), ball if restrict_to_ball else None)
+           partial_inputs, tuple(partial_reduce_ops), tuple(partial_input_ops), in_ball)
     hit = cache.memo.get(key)
     if hit is not None:
         cache.hits += 1
@@ -413,11 +416,12 @@ def _node_strategies(
         try:
             rule = tp.SingleDimRule(op, args, kwargs, val, mesh, cache.specs) if tp.rule_kind(op) == "single_dim" else None
             if rule is not None and rule.exact:  # expanded on codes (apmodel.expansion)
-                combos = (np.array(_ball_combos(rule, ball, out_shapes), dtype=np.int64).reshape(-1, nd)
-                          if restrict_to_ball else expansion.all_combinations(len(rule.entries), nd))
+                combos = (np.array(_ball_combos(rule, in_ball, out_shapes), dtype=np.int64).reshape(-1, nd)
+                          if in_ball is not None else expansion.all_combinations(len(rule.entries), nd))
                 coded = expansion.expand(rule, combos, len(out_shapes), checks.output, checks.input)
-            elif restrict_to_ball:
-                raw = rule.expand(_ball_combos(rule, ball, out_shapes))
+            elif in_ball is not None:
+                assert rule is not None  # restricting to a ball implies a single-dim rule
+                raw = rule.expand(_ball_combos(rule, in_ball, out_shapes))
             else:
                 raw = tp.op_strategies(op, args, kwargs, val, mesh, memo=cache.specs)
         except Exception as e:  # a rule that rejects these arguments: fall back to replicate
@@ -428,7 +432,7 @@ def _node_strategies(
                 reason = f"rule gave {coded.raw_inputs} input placements for {len(slots)} tensor inputs"
             else:
                 result = [s for s in (Strategy(outs, ins) for outs, ins in coded.strategies)
-                          if not restrict_to_ball or ball.contains(s)]
+                          if in_ball is None or in_ball.contains(s)]
         seen: set[Strategy] = set()
         for outs, ins in raw:
             if len(ins) != len(slots):
@@ -439,7 +443,7 @@ def _node_strategies(
             if s in seen:
                 continue
             seen.add(s)
-            if restrict_to_ball and not ball.contains(s):
+            if in_ball is not None and not in_ball.contains(s):
                 continue
             if checks.keep(s):
                 result.append(s)
@@ -468,9 +472,10 @@ def _with_ball_inputs(
     """``cands`` plus the R/S(d)/P placements of input ``slot`` within ``ball`` of its seeded placement."""
     center = []
     for c in ball.center:
-        if slot >= len(c.inputs) or c.inputs[slot] is None:
+        inp = c.inputs[slot] if slot < len(c.inputs) else None
+        if inp is None:
             return cands
-        center.append(c.inputs[slot][0])
+        center.append(inp[0])
     nd = len(center)
     options: list[Placement] = [Replicate(), Partial()] + [Shard(d) for d in range(len(shape))]
     extra: dict[Placements, None] = dict.fromkeys(cands)
@@ -494,7 +499,7 @@ def _ball_combos(rule: tp.SingleDimRule, ball: Ball, out_shapes: Sequence[object
     nout = rule.num_outputs
     proj = []
     for e in rule.entries:
-        outs = tuple(None if e[i] is None else (e[i],) for i in range(nout))
+        outs = tuple(None if (p := e[i]) is None else (p,) for i in range(nout))
         ins = tuple((x,) for x in e[nout:] if x is not None)
         proj.append(_unmask(Strategy(_align_outputs(outs, out_shapes, 1), ins)))
     n = len(rule.entries)

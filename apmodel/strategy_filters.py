@@ -77,12 +77,12 @@ EXCLUDED: tuple[Exclusion, ...] = (
 
 def shardable(shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int], allow_uneven: bool) -> bool:
     deg = [1] * len(shape)
-    for p, k in zip(pl, mesh_shape):
+    for p, k in zip(pl, mesh_shape, strict=False):
         if is_shard(p):
             if p.dim >= len(shape):
                 return False
             deg[p.dim] *= k
-    for n, k in zip(shape, deg):
+    for n, k in zip(shape, deg, strict=True):
         if k > 1 and (n < k or (not allow_uneven and n % k)):
             return False
     return True
@@ -155,8 +155,8 @@ class TensorChecks:
     def keep(self, s: Placed) -> bool:
         """``s`` (aligned and unmasked, one input placement per input slot) passes every filter."""
         f = self.filter
-        return (all(_keep_output(pl, shape, f) for pl, shape in zip(s.outputs, self.out_shapes))
-                and all(_keep_input(self.op, j, pl, shape, f) for j, (pl, shape) in enumerate(zip(s.inputs, self.in_shapes))))
+        return (all(_keep_output(pl, shape, f) for pl, shape in zip(s.outputs, self.out_shapes, strict=False))
+                and all(_keep_input(self.op, j, pl, shape, f) for j, (pl, shape) in enumerate(zip(s.inputs, self.in_shapes, strict=False))))
 
     def output(self, i: int, raw: Placements | None) -> tuple[Placements | None, bool]:
         """Output slot ``i`` as the rule places it (``raw``) -> (its placement in the strategy, kept)."""

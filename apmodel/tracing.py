@@ -81,7 +81,7 @@ class ModuleStack:
         copied to backward nodes as ``fwd_nn_module_stack``): plans break costs down per layer."""
         from torch.fx import traceback as fx_traceback
 
-        stack = {p: (p, t) for p, t in zip(self.path, self._types) if p}
+        stack = {p: (p, t) for p, t in zip(self.path, self._types, strict=False) if p}
         if stack:
             fx_traceback.current_meta["nn_module_stack"] = stack
         else:
@@ -109,7 +109,6 @@ def trace(
         is_data_dependent_error,
         library_sees_tracing,
     )
-
     from apmodel.python_constants import PythonDataAsFactories
 
     modules = ModuleStack(module)

@@ -37,13 +37,14 @@ class WorkloadError(ValueError):
 class TraceFailed(Exception):
     """Building or tracing the training step of a named workload failed.
 
-    ``model`` is the spec the user gave, ``what`` the step that failed; the cause is chained
-    (``__cause__``) so that front ends can describe it (data-dependent op, missing rule...)."""
+    ``model`` is the spec the user gave, ``what`` the step that failed, ``cause`` what it raised
+    (also chained as ``__cause__``), so that front ends can describe it (data-dependent op, missing rule...)."""
 
     def __init__(self, model: str, what: str, cause: BaseException) -> None:
         super().__init__(f"model {model!r}: {what}: {type(cause).__name__}: {cause}")
         self.model = model
         self.what = what
+        self.cause = cause
 
 
 def parse_mesh(text: str, flag: str = "--mesh") -> tuple[int, ...]:
@@ -98,7 +99,7 @@ def default_seq(spec: str | None) -> int:
     position table when that is shorter (``llama3-debug`` holds 512, GPT-2 1,024)."""
     from apmodel import models
 
-    if spec in models.PRESETS:
+    if spec is not None and spec in models.PRESETS:
         return min(DEFAULT_SEQ, int(getattr(models.config(spec), "max_seq_len", DEFAULT_SEQ)))
     return DEFAULT_SEQ
 

@@ -93,7 +93,7 @@ def run_published(directory: Path) -> dict:
     rows = [{"id": log.id, "kind": log.log.kind, "gpu": log.gpu, "ranks": log.ranks, "nodes": log.nodes,
              "rows": len(log.log.rows), "source": log.source, "before": summary(b), "after": summary(a),
              "held_out": summary(h)}
-            for log, b, a, h in zip(logs, before, after, held_out)]
+            for log, b, a, h in zip(logs, before, after, held_out, strict=False)]
     return {"directory": str(directory), "logs": rows, "fit_s": fit_s}
 
 

@@ -148,11 +148,11 @@ def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREAD
     with kt.threads_set(threads) as n_threads:
         all_times = kt.time_interleaved(factories, cpu, quick=False)
     bad = [(str(f), t) for f, t in zip([str(c.op) for c in calls] + [mr.describe_row(r) for r in reference],
-                                       all_times) if not isinstance(t, float)]
+                                       all_times, strict=False) if not isinstance(t, float)]
     if bad:
         raise RuntimeError(f"could not time {bad[0][0]}: {bad[0][1]}")
     times, again = all_times[:len(calls)], all_times[len(calls):]
-    drift = mr._median(sorted(now / row["meas_us"] for now, row in zip(again, reference))) if reference else 1.0
+    drift = mr._median(sorted(now / row["meas_us"] for now, row in zip(again, reference, strict=False))) if reference else 1.0
     metas = [c.on_meta() for c in calls]
     return {
         "recorded": len(recorded), "threads": n_threads, "in_fit_set": overlap, "drift": drift,

@@ -235,7 +235,7 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
     return [{"model": name, "world": world, "plan": label, "predicted_ms": p.objective_us / 1e3,
              "measured_ms": ms, "serial_predicted_ms": p.overlap.get("serial_us", p.objective_us) / 1e3,
              "hidden_ms": p.overlap.get("hidden_comm_us", 0.0) / 1e3}
-            for (label, _, p), ms in zip(made, measured)] + failed
+            for (label, _, p), ms in zip(made, measured, strict=False)] + failed
 
 
 def _calibrate_gloo(out_dir: str, mesh: Any) -> dict[str, Any]:
@@ -289,32 +289,9 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
         mesh = init_device_mesh(device, (2, world // 2) if two_d else (world,))
         this_machine = _calibrate_gloo(out_dir, mesh) if device == "cpu" and world > 1 else None
         for name in names if ranking != "only" else []:
-            tokens, targets = _batch(name, device)
-            variants: list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]] = []
-            if world == 1:
-                variants.append(("plain eager", lambda: (_plain(name, tokens, targets, device), None)))
-            else:
-                variants.append(("DDP", lambda: (_ddp(name, tokens, targets), None)))
-                variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
-            variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False, planned_for=H100)))
-            if this_machine is not None:
-                variants.append(("apmodel native, device auto",  # parallelize measures this machine itself
-                                 lambda: _apmodel_variant(name, mesh, "native", False)))
-                kept: list[Any] = []
-                variants.append(("apmodel native, plan for this machine",
-                                 lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine,
-                                                          keep=kept)))
-                variants.append(("apmodel native, plan for this machine, overlap off",  # the same plan, run serially
-                                 lambda: _apmodel_variant(name, mesh, "native", False, plan=kept[0], overlap=False)))
-            if world > 1:
-                variants.append(("apmodel native, DDP plan", lambda: _apmodel_variant(name, mesh, "native", False, "ddp", planned_for=H100)))
-                variants.append(("apmodel native, FSDP plan",
-                                 lambda: _apmodel_variant(name, mesh, "native", False, "fsdp", planned_for=H100)))
-            if compile_:
-                variants.append(("apmodel native compiled", lambda: _apmodel_variant(name, mesh, "native", True, planned_for=H100)))
-            variants.append(("apmodel interpreter", lambda: _apmodel_variant(name, mesh, "interpret", False, planned_for=H100)))
+            variants = _variants(name, mesh, world, device, compile_, this_machine)
             built = [(label, *make()) for label, make in variants]
-            for ms, (label, _, nodes) in zip(_interleaved_median_ms([step for _, step, _ in built], warmup, steps), built):
+            for ms, (label, _, nodes) in zip(_interleaved_median_ms([step for _, step, _ in built], warmup, steps), built, strict=False):
                 rows.append({"model": name, "world": world, "mesh": "x".join(map(str, mesh.shape)), "variant": label,
                              "step_ms": ms, "nodes": nodes})
                 if rank == 0:
@@ -327,6 +304,37 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list[str], c
     if rank == 0:
         Path(out_dir, "rows.json").write_text(json.dumps(rows))
         Path(out_dir, "ranked.json").write_text(json.dumps(ranked))
+
+
+def _variants(name: str, mesh: Any, world: int, device: str, compile_: bool, this_machine: dict[str, Any] | None,
+              ) -> list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]]:
+    """(label, make) of each variant timed on ``name``: ``make()`` builds its step (and node count)."""
+    tokens, targets = _batch(name, device)
+    variants: list[tuple[str, Callable[[], tuple[Callable[[], float], int | None]]]] = []
+    if world == 1:
+        variants.append(("plain eager", lambda: (_plain(name, tokens, targets, device), None)))
+    else:
+        variants.append(("DDP", lambda: (_ddp(name, tokens, targets), None)))
+        variants.append(("FSDP2", lambda: (_fsdp2(name, mesh, tokens, targets), None)))
+    variants.append(("apmodel native", lambda: _apmodel_variant(name, mesh, "native", False, planned_for=H100)))
+    if this_machine is not None:
+        variants.append(("apmodel native, device auto",  # parallelize measures this machine itself
+                         lambda: _apmodel_variant(name, mesh, "native", False)))
+        kept: list[Any] = []
+        variants.append(("apmodel native, plan for this machine",
+                         lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine, keep=kept)))
+        variants.append(("apmodel native, plan for this machine, overlap off",  # the same plan, run serially
+                         lambda: _apmodel_variant(name, mesh, "native", False, plan=kept[0], overlap=False)))
+    if world > 1:
+        variants.append(("apmodel native, DDP plan",
+                         lambda: _apmodel_variant(name, mesh, "native", False, "ddp", planned_for=H100)))
+        variants.append(("apmodel native, FSDP plan",
+                         lambda: _apmodel_variant(name, mesh, "native", False, "fsdp", planned_for=H100)))
+    if compile_:
+        variants.append(("apmodel native compiled",
+                         lambda: _apmodel_variant(name, mesh, "native", True, planned_for=H100)))
+    variants.append(("apmodel interpreter", lambda: _apmodel_variant(name, mesh, "interpret", False, planned_for=H100)))
+    return variants
 
 
 def _plain(name: str, tokens: torch.Tensor, targets: torch.Tensor, device: str = "cpu") -> Callable[[], float]:

@@ -89,7 +89,7 @@ def placement_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0) -> s
     pairs = _layered_pairs(rng, n_vars, n_edges, LOOKBACK)
     size = rng.lognormal(mean=2.0, sigma=1.0, size=len(pairs))  # edge scale (tensor size)
     edges = []
-    for (u, v), s in zip(pairs, size):
+    for (u, v), s in zip(pairs, size, strict=False):
         edges.append((u, v, s * transfer[layout[u][:, None], layout[v][None, :]]))
     return solvers.PairwiseProblem(list(unary), edges)
 
@@ -166,7 +166,7 @@ def redistribution_like(n_vars: int, n_states: int, n_edges: int, seed: int = 0)
     pairs = _layered_pairs(rng, n_vars, n_edges, REDIST_LOOKBACK)
     sizes = rng.lognormal(mean=np.log(REDIST_BYTES), sigma=1.0, size=len(pairs))  # bytes of the whole tensor
     edges = []
-    for (u, v), nb in zip(pairs, sizes):
+    for (u, v), nb in zip(pairs, sizes, strict=False):
         want = np.where(rng.random(n_states) < REDIST_SAME, out[v], rng.integers(0, n_t, size=n_states))
         edges.append((u, v, lat[out[u][:, None], want[None, :]] + nb * per_byte[out[u][:, None], want[None, :]]))
     return solvers.PairwiseProblem(unary, edges)
@@ -196,7 +196,7 @@ def planner_like(n_vars: int, n_states: int, n_compute: int, seed: int = 0) -> s
 
     compute = []
     per_chain = max(1, (n_vars - n_compute) // max(1, n_compute))
-    for c in range(n_compute):
+    for _ in range(n_compute):
         k = 1 if rng.random() < P_FIXED else int(rng.integers(max(2, n_states // 4), n_states + 1))
         v = add(k, float(rng.lognormal(3.0, 1.0)))
         srcs = [int(s) for s in rng.choice(compute[-4:], size=min(len(compute[-4:]), 2), replace=False)] if compute else []

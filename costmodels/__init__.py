@@ -2,14 +2,28 @@
 redistribution costs and calibration against nccl-tests. Times are in µs, sizes in bytes."""
 
 from .bucketing import BUCKETED_KINDS, BucketedCollectives
-from .calibration import (Calibration, CalibratedCollectives, CalibrationMismatch, CorrectionCurve,
-                          NcclTestsLog, format_nccl_tests, parse_nccl_tests)
+from .calibration import (
+    CalibratedCollectives,
+    Calibration,
+    CalibrationMismatch,
+    CorrectionCurve,
+    NcclTestsLog,
+    format_nccl_tests,
+    parse_nccl_tests,
+)
 from .collectives import KINDS, MeasuredNccl, NCCLCollectives, bus_bandwidth_factor
 from .compute import RooflineCompute
-from .measured import (BUILTIN_PROFILES, EXECUTIONS, ComputeProfile, MeasuredCompute, ProfileError,
-                       builtin_profile, compute_model, load_profile)
-from .hardware import (BUILTIN_DEVICES, DeviceRegistry, DeviceSpec, FabricSpec, device,
-                       load_devices)
+from .hardware import BUILTIN_DEVICES, DeviceRegistry, DeviceSpec, FabricSpec, device, load_devices
+from .measured import (
+    BUILTIN_PROFILES,
+    EXECUTIONS,
+    ComputeProfile,
+    MeasuredCompute,
+    ProfileError,
+    builtin_profile,
+    compute_model,
+    load_profile,
+)
 from .protocols import CommModel, ComputeModel, load_object
 from .redistribution import redistribution_matrix, redistribution_steps, redistribution_us
 from .topology import AxisLink, Topology

@@ -168,7 +168,7 @@ def parse_nccl_tests(text_or_path: str | Path, kind: str | None = None) -> NcclT
         vals = [_num(t, name, lineno, src) for t, name in zip(
             (rest[0], rest[1], rest[2], rest[4], rest[5], rest[6]),
             ("out-of-place time", "out-of-place algbw", "out-of-place busbw",
-             "in-place time", "in-place algbw", "in-place busbw"))]
+             "in-place time", "in-place algbw", "in-place busbw"), strict=True)]
         if vals[0] <= 0 or vals[3] <= 0:
             raise ValueError(f"{src}: line {lineno}: times must be > 0")
         vals[0] *= time_scale
@@ -270,7 +270,7 @@ class CorrectionCurve:
     def __post_init__(self) -> None:
         if len(self.log2_sizes) != len(self.factors) or not self.factors:
             raise ValueError("correction curve needs equally many (>=1) sizes and factors")
-        if any(b <= a for a, b in zip(self.log2_sizes, self.log2_sizes[1:])):
+        if any(b <= a for a, b in zip(self.log2_sizes, self.log2_sizes[1:], strict=False)):
             raise ValueError("correction curve sizes must be strictly increasing")
         if any(not (f > 0 and math.isfinite(f)) for f in self.factors):
             raise ValueError("correction factors must be finite and > 0")

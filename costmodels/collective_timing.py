@@ -112,10 +112,10 @@ def time_collectives(group: Any = None, kinds: Sequence[str] = TIMED_KINDS,
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     per_kind = np.asarray(slowest.tolist()).reshape(len(kinds), len(sizes_bytes))
     logs = []
-    for kind, times_us in zip(kinds, per_kind):
+    for kind, times_us in zip(kinds, per_kind, strict=True):
         times_us = _non_decreasing_in_size(times_us, sizes_bytes)
         rows = []
-        for line, (size, t) in enumerate(zip(sizes_bytes, times_us)):
+        for line, (size, t) in enumerate(zip(sizes_bytes, times_us, strict=True)):
             t = float(t)
             algbw = size / (t * 1e3)
             busbw = algbw * bus_bandwidth_factor(kind, ranks)

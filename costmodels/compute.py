@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from .hardware import DeviceSpec, device as _device
+from .hardware import DeviceSpec
+from .hardware import device as _device
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from .hardware import DeviceSpec, device as _device
+from .hardware import DeviceSpec
+from .hardware import device as _device
 
 #: Version tag of the profile file format read by :meth:`ComputeProfile.from_dict`.
 PROFILE_SCHEMA = "apmodel.compute_profile/1"
@@ -163,7 +164,7 @@ class ComputeProfile:
         for key, v in list(p["matmul"]["tflops"].items()):
             p["matmul"]["tflops"][key] = _sig(v * _peak_ratio(spec, ref, key))
         ratio_tc = _peak_ratio(spec, ref, "bf16")
-        for backend, passes in p["attention"].items():
+        for passes in p["attention"].values():
             if "same_as" in passes:
                 continue
             for ps in passes.values():

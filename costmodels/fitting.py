@@ -40,7 +40,8 @@ from . import measured as ms
 from . import measurements as mr
 from .compute import _tensors
 from .compute_profile import _thaw
-from .hardware import DeviceSpec, device as _device
+from .hardware import DeviceSpec
+from .hardware import device as _device
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,7 @@ def _cpu_bounds(initial: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
     the GPU bounds for dimensionless factors (traffic, alignment, tail)."""
     out: dict[str, tuple[float, float]] = {}
     for group in GROUPS.values():
-        for path, kind, lo, hi in group:
+        for path, kind, _lo, hi in group:
             try:
                 start = float(_get(initial, path))
             except (KeyError, TypeError):
@@ -353,7 +354,7 @@ def fit_group(params: dict, reference: Mapping[str, Any], device: str | DeviceSp
 
     def decode(x: np.ndarray) -> dict:
         p = copy.deepcopy(params)
-        for v, (path, kind, _, _) in zip(x, spec):
+        for v, (path, kind, _, _) in zip(x, spec, strict=True):
             _set(p, path, float(math.exp(v)) if kind == "log" else float(v))
         return p
 
@@ -586,7 +587,7 @@ def prediction_report(model: Any, calls: Sequence[mr.Call], measured_us: Sequenc
     ``max(pred/meas, meas/pred)``; overall the median factor, the largest, and the share of calls
     within ``factor``."""
     items: list[dict[str, Any]] = []
-    for c, meas in zip(calls, measured_us):
+    for c, meas in zip(calls, measured_us, strict=False):
         pred = float(model.time_us(c.op, c.args, c.kwargs, c.out))
         items.append({"op": str(c.op), "shapes": [list(t.shape) for t in _tensors(c.args)],
                       "meas_us": float(meas), "pred_us": pred,

@@ -37,7 +37,8 @@ import torch
 
 from . import measurements as mr
 from .compute import _op_name, _tensors
-from .hardware import DeviceSpec, device as _device
+from .hardware import DeviceSpec
+from .hardware import device as _device
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ def _link(meta_out: Any, real_out: Any, real: dict[int, torch.Tensor]) -> None:
     if isinstance(meta_out, torch.Tensor) and isinstance(real_out, torch.Tensor):
         real[id(meta_out)] = real_out
     elif isinstance(meta_out, (list, tuple)) and isinstance(real_out, (list, tuple)):
-        for m, r in zip(meta_out, real_out):
+        for m, r in zip(meta_out, real_out, strict=False):
             _link(m, r, real)
 
 
@@ -479,7 +480,7 @@ def time_interleaved(factories: Sequence[Callable[[], Callable[[], None]]], dev:
             done += 1
             if progress is not None:
                 progress(done, total)
-    return [e if e is not None else min(ss) for ss, e in zip(samples, errors)]
+    return [e if e is not None else min(ss) for ss, e in zip(samples, errors, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -530,7 +531,7 @@ def measure_rows(rows: Sequence[Mapping[str, Any]], dev: torch.device, *, quick:
     times = time_interleaved([factory(i, r) for i, r in enumerate(rows)], dev, quick=quick, progress=progress)
     measured: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
-    for i, (row, t) in enumerate(zip(rows, times)):
+    for i, (row, t) in enumerate(zip(rows, times, strict=True)):
         if isinstance(t, BaseException):
             logger.warning("skipped %s: %s", mr.describe_row(row), _error_text(t))
             skipped.append({"row": mr.describe_row(row), "error": _error_text(t)})

@@ -57,13 +57,34 @@ import torch
 from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.utils.flop_counter import flop_registry
 
+from .compute import (
+    _DTYPE_KEY,
+    GROUPED_MM,
+    VIEW_OPS,
+    RooflineCompute,
+    _op_name,
+    _tensors,
+    call_key,
+    grouped_mm_dims,
+    memoized_time_us,
+)
 from .compute import GATHER_OPS as _ROOFLINE_GATHER_OPS
-from .compute import (GROUPED_MM, VIEW_OPS, RooflineCompute, _DTYPE_KEY, _op_name, _tensors, call_key,
-                      grouped_mm_dims, memoized_time_us)
-from .compute_profile import (ALIGN_CLASSES, BUILTIN_PROFILES, EXECUTIONS, FLOOR_CLASSES, OPTIONAL_TRAFFIC_KINDS,
-                              PROFILE_SCHEMA, TRAFFIC_KINDS, ComputeProfile, ProfileError, builtin_profile,
-                              load_profile, profiles_dir)
-from .hardware import DeviceSpec, device as _device
+from .compute_profile import (
+    ALIGN_CLASSES,
+    BUILTIN_PROFILES,
+    EXECUTIONS,
+    FLOOR_CLASSES,
+    OPTIONAL_TRAFFIC_KINDS,
+    PROFILE_SCHEMA,
+    TRAFFIC_KINDS,
+    ComputeProfile,
+    ProfileError,
+    builtin_profile,
+    load_profile,
+    profiles_dir,
+)
+from .hardware import DeviceSpec
+from .hardware import device as _device
 
 #: The profile format's names (:mod:`costmodels.compute_profile`) are exported here too, with the model.
 __all__ = [

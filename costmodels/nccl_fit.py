@@ -18,8 +18,8 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -154,7 +154,7 @@ def fit(logs: Sequence[PublishedLog], start: MeasuredNccl | None = None) -> tupl
     x0 = list(np.clip(x0, lower, upper))
 
     def with_values(x: Sequence[float] | np.ndarray) -> MeasuredNccl:
-        changes: dict[str, Any] = {name: float(v) for name, v in zip(names, x)}
+        changes: dict[str, Any] = {name: float(v) for name, v in zip(names, x, strict=False)}
         return dataclasses.replace(start, **changes)
 
     def residuals(x: np.ndarray) -> np.ndarray:

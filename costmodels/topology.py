@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .hardware import NET_EFFICIENCY, DeviceSpec, device as _device
+from .hardware import NET_EFFICIENCY, DeviceSpec
+from .hardware import device as _device
 
 
 @dataclass(frozen=True)

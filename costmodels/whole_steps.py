@@ -141,7 +141,7 @@ def load_steps(path: str | Path | None = None, device: str = "h200") -> list[Mea
 def predict_step(model: MeasuredCompute, step: MeasuredStep) -> StepPrediction:
     """The eager step on one stream: every call's host time against kernels plus gaps."""
     distinct = [model.price(c.call.op, c.call.args, c.call.kwargs, c.call.out, None) for c in step.calls]
-    prices = [p for p, c in zip(distinct, step.calls) for _ in range(c.count)]
+    prices = [p for p, c in zip(distinct, step.calls, strict=True) for _ in range(c.count)]
     host_only = step.n_calls - len(prices)
     host_only_us = host_only * model.host_only_call_us
     predicted = model.stream_us(prices, extra_cpu_us=host_only_us)

@@ -39,10 +39,11 @@ try:
 except ImportError:  # run from a source checkout without installing: use the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import apmodel
+from train_llama import mesh_for_world
+
 import costmodels
 from apmodel.lowering import load_full_state_dict
 from apmodel.models import build, config
-from train_llama import mesh_for_world
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parents[1]

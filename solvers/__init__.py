@@ -24,8 +24,16 @@ from .backends import BUILTIN_BACKENDS, UNDECLARED, BackendSpec, Capabilities
 
 if TYPE_CHECKING:  # the lazily loaded names, for type checkers
     from .problem import EdgeGroup, EdgeStack, FactoredStack, GroupFactors, LinearConstraint, PairwiseProblem
-    from .registry import (SolverRegistry, all_capabilities, available, capabilities, check_capabilities,
-                           default_registry, register, solve)
+    from .registry import (
+        SolverRegistry,
+        all_capabilities,
+        available,
+        capabilities,
+        check_capabilities,
+        default_registry,
+        register,
+        solve,
+    )
     from .solution import BackendResult, Infeasible, Solution, SolverError, TimeLimitReached, Unsupported
     from .trws import warm_up_in_background
 

@@ -121,6 +121,7 @@ class LocalSearch:
         offs = self.p.offsets
         e = float(self.unary[offs[s.vars] + y[s.vars]].sum()) + float(self.unary[offs[h] + y[h]])
         groups, costs = self.p.groups, self.costs
+        assert s.touching is not None  # a star (_star sets it)
         for gi, idx in s.touching:
             g = groups[gi]
             e += float(costs[gi][idx, y[g.u[idx]], y[g.v[idx]]].sum())
@@ -128,11 +129,12 @@ class LocalSearch:
 
     def energy(self, x: np.ndarray) -> float:
         e = float(self.unary[self.p.offsets[:-1] + x].sum())
-        for g, c in zip(self.p.groups, self.costs):
+        for g, c in zip(self.p.groups, self.costs, strict=True):
             e += float(c[np.arange(len(g)), x[g.u], x[g.v]].sum())
         return e
 
     def _lhs(self, x: np.ndarray) -> float:
+        assert self.budget is not None  # called only with a budget row
         w, _ = self.budget
         return float(w[self.p.offsets[:-1] + x].sum())
 
@@ -204,6 +206,7 @@ class LocalSearch:
 
     def repair(self, x: np.ndarray, deadline: float | None = None) -> np.ndarray:
         """Make ``w . x <= rhs`` hold by cheapest-per-unit moves (best effort), then improve."""
+        assert self.budget is not None, "repair needs a budget row"
         w, rhs = self.budget
         offs = self.p.offsets
         x = x.copy()

@@ -171,7 +171,7 @@ class MarginalModel:
         """A full column vector (x one-hot, y products) for a complete assignment."""
         col = np.zeros(self.n_cols)
         col[problem.offsets[:-1] + x] = 1.0
-        for g, (lu, lv, yidx) in zip(problem.groups, self.group_maps):
+        for g, (lu, lv, yidx) in zip(problem.groups, self.group_maps, strict=True):
             ks = np.arange(len(g))
             cols = yidx[ks, lu[ks, x[g.u]], lv[ks, x[g.v]]]
             col[cols[cols >= 0]] = 1.0

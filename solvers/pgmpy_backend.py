@@ -47,7 +47,7 @@ def _deadline_mplp(mplp_cls: type, deadline: float) -> type | None:
     if not callable(getattr(mplp_cls, "_is_converged", None)):
         return None
 
-    class _DeadlineMplp(mplp_cls):  # type: ignore[misc, valid-type]
+    class _DeadlineMplp(mplp_cls):
         timed_out = False
 
         def _is_converged(self, *args, **kwargs):  # called after each sweep / tightening round
@@ -87,8 +87,8 @@ def solve_pgmpy(problem: PairwiseProblem, time_limit: float | None = None, *, in
     model = DiscreteMarkovNetwork()
     model.add_nodes_from(names)
     factors = []
-    for i, u in enumerate(p.unary):
-        factors.append(DiscreteFactor([names[i]], [len(u)], _potential(u, penalty)))
+    for i, costs in enumerate(p.unary):
+        factors.append(DiscreteFactor([names[i]], [len(costs)], _potential(costs, penalty)))
     for u, v, c in p.edges:
         model.add_edge(names[u], names[v])
         factors.append(DiscreteFactor([names[u], names[v]], list(c.shape), _potential(c, penalty).ravel()))

@@ -78,6 +78,7 @@ def polish(problem: PairwiseProblem, x: np.ndarray, bound: float, margins: np.nd
         if left is not None and left <= 1e-3:
             break
         if np.isfinite(frac):
+            assert margins is not None  # the finite stages run only with margins
             keep = allowed & (margins <= frac * g0)
             keep[offs + x] = True
             n_kept = int(keep.sum())

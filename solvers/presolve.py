@@ -113,7 +113,7 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
     for _round in range(MAX_AC_ROUNDS):
         changed = False
         touched_now = np.zeros(p.n_vars, dtype=bool)
-        for g, fin, iu, iv in zip(p.groups, finite, idx_u, idx_v):
+        for g, fin, iu, iv in zip(p.groups, finite, idx_u, idx_v, strict=True):
             if not (touched[g.u].any() or touched[g.v].any()):
                 continue
             au = allowed[iu]

@@ -340,7 +340,7 @@ class PairwiseProblem:
         """A stack's endpoints resolved, checked against its matrices' ``shape`` and added to ``seen``."""
         us = np.array([self._resolve_var(u, what) for u in u_in], dtype=np.int64)
         vs = np.array([self._resolve_var(v, what) for v in v_in], dtype=np.int64)
-        for u, v in zip(us.tolist(), vs.tolist()):
+        for u, v in zip(us.tolist(), vs.tolist(), strict=False):
             label = f"{what} edge ({self.var_name(u)}, {self.var_name(v)})"
             if u >= v:
                 raise ValueError(f"{label}: a stack's edges need u < v")

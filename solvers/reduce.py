@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -80,8 +81,10 @@ class Reduction:
             if r.kind == "fixed":
                 x[r.var] = r.value
             elif r.kind == "leaf":
+                assert r.states is not None and r.table is not None and r.pos_a is not None
                 x[r.var] = r.states[r.table[r.pos_a[x[r.a]]]]
             else:
+                assert r.states is not None and r.table is not None and r.pos_a is not None and r.pos_b is not None
                 x[r.var] = r.states[r.table[r.pos_a[x[r.a]], r.pos_b[x[r.b]]]]
         return x
 
@@ -139,7 +142,8 @@ def _rows_with_a_finite_entry(m: np.ndarray | _Factored, finite_blocks: dict[tup
         finite = finite_blocks.get(key)
         if finite is None:
             finite = finite_blocks[key] = np.isfinite(m.block)
-        return finite[:, np.unique(m.cols)].any(axis=1)[m.rows]
+        # numpy's stubs type any(axis=...) as a scalar or an array; on a 2-D array it is an array
+        return cast(np.ndarray, finite[:, np.unique(m.cols)].any(axis=1))[m.rows]
     return np.isfinite(m).any(axis=1)
 
 
@@ -228,7 +232,7 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         # index: a strict partial order, so a kept state dominates every removed one
         beats = le & (~le.T | (idx[:, None] < idx[None, :]))
         np.fill_diagonal(beats, False)
-        restrict_states(v, ~beats.any(axis=0))
+        restrict_states(v, ~cast(np.ndarray, beats.any(axis=0)))  # an array (see _rows_with_a_finite_entry)
 
     def drop_var(v: int) -> list[int]:
         nbrs = list(adj[v])

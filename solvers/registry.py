@@ -26,8 +26,8 @@ import numpy as np
 
 from .backends import BUILTIN_BACKENDS, UNDECLARED, Capabilities
 from .presolve import presolve
-from .reduce import Reduction, reduce_problem
 from .problem import PairwiseProblem
+from .reduce import Reduction, reduce_problem
 from .solution import STATUSES, BackendResult, Solution, SolverError, Unsupported
 
 log = logging.getLogger(__name__)

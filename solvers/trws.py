@@ -42,14 +42,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
-from dataclasses import dataclass
 
 import numpy as np
 
+from . import trws_compiled
 from .local_search import LocalSearch
 from .marginal import ClassCorners, _classes, _finite_absmax_per_edge, factored_classes
-from . import trws_compiled
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
 
@@ -127,7 +127,7 @@ class _Directed:
 
     src: np.ndarray
     dst: np.ndarray
-    costs: np.ndarray | None  # (k, n_src, n_dst), finite
+    costs: np.ndarray  # (k, n_src, n_dst), finite
     src_idx: np.ndarray  # (k, n_src) flat indicator indices
     dst_idx: np.ndarray  # (k, n_dst)
     msg: np.ndarray  # (k, n_dst) message into dst
@@ -135,8 +135,8 @@ class _Directed:
     level_ptr: np.ndarray | None  # edges with source level L are [level_ptr[L], level_ptr[L+1])
     pair: int = -1  # index of the same edges' arrays in the other direction's list
     raw: np.ndarray | None = None  # forward only: original-order costs (+inf allowed), for decoding
-    eid: np.ndarray | None = None  # position of each sorted edge in ``raw``
-    cid: np.ndarray | None = None  # the same edge's index in :class:`~solvers.trws_compiled.RaggedEdges`
+    eid: np.ndarray = field(kw_only=True)  # position of each sorted edge in ``raw``
+    cid: np.ndarray = field(kw_only=True)  # the same edge's index in :class:`~solvers.trws_compiled.RaggedEdges`
 
 
 def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
@@ -218,7 +218,7 @@ class _Unified:
         self.src_min = _RaggedClassMin(self.lsrc, self.sptr, self.ms)
         self.dst_min = _RaggedClassMin(self.ldst, self.dptr, self.md)
         self.msg = np.zeros(self.dptr[-1])
-        self.rev = None  # positions of the reverse messages (into src) in the other direction's msg
+        self.rev: np.ndarray | None = None  # positions of the reverse messages (into src) in the other direction's msg
         self.level_ptr = np.searchsorted(lev[self.src], np.arange(n_levels + 1), side="left")
 
 
@@ -257,7 +257,7 @@ class TRWS:
         parts = []
         scale = float(np.abs(np.where(fin_u, p.unary_flat, 0.0)).max(initial=0.0)) * V
         rng = np.random.default_rng(0)
-        for g, a_u in zip(p.groups, us):
+        for g, a_u in zip(p.groups, us, strict=True):
             flip = a_u != g.u  # edges whose later endpoint (by rank) is g.u
             for mask, transposed in ((~flip, False), (flip, True)):
                 if not mask.any():
@@ -268,8 +268,10 @@ class TRWS:
                     rows, cols, blocks = f.row_class[mask], f.col_class[mask], f.blocks  # the blocks are not copied
                     if transposed:
                         rows, cols, blocks, u, v = cols, rows, blocks.transpose(0, 2, 1), v, u
-                    raw = None
-                    lu, cu, lv, cv, block = factored_classes(rows, cols, blocks, f.block_of[mask])
+                    raw: np.ndarray | None = None
+                    lu, cu, lv, cv, corners = factored_classes(rows, cols, blocks, f.block_of[mask])
+                    block: np.ndarray | ClassCorners | None = corners
+                    absmax = corners.finite_absmax()
                 else:
                     raw = g.costs if mask.all() else g.costs[mask]
                     if transposed:
@@ -280,8 +282,7 @@ class TRWS:
                     block = None
                     if int(cu.max()) * int(cv.max()) <= COMPRESS_RATIO * a * b:
                         block = _class_block(raw, lu, cu, lv, cv)
-                absmax = block.finite_absmax() if isinstance(block, ClassCorners) else \
-                    _finite_absmax_per_edge(raw if block is None else block)
+                    absmax = _finite_absmax_per_edge(raw if block is None else block)
                 scale += float(absmax.sum())
                 parts.append((raw, u, v, lu, cu, lv, cv, block))
         self.scale = scale + 1.0
@@ -294,7 +295,8 @@ class TRWS:
         # phase 2: the compiled kernel's ragged edges, or the numpy kernel's arrays sorted by source level
         self.fwd: list[_Directed] = []
         self.bwd: list[_Directed] = []
-        self.ufwd = self.ubwd = None
+        self.ufwd: _Unified | None = None
+        self.ubwd: _Unified | None = None
         self.edges: trws_compiled.RaggedEdges | None = None
         self._ucanon = np.zeros(0, np.int64)  # index in RaggedEdges of every edge of the unified block
         # kept to switch kernels mid-run ("auto")
@@ -327,10 +329,10 @@ class TRWS:
                 counts = np.diff(d.dptr)
                 (e.msg_f if into_v else e.msg_b)[np.repeat(ptr[c] - d.dptr[:-1], counts) + np.arange(d.dptr[-1])] = d.msg
         for dset, into_v in ((self.fwd, True), (self.bwd, False)):
-            for d in dset:
-                c = d.cid[d.eid]
+            for dr in dset:
+                c = dr.cid[dr.eid]
                 ptr = e.vptr if into_v else e.uptr
-                (e.msg_f if into_v else e.msg_b)[ptr[c][:, None] + np.arange(d.msg.shape[1])[None, :]] = d.msg
+                (e.msg_f if into_v else e.msg_b)[ptr[c][:, None] + np.arange(dr.msg.shape[1])[None, :]] = dr.msg
         self.edges, self.ufwd, self.ubwd, self.fwd, self.bwd = e, None, None, [], []
         log.info("trws: compiled sweeps after %.2f s", time.perf_counter() - self.t0)
 
@@ -410,13 +412,11 @@ class TRWS:
         def idx(vars_, n):
             return p.offsets[vars_][:, None] + np.arange(n)[None, :]
 
-        df = _Directed(u[of], v[of], None, idx(u[of], a), idx(v[of], b), np.zeros((len(u), b)), inv_b[of], None,
-                       len(self.bwd), raw=raw, eid=of, cid=cid)
-        db = _Directed(v[ob], u[ob], None, idx(v[ob], b), idx(u[ob], a), np.zeros((len(u), a)), inv_f[ob], None,
-                       len(self.fwd), raw=None, eid=ob, cid=cid)
         fin = np.where(np.isfinite(raw), raw, self.big)
-        df.costs = np.ascontiguousarray(fin[of])
-        db.costs = np.ascontiguousarray(fin[ob].transpose(0, 2, 1))
+        df = _Directed(u[of], v[of], np.ascontiguousarray(fin[of]), idx(u[of], a), idx(v[of], b), np.zeros((len(u), b)),
+                       inv_b[of], None, len(self.bwd), raw=raw, eid=of, cid=cid)
+        db = _Directed(v[ob], u[ob], np.ascontiguousarray(fin[ob].transpose(0, 2, 1)), idx(v[ob], b), idx(u[ob], a),
+                       np.zeros((len(u), a)), inv_f[ob], None, len(self.fwd), raw=None, eid=ob, cid=cid)
         self.fwd.append(df)
         self.bwd.append(db)
 
@@ -449,10 +449,12 @@ class TRWS:
         uf, uo = (self.ufwd, self.ubwd) if forward else (self.ubwd, self.ufwd)
         for L, (vs, pad, valid) in enumerate(levels):
             if x is not None:
+                assert cond is not None  # made with x
                 dec = unary[pad] + hi[pad] + cond[pad]
                 dec[~valid] = np.inf
                 x[vs] = dec.argmin(axis=1)
             if uf is not None and uf.level_ptr[L] < uf.level_ptr[L + 1]:
+                assert uo is not None and uf.rev is not None  # both directions are built together
                 e0, e1 = uf.level_ptr[L], uf.level_ptr[L + 1]
                 f0, f1, d0, d1 = uf.sptr[e0], uf.sptr[e1], uf.dptr[e0], uf.dptr[e1]
                 si = uf.sidx[f0:f1]
@@ -464,10 +466,12 @@ class TRWS:
                 uf.msg[d0:d1] = new
                 np.add.at(msum_dst, uf.didx[d0:d1], delta)
                 if cond is not None:
+                    assert x is not None  # cond is made with x
                     cls_src = uf.lsrc[uf.sptr[e0:e1] + x[uf.src[e0:e1]]]  # class of each source's state
                     er = uf.erep_d[d0:d1]
                     np.add.at(cond, uf.didx[d0:d1], uf.blk[er, cls_src[er - e0], uf.ldst[d0:d1]])
             for d in dirs:
+                assert d.level_ptr is not None  # set once every part is added
                 s0, s1 = d.level_ptr[L], d.level_ptr[L + 1]
                 if s0 == s1:
                     continue
@@ -481,6 +485,7 @@ class TRWS:
                 d.msg[s0:s1] = new
                 np.add.at(msum_dst, d.dst_idx[s0:s1].ravel(), delta.ravel())
                 if cond is not None:
+                    assert x is not None and d.raw is not None  # decoding: forward edges keep raw
                     rows = d.raw[d.eid[s0:s1], x[d.src[s0:s1]], :]  # +inf allowed: argmin only
                     np.add.at(cond, d.dst_idx[s0:s1].ravel(), rows.ravel())
 
@@ -507,11 +512,12 @@ class TRWS:
             total += self.edges.forward_constants() if after_forward else self.edges.edge_bound(theta)
         if self.ufwd is not None:
             uf = self.ufwd
+            assert self.ubwd is not None and uf.rev is not None  # both directions are built together
             k = len(uf.src)
             g = uf.gamma_rep * theta[uf.sidx] - self.ubwd.msg[uf.rev]
             te = uf.blk + uf.src_min(g, 0, k)[:, :, None] + uf.dst_min(-uf.msg, 0, k)[:, None, :]
             total += float(te.min(axis=(1, 2)).sum())
-        for df, db in zip(self.fwd, self.bwd):
+        for df, db in zip(self.fwd, self.bwd, strict=True):
             g = self.gamma[df.src][:, None] * theta[df.src_idx] - db.msg[df.rev]
             te = df.costs - df.msg[:, None, :] + g[:, :, None]
             total += float(te.min(axis=(1, 2)).sum())

@@ -147,7 +147,7 @@ def sweep_plan(level_ptr: np.ndarray, order: np.ndarray, src_classes: np.ndarray
             for e in edges.tolist():
                 rows, width = int(dst_classes[e]), int(src_classes[e])
                 cuts = np.linspace(0, rows, max(1, min(rows, rows * width // item_entries)) + 1).astype(np.int64)
-                items += [((b - a) * width, e, a, b) for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()) if b > a]
+                items += [((b - a) * width, e, a, b) for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=False) if b > a]
             loads = np.zeros(threads)
             dealt: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
             for size, e, a, b in sorted(items, key=lambda item: -item[0]):

@@ -121,7 +121,7 @@ def test_recipe_plans_cost_what_their_issued_collectives_cost():
     # few parameters the backward gathers again fill a partial one, which the price counts as its
     # bytes' share of a full bucket: cheaper than the partial bucket alone, by at most its time
     fsdp = got["fsdp"]
-    partial = min(t for (kind, _, _), t in zip(fsdp["issued"], alone["fsdp"]) if kind == "all_gather")
+    partial = min(t for (kind, _, _), t in zip(fsdp["issued"], alone["fsdp"], strict=False) if kind == "all_gather")
     assert math.fsum(alone["fsdp"]) - partial <= fsdp["comm_us"] <= math.fsum(alone["fsdp"]) * (1 + 1e-9)
 
 

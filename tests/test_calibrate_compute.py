@@ -186,8 +186,8 @@ def test_materialized_calls_run_what_is_priced():
     # the log-softmax reads the upcast's output, the loss reads the log-softmax's; targets index classes
     (_, a0, _), (_, a1, _), (_, a2, _) = seq
     assert a2[1].dtype == torch.int64 and 0 <= int(a2[1].min()) and int(a2[1].max()) < 50
-    for (op, args, kwargs), c in zip(seq, calls):
-        for real, fake in zip(cm.compute._tensors(args), cm.compute._tensors(c.args)):
+    for (_, args, _), c in zip(seq, calls, strict=False):
+        for real, fake in zip(cm.compute._tensors(args), cm.compute._tensors(c.args), strict=False):
             assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
     kt.runner(seq)()
     emb = mr.row_calls({"op": "embedding_dense_backward", "shapes": [[16, 8], [16]], "dtype": "float32",

@@ -51,7 +51,7 @@ def _run_on_cpu(cg: CapturedGraph, model: nn.Module, inputs: tuple) -> dict[str,
             args.append(torch.ones(()))  # d loss / d loss
     out = _CPUInterpreter(cg.gm).run(*args)
     out_node = cg.gm.graph.output_node()
-    return {n.name: v for n, v in zip(out_node.args[0], out) if isinstance(n, fx.Node)}
+    return {n.name: v for n, v in zip(out_node.args[0], out, strict=True) if isinstance(n, fx.Node)}
 
 
 def test_roles_complete_and_every_param_has_grad(llama):

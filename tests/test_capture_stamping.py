@@ -70,7 +70,7 @@ def _both(name: str, layers: int, monkeypatch, stacked: int | None = None) -> tu
 def assert_same_capture(a: CapturedGraph, b: CapturedGraph) -> None:
     ra, rb = graph_record(a.gm), graph_record(b.gm)
     assert len(ra) == len(rb)
-    for x, y in zip(ra, rb):
+    for x, y in zip(ra, rb, strict=True):
         assert x == y
     for label in LABELS:
         assert getattr(a, label) == getattr(b, label), label

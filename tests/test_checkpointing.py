@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint as torch_checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import apmodel
 from apmodel import placements as pl
@@ -403,7 +404,7 @@ def test_checkpointed_training_on_a_2x2_mesh_matches_one_device(dist_results):
     ref = dist_results["ref_losses"]
     for run in RUNS:
         got = dist_results[run]["losses"]
-        for step, (a, b) in enumerate(zip(got, ref)):
+        for step, (a, b) in enumerate(zip(got, ref, strict=False)):
             assert abs(a - b) <= LOSS_RTOL * abs(b), (run, step, a, b)
     sel, sharded, full = (dist_results[r] for r in RUNS)
     assert sharded["sharded_copies"] > 40  # recomputation on batch shards
@@ -419,7 +420,7 @@ def test_batchnorm_statistics_update_once_per_step_with_checkpointing(dist_resul
     assert bn["batches_tracked"] == [STEPS, STEPS]
     for k, err in bn["state_err"].items():
         assert err < 1e-5, (k, err)
-    for a, b in zip(bn["losses"], bn["ref_losses"]):
+    for a, b in zip(bn["losses"], bn["ref_losses"], strict=False):
         assert abs(a - b) <= LOSS_RTOL * abs(b)
 
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 from typer.testing import CliRunner
 
 from apmodel.cli import JSON_KEYS, app
-from apmodel.workloads import parse_mesh
 from apmodel.config import ConfigError, load_config
+from apmodel.workloads import parse_mesh
 
 DATA = Path(__file__).parent / "data"
 LLAMA = ["--model", "llama3-debug", "--mesh", "2x2", "--seq", "64", "--batch", "8", "--layers", "1"]

@@ -4,11 +4,12 @@ the calibration reads unchanged (the same numbers on every rank, nccl-tests' ban
 from __future__ import annotations
 
 import pytest
-from _dist_utils import run_distributed
 
 import costmodels
 from costmodels.calibration import format_nccl_tests, parse_nccl_tests
 from costmodels.collectives import bus_bandwidth_factor
+
+from _dist_utils import run_distributed
 
 SIZES = (1024, 64 * 1024)
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from apmodel import constraints as C
 from apmodel import placements as pl
+from apmodel.config import _SCHEMA, Config, ConfigError, load_config, parse_config, parse_config_text
 from apmodel.pricing import DTYPES
 from apmodel.workloads import parse_mesh
-from apmodel.config import _SCHEMA, Config, ConfigError, load_config, parse_config, parse_config_text
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "apmodel.toml"
 

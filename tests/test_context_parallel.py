@@ -102,7 +102,7 @@ def test_context_parallel_training_equals_the_plain_model_on_one_device(per_axis
     got = per_rank[0]
     assert all(r["losses"] == got["losses"] for r in per_rank)
     assert got["attention"] == [{"context_parallel": "S(2)", "heads": "S(1)"}[m] for m in per_axis]
-    for step, (a, b) in enumerate(zip(got["losses"], _reference())):
+    for step, (a, b) in enumerate(zip(got["losses"], _reference(), strict=False)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (per_axis, step, a, b)
 
 
@@ -126,7 +126,7 @@ def _region_worker(rank: int, world: int, seq: int) -> dict[str, Any]:
     ref.square().sum().backward()
     mine = slice(rank * chunk, (rank + 1) * chunk)
     return {"out": (out - ref[:, :, mine]).abs().max().item(),
-            "grads": max((p.grad - w.grad[:, :, mine]).abs().max().item() for p, w in zip(part, whole))}
+            "grads": max((p.grad - w.grad[:, :, mine]).abs().max().item() for p, w in zip(part, whole, strict=False))}
 
 
 @pytest.mark.parametrize("world, seq", [(2, 8), (3, 12), (2, 6)])  # balanced halves, an odd rank count, odd chunks

@@ -13,8 +13,8 @@ import torch
 import apmodel
 import costmodels as cm
 from apmodel.capture import capture
-from apmodel.pricing import CheckedComm, CostContext, CostModelError
 from apmodel.models import build, config, sample_inputs
+from apmodel.pricing import CheckedComm, CostContext, CostModelError
 
 MESH = (4,)
 

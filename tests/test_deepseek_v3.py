@@ -173,7 +173,7 @@ def test_sparse_routing_equals_its_dense_reference_forward_and_backward():
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and a.abs().max() > 0.1
     a.square().sum().backward()
     b.square().sum().backward()
-    for (name, p), q in zip(sparse.layers["1"].moe.named_parameters(), dense.layers["1"].moe.parameters()):
+    for (name, p), q in zip(sparse.layers["1"].moe.named_parameters(), dense.layers["1"].moe.parameters(), strict=False):
         assert (p.grad - q.grad).norm() <= 1e-5 * q.grad.norm() and q.grad.norm() > 0, name
 
 
@@ -199,7 +199,7 @@ def test_grouped_experts_equal_a_loop_over_experts(dtype, grouped, sizes):
     want = _loop(*refs, sizes)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     grad = torch.randn(got.shape, generator=g, dtype=dtype)
-    for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, refs, grad)):
+    for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, refs, grad), strict=False):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -303,7 +303,7 @@ def test_tiny_deepseek_v3_trains_on_a_2x2_mesh_like_one_device():
     assert all(r == per_rank[0] for r in per_rank)
     tokens, targets = fixed_tokens()
     want = train(_tiny_trained_model(TRAIN_BIAS), lambda m: m(tokens, targets), STEPS)
-    for step, (a, b) in enumerate(zip(per_rank[0], want)):
+    for step, (a, b) in enumerate(zip(per_rank[0], want, strict=False)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
     # the routing shows in the losses: without the bias another expert group wins
     unbiased = train(_tiny_trained_model((0.0,) * 4), lambda m: m(tokens, targets), STEPS)

@@ -50,7 +50,7 @@ def test_window_attention_equals_brute_force(seq, window):
     grad = torch.randn(got.shape, generator=g, dtype=torch.float64)
     a = torch.autograd.grad(got, (q, k, v), grad)
     b = torch.autograd.grad(want, (q, k, v), grad)
-    assert all(torch.allclose(x, y, rtol=1e-9, atol=1e-11) for x, y in zip(a, b))
+    assert all(torch.allclose(x, y, rtol=1e-9, atol=1e-11) for x, y in zip(a, b, strict=True))
     mask = sliding_window_mask(seq, window)
     assert [[bool(mask[i, j]) for j in range(seq)] for i in range(seq)] == \
         [[i - window < j <= i for j in range(seq)] for i in range(seq)]
@@ -153,5 +153,5 @@ def test_tiny_hybrid_trains_on_a_2x2_mesh_like_one_device():
     tokens, targets = fixed_tokens()
     want = train(tiny_model("hybrid-swa-debug", "cpu", **TINY_HYBRID), lambda m: m(tokens, targets), STEPS)
     assert len(got) == STEPS
-    for step, (a, b) in enumerate(zip(got, want)):
+    for step, (a, b) in enumerate(zip(got, want, strict=False)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)

@@ -222,7 +222,7 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         r["loss"] = loss.full_tensor().item()
         r["ref_loss"] = ref_loss.item()
         errs = {}
-        for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=False):
             g = p.grad.full_tensor()
             errs[k] = ((g - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
         r["grad_rel_err"] = errs
@@ -281,7 +281,7 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         "ref_loss": ref_loss.item(),
         "grad_rel_err": {
             k: ((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
-            for (k, p), (_, q) in zip(par.named_parameters(), ref.named_parameters())
+            for (k, p), (_, q) in zip(par.named_parameters(), ref.named_parameters(), strict=False)
         },
         "plan": par._apmodel_program.plan.to_json()["node_strategy"],
         "seconds": time.perf_counter() - t0,
@@ -301,7 +301,7 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         "loss": out.full_tensor().sum().item(),
         "out_err": (out.full_tensor() - ref_mlp(x_ref)).abs().max().item(),
         "grad_err": max((p.grad.full_tensor() - q.grad).abs().max().item()
-                        for p, q in zip(par_mlp.parameters(), ref_mlp.parameters())),
+                        for p, q in zip(par_mlp.parameters(), ref_mlp.parameters(), strict=False)),
         "input_grad_err": (x.grad - x_ref.grad).abs().max().item(),
         "seconds": time.perf_counter() - t0,
     }
@@ -361,7 +361,7 @@ def test_parallel_module_matches_single_device(dist_results, name):
 def test_training_steps_track_single_device(dist_results, name):
     losses, ref_losses = dist_results[name]["train"]
     assert len(losses) == TRAIN_STEPS - 1
-    for a, b in zip(losses, ref_losses):
+    for a, b in zip(losses, ref_losses, strict=False):
         assert abs(a - b) <= TRAIN_RTOL * abs(b), (losses, ref_losses)
     assert ref_losses[-1] < ref_losses[0]  # it trains
 

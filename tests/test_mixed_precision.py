@@ -46,7 +46,7 @@ def _reference_losses(tokens: torch.Tensor, targets: torch.Tensor, mixed: bool =
             p.data = p.data.to(torch.bfloat16 if mixed else torch.float32)
         loss = work(tokens, targets)
         loss.backward()
-        for p, q in zip(master.parameters(), work.parameters()):
+        for p, q in zip(master.parameters(), work.parameters(), strict=False):
             p.grad = q.grad.float()
         opt.step()
         opt.zero_grad()
@@ -115,13 +115,13 @@ def dist_results() -> dict[str, Any]:
 @pytest.mark.slow
 def test_mixed_precision_training_matches_the_same_policy_on_one_device(dist_results):
     ref = _reference_losses(*fixed_tokens())
-    for step, (a, b) in enumerate(zip(dist_results["losses"], ref)):
+    for step, (a, b) in enumerate(zip(dist_results["losses"], ref, strict=False)):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (step, a, b)
     # The tolerance alone would pass fp32 training too (bf16 moves these losses by ~1e-4 here):
     # the run must track the bf16 policy more closely than fp32 training.
     fp32 = _reference_losses(*fixed_tokens(), mixed=False)
-    to_mixed = sum(abs(a - b) for a, b in zip(dist_results["losses"], ref))
-    to_fp32 = sum(abs(a - b) for a, b in zip(dist_results["losses"], fp32))
+    to_mixed = sum(abs(a - b) for a, b in zip(dist_results["losses"], ref, strict=False))
+    to_fp32 = sum(abs(a - b) for a, b in zip(dist_results["losses"], fp32, strict=False))
     assert to_mixed < 0.5 * to_fp32, (dist_results["losses"], ref, fp32)
     assert dist_results["loss_dtype"] == "torch.float32"  # the reference loss upcasts bf16 logits
     assert dist_results["param_dtypes"] == ["torch.float32"]  # fp32 masters
@@ -213,7 +213,7 @@ def _zoo_policy_losses(case: Any) -> list[float]:
             p.data = p.data.to(torch.bfloat16)
         loss = case.loss_fn(work(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()}), *map(cast, targets))
         loss.backward()
-        for p, q in zip(master.parameters(), work.parameters()):
+        for p, q in zip(master.parameters(), work.parameters(), strict=False):
             p.grad = None if q.grad is None else q.grad.float()
         opt.step()
         opt.zero_grad()
@@ -286,5 +286,5 @@ if __name__ == "__main__":  # the numbers the README quotes: python tests/test_m
     print("2x2 gloo, mixed:        ", parallel)
     print("one process, same policy:", policy)
     print("one process, fp32:       ", fp32)
-    print("relative to the policy:  ", [abs(a - b) / b for a, b in zip(parallel, policy)])
-    print("fp32 relative to policy: ", [abs(a - b) / b for a, b in zip(fp32, policy)])
+    print("relative to the policy:  ", [abs(a - b) / b for a, b in zip(parallel, policy, strict=False)])
+    print("fp32 relative to policy: ", [abs(a - b) / b for a, b in zip(fp32, policy, strict=False)])

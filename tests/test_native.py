@@ -217,7 +217,8 @@ def _compiled_worker(rank: int, world: int, backend: str, zoo: bool, mesh_shape:
         for compiled in (False, True):
             model = _lower(build, weights, mesh, args, loss_fn, kwargs=kwargs, targets=tgts, device="h100")
             run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
-            losses[compiled] = train(model, lambda m: run(*args, *tgts, **kwargs), STEPS)
+            losses[compiled] = train(model, lambda m, run=run, args=args, tgts=tgts, kwargs=kwargs: run(*args, *tgts, **kwargs),
+                                     STEPS)
         out[name] = losses
     return out
 

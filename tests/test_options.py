@@ -21,8 +21,16 @@ from typer.testing import CliRunner
 import apmodel.cli as cli
 from apmodel.cli import app
 from apmodel.config import _SCHEMA, parse_config_text
-from apmodel.options import (TABLE_END, TABLE_START, OptionSpec, OptionsError, PlanOptions, default_of,
-                             option_spec, options_table)
+from apmodel.options import (
+    TABLE_END,
+    TABLE_START,
+    OptionsError,
+    OptionSpec,
+    PlanOptions,
+    default_of,
+    option_spec,
+    options_table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = [f.name for f in dataclasses.fields(PlanOptions)]

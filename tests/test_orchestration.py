@@ -21,6 +21,7 @@ from apmodel.cli import app
 from apmodel.models import build, sample_inputs
 from apmodel.options import DEFAULT_SEED_RADIUS, OptionsError, PlanOptions
 from apmodel.strategies import enumerate_strategies
+
 from test_cli import tiny_mlp
 
 MESH = (2, 2, 2)

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 import apmodel
 from apmodel.plans import price
-from costmodels.overlap import ProgramError, ProgramOp as Op, issue_order, serial_order, simulate
+from costmodels.overlap import ProgramError, issue_order, serial_order, simulate
+from costmodels.overlap import ProgramOp as Op
 
 from _dist_utils import run_distributed
 from _helpers import full_weights
-from test_native import _grads_and_losses, _lower
 from _tiny import fixed_tokens, tiny_llama
+from test_native import _grads_and_losses, _lower
 from zoo_models import ZOO
 
 

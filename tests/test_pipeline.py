@@ -16,8 +16,7 @@ import torch.nn as nn
 import costmodels
 from apmodel import api, schedules
 from apmodel.options import PlanOptions
-from apmodel.pipeline import (PipelineChoice, PipelineError, PipelineOptions, plan_pipeline, stage_mesh,
-                              stage_rank)
+from apmodel.pipeline import PipelineChoice, PipelineError, PipelineOptions, plan_pipeline, stage_mesh, stage_rank
 from apmodel.plans import Plan, PlanFileError
 from apmodel.stage_costs import step_units
 from apmodel.workloads import Workload

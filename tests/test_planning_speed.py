@@ -19,9 +19,9 @@ from apmodel import _torch_private as tp
 from apmodel import expansion
 from apmodel.capture import capture
 from apmodel.models import build, config, sample_inputs
+from apmodel.options import PlanOptions
 from apmodel.placement_model import _distinct_blocks, _joint_classes, _PairSum
 from apmodel.pricing import build_cost_context
-from apmodel.options import PlanOptions
 from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
 from apmodel.strategy_filters import Filter, TensorChecks
 
@@ -184,7 +184,7 @@ def test_pairs_summing_to_equal_blocks_share_one():
     cb = max(p.block_shape[1] for p in pairs)
     blocks, block_of = _distinct_blocks(pairs, ca, cb)
     assert block_of.tolist() == [0, 1, 0, 2] and len(blocks) == 3
-    for pair, k, m in zip(pairs, block_of, want):
+    for pair, k, m in zip(pairs, block_of, want, strict=False):
         np.testing.assert_array_equal(blocks[k][np.ix_(pair.row_class, pair.col_class)], m)
 
 
@@ -242,7 +242,7 @@ def test_captured_module_generates_its_code_on_first_use():
     values = {n.name: None for n in placeholders}
     for name, fqn in captured.param_fqn.items():
         values[name] = model.get_parameter(fqn).detach()
-    for name, idx in captured.input_index.items():
+    for name in captured.input_index:
         values[name] = x
     for name in values:
         if values[name] is None:  # the loss tangent

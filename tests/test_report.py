@@ -21,9 +21,9 @@ from apmodel import models, report, report_data, report_figures
 from apmodel import placements as pl
 from apmodel.cli import app
 from apmodel.formatting import fmt_bytes
-from apmodel.roles import param_role, param_uses
 from apmodel.plans import Plan
 from apmodel.recipes import RecipeResult
+from apmodel.roles import param_role, param_uses
 
 OVERRIDES = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=32)
 CLI_PLAN = ["plan", "--model", "llama3-debug", "--mesh", "2x2", "--layers", "1", "--seq", "32", "--batch", "8"]

@@ -660,7 +660,8 @@ def test_polish_solves_the_near_optimal_states_first():
     """Margins that single out the optimum (ties broken wrongly elsewhere): the first, restricted stage
     finds it; a restricted stage never raises the bound."""
     from solvers.compositions import _highs_exact
-    from solvers.polish import STAGES, polish as polish_with
+    from solvers.polish import STAGES
+    from solvers.polish import polish as polish_with
 
     polish = functools.partial(polish_with, exact=_highs_exact)
     p = _grid_problem(3, 3, seed=2)

@@ -50,7 +50,7 @@ def test_budget_row_holds_and_objective_falls_as_it_loosens(captured):
         plan = _plan(captured, param_budget_ratio=high, overlap=False)
         assert _mean_ratio(plan) <= high + 1e-9
         objectives.append(plan.objective_us)
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(objectives, objectives[1:])), objectives
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(objectives, objectives[1:], strict=False)), objectives
 
 
 def test_two_budgets_at_once_are_refused():

@@ -123,10 +123,10 @@ def _check_semantics(fn, inputs, strategies, ms):
     gen = torch.Generator().manual_seed(0)
     want = fn(*inputs)
     for s in strategies:
-        locals_ = [_distribute(x, pl, ms, gen) for x, pl in zip(inputs, s.inputs)]
+        locals_ = [_distribute(x, pl, ms, gen) for x, pl in zip(inputs, s.inputs, strict=False)]
         outs = {c: fn(*[lx[c] for lx in locals_]) for c in _coords(ms)}
         got = _collect(outs, s.outputs[0], ms)
-        torch.testing.assert_close(got, want, msg=lambda m: f"strategy {s}: {m}")
+        torch.testing.assert_close(got, want, msg=lambda m, s=s: f"strategy {s}: {m}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,7 +386,7 @@ def test_joint_graph(ms):
         slots = input_slots(n) if n.op == "call_function" else []
         for s in strats:
             assert len(s.inputs) == len(slots)
-            for (prod, idx), pl in zip(slots, s.inputs):
+            for (prod, idx), pl in zip(slots, s.inputs, strict=True):
                 val = prod.meta["val"] if n.target.__name__ != "getitem" else prod.meta["val"][idx]
                 assert pl is None or is_even(tuple(val.shape), pl, ms)
             # placements use the shared vocabulary only

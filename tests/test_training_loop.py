@@ -259,7 +259,7 @@ def _loop_worker(rank: int, world: int, ckpt: str, phase: str) -> dict[str, Any]
                 mismatched.append(f"{name}.{key}")
     out["state_not_like_param"] = mismatched
     out["weights_err"] = max((p.full_tensor() - q).abs().max().item()
-                             for p, q in zip(model.parameters(), ref.parameters()))
+                             for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     return out
 
 
@@ -273,9 +273,9 @@ def loop_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
 @pytest.mark.slow
 def test_accumulated_clipped_scheduled_steps_equal_one_device(loop_runs):
     r = loop_runs["whole"]
-    for got, want in zip(r["losses"], r["ref_losses"]):
+    for got, want in zip(r["losses"], r["ref_losses"], strict=True):
         assert abs(got - want) <= LOSS_RTOL * abs(want), (r["losses"], r["ref_losses"])
-    for got, want in zip(r["norms"], r["ref_norms"]):  # the total norm over DTensor gradients
+    for got, want in zip(r["norms"], r["ref_norms"], strict=True):  # the total norm over DTensor gradients
         assert abs(got - want) <= 1e-5 * want, (r["norms"], r["ref_norms"])
     assert max(r["norms"]) > MAX_NORM  # clipping was active
     assert r["weights_err"] < 1e-5
@@ -291,7 +291,7 @@ def test_dcp_checkpoint_resumes_in_new_processes_exactly(loop_runs):
     whole, resumed = loop_runs["whole"], loop_runs["resume"]
     assert loop_runs["save"]["losses"] == whole["losses"][:SAVED_AT]
     assert len(resumed["losses"]) == STEPS - SAVED_AT
-    for got, want in zip(resumed["losses"], whole["losses"][SAVED_AT:]):
+    for got, want in zip(resumed["losses"], whole["losses"][SAVED_AT:], strict=True):
         assert abs(got - want) <= 1e-6 * abs(want), (resumed["losses"], whole["losses"])
     assert resumed["lr"] == whole["lr"]  # the scheduler resumed where it stopped
     assert resumed["weights_err"] < 1e-5

@@ -11,6 +11,7 @@ import pytest
 
 import solvers
 from solvers import trws, trws_compiled, trws_kernels
+
 from test_solvers import TOL, brute_or_none, random_problem, with_budget
 
 HAS_NUMBA = trws_compiled.available()
@@ -71,7 +72,7 @@ def _assert_sweeps_alike(got: trws.TRWS, ref: trws.TRWS, sweeps: int, tol: float
     h_got, lo_got, hi_got = _run(got, sweeps)
     np.testing.assert_allclose(lo_got, lo_ref, rtol=tol, atol=tol)
     np.testing.assert_allclose(hi_got, hi_ref, rtol=tol, atol=tol)
-    for (x1, e1, b1), (x2, e2, b2) in zip(h_ref, h_got):
+    for (x1, e1, b1), (x2, e2, b2) in zip(h_ref, h_got, strict=False):
         np.testing.assert_array_equal(x1, x2)
         assert e2 == pytest.approx(e1, rel=1e-12) and b2 == pytest.approx(b1, rel=tol, abs=tol)
 
@@ -252,7 +253,7 @@ def test_edges_given_the_same_corner_share_one_copy(compiled):
     dense = solvers.PairwiseProblem(unary, list(factored.edges))
     got, ref = trws.TRWS(factored, kernel=compiled), trws.TRWS(dense, kernel=compiled)
     corners = {(b % 2, r.tobytes(), c.tobytes()): len(np.unique(r)) * len(np.unique(c))
-               for b, r, c in zip(block_of, rows, cols)}  # blocks 0 and 2 are equal
+               for b, r, c in zip(block_of, rows, cols, strict=False)}  # blocks 0 and 2 are equal
     assert len(corners) == 3 and len(got.edges.blk) == len(got.edges.blk_t) == sum(corners.values())
     assert len(set(got.edges.bptr[:-1].tolist())) == 3
     _assert_sweeps_alike(got, ref, 6, tol=1e-12)
@@ -320,7 +321,7 @@ def test_threaded_sweeps_equal_one_thread_bit_for_bit(compiled, seed):
     one = trws.TRWS(p, kernel=compiled)
     many = _threaded(trws.TRWS(p, kernel=compiled), 3)
     assert many.edges.plan_f.threaded.all() and len(many.edges.plan_f.item_e) > len(many.edges.eu)
-    for got, ref in zip(_sweep_state(many, 6), _sweep_state(one, 6)):
+    for got, ref in zip(_sweep_state(many, 6), _sweep_state(one, 6), strict=False):
         np.testing.assert_array_equal(got, ref)
 
 

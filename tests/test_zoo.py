@@ -113,7 +113,7 @@ def zoo_results(plan_dir) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_zoo_trains_like_one_device(zoo_results, name):
     r = zoo_results[name]
-    for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
+    for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"], strict=False)):
         assert abs(got - want) <= LOSS_RTOL * abs(want), (name, step, got, want)
     assert r["keys_equal"]
     worst = max(r["state_err"].values())
@@ -252,7 +252,7 @@ def test_plan_before_process_group_then_train_matches_one_device():
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     for r in results:
         assert r["backend"] == "gloo"
-        for got, want in zip(r["losses"], r["ref_losses"]):
+        for got, want in zip(r["losses"], r["ref_losses"], strict=False):
             assert abs(got - want) <= LOSS_RTOL * abs(want), (got, want)
 
 
@@ -288,7 +288,7 @@ def _other_shapes_worker(rank: int, world: int, plan_dir: str, ac: str) -> dict[
         out["losses"].append(loss.full_tensor().item())
         out["ref_losses"].append(ref_loss.item())
     out["grad_err"] = max(
-        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
+        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(), strict=False)
     )
     out["variants"] = len(model._apmodel_program.variants)
     try:
@@ -303,7 +303,7 @@ def _other_shapes_worker(rank: int, world: int, plan_dir: str, ac: str) -> dict[
 @pytest.mark.parametrize("ac", ["none", "selective"])
 def test_lowered_module_replays_its_plan_on_other_batch_and_sequence_sizes(plan_dir, ac):
     r = run_distributed(_other_shapes_worker, 4, str(plan_dir), ac, timeout_s=600)[0]
-    for got, want in zip(r["losses"], r["ref_losses"]):
+    for got, want in zip(r["losses"], r["ref_losses"], strict=False):
         assert abs(got - want) <= LOSS_RTOL * abs(want), (got, want)
     assert r["grad_err"] < 1e-5  # gradients accumulated over the four batches
     assert r["variants"] == 3  # one trace per new shape; the traced shape needs none

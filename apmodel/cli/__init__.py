@@ -49,6 +49,8 @@ from apmodel.formatting import fmt_us as _fmt_us
 from apmodel.formatting import strategy_str as _strategy_str
 
 if TYPE_CHECKING:
+    from rich.status import Status
+
     from apmodel.options import PlanOptions
 
 logger = logging.getLogger("apmodel.cli")
@@ -143,7 +145,7 @@ class _Progress:
     def __init__(self, enabled: bool) -> None:
         self.console = Console(stderr=True)
         self.live = enabled and self.console.is_terminal
-        self._status = None
+        self._status: Status | None = None
 
     def __enter__(self) -> "_Progress":
         if self.live:
@@ -230,7 +232,7 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
         result = plan_workload(workload, options, constraints=cfg.constraints, compare_recipes=compare_recipes,
                                record=record, progress=progress)
     except TraceFailed as e:  # data-dependent ops, unsupported ops...: name the model and the op
-        raise CLIError(f"--model {e.model!r}: {e.what}: {describe_error(e.__cause__)}") from e
+        raise CLIError(f"--model {e.model!r}: {e.what}: {describe_error(e.cause)}") from e
     except solvers.TimeLimitReached as e:
         hint = "a longer --time-limit" + ("" if options.solver == "trws" else " or --solver trws (approximate, fast)")
         limit = "no" if options.time_limit is None else f"{options.time_limit:g} s"
@@ -295,14 +297,14 @@ def explain(
 
 
 def _explain(plan_file: Path, target: str, top: int) -> None:
-    from apmodel.plans import Plan
-
     from apmodel.api import attach
+    from apmodel.plans import Plan
 
     saved = Plan.load(plan_file)
     with _Progress(True) as progress:
         attach(saved, progress=progress)
     pm = saved.model
+    assert pm is not None  # attach sets it
     node = pm.fqn_to_node.get(target, target)
     rows = saved.explain(target)
     by_str = {str(s): s for s in pm.strategies[node]}
@@ -337,7 +339,8 @@ def diff(
 
 
 def _diff(a: Path, b: Path, limit: int) -> None:
-    from apmodel.plans import Plan, diff as plan_diff
+    from apmodel.plans import Plan
+    from apmodel.plans import diff as plan_diff
 
     pa, pb = Plan.load(a), Plan.load(b)
     console = _console()
@@ -484,7 +487,6 @@ def calibrate(
 def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[int], kind: str, mesh: Optional[str],
                options: "PlanOptions", use: str) -> None:
     import costmodels
-
     from apmodel.options import option_spec
 
     device, gpus_per_node = options.device_name, options.gpus_per_node
@@ -495,7 +497,7 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
                          "or one per log in order")
     axes = axes * len(logs) if len(axes) == 1 else axes
     parsed = [costmodels.parse_nccl_tests(p, kind=None if kind == "auto" else kind) for p in logs]
-    for p, log in zip(logs, parsed):
+    for p, log in zip(logs, parsed, strict=True):
         if log.kind is None:
             raise ValueError(f"{p}: cannot tell the collective from the log; pass --kind")
         if ranks is not None:
@@ -514,14 +516,14 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
             raise ValueError(f"{logs[0]}: the log does not say how many ranks it ran on (no '# Rank' lines); "
                              "pass --ranks N or --mesh")
         shape = (counts.pop(),)
-    for p, log, ax in zip(logs, parsed, axes):
+    for log, ax in zip(parsed, axes, strict=True):
         if ax >= len(shape):
             raise ValueError(f"--axis {ax} is not an axis of mesh {shape}")
         if log.ranks is None:  # --mesh gives the axis size: the rank count of a log measured on it
             log.ranks = shape[ax]
     options.check_mesh(shape, lambda name: option_spec(name).flag)  # the nodes the logs' axes cross
     base = costmodels.NCCLCollectives(costmodels.Topology(shape, costmodels.device(device), gpus_per_node))
-    pairs = list(zip(parsed, axes))
+    pairs = list(zip(parsed, axes, strict=True))
     cal = costmodels.Calibration.fit(base, pairs, use=use)
     cal.meta.update({"device": device, "gpus_per_node": gpus_per_node, "mesh_shape": list(shape),
                      "sources": [str(p) for p in logs]})

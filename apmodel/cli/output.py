@@ -13,7 +13,6 @@ from rich.text import Text
 from apmodel.formatting import fmt_bytes as _fmt_bytes
 from apmodel.formatting import fmt_us as _fmt_us
 
-
 #: Keys the ``plan --json`` object always has (docs/design.md, "Public contracts").
 JSON_KEYS = (
     "model", "mesh", "device", "solver", "nodes", "groups", "states", "edges",

@@ -23,11 +23,11 @@ class _FromGlobal(torch.autograd.Function):
     gathering it is the one collective outside the plan (only for inputs that require grad)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, pl: Placements) -> DTensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, pl: Placements) -> DTensor:
         return distribute_tensor(x.detach(), mesh, pl, src_data_rank=None)
 
     @staticmethod
-    def backward(ctx, g: DTensor):  # type: ignore[override]
+    def backward(ctx, g: DTensor):
         return g.full_tensor(), None, None
 
 
@@ -35,14 +35,14 @@ class _JointStep(torch.autograd.Function):
     """forward: the joint graph's forward nodes; backward: its backward nodes (both over DTensors)."""
 
     @staticmethod
-    def forward(ctx, prog: LoweredProgram, device: torch.device, keep: bool, *values):  # type: ignore[override]
+    def forward(ctx, prog: LoweredProgram, device: torch.device, keep: bool, *values):
         env: dict[fx.Node, Any] = {}
         ph = prog.params + prog.buffers + prog.inputs
-        for n, v in zip(ph, values):
+        for n, v in zip(ph, values, strict=False):
             env[n] = v
         ctx.param_dtypes = [v.dtype for v in values[: len(prog.params)]]
         if prog.param_dtype is not None:  # mixed precision: compute with a down-cast of the master shards
-            for n, v in zip(prog.params, values):
+            for n, v in zip(prog.params, values, strict=False):
                 if v.is_floating_point():
                     env[n] = v.to(prog.param_dtype)
         prog._run(prog.fwd_steps, env, "forward", device)
@@ -63,20 +63,20 @@ class _JointStep(torch.autograd.Function):
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         prog: LoweredProgram = ctx.prog
         env = dict(ctx.saved_env)
         ctx.saved_env = None
-        for o, g in zip(prog.fwd_outputs, grads):
+        for o, g in zip(prog.fwd_outputs, grads, strict=True):
             t = prog.output_tangent.get(o)
             if t is None:
                 continue
             if g is None:
-                g = torch.zeros_like(env.get(o)) if o in env else None
+                g = torch.zeros_like(env[o]) if o in env else None
             env[t] = prog._redistribute(g, prog.storage[t], t.name, "<incoming grad>", 0, "backward")
         prog._run(prog.bwd_steps, env, "backward", ctx.device)
         result: list = [None, None, None]
-        for p, master_dtype in zip(prog.params, ctx.param_dtypes):
+        for p, master_dtype in zip(prog.params, ctx.param_dtypes, strict=True):
             g = prog.param_grad.get(p)
             if g is None:
                 result.append(None)

@@ -39,7 +39,7 @@ def _comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """True when going from src to dst needs no collective (only local chunking)."""
     return all(
         _token(s) == _token(d) or (isinstance(s, Replicate) and isinstance(d, Shard))
-        for s, d in zip(src, dst)
+        for s, d in zip(src, dst, strict=False)
     )
 
 
@@ -109,7 +109,7 @@ def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
     from apmodel.strategies import input_slots
 
     slots = input_slots(node)
-    if node.target is operator.getitem and slots and slots[0][1] == int(node.args[1]) and isinstance(
+    if node.target is operator.getitem and slots and slots[0][1] == node.args[1] and isinstance(
         slots[0][0].meta.get("val"), (tuple, list)
     ):
         return [(0, slots[0][0], slots[0][1])]
@@ -117,4 +117,4 @@ def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
     positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
     if len(positions) != len(slots):
         raise ValueError(f"node {node.name!r} ({node.target}): cannot match its {len(slots)} input slots to its arguments")
-    return [(i, prod, k) for i, (prod, k) in zip(positions, slots)]
+    return [(i, prod, k) for i, (prod, k) in zip(positions, slots, strict=True)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -51,7 +51,7 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
     """``prog``'s native program, traced on first use from the metadata of ``model``'s
     parameters and buffers and the plan's input shapes (no allocation, no communication)."""
     if prog.native is None:
-        params = [model.get_parameter(prog.captured.param_fqn[n.name]).to_local() for n in prog.params]
+        params = [cast(DTensor, model.get_parameter(prog.captured.param_fqn[n.name])).to_local() for n in prog.params]
         buffers = [_global(model.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
         inputs = [n.meta["val"] for n in prog.inputs]
         prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_cap_mb,
@@ -87,7 +87,7 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> An
     device = native.device
     param_owners, buffer_owners = _owners(self, prog)
     params = []
-    for n, (owner, leaf) in zip(prog.params, param_owners):
+    for n, (owner, leaf) in zip(prog.params, param_owners, strict=True):
         v = getattr(owner, leaf)
         if not isinstance(v, DTensor) or v.placements != prog.storage[n]:
             raise ValueError(f"parameter {prog.captured.param_fqn[n.name]!r} must be a DTensor placed "
@@ -97,26 +97,25 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> An
     inputs = [x if x.device == device else x.to(device) for x in inputs]
     # eager: DTensor parameters in, DTensor gradients out (cheap); dynamo traces to_local instead
     compiling = torch.compiler.is_compiling()
-    if compiling:
-        params = [v.to_local() for v in params]
     if compiling or torch.is_grad_enabled():
-        outs = NativeStep.apply(native, not compiling, *params, *buffers, *inputs)
+        step_params: Sequence[torch.Tensor] = [v.to_local() for v in params] if compiling else params
+        outs = NativeStep.apply(native, not compiling, *step_params, *buffers, *inputs)
         outs = outs if isinstance(outs, tuple) else (outs,)
     else:  # forward only: nothing kept for a backward
         outs = native.run(native.inference_graph, [v.to_local() for v in params], buffers, inputs)
         outs = (*outs[:native.n_outputs], *outs[native.n_outputs + native.n_saved:])
     n_out = native.n_outputs
     with torch.no_grad():  # buffer updates of the step (the global value)
-        for n, new in zip(prog.buffer_update, outs[n_out:]):
+        for n, new in zip(prog.buffer_update, outs[n_out:], strict=False):
             getattr(*buffer_owners[n]).copy_(new)
-    results = [o if layout is None else layout.wrap(o, prog.mesh) for o, layout in zip(outs[:n_out], native.output_layouts)]
+    results = [o if layout is None else layout.wrap(o, prog.mesh) for o, layout in zip(outs[:n_out], native.output_layouts, strict=False)]
     traced.redistributions = native.forward_redistributions + (
         native.backward_redistributions if torch.is_grad_enabled() else [])
     return results[0] if len(results) == 1 else tuple(results)
 
 
 def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    traced: LoweredProgram = self._apmodel_program
+    traced: LoweredProgram = self._apmodel_program  # type: ignore[assignment]  # torch's stub: Module attributes are Tensor | Module
     sig = traced.signature
     inputs = sig.flatten(args, kwargs, f"{type(self).__name__}.forward")
     if traced.param_dtype is not None:  # mixed precision: floating inputs compute in the param dtype (as FSDP2)
@@ -125,7 +124,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _native_forward(self, traced, inputs)
     prog = traced.for_inputs(inputs, ModelModes.of(self))  # the plan as traced, or replayed on these shapes/modes
     dinputs = []
-    for i, (node, x) in enumerate(zip(prog.inputs, inputs)):
+    for i, (node, x) in enumerate(zip(prog.inputs, inputs, strict=False)):
         pl = prog.storage[node]
         if isinstance(x, DTensor):
             x = prog._redistribute(x, pl, node.name, sig.name(i), 0, "input")
@@ -146,15 +145,15 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         values.append(v)
     for n in prog.buffers:  # plain tensors holding the global value (see lower): wrap, no communication
         fqn = prog.captured.buffer_fqn[n.name]
-        v = self.get_buffer(fqn)
+        b = self.get_buffer(fqn)
         pl = prog.storage[n]
-        if isinstance(v, DTensor):
-            v = prog._redistribute(v, pl, n.name, fqn, 0, "input")
+        if isinstance(b, DTensor):
+            b = prog._redistribute(b, pl, n.name, fqn, 0, "input")
         elif all(isinstance(p, Replicate) for p in pl):
-            v = DTensor.from_local(v, prog.mesh, pl, run_check=False)
+            b = DTensor.from_local(b, prog.mesh, pl, run_check=False)
         else:
-            v = distribute_tensor(v, prog.mesh, pl, src_data_rank=None)
-        values.append(v)
+            b = distribute_tensor(b, prog.mesh, pl, src_data_rank=None)
+        values.append(b)
     if device is None:
         device = dinputs[0].to_local().device if dinputs else torch.device(prog.mesh.device_type)
     prog.redistributions = traced.redistributions = []
@@ -232,7 +231,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     cls = type(model)
     new_cls = type(f"Parallel{cls.__name__}", (cls,), {"forward": _parallel_forward, "__module__": cls.__module__})
     model.__class__ = new_cls
-    model._apmodel_program = prog
+    model._apmodel_program = prog  # type: ignore[assignment]  # torch's stub: Module attributes are Tensor | Module
     if lowering == "native" and torch.distributed.is_initialized():
         # traced now, so that torch.compile of the module finds the graphs made (a mesh without
         # process groups, made for planning, is traced at the first step)
@@ -248,7 +247,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     """Copy full (global, unsharded) tensors, identical on every rank, into a parallelized model's
     DTensor parameters and buffers: each rank keeps its own chunk; no communication. Use after
     ``to_empty`` to load single-device weights (e.g. a reference model's ``state_dict()``)."""
-    own = dict(model.named_parameters())
+    own: dict[str, torch.Tensor] = dict(model.named_parameters())
     own.update(dict(model.named_buffers()))
     missing = [k for k in own if k not in state_dict]
     if missing:

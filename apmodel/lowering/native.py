@@ -32,7 +32,7 @@ import linecache
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -153,15 +153,16 @@ class NativeProgram:
     def _forward(self, param_locals: list, buffers: list, inputs: list) -> tuple:
         prog, mesh = self.prog, self.mesh
         env: dict[fx.Node, Any] = {}
-        for n, local in zip(prog.params, param_locals):
+        for n, local in zip(prog.params, param_locals, strict=False):
             val = n.meta["val"]
-            v = DTensor.from_local(local, mesh, prog.storage[n], run_check=False, shape=val.shape, stride=val.stride())
-            if prog.param_dtype is not None and v.is_floating_point():  # mixed precision: compute in the param dtype
-                v = v.to(prog.param_dtype)
-            env[n] = v
-        for n, b in zip(prog.buffers, buffers):  # the global value on every rank: its local chunk
+            param: torch.Tensor = DTensor.from_local(local, mesh, prog.storage[n], run_check=False, shape=val.shape,
+                                                     stride=val.stride())
+            if prog.param_dtype is not None and param.is_floating_point():  # mixed precision: compute in the param dtype
+                param = param.to(prog.param_dtype)
+            env[n] = param
+        for n, b in zip(prog.buffers, buffers, strict=False):  # the global value on every rank: its local chunk
             env[n] = distribute_tensor(b, mesh, prog.storage[n], src_data_rank=None)
-        for n, x in zip(prog.inputs, inputs):
+        for n, x in zip(prog.inputs, inputs, strict=False):
             env[n] = distribute_tensor(x, mesh, prog.storage[n], src_data_rank=None)
         prog._run(prog.fwd_steps, env, "forward", self.device, regions=self._regions)
         outputs = []
@@ -197,7 +198,7 @@ class NativeProgram:
         prog, mesh = self.prog, self.mesh
         env: dict[fx.Node, Any] = {}
         it = iter(saved)
-        for n, (spec, layout) in zip(prog.saved, self._saved_layout):
+        for n, (spec, layout) in zip(prog.saved, self._saved_layout, strict=False):
             leaves = []
             for kind, what in layout:
                 if kind == "constant":
@@ -206,21 +207,22 @@ class NativeProgram:
                     local = next(it)
                     leaves.append(local if what is None else what.wrap(local, mesh))
             env[n] = _unflatten(leaves, spec)
-        for o, g, layout in zip(prog.fwd_outputs, tangents, self._output_layouts):
+        for o, g, layout in zip(prog.fwd_outputs, tangents, self._output_layouts, strict=False):
             t = prog.output_tangent.get(o)
             if t is not None:
                 env[t] = g if layout is None else layout.wrap(g, mesh)
         prog._run(prog.bwd_steps, env, "backward", self.device, regions=self._regions)
         grads: list[torch.Tensor | None] = []
         self.param_has_grad = []
-        for p, master in zip(prog.params, self.master_dtypes):
+        for p, master in zip(prog.params, self.master_dtypes, strict=False):
             g = prog.param_grad.get(p)
             self.param_has_grad.append(g is not None)
             if g is None:
                 continue
             v = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
                                    "backward", gradient=True)
-            grads.append(v.to(master).to_local())  # mixed precision: the gradient of the fp32 master
+            # mixed precision: the gradient of the fp32 master (DTensor.to gives a DTensor; torch's stub says Tensor)
+            grads.append(v.to(master).to_local())  # type: ignore[attr-defined]
         self.input_has_grad = []
         for i in prog.inputs:
             g = prog.input_grad.get(i)
@@ -252,7 +254,7 @@ class NativeProgram:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
         if len(nodes) != len(self._regions):
             raise RuntimeError(f"native {phase} graph: {len(nodes)} region calls traced, {len(self._regions)} run")
-        for node, (target, comms, name) in zip(nodes, self._regions):
+        for node, (target, comms, name) in zip(nodes, self._regions, strict=True):
             if node.target is not target:
                 raise RuntimeError(f"native {phase} graph: region node {node.name} calls {node.target}, expected {target}")
             node.target = _RegionCall(target, comms, name)
@@ -480,10 +482,10 @@ class NativeStep(torch.autograd.Function):
     their planned placements) and the buffers' new values."""
 
     @staticmethod
-    def forward(ctx: Any, native: NativeProgram, as_dtensors: bool, *values: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, native: NativeProgram, as_dtensors: bool, *values: torch.Tensor) -> Any:
         n_p, n_b = len(native.prog.params), len(native.prog.buffers)
         params = values[:n_p]
-        locals_ = [p.to_local() for p in params] if as_dtensors else list(params)  # no grad here: no autograd node
+        locals_ = [cast(DTensor, p).to_local() for p in params] if as_dtensors else list(params)  # no grad here: no autograd node
         outs = native.run(native.forward_graph, locals_, list(values[n_p:n_p + n_b]), list(values[n_p + n_b:]))
         n_out, n_saved = native.n_outputs, native.n_saved
         ctx.native = native
@@ -494,7 +496,7 @@ class NativeStep(torch.autograd.Function):
         return (*outs[:n_out], *updates)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         native: NativeProgram = ctx.native
         n_out = native.n_outputs
         grads_in = native.run(native.backward_graph, list(ctx.saved_tensors), list(grads[:n_out]))

@@ -203,7 +203,7 @@ def build(
         mine.append(lower_stage(module, sub_mesh, inputs, plan))
         indices.append(k)
     pipeline_stages = [PipelineStage(StageModule(m), k, n_stages, device, group=pp_group)
-                       for m, k in zip(mine, indices)]
+                       for m, k in zip(mine, indices, strict=True)]
     cls = SCHEDULE_CLASSES[schedule]
     sched = (cls(pipeline_stages[0], microbatches, loss_fn=loss_fn) if schedule == "1f1b"
              else cls(pipeline_stages, microbatches, loss_fn=loss_fn))

@@ -36,8 +36,7 @@ from apmodel.lowering.graph import (
     _unflatten,
 )
 from apmodel.lowering.records import Redistribution
-from apmodel.options import run_precision_of
-from apmodel.options import torch_dtype
+from apmodel.options import run_precision_of, torch_dtype
 from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
 
 logger = logging.getLogger(__name__)
@@ -118,7 +117,7 @@ def _plain_partials(x: DTensor) -> DTensor:
     local = x.to_local().clone()
     new: list[Placement] = []
     for axis, p in enumerate(x.placements):
-        if hasattr(p, "mask_buffer"):
+        if isinstance(p, Partial) and hasattr(p, "mask_buffer"):  # torch's masked partial is a Partial
             if p.mask_buffer.data is None and x.device_mesh.size(axis) == 1:
                 # DTensor skips size-1 axes when it partitions the ids, so no mask was made; the one
                 # rank of the axis holds every row, so there is nothing to mask
@@ -196,12 +195,12 @@ class ModelModes:
         changes = []
         if planned is None or planned.training != self.training:
             evaluating = [f"{name or '<root>'} ({type(m).__name__})"
-                          for (name, m), training in zip(model.named_modules(), self.training) if not training]
+                          for (name, m), training in zip(model.named_modules(), self.training, strict=True) if not training]
             changes.append(f"{len(evaluating)} module(s) in eval mode" + _some(evaluating))
         if planned is not None and planned.trainable != self.trainable:
             named = [name for name, _ in model.named_parameters()]
-            frozen = [n for n, now, then in zip(named, self.trainable, planned.trainable) if then and not now]
-            thawed = [n for n, now, then in zip(named, self.trainable, planned.trainable) if now and not then]
+            frozen = [n for n, now, then in zip(named, self.trainable, planned.trainable, strict=True) if then and not now]
+            thawed = [n for n, now, then in zip(named, self.trainable, planned.trainable, strict=True) if now and not then]
             if frozen:
                 changes.append(f"{len(frozen)} parameter(s) frozen since planning" + _some(frozen))
             if thawed:
@@ -332,11 +331,11 @@ class LoweredProgram:
                 )
             is_getitem = n.target is operator.getitem
             slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
-                     for (leaf, prod, k), dst in zip(tl, ins)]
+                     for (leaf, prod, k), dst in zip(tl, ins, strict=True)]
             outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
-            for v, pl in zip(_tensor_vals(n), outs):
-                if isinstance(v, torch.Tensor) and pl is not None:
-                    _check_even(n.name, v.shape, pl, mesh_shape)
+            for v, out_pl in zip(_tensor_vals(n), outs, strict=False):
+                if isinstance(v, torch.Tensor) and out_pl is not None:
+                    _check_even(n.name, v.shape, out_pl, mesh_shape)
             for s in slots:
                 if s.dst is not None:
                     pv = _tensor_vals(s.producer)[s.index]
@@ -364,14 +363,14 @@ class LoweredProgram:
         fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
         self.saved: list[fx.Node] = []
         seen = set()
-        for s in self.bwd_steps:
-            for a in s.node.all_input_nodes:
+        for bwd_step in self.bwd_steps:
+            for a in bwd_step.node.all_input_nodes:
                 if a in fwd_set and a not in seen:
                     seen.add(a)
                     self.saved.append(a)
         for o in list(self.fwd_outputs) + list(self.buffer_update.values()):
             seen.add(o)
-        for p, g in list(self.param_grad.items()) + list(self.input_grad.items()):
+        for _, g in list(self.param_grad.items()) + list(self.input_grad.items()):
             if g in fwd_set:  # gradient computed without the tangent (rare); keep it
                 seen.add(g)
                 self.saved.append(g)
@@ -450,7 +449,7 @@ class LoweredProgram:
         parameter kept where it is stored."""
         sig = self.signature
         shapes = []
-        for i, (node, x) in enumerate(zip(self.inputs, inputs)):
+        for i, (node, x) in enumerate(zip(self.inputs, inputs, strict=False)):
             want = node.meta["val"]
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"input {sig.name(i)} must be a tensor, got {type(x).__name__}")
@@ -463,7 +462,7 @@ class LoweredProgram:
         if modes is None or modes == self.training_modes:
             modes = None
         key = (tuple(shapes), modes)
-        if modes is None and all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs)):
+        if modes is None and all(s == tuple(n.meta["val"].shape) for s, n in zip(shapes, self.inputs, strict=True)):
             return self
         variant = self.variants.get(key)
         if variant is None:
@@ -518,7 +517,7 @@ class LoweredProgram:
     def _check_divisible(self, inputs: Sequence[torch.Tensor]) -> None:
         """Refuse inputs the plan's input placements cannot split evenly, saying how to pad."""
         mesh_shape = tuple(self.mesh.shape)
-        for i, (node, x) in enumerate(zip(self.inputs, inputs)):
+        for i, (node, x) in enumerate(zip(self.inputs, inputs, strict=True)):
             for d, size in enumerate(x.shape):
                 ways = math.prod(mesh_shape[a] for a, p in enumerate(self.storage[node])
                                  if isinstance(p, Shard) and p.dim == d)
@@ -550,7 +549,7 @@ class LoweredProgram:
         if _tokens(x.placements) == _tokens(dst):
             return x
         if gradient and self.reduce_dtype is not None and x.is_floating_point():
-            x = x.to(self.reduce_dtype)
+            x = x.to(self.reduce_dtype)  # type: ignore[assignment]  # a DTensor's to() is a DTensor; torch's stub says Tensor
         self.redistributions.append(
             Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype,
                            gradient=gradient)
@@ -625,19 +624,21 @@ class LoweredProgram:
         val = s.node.meta["val"]
         pl = s.outputs[0] if s.outputs and s.outputs[0] is not None else tuple(Replicate() for _ in self.mesh.shape)
         value = s.fill
+        assert value is not None  # a fill step has its value
         coordinate = self.mesh.get_coordinate() or [0] * self.mesh.ndim
         for axis, p in enumerate(pl):
             if isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[axis] != 0:
                 value = 0
         local = torch.full(placements.local_shape(tuple(val.shape), pl, tuple(self.mesh.shape)), value,
                            dtype=val.dtype, device=device)
-        return DTensor.from_local(local, self.mesh, pl, run_check=False, shape=tuple(val.shape),
+        # from_local takes any int sequence as shape; torch's stub says torch.Size
+        return DTensor.from_local(local, self.mesh, pl, run_check=False, shape=tuple(val.shape),  # type: ignore[arg-type]
                                   stride=tuple(val.stride()))
 
     def _local_outputs(self, s: _Step) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(local shape, dtype) of each tensor output of ``s`` at its planned placement."""
         return [(tuple(v.shape) if pl is None else placements.local_shape(tuple(v.shape), pl, tuple(self.mesh.shape)),
-                 v.dtype) for v, pl in zip(_tensor_vals(s.node), s.outputs) if isinstance(v, torch.Tensor)]
+                 v.dtype) for v, pl in zip(_tensor_vals(s.node), s.outputs, strict=False) if isinstance(v, torch.Tensor)]
 
     def failure_message(self, node_name: str, error: BaseException) -> str:
         """What a native graph's failure at the kernels of joint-graph node ``node_name`` says."""
@@ -674,8 +675,9 @@ class LoweredProgram:
                 pl = s.outputs[i] if i < len(s.outputs) and s.outputs[i] is not None else R
                 v = vals[i] if i < len(vals) else None
                 shape = tuple(v.shape) if isinstance(v, torch.Tensor) and pl is not R else None
-                stride = tuple(v.stride()) if shape is not None else None
-                outs[i] = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape, stride=stride)
+                stride = tuple(v.stride()) if isinstance(v, torch.Tensor) and shape is not None else None
+                # from_local takes any int sequence as shape; torch's stub says torch.Size
+                outs[i] = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape, stride=stride)  # type: ignore[arg-type]
         return outs[0] if single else tuple(outs)
 
     def _place_outputs(self, s: _Step, out: Any) -> Any:

@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 
 from apmodel.lowering.graph import _tensor_leaves, _tensor_vals, _tokens
-from apmodel.options import run_precision_of
-from apmodel.options import torch_dtype
+from apmodel.options import run_precision_of, torch_dtype
 
 # ----------------------------------------------------------------------------------------------
 # records
@@ -66,7 +65,7 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
         if n.op != "call_function":
             continue
         strat = plan.node_strategy[n.name]
-        for (leaf, prod, idx), dst in zip(_tensor_leaves(n), strat.inputs):
+        for (_, prod, idx), dst in zip(_tensor_leaves(n), strat.inputs, strict=False):
             src = plan.node_strategy[prod.name].outputs[idx]
             if dst is None or src is None:
                 continue

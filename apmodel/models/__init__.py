@@ -59,10 +59,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from apmodel.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Transformer
 from apmodel.models.gpt2 import GPT2, GPT2Config
 from apmodel.models.llama3 import LlamaConfig, Transformer
 from apmodel.models.loss import cross_entropy_loss
-from apmodel.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Transformer
 from apmodel.models.moe import MoEConfig, MoETransformer
 
 # name -> (config class, model class, config fields)
@@ -238,9 +238,8 @@ def sample_inputs(
         raise ValueError(f"sample_inputs: batch={batch} and seq={seq} must be positive")
     if seq > cfg.max_seq_len:
         raise ValueError(f"sample_inputs: seq={seq} exceeds the model's max_seq_len={cfg.max_seq_len}")
-    kw = {} if generator is None else {"generator": generator}
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), dtype=torch.int64, device=device, **kw)
-    targets = torch.randint(0, cfg.vocab_size, (batch, seq), dtype=torch.int64, device=device, **kw)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator, dtype=torch.int64, device=device)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator, dtype=torch.int64, device=device)
     return tokens, targets
 
 

@@ -49,7 +49,6 @@ from apmodel.kernels import (  # noqa: F401
     flash_attention_forward,
     rms_norm_backward,
 )
-
 from apmodel.regions import LocalRegion, RegionComm, local_map, region_comm
 
 ATTENTION_BACKENDS = ("flash", "efficient")

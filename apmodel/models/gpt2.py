@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apmodel.models.loss import cross_entropy_loss
 from apmodel.models.attention import ATTENTION_BACKENDS, causal_attention
+from apmodel.models.loss import cross_entropy_loss
 
 
 @dataclass

@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apmodel.models.loss import cross_entropy_loss
 from apmodel.models.attention import (
     ATTENTION_BACKENDS,
     ContextParallelAttention,
     SlidingWindowAttention,
     causal_attention,
 )
+from apmodel.models.loss import cross_entropy_loss
 
 #: per-layer attention kinds of ``LlamaConfig.layer_types``
 LAYER_TYPES = ("sliding", "full")

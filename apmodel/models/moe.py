@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -303,13 +303,13 @@ class MoEBlock(nn.Module):
     def init_weights(self) -> None:
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
-        self.attention.init_weights(self.init_std)
-        (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.init_std)
+        self.attention.init_weights(self.init_std)  # type: ignore[operator]  # nn.Module.__getattr__ says Tensor | Module
+        (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.init_std)  # type: ignore[operator]  # as above
 
 
 class MoETransformer(Transformer):
     """``tokens [batch, seq] (int64) -> logits [batch, seq, vocab]`` (or the loss, given targets):
     the LLaMA-3 decoder with MoE blocks (see :class:`MoEBlock`)."""
 
-    def make_block(self, layer_id: int, cfg: MoEConfig) -> nn.Module:
-        return MoEBlock(layer_id, cfg)
+    def make_block(self, layer_id: int, cfg: LlamaConfig) -> nn.Module:
+        return MoEBlock(layer_id, cast(MoEConfig, cfg))  # Transformer passes its own config, a MoEConfig here
