@@ -18,6 +18,7 @@ other ranks only time collectives with it.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -55,8 +56,19 @@ def cache_dir() -> Path:
     """Where measured profiles are kept (see the module's docstring); created on first use."""
     root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "apmodel"
     path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"device='auto' keeps measured profiles in {path}, which cannot be created ({e.strerror}): "
+                      f"set {CACHE_ENV} to a writable directory, or pass device= explicitly") from e
     return path
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file, so that a concurrent reader never sees half of it."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _local_world_size(default: int) -> int:
@@ -82,7 +94,8 @@ def detect(mesh: DeviceMesh, given: dict[str, Any]) -> Machine:
     if mesh.device_type == "cpu":
         return _cpu(mesh, given)
     logger.warning("device='auto': no device spec for mesh device type %r; pricing %s", mesh.device_type, FALLBACK_GPU)
-    return Machine({"device": FALLBACK_GPU}, f"{FALLBACK_GPU} (mesh device type {mesh.device_type!r} not recognised)")
+    return Machine({"device": FALLBACK_GPU} | given,
+                   f"{FALLBACK_GPU} (mesh device type {mesh.device_type!r} not recognised)")
 
 
 def _gpu(given: dict[str, Any]) -> Machine:
@@ -112,10 +125,12 @@ def _cpu(mesh: DeviceMesh, given: dict[str, Any]) -> Machine:
     shape = "x".join(map(str, mesh.shape))
     if "calibration" not in given:
         logger.info("device='auto': timing collectives on each axis of the %s mesh", shape)
-        logs = [(log, axis) for axis in range(mesh.ndim) for log in time_collectives(mesh.get_group(axis), sizes_bytes=TIMED_SIZES_BYTES)]
+        logs = [(log, axis) for axis in range(mesh.ndim)
+                for log in time_collectives(mesh.get_group(axis), sizes_bytes=TIMED_SIZES_BYTES)]
         path = cache_dir() / f"collectives-{platform.node() or 'host'}-{shape}.json"
         if _is_planner(mesh):
-            Calibration.fit(_base_comm_model(mesh, options), logs).save(path)
+            fitted = Calibration.fit(_base_comm_model(mesh, options), logs)
+            _write_atomically(path, json.dumps(fitted.to_json(), indent=1))
         options["calibration"] = str(path)
         notes.append("collectives timed on the live process groups")
     if "compute_profile" not in given:
@@ -124,8 +139,7 @@ def _cpu(mesh: DeviceMesh, given: dict[str, Any]) -> Machine:
             from costmodels.fitting import calibrate_compute
 
             logger.info("device='auto': fitting the CPU compute model (once per machine) into %s", path)
-            path.write_text(calibrate_compute(quick=True, threads=torch.get_num_threads()).profile.dumps(),
-                            encoding="utf-8")
+            _write_atomically(path, calibrate_compute(quick=True, threads=torch.get_num_threads()).profile.dumps())
         options["compute_profile"] = str(path)
         notes.append(f"compute profile {path.name}")
     return Machine(options, ", ".join(notes))

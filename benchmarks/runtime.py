@@ -357,6 +357,10 @@ def _fsdp2(name: str, mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) ->
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mesh.ndim > 1:  # FSDP2 shards over every process (a 2-D mesh would be HSDP's)
+        mesh = init_device_mesh(mesh.device_type, (mesh.size(),))
     model = _build(name, "cpu")
     for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
         fully_shard(layer, mesh=mesh)
