@@ -91,7 +91,8 @@ def peak_memory_mib() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mesh", default=None, help="mesh shape, e.g. 4 or 2x2 (default: world size, 1D)")
-    ap.add_argument("--preset", default="llama3-debug", help="model preset (`apmodel models`)")
+    ap.add_argument("--preset", default="llama3-debug", help="a LLaMA-family model preset (`apmodel models`); "
+                                                               "the size flags below replace its fields")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
@@ -157,8 +158,8 @@ def main() -> None:
         if not meta_path.exists():
             ap.error(f"--resume: no checkpoint in {args.out} (write one with --ckpt-every)")
         first = json.loads(meta_path.read_text())["step"]
-        state = {"model": get_state_dict(model, opt)[0], "optim": get_state_dict(model, opt)[1],
-                 "scheduler": sched.state_dict()}
+        model_state, optim_state = get_state_dict(model, opt)  # the layout DCP loads into
+        state = {"model": model_state, "optim": optim_state, "scheduler": sched.state_dict()}
         dcp.load(state, checkpoint_id=str(ckpt_dir))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         sched.load_state_dict(state["scheduler"])
