@@ -42,6 +42,47 @@ def _parallel_twin(case: Any, mesh: Any) -> tuple[torch.nn.Module, torch.nn.Modu
     return model, ref
 
 
+def test_model_modes_name_what_changed_and_are_restored():
+    from apmodel.lowering.program import ModelModes
+
+    model = CASES["cnn_batchnorm"].seeded()
+    planned = ModelModes.of(model)
+    model.eval()
+    model.conv.weight.requires_grad_(False)
+    model.head.bias.requires_grad_(False)
+    now = ModelModes.of(model)
+    text = now.describe(model, planned)
+    assert "4 module(s) in eval mode" in text and "bn (BatchNorm2d)" in text
+    assert "2 parameter(s) frozen since planning (conv.weight, head.bias)" in text
+    twin = CASES["cnn_batchnorm"].seeded()  # a structural copy, as the program's meta twin is
+    with now.applied(twin):
+        assert ModelModes.of(twin) == now
+    assert ModelModes.of(twin) == planned
+
+
+def test_lower_without_replan_refuses_eval_mode_that_changes_the_graph():
+    """A program made by ``lower()`` alone cannot plan the eval graph of a BatchNorm model: it says
+    so (planning only; a mesh without process groups)."""
+    import apmodel
+    from apmodel._torch_private import fake_mesh
+    from apmodel.capture import capture
+    from apmodel.lowering import lower
+    from apmodel.lowering.program import ModelModes
+    from apmodel.plans import PlanMismatch
+
+    case = CASES["cnn_batchnorm"]
+    args, _, targets = case.step_inputs()
+    meta = tuple(x.to("meta") for x in (*args, *targets))
+    with torch.device("meta"):
+        model = case.build()
+    captured = capture(model, meta[:1], case.loss_fn, targets=meta[1:])
+    plan = apmodel.plan(captured, (1,), device="h100")
+    model = lower(model, fake_mesh((1,)), plan, captured)
+    model.eval()
+    with pytest.raises(PlanMismatch, match=r"eval mode \(.*bn \(BatchNorm2d\).*use apmodel.parallelize"):
+        model._apmodel_program.for_inputs(list(meta), ModelModes.of(model))
+
+
 def _evaluation_worker(rank: int, world: int) -> dict[str, Any]:
     """Two training steps, then the loss of half a batch in train and eval mode under ``no_grad``
     and in eval mode under ``inference_mode``, beside one device's; the BatchNorm statistics after."""
