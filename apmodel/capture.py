@@ -357,7 +357,7 @@ def _val_signature(val: Any) -> str:
     return repr(val)
 
 
-def _fingerprint(gm: fx.GraphModule, param_fqn: dict[str, str]) -> str:
+def graph_fingerprint(gm: fx.GraphModule, param_fqn: dict[str, str]) -> str:
     """sha256 of, per node in order: op kind, target, arguments (nodes by position), value shapes
     and dtypes; plus each parameter placeholder's FQN."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -647,7 +647,7 @@ def capture(
                 "if they are meant to stay unchanged"
             )
         logger.warning(message)
-    fingerprint = _fingerprint(gm, labels["param_fqn"])
+    fingerprint = graph_fingerprint(gm, labels["param_fqn"])
     unsupported = _unsupported_ops(gm)
     if unsupported:
         logger.warning("capture: ops without a DTensor sharding rule in torch %s (planned replicated): %s",

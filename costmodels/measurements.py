@@ -23,7 +23,7 @@ from .measured import MeasuredCompute
 MEASUREMENTS_SCHEMA = "apmodel.kernel_measurements/1"
 
 #: The dtypes a measurement row names (its ``dtype`` field).
-_DTYPES_BY_NAME = {
+DTYPES_BY_NAME = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
 }
@@ -67,7 +67,7 @@ def row_calls(row: Mapping[str, Any]) -> list[Call]:
     """
     aten = torch.ops.aten
     kind = row["op"]
-    dt = _DTYPES_BY_NAME[row["dtype"]]
+    dt = DTYPES_BY_NAME[row["dtype"]]
     shapes = [tuple(int(x) for x in s) for s in row["shapes"]]
 
     def t(shape: Sequence[int], dtype: torch.dtype = dt) -> torch.Tensor:
@@ -213,10 +213,10 @@ def fit_report(model: MeasuredCompute, rows: Sequence[Mapping[str, Any]], *, mea
         by_class.setdefault(_row_class(it["op"]), []).append(abs(math.log(it["ratio"])))
     return {
         "rows": len(items),
-        "median_abs_rel_err": _median(rel),
-        "median_abs_log_err": _median(logs),
+        "median_abs_rel_err": median_of_sorted(rel),
+        "median_abs_log_err": median_of_sorted(logs),
         "max_factor": math.exp(logs[-1]),
-        "by_class": {k: {"rows": len(v), "median_abs_log_err": _median(sorted(v)),
+        "by_class": {k: {"rows": len(v), "median_abs_log_err": median_of_sorted(sorted(v)),
                          "max_factor": math.exp(max(v))} for k, v in sorted(by_class.items())},
         "worst": by_factor[:worst],
         "items": items,
@@ -233,7 +233,7 @@ def _row_class(op: str) -> str:
     return "memory"
 
 
-def _median(sorted_vals: Sequence[float]) -> float:
+def median_of_sorted(sorted_vals: Sequence[float]) -> float:
     n = len(sorted_vals)
     if n == 0:
         return math.nan

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import trws_compiled
 from .local_search import LocalSearch
-from .marginal import ClassCorners, _classes, _finite_absmax_per_edge, factored_classes
+from .marginal import ClassCorners, factored_classes, finite_absmax_per_edge, row_classes
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
 
@@ -276,13 +276,13 @@ class TRWS:
                     raw = g.costs if mask.all() else g.costs[mask]
                     if transposed:
                         raw, u, v = raw.transpose(0, 2, 1), v, u
-                    lu, cu = _classes(raw, 1, rng)
-                    lv, cv = _classes(raw, 2, rng)
+                    lu, cu = row_classes(raw, 1, rng)
+                    lv, cv = row_classes(raw, 2, rng)
                     a, b = raw.shape[1:]
                     block = None
                     if int(cu.max()) * int(cv.max()) <= COMPRESS_RATIO * a * b:
                         block = _class_block(raw, lu, cu, lv, cv)
-                    absmax = _finite_absmax_per_edge(raw if block is None else block)
+                    absmax = finite_absmax_per_edge(raw if block is None else block)
                 scale += float(absmax.sum())
                 parts.append((raw, u, v, lu, cu, lv, cv, block))
         self.scale = scale + 1.0

@@ -24,16 +24,16 @@ from apmodel._torch_private import OpOverload, has_sharding_rule, tracing_graph
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.graph import (
     Placements,
-    _all_replicated,
-    _check_even,
-    _comm_free,
-    _flatten,
-    _fmt,
-    _node_strategy,
-    _tensor_leaves,
-    _tensor_vals,
-    _tokens,
-    _unflatten,
+    all_replicated,
+    check_even,
+    comm_free,
+    flatten_args,
+    format_placements,
+    node_strategy_of,
+    placement_tokens,
+    tensor_leaves,
+    tensor_vals,
+    unflatten_args,
 )
 from apmodel.lowering.records import Redistribution
 from apmodel.options import run_precision_of, torch_dtype
@@ -55,7 +55,7 @@ class _Slot:
 class _Step:
     node: fx.Node
     target: Callable
-    spec: Any  # structure of (args, kwargs), see _flatten
+    spec: Any  # structure of (args, kwargs), see flatten_args
     leaves: list  # constants, _Ref(node) or _DEVICE markers
     slots: list[_Slot]
     outputs: tuple  # planned output placements (one per tensor output, None for non-tensors)
@@ -259,7 +259,7 @@ class LoweredProgram:
         )
         self.tangents = [n for n in self.placeholders if roles.get(n.name) == "tangent"]
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        out_args = [a for a in _flatten(out_node.args[0])[0] if isinstance(a, fx.Node)]
+        out_args = [a for a in flatten_args(out_node.args[0])[0] if isinstance(a, fx.Node)]
         self.fwd_outputs = [a for a in out_args if roles.get(a.name) == "output"]
         self.output_tangent = {
             o: next(t for t in self.tangents if t.name == captured.output_tangent[o.name])
@@ -288,20 +288,20 @@ class LoweredProgram:
         # storage placements of params (must be R/S) and buffers, checked against the node strategy
         self.storage: dict[fx.Node, Placements] = {}
         for n in self.params + self.buffers + self.inputs + self.tangents:
-            strat = _node_strategy(plan, n)
+            strat = node_strategy_of(plan, n)
             pl = tuple(strat.outputs[0])
             if len(pl) != len(mesh_shape):
-                raise ValueError(f"placement {_fmt(pl)} of {n.name!r} has {len(pl)} entries, mesh has {len(mesh_shape)} axes")
+                raise ValueError(f"placement {format_placements(pl)} of {n.name!r} has {len(pl)} entries, mesh has {len(mesh_shape)} axes")
             if n in self.params:
                 fqn = captured.param_fqn[n.name]
                 planned = plan.param_placements.get(fqn) if hasattr(plan, "param_placements") else None
-                if planned is not None and _tokens(planned) != _tokens(pl):
+                if planned is not None and placement_tokens(planned) != placement_tokens(pl):
                     raise ValueError(
-                        f"plan stores parameter {fqn!r} as {_fmt(planned)} but its graph node "
-                        f"{n.name!r} is planned as {_fmt(pl)}"
+                        f"plan stores parameter {fqn!r} as {format_placements(planned)} but its graph node "
+                        f"{n.name!r} is planned as {format_placements(pl)}"
                     )
                 if any(isinstance(p, Partial) for p in pl):
-                    raise ValueError(f"plan stores parameter {fqn!r} as partial ({_fmt(pl)}); storage must be R or S(d)")
+                    raise ValueError(f"plan stores parameter {fqn!r} as partial ({format_placements(pl)}); storage must be R or S(d)")
             self.storage[n] = pl
 
         # steps
@@ -312,8 +312,8 @@ class LoweredProgram:
         for n in gm.graph.nodes:
             if n.op != "call_function":
                 continue
-            strat = _node_strategy(plan, n)
-            flat, spec = _flatten((n.args, n.kwargs))
+            strat = node_strategy_of(plan, n)
+            flat, spec = flatten_args((n.args, n.kwargs))
             leaves: list = []
             for a in flat:
                 if isinstance(a, fx.Node):
@@ -322,7 +322,7 @@ class LoweredProgram:
                     leaves.append(_DEVICE)
                 else:
                     leaves.append(a)
-            tl = _tensor_leaves(n)
+            tl = tensor_leaves(n)
             ins = tuple(strat.inputs) if strat.inputs is not None else ()
             if len(ins) != len(tl):
                 raise ValueError(
@@ -333,16 +333,16 @@ class LoweredProgram:
             slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
                      for (leaf, prod, k), dst in zip(tl, ins, strict=True)]
             outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
-            for v, out_pl in zip(_tensor_vals(n), outs, strict=False):
+            for v, out_pl in zip(tensor_vals(n), outs, strict=False):
                 if isinstance(v, torch.Tensor) and out_pl is not None:
-                    _check_even(n.name, v.shape, out_pl, mesh_shape)
+                    check_even(n.name, v.shape, out_pl, mesh_shape)
             for s in slots:
                 if s.dst is not None:
-                    pv = _tensor_vals(s.producer)[s.index]
+                    pv = tensor_vals(s.producer)[s.index]
                     if isinstance(pv, torch.Tensor):
-                        _check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
+                        check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
             without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
-            if without_rule and not all(_all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
+            if without_rule and not all(all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
                 raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
             step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule,
                          fill=_fill_value(n))
@@ -357,7 +357,7 @@ class LoweredProgram:
         for n in self.storage:
             v = n.meta.get("val")
             if isinstance(v, torch.Tensor):
-                _check_even(n.name, v.shape, self.storage[n], mesh_shape)
+                check_even(n.name, v.shape, self.storage[n], mesh_shape)
 
         # values the backward reads from the forward
         fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
@@ -525,7 +525,7 @@ class LoweredProgram:
                     name = self.signature.name(i)
                     raise ValueError(
                         f"input {name} has size {size} in dim {d}, which the plan splits {ways} ways "
-                        f"({_fmt(self.storage[node])} on mesh {mesh_shape}): pad it to {-(-size // ways) * ways} "
+                        f"({format_placements(self.storage[node])} on mesh {mesh_shape}): pad it to {-(-size // ways) * ways} "
                         f"(and mask the padding out of the loss), or drop the last partial batch "
                         f"(DataLoader(..., drop_last=True))")
 
@@ -537,7 +537,7 @@ class LoweredProgram:
         pins = []
         for n in self.params:
             fqn = self.captured.param_fqn[n.name]
-            pins.append(fix(_glob_literal(fqn), _fmt(self.storage[n]), name=f"parameter {fqn} stored as {_fmt(self.storage[n])}"))
+            pins.append(fix(_glob_literal(fqn), format_placements(self.storage[n]), name=f"parameter {fqn} stored as {format_placements(self.storage[n])}"))
         return pins
 
     def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str,
@@ -546,12 +546,12 @@ class LoweredProgram:
         dtype first under mixed precision (the cast is local and happens only when it moves)."""
         if not isinstance(x, DTensor):
             raise TypeError(f"argument {producer!r} of node {consumer!r} is a {type(x).__name__}, expected a DTensor")
-        if _tokens(x.placements) == _tokens(dst):
+        if placement_tokens(x.placements) == placement_tokens(dst):
             return x
         if gradient and self.reduce_dtype is not None and x.is_floating_point():
             x = x.to(self.reduce_dtype)  # type: ignore[assignment]  # a DTensor's to() is a DTensor; torch's stub says Tensor
         self.redistributions.append(
-            Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype,
+            Redistribution(consumer, producer, index, phase, placement_tokens(x.placements), placement_tokens(dst), tuple(x.shape), x.dtype,
                            gradient=gradient)
         )
         return x.redistribute(self.mesh, dst)
@@ -596,7 +596,7 @@ class LoweredProgram:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)
                     else:
-                        args, kwargs = _unflatten(flat, s.spec)
+                        args, kwargs = unflatten_args(flat, s.spec)
                         try:
                             out = s.target(*args, **kwargs)
                         except (RuntimeError, ValueError) as e:  # eager says the first, fake tensors the second
@@ -605,12 +605,12 @@ class LoweredProgram:
                             # The traced graph relied on a producer's memory layout (e.g. attention
                             # output laid out [b, s, h, d]) that a redistribution does not keep:
                             # functional graph, so a copy is as good as a view here (local, no comm).
-                            args, kwargs = _unflatten([_contiguous(x) for x in flat], s.spec)
+                            args, kwargs = unflatten_args([_contiguous(x) for x in flat], s.spec)
                             out = s.target(*args, **kwargs)
                 except Exception as e:
                     raise RuntimeError(
                         f"DTensor failed to run node {n.name!r} ({s.target}) with input placements "
-                        f"{[_fmt(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}{self._mixed_dtypes_hint(flat)}"
+                        f"{[format_placements(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}{self._mixed_dtypes_hint(flat)}"
                     ) from e
                 env[n] = self._place_outputs(s, out)
             if regions is not None:
@@ -638,7 +638,7 @@ class LoweredProgram:
     def _local_outputs(self, s: _Step) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(local shape, dtype) of each tensor output of ``s`` at its planned placement."""
         return [(tuple(v.shape) if pl is None else placements.local_shape(tuple(v.shape), pl, tuple(self.mesh.shape)),
-                 v.dtype) for v, pl in zip(_tensor_vals(s.node), s.outputs, strict=False) if isinstance(v, torch.Tensor)]
+                 v.dtype) for v, pl in zip(tensor_vals(s.node), s.outputs, strict=False) if isinstance(v, torch.Tensor)]
 
     def failure_message(self, node_name: str, error: BaseException) -> str:
         """What a native graph's failure at the kernels of joint-graph node ``node_name`` says."""
@@ -646,7 +646,7 @@ class LoweredProgram:
         if node is None:
             return f"node {node_name!r}: {type(error).__name__}: {error}"
         vals = [a.meta.get("val") for a in node.node.all_input_nodes]
-        return (f"node {node_name!r} ({node.target}) failed with input placements {[_fmt(sl.dst) for sl in node.slots]}: "
+        return (f"node {node_name!r} ({node.target}) failed with input placements {[format_placements(sl.dst) for sl in node.slots]}: "
                 f"{type(error).__name__}: {error}{self._mixed_dtypes_hint(vals)}")
 
     def _mixed_dtypes_hint(self, args: list) -> str:
@@ -664,11 +664,11 @@ class LoweredProgram:
         """Run `kernel` on the local shards (inputs already at the planned placements) and wrap its
         tensor outputs as DTensors with the planned output placements and the traced global shapes."""
         local = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
-        args, kwargs = _unflatten(local, s.spec)
+        args, kwargs = unflatten_args(local, s.spec)
         out = kernel(*args, **kwargs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
-        vals = _tensor_vals(s.node)
+        vals = tensor_vals(s.node)
         R = tuple(Replicate() for _ in self.mesh.shape)
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
@@ -691,18 +691,18 @@ class LoweredProgram:
             if not isinstance(o, DTensor):  # factory: global value on every rank -> local chunk
                 pl = R if pl is None else pl
                 if any(isinstance(p, Partial) for p in pl):
-                    raise RuntimeError(f"node {s.node.name!r} ({s.target}): a factory cannot be planned as partial ({_fmt(pl)})")
+                    raise RuntimeError(f"node {s.node.name!r} ({s.target}): a factory cannot be planned as partial ({format_placements(pl)})")
                 outs[i] = distribute_tensor(o, self.mesh, pl, src_data_rank=None)
                 continue
             o = _plain_partials(o)
             outs[i] = o
             if pl is None:
                 continue
-            if _tokens(o.placements) != _tokens(pl):
-                if not _comm_free(o.placements, pl):
+            if placement_tokens(o.placements) != placement_tokens(pl):
+                if not comm_free(o.placements, pl):
                     raise RuntimeError(
-                        f"node {s.node.name!r} ({s.target}): DTensor produced placement {_fmt(o.placements)}, "
-                        f"the plan expects {_fmt(pl)} (inputs {[_fmt(sl.dst) for sl in s.slots]})"
+                        f"node {s.node.name!r} ({s.target}): DTensor produced placement {format_placements(o.placements)}, "
+                        f"the plan expects {format_placements(pl)} (inputs {[format_placements(sl.dst) for sl in s.slots]})"
                     )
                 outs[i] = o.redistribute(self.mesh, pl)
         return outs[0] if single else tuple(outs) if isinstance(out, tuple) else outs
