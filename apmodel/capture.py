@@ -10,11 +10,10 @@ node name (:class:`CapturedGraph`), so later stages never touch AOTAutograd obje
 
 Trace on the meta device: build the model under ``with torch.device("meta")`` and pass meta
 sample inputs. Nothing is allocated. The time is AOTAutograd's per-op dispatch (functionalisation,
-fake tensors, proxy tracing, about 1.3 ms per node) spread evenly, so a stack of identical layers
+fake tensors, proxy tracing) spread evenly, so a stack of identical layers
 (a transformer's) is traced with three layers and the others are stamped from the middle one,
 after checking that every layer's forward calls the same ops on the same kinds of inputs (see
-``apmodel/stamping.py``): LLaMA-3 8B (32 layers, 7.5k nodes) captures in about 2.3 s instead of
-7.5 s on a 2-core machine, with the same graph.
+``apmodel/stamping.py``), with the same graph as the full trace.
 
 After tracing, ``aten.detach`` nodes (no-ops on values, inserted by autograd around saved tensors)
 are bypassed and dead code is removed; view ops are kept as they are, so the graph reads like the
@@ -308,7 +307,7 @@ def _remove_local_mutations(gm: fx.GraphModule) -> bool:
     not of that kind (it mutates an input, a view or an aliased tensor) and the graph must be
     traced with functionalization instead.
 
-    Tracing without AOTAutograd's functionalization is about 20% faster; decompositions such as
+    Tracing without AOTAutograd's functionalization is faster; decompositions such as
     ``rms_norm``'s then leave ``add_`` on a tensor they just created. ``y = op_(x, ...)`` becomes
     ``y = op(x, ...)`` with every later use of ``x`` reading ``y``; this is exact when ``x`` is
     the output of a non-aliasing op and nothing views it.

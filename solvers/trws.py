@@ -22,7 +22,7 @@ stacked cost arrays.
 
 Kernels.  The above is the numpy kernel; its cost is numpy's per-call overhead times the levels
 (the planner's problems: ~80 levels for ~200 variables).  :mod:`solvers.trws_compiled` runs the
-same sweeps as compiled loops (numba, optional: the ``fast`` extra), 10-50x faster per sweep, with
+same sweeps as compiled loops (numba, optional: the ``fast`` extra), much faster per sweep, with
 the same messages (the order inside a level does not matter).  ``kernel="auto"`` (the default)
 starts on numpy and switches, messages carried over, once the run has lasted ``COMPILED_AFTER_S``.
 
@@ -737,7 +737,7 @@ def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max
 
 @functools.lru_cache(maxsize=1)
 def warm_up_in_background() -> threading.Thread | None:
-    """Load the compiled kernels (numba's import and cached code, ~0.6 s) in a daemon thread, once
+    """Load the compiled kernels (numba's import and cached code: see ``COMPILED_AFTER_S``) in a daemon thread, once
     per process, so that a solve starting later finds them warm and runs compiled from its first
     sweep; None without numba. A caller with other work first (the planner traces and builds for
     seconds before it solves) starts this, then goes on: numba's loading of machine code overlaps it."""

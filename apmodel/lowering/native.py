@@ -332,8 +332,7 @@ def _drop_aliases(graph: fx.Graph) -> None:
 
 
 #: Ops called through their Python bindings instead of ``torch.ops.aten...``: the same kernel,
-#: reached in about half the host time (measured here: view 2.3 -> 0.9 µs, t 1.7 -> 0.9 µs, mm
-#: 1.9 -> 1.3 µs), for the ops a transformer step repeats most. Tensor methods are "call_method"
+#: reached in less host time, for the ops a transformer step repeats most. Tensor methods are "call_method"
 #: nodes; the rest torch functions. Views become ``reshape`` (a view wherever the input's layout
 #: allows one, else a copy): a bucketed collective hands out slices of its flat buffer, whose
 #: strides differ from the traced ones; the graphs are functional, so only values matter.
