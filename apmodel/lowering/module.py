@@ -16,8 +16,9 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.autograd import FromGlobal, JointStep
 from apmodel.lowering.graph import format_placements, placement_tokens
+from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
-from apmodel.lowering.program import LoweredProgram, ModelModes
+from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import planned_redistributions
 from apmodel.options import default_of
 

@@ -10,7 +10,7 @@ import logging
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -35,6 +35,7 @@ from apmodel.lowering.graph import (
     tensor_vals,
     unflatten_args,
 )
+from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.records import Redistribution
 from apmodel.options import run_precision_of, torch_dtype
 from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
@@ -160,58 +161,6 @@ def _contiguous(x: Any) -> Any:
     return x
 
 
-@dataclass(frozen=True)
-class ModelModes:
-    """What of a model's state changes its step's graph without changing its code: ``training``
-    of each module (``modules()`` order: BatchNorm's statistics, dropout) and ``requires_grad``
-    of each parameter (``parameters()`` order: which gradients the step computes)."""
-
-    training: tuple[bool, ...]
-    trainable: tuple[bool, ...]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> "ModelModes":
-        return cls(tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()))
-
-    @contextlib.contextmanager
-    def applied(self, model: nn.Module) -> Any:
-        """``model`` (a structural copy of the model these modes were read from) in these modes
-        while inside, restored after."""
-        before = ModelModes.of(model)
-        try:
-            self._set(model)
-            yield
-        finally:
-            before._set(model)
-
-    def _set(self, model: nn.Module) -> None:
-        for m, training in zip(model.modules(), self.training, strict=True):
-            m.training = training
-        for p, trainable in zip(model.parameters(), self.trainable, strict=True):
-            p.requires_grad_(trainable)
-
-    def describe(self, model: nn.Module, planned: "ModelModes | None") -> str:
-        """How these modes differ from ``planned``'s, in words (modules and parameters named)."""
-        changes = []
-        if planned is None or planned.training != self.training:
-            evaluating = [f"{name or '<root>'} ({type(m).__name__})"
-                          for (name, m), training in zip(model.named_modules(), self.training, strict=True) if not training]
-            changes.append(f"{len(evaluating)} module(s) in eval mode" + _some(evaluating))
-        if planned is not None and planned.trainable != self.trainable:
-            named = [name for name, _ in model.named_parameters()]
-            frozen = [n for n, now, then in zip(named, self.trainable, planned.trainable, strict=True) if then and not now]
-            thawed = [n for n, now, then in zip(named, self.trainable, planned.trainable, strict=True) if now and not then]
-            if frozen:
-                changes.append(f"{len(frozen)} parameter(s) frozen since planning" + _some(frozen))
-            if thawed:
-                changes.append(f"{len(thawed)} parameter(s) unfrozen since planning" + _some(thawed))
-        return "; ".join(changes)
-
-
-def _some(names: Sequence[str], shown: int = 3) -> str:
-    return f" ({', '.join(names[:shown])}{', ...' if len(names) > shown else ''})" if names else ""
-
-
 def _glob_literal(name: str) -> str:
     """``name`` as a glob pattern matching itself only."""
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
@@ -247,9 +196,47 @@ class LoweredProgram:
         self.local_kernels = local_kernels
         self.plan = plan
         self.captured = captured
+        self._read_graph(captured)
+        self.param_dtype: torch.dtype | None = None
+        """mixed precision: floating parameters are cast to this dtype for compute (None: as stored)"""
+        self.reduce_dtype: torch.dtype | None = None
+        """mixed precision: parameter gradients are cast to this dtype before they are reduced"""
+        self._apply_run_precision(plan)
+        mesh_shape = tuple(mesh.shape)
+        self.storage: dict[fx.Node, Placements] = self._storage_placements(plan, mesh_shape)
+        """storage placements of the placeholders (parameters: R or S(d)), checked against the plan"""
+        self.fwd_steps: list[_Step] = []
+        self.bwd_steps: list[_Step] = []
+        chain = captured.param_gradient_chain()
+        for n in captured.gm.graph.nodes:
+            if n.op == "call_function":
+                step = self._step(n, node_strategy_of(plan, n), chain, mesh_shape)
+                (self.bwd_steps if captured.is_backward.get(n.name, False) else self.fwd_steps).append(step)
+        for n in self.storage:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                check_even(n.name, v.shape, self.storage[n], mesh_shape)
+        self.saved: list[fx.Node] = self._saved_and_freed()
+        """the values the backward reads from the forward"""
+        self.redistributions: list[Redistribution] = []
+        self.new_buffer_values: dict[str, torch.Tensor] = {}
+        """buffer FQN -> its value after the last forward (global, replicated), to write back"""
+        self.retrace_model: nn.Module | None = None
+        """a meta copy of the user's model, to trace the step again for other input shapes"""
+        self.training_modes: ModelModes | None = None
+        """the model's modes when the step was captured (None: not known; taken as unchanged)"""
+        self.replan: Callable[[Any, Sequence[Any]], Any] | None = None
+        """``replan(captured, constraints)``: a plan for a graph of another structure (the model in
+        eval mode), made under the plan's options; None: such a graph is refused"""
+        self.variants: dict[tuple, LoweredProgram] = {}
+        """the plan replayed on other input shapes or module modes, by (shapes, modes)"""
+        self._kernels: dict[torch.device, dict] = {}
+
+    def _read_graph(self, captured: Any) -> None:
+        """The graph's placeholders by role, its forward outputs and their tangents, and the
+        gradient and buffer-update nodes, as nodes."""
         gm: fx.GraphModule = captured.gm
         roles = captured.roles
-        mesh_shape = tuple(mesh.shape)
         self.placeholders: list[fx.Node] = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.params = [n for n in self.placeholders if roles.get(n.name) == "param"]
         self.buffers = [n for n in self.placeholders if roles.get(n.name) == "buffer"]
@@ -271,11 +258,11 @@ class LoweredProgram:
         self.input_grad = {by_name[i]: by_name[g] for i, g in captured.input_grad.items()}
         self.buffer_update = {by_name[b]: by_name[u] for b, u in captured.buffer_update.items()}
         self.signature = captured.signature
+
+    def _apply_run_precision(self, plan: Any) -> None:
+        """Mixed precision as the plan's workload records it: the compute and reduce dtypes, the
+        graph's floating parameters checked to be traced in the compute dtype."""
         precision = run_precision_of(getattr(plan, "workload", None) or {})
-        self.param_dtype: torch.dtype | None = None
-        """mixed precision: floating parameters are cast to this dtype for compute (None: as stored)"""
-        self.reduce_dtype: torch.dtype | None = None
-        """mixed precision: parameter gradients are cast to this dtype before they are reduced"""
         if precision is not None:
             self.param_dtype, self.reduce_dtype = (torch_dtype(name) for name in precision)
             traced = {n.meta["val"].dtype for n in self.params if n.meta["val"].is_floating_point()}
@@ -285,15 +272,17 @@ class LoweredProgram:
                     f"graph has {sorted(map(str, traced))} parameters: capture with param_dtype={self.param_dtype}"
                 )
 
-        # storage placements of params (must be R/S) and buffers, checked against the node strategy
-        self.storage: dict[fx.Node, Placements] = {}
+    def _storage_placements(self, plan: Any, mesh_shape: tuple[int, ...]) -> dict[fx.Node, Placements]:
+        """The storage placements of params (must be R/S), buffers, inputs and tangents, checked
+        against the node strategy and the plan's parameter placements."""
+        storage: dict[fx.Node, Placements] = {}
         for n in self.params + self.buffers + self.inputs + self.tangents:
             strat = node_strategy_of(plan, n)
             pl = tuple(strat.outputs[0])
             if len(pl) != len(mesh_shape):
                 raise ValueError(f"placement {format_placements(pl)} of {n.name!r} has {len(pl)} entries, mesh has {len(mesh_shape)} axes")
             if n in self.params:
-                fqn = captured.param_fqn[n.name]
+                fqn = self.captured.param_fqn[n.name]
                 planned = plan.param_placements.get(fqn) if hasattr(plan, "param_placements") else None
                 if planned is not None and placement_tokens(planned) != placement_tokens(pl):
                     raise ValueError(
@@ -302,93 +291,75 @@ class LoweredProgram:
                     )
                 if any(isinstance(p, Partial) for p in pl):
                     raise ValueError(f"plan stores parameter {fqn!r} as partial ({format_placements(pl)}); storage must be R or S(d)")
-            self.storage[n] = pl
+            storage[n] = pl
+        return storage
 
-        # steps
-        is_bwd = captured.is_backward
-        chain = captured.param_gradient_chain()
-        self.fwd_steps: list[_Step] = []
-        self.bwd_steps: list[_Step] = []
-        for n in gm.graph.nodes:
-            if n.op != "call_function":
-                continue
-            strat = node_strategy_of(plan, n)
-            flat, spec = flatten_args((n.args, n.kwargs))
-            leaves: list = []
-            for a in flat:
-                if isinstance(a, fx.Node):
-                    leaves.append(_Ref(a))
-                elif isinstance(a, torch.device):
-                    leaves.append(_DEVICE)
-                else:
-                    leaves.append(a)
-            tl = tensor_leaves(n)
-            ins = tuple(strat.inputs) if strat.inputs is not None else ()
-            if len(ins) != len(tl):
-                raise ValueError(
-                    f"plan strategy for node {n.name!r} ({n.target}) has {len(ins)} input placements, "
-                    f"the node has {len(tl)} tensor arguments"
-                )
-            is_getitem = n.target is operator.getitem
-            slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
-                     for (leaf, prod, k), dst in zip(tl, ins, strict=True)]
-            outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
-            for v, out_pl in zip(tensor_vals(n), outs, strict=False):
-                if isinstance(v, torch.Tensor) and out_pl is not None:
-                    check_even(n.name, v.shape, out_pl, mesh_shape)
-            for s in slots:
-                if s.dst is not None:
-                    pv = tensor_vals(s.producer)[s.index]
-                    if isinstance(pv, torch.Tensor):
-                        check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
-            without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
-            if without_rule and not all(all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
-                raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
-            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule,
-                         fill=_fill_value(n))
-            region = region_of(n.target)
-            if region is not None:
-                try:
-                    modes = region.alternative_on_axes(ins, backward=is_backward(n.target))
-                except RegionError as e:
-                    raise ValueError(f"node {n.name!r}: {e}") from None
-                step.region_comms = self._region_comms(modes)
-            (self.bwd_steps if is_bwd.get(n.name, False) else self.fwd_steps).append(step)
-        for n in self.storage:
-            v = n.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                check_even(n.name, v.shape, self.storage[n], mesh_shape)
+    def _step(self, n: fx.Node, strat: Any, chain: frozenset[str], mesh_shape: tuple[int, ...]) -> _Step:
+        """The step that runs ``n`` under its planned strategy ``strat``: its arguments as leaves
+        and input slots, the placements checked against the node's tensors and the mesh (an op
+        without a DTensor rule kept replicated), a region's process groups made."""
+        flat, spec = flatten_args((n.args, n.kwargs))
+        leaves: list = []
+        for a in flat:
+            if isinstance(a, fx.Node):
+                leaves.append(_Ref(a))
+            elif isinstance(a, torch.device):
+                leaves.append(_DEVICE)
+            else:
+                leaves.append(a)
+        tl = tensor_leaves(n)
+        ins = tuple(strat.inputs) if strat.inputs is not None else ()
+        if len(ins) != len(tl):
+            raise ValueError(
+                f"plan strategy for node {n.name!r} ({n.target}) has {len(ins)} input placements, "
+                f"the node has {len(tl)} tensor arguments"
+            )
+        is_getitem = n.target is operator.getitem
+        slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
+                 for (leaf, prod, k), dst in zip(tl, ins, strict=True)]
+        outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
+        for v, out_pl in zip(tensor_vals(n), outs, strict=False):
+            if isinstance(v, torch.Tensor) and out_pl is not None:
+                check_even(n.name, v.shape, out_pl, mesh_shape)
+        for s in slots:
+            if s.dst is not None:
+                pv = tensor_vals(s.producer)[s.index]
+                if isinstance(pv, torch.Tensor):
+                    check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
+        without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
+        if without_rule and not all(all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
+            raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
+        step = _Step(n, cast(Callable, n.target), spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule,
+                     fill=_fill_value(n))
+        region = region_of(n.target)
+        if region is not None:
+            try:
+                modes = region.alternative_on_axes(ins, backward=is_backward(n.target))
+            except RegionError as e:
+                raise ValueError(f"node {n.name!r}: {e}") from None
+            step.region_comms = self._region_comms(modes)
+        return step
 
-        # values the backward reads from the forward
+    def _saved_and_freed(self) -> list[fx.Node]:
+        """The values the backward reads from the forward (returned), and where each step frees
+        the values it reads last."""
         fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
-        self.saved: list[fx.Node] = []
+        saved: list[fx.Node] = []
         seen = set()
         for bwd_step in self.bwd_steps:
             for a in bwd_step.node.all_input_nodes:
                 if a in fwd_set and a not in seen:
                     seen.add(a)
-                    self.saved.append(a)
+                    saved.append(a)
         for o in list(self.fwd_outputs) + list(self.buffer_update.values()):
             seen.add(o)
         for _, g in list(self.param_grad.items()) + list(self.input_grad.items()):
             if g in fwd_set:  # gradient computed without the tangent (rare); keep it
                 seen.add(g)
-                self.saved.append(g)
+                saved.append(g)
         self._plan_frees(self.fwd_steps, keep=seen)
         self._plan_frees(self.bwd_steps, keep=set(self.param_grad.values()) | set(self.input_grad.values()))
-        self.redistributions: list[Redistribution] = []
-        self.new_buffer_values: dict[str, torch.Tensor] = {}
-        """buffer FQN -> its value after the last forward (global, replicated), to write back"""
-        self.retrace_model: nn.Module | None = None
-        """a meta copy of the user's model, to trace the step again for other input shapes"""
-        self.training_modes: ModelModes | None = None
-        """the model's modes when the step was captured (None: not known; taken as unchanged)"""
-        self.replan: Callable[[Any, Sequence[Any]], Any] | None = None
-        """``replan(captured, constraints)``: a plan for a graph of another structure (the model in
-        eval mode), made under the plan's options; None: such a graph is refused"""
-        self.variants: dict[tuple, LoweredProgram] = {}
-        """the plan replayed on other input shapes or module modes, by (shapes, modes)"""
-        self._kernels: dict[torch.device, dict] = {}
+        return saved
 
     def _region_comms(self, modes: Sequence[str | None]) -> dict[str, RegionComm]:
         """Alternative name -> the ranks it spans here, for a region planned as ``modes`` (one
