@@ -33,12 +33,9 @@ LONG_FUNCTIONS: dict[str, int] = {
     "apmodel/capture.py:capture": 104,
     "apmodel/conventions.py:derive": 113,
     "apmodel/expansion.py:expand": 130,
-    "apmodel/strategies.py:_node_strategies": 164,
     "costmodels/measurements.py:row_calls": 111,
-    "costmodels/overlap.py:issue_order": 172,
     "solvers/highs_backend.py:solve_highs": 116,
     "solvers/presolve.py:presolve": 119,
-    "solvers/reduce.py:reduce_problem": 176,
 }
 
 
