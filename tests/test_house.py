@@ -32,7 +32,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "apmodel/api.py:parallelize": 123,
     "apmodel/capture.py:capture": 104,
     "apmodel/conventions.py:derive": 113,
-    "apmodel/expansion.py:expand": 130,
     "costmodels/measurements.py:row_calls": 111,
     "solvers/highs_backend.py:solve_highs": 116,
     "solvers/presolve.py:presolve": 119,
