@@ -34,7 +34,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "apmodel/conventions.py:derive": 113,
     "costmodels/measurements.py:row_calls": 111,
     "solvers/highs_backend.py:solve_highs": 116,
-    "solvers/presolve.py:presolve": 119,
 }
 
 
