@@ -33,7 +33,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "apmodel/capture.py:capture": 104,
     "apmodel/conventions.py:derive": 113,
     "costmodels/measurements.py:row_calls": 111,
-    "solvers/highs_backend.py:solve_highs": 116,
 }
 
 
