@@ -85,41 +85,7 @@ def row_calls(row: Mapping[str, Any]) -> list[Call]:
     if kind == "bmm":
         return [_call(aten.bmm.default, t(shapes[0]), t(shapes[1]))]
     if kind.startswith("sdpa_"):
-        backend = kind.split("_")[1]
-        causal = bool(row.get("causal", False))
-        q = t(shapes[0])
-        calls = []
-        if backend == "flash" and row.get("device_type") == "cpu":
-            fwd = _call(aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                                   q, q, q, q, o[0], o[1], 0.0, causal))
-        elif backend == "flash":
-            fwd = _call(aten._scaled_dot_product_flash_attention.default, q, q, q, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_flash_attention_backward.default,
-                                   q, q, q, q, o[0], o[1], o[2], o[3], o[4], o[5], 0.0, causal, o[6], o[7]))
-        elif backend == "cudnn":
-            fwd = _call(aten._scaled_dot_product_cudnn_attention.default, q, q, q, None, True, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_cudnn_attention_backward.default,
-                                   q, q, q, q, o[0], o[1], o[6], o[7], None, o[2], o[3], o[4], o[5], 0.0, causal))
-        elif backend == "efficient":
-            fwd = _call(aten._scaled_dot_product_efficient_attention.default, q, q, q, None, True, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_efficient_attention_backward.default,
-                                   q, q, q, q, None, o[0], o[1], o[2], o[3], 0.0, [True, True, True, False], causal))
-        else:
-            raise ValueError(f"unknown attention backend in row op {kind!r}")
-        return calls
+        return _attention_calls(kind, row, t(shapes[0]))
     if kind == "add":
         return [_call(aten.add.Tensor, t(shapes[0]), t(shapes[1]))]
     if kind == "mul_scalar":
@@ -165,6 +131,46 @@ def row_calls(row: Mapping[str, Any]) -> list[Call]:
             raise ValueError(f"embedding_dense_backward row: cannot recover num_weights from bytes={row['bytes']}")
         return [_call(aten.embedding_dense_backward.default, t(grad), idx(ind), int(num_weights), -1, False)]
     raise ValueError(f"unknown measured op {kind!r}")
+
+
+def _attention_calls(kind: str, row: Mapping[str, Any], q: torch.Tensor) -> list[Call]:
+    """The calls of an ``sdpa_<backend>_fwd`` / ``_fwd_plus_bwd`` row (``q``: the query, key and
+    value alike): the backend's forward, then its backward on the forward's outputs."""
+    aten = torch.ops.aten
+    backend = kind.split("_")[1]
+    causal = bool(row.get("causal", False))
+    calls = []
+    if backend == "flash" and row.get("device_type") == "cpu":
+        fwd = _call(aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                               q, q, q, q, o[0], o[1], 0.0, causal))
+    elif backend == "flash":
+        fwd = _call(aten._scaled_dot_product_flash_attention.default, q, q, q, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_flash_attention_backward.default,
+                               q, q, q, q, o[0], o[1], o[2], o[3], o[4], o[5], 0.0, causal, o[6], o[7]))
+    elif backend == "cudnn":
+        fwd = _call(aten._scaled_dot_product_cudnn_attention.default, q, q, q, None, True, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_cudnn_attention_backward.default,
+                               q, q, q, q, o[0], o[1], o[6], o[7], None, o[2], o[3], o[4], o[5], 0.0, causal))
+    elif backend == "efficient":
+        fwd = _call(aten._scaled_dot_product_efficient_attention.default, q, q, q, None, True, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_efficient_attention_backward.default,
+                               q, q, q, q, None, o[0], o[1], o[2], o[3], 0.0, [True, True, True, False], causal))
+    else:
+        raise ValueError(f"unknown attention backend in row op {kind!r}")
+    return calls
 
 
 def row_harness_cpu_us(model: MeasuredCompute, row: Mapping[str, Any]) -> float:

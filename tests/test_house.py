@@ -32,7 +32,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "apmodel/api.py:parallelize": 123,
     "apmodel/capture.py:capture": 104,
     "apmodel/conventions.py:derive": 113,
-    "costmodels/measurements.py:row_calls": 111,
 }
 
 
