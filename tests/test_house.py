@@ -31,7 +31,6 @@ LONG_MODULES = {"apmodel/_torch_private.py": "the boundary: every private torch 
 LONG_FUNCTIONS: dict[str, int] = {
     "apmodel/api.py:parallelize": 123,
     "apmodel/capture.py:capture": 104,
-    "apmodel/conventions.py:derive": 113,
 }
 
 
