@@ -30,7 +30,6 @@ LONG_MODULES = {"apmodel/_torch_private.py": "the boundary: every private torch 
 #: a debt, not a licence: the test fails if one grows, and says so when one shrinks under the limit
 LONG_FUNCTIONS: dict[str, int] = {
     "apmodel/api.py:parallelize": 123,
-    "apmodel/capture.py:capture": 104,
 }
 
 
