@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from apmodel import search
+from apmodel.api_arguments import check_parallelize_target, check_step_arguments, mesh_shape_argument
 from apmodel.capture import CapturedGraph
 from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
@@ -34,7 +35,7 @@ from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.plans import Plan
 from apmodel.pricing import DTYPES, CostContext, build_cost_context
 from apmodel.search import fit_in_memory, replay_constraints
-from apmodel.workloads import TraceFailed, Workload, WorkloadError, parse_mesh
+from apmodel.workloads import TraceFailed, Workload
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +216,8 @@ def build_model(
     rebuilt without seeding. ``timings`` gets ``trace_s``, ``seeding_s``, ``strategies_s`` and
     ``build_s``.
     """
-    mesh_shape = _mesh_shape_argument(mesh_shape, "apmodel.build_model")
-    _check_step_arguments("apmodel.build_model", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=True)
+    mesh_shape = mesh_shape_argument(mesh_shape, "apmodel.build_model")
+    check_step_arguments("apmodel.build_model", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=True)
     opts = make_options(options, **option_values)
     opts.check_mesh(mesh_shape)
     timings = timings if timings is not None else {}
@@ -369,8 +370,8 @@ def plan(
     it is solved again under a memory row, or refused with :class:`~apmodel.memory.OutOfMemory`.
     ``workload``: extra keys for the plan file's workload record.
     """
-    mesh_shape = _mesh_shape_argument(mesh_shape)
-    _check_step_arguments("apmodel.plan", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=True)
+    mesh_shape = mesh_shape_argument(mesh_shape)
+    check_step_arguments("apmodel.plan", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=True)
     if memory_limit is not None:
         option_values["memory_limit_bytes"] = memory_limit
     opts = make_options(options, **option_values)
@@ -416,57 +417,6 @@ def attach(saved: Plan | str | Path, *, progress: Progress | None = None) -> Pla
     saved.model = search.placement_model(captured, strategies, build_cost_context(mesh, options, captured), options,
                                          constraints=user_constraints)
     return saved
-
-
-# ------------------------------------------------------------------------------ arguments
-def _mesh_shape_hint(mesh: Any) -> str:
-    """How the user's mesh argument reads as a shape, for messages: ``(2, 2)``."""
-    if isinstance(mesh, (tuple, list)) and all(isinstance(s, int) for s in mesh):
-        return repr(tuple(mesh))
-    if isinstance(mesh, str):
-        try:
-            return repr(parse_mesh(mesh, "mesh"))
-        except WorkloadError:
-            pass
-    return "(2, 2)"
-
-
-def _mesh_shape_argument(mesh_shape: Any, where: str = "apmodel.plan") -> tuple[int, ...]:
-    """``mesh_shape`` of :func:`plan`: a sequence of positive ints, or the CLI's ``"4x8"``."""
-    if isinstance(mesh_shape, str):
-        return parse_mesh(mesh_shape, "mesh_shape")
-    if isinstance(mesh_shape, DeviceMesh):
-        return tuple(mesh_shape.shape)
-    if isinstance(mesh_shape, int) and not isinstance(mesh_shape, bool):
-        mesh_shape = (mesh_shape,)
-    if not isinstance(mesh_shape, (tuple, list)) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in mesh_shape):
-        raise TypeError(f"{where}: mesh_shape must be axis sizes such as (4, 8) or \"4x8\", "
-                        f"got {type(mesh_shape).__name__} {mesh_shape!r}")
-    if not mesh_shape or any(s < 1 for s in mesh_shape):
-        raise ValueError(f"{where}: mesh_shape {tuple(mesh_shape)!r} must be one or more positive axis sizes")
-    return tuple(mesh_shape)
-
-
-def _check_step_arguments(where: str, model: Any, sample_inputs: Any, loss_fn: Any, kwargs: Any, targets: Any, *,
-                          allow_captured: bool) -> None:
-    """The model, inputs, loss and keyword inputs of a step, checked before any tracing."""
-    if not isinstance(model, nn.Module) and not (allow_captured and isinstance(model, CapturedGraph)):
-        raise TypeError(f"{where}: model must be a torch.nn.Module"
-                        f"{' (or a captured graph)' if allow_captured else ''}, got {type(model).__name__}")
-    for name, value in (("sample_inputs", sample_inputs), ("targets", targets)):
-        if value is None and name == "targets":
-            continue
-        if isinstance(value, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a tuple of the model's positional inputs, got a single "
-                            f"Tensor of shape {tuple(value.shape)}: pass ({name.rstrip('s')},) instead")
-        if not isinstance(value, (tuple, list)):
-            raise TypeError(f"{where}: {name} must be a tuple or list, got {type(value).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn must be callable (e.g. torch.nn.functional.cross_entropy), "
-                        f"got {type(loss_fn).__name__}")
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise TypeError(f"{where}: kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
 
 
 # ------------------------------------------------------------------------------ lowering
@@ -528,19 +478,8 @@ def parallelize(
     from apmodel import kernels
     from apmodel import lowering as lowering_stage
 
-    if lowering not in lowering_stage.LOWERINGS:
-        raise ValueError(f"lowering={lowering!r}: expected one of {', '.join(map(repr, lowering_stage.LOWERINGS))}")
-    if not isinstance(mesh, DeviceMesh):
-        shape = _mesh_shape_hint(mesh)
-        raise TypeError(
-            f"apmodel.parallelize: mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__} {mesh!r}. "
-            f"Make one on every rank after torch.distributed.init_process_group: "
-            f"torch.distributed.device_mesh.init_device_mesh('cuda', {shape}) ('cpu' with gloo); to plan without "
-            f"processes, call apmodel.plan(model, {shape}, sample_inputs)")
-    if getattr(model, "_apmodel_program", None) is not None:
-        raise ValueError(f"apmodel.parallelize: this {type(model).__name__} has already been parallelized; "
-                         "parallelize the original single-device module (or a fresh one built on meta)")
-    _check_step_arguments("apmodel.parallelize", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=False)
+    check_parallelize_target(model, mesh, lowering, lowering_stage.LOWERINGS)
+    check_step_arguments("apmodel.parallelize", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=False)
     machine = None
     if plan is None:
         if option_values.get("device", DEVICE_AUTO if options is None else None) == DEVICE_AUTO:
@@ -573,26 +512,41 @@ def parallelize(
     )
     if plan is None:
         captured = checkpoint(captured, opts.ac)  # the lowered graph is the one planned
-
-        def solve() -> Plan:
-            found = plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan
-            if machine is not None:  # the plan says what it priced
-                found.workload["priced_for"] = f"this machine (device='auto'): {machine.description}"
-            return found
-
-        plan = lowering_stage.plan_on_one_rank(solve, mesh)
+        plan = _plan_on_mesh(captured, mesh, opts, constraints, machine)
     else:  # a saved plan: rewrite the graph with the checkpointing policy it was made with
         captured = checkpoint(captured, str(plan.workload.get("ac") or "none"))
         opts = PlanOptions.from_record(plan.workload)
 
+    return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering,
+                                  bucket_cap_mb=bucket_cap_mb, inflight_mb=inflight_mb if overlap else None,
+                                  replan=_replanner(mesh, opts))
+
+
+def _plan_on_mesh(captured: CapturedGraph, mesh: DeviceMesh, opts: PlanOptions, constraints: Sequence[Any],
+                  machine: Any) -> Plan:
+    """The plan of :func:`parallelize`: made on one rank, for all (the plan says which machine it
+    priced when ``machine`` was detected)."""
+    from apmodel import lowering as lowering_stage
+
+    def solve() -> Plan:
+        found = plan_workload(Workload(captured, tuple(mesh.shape)), opts, constraints=constraints).plan
+        if machine is not None:  # the plan says what it priced
+            found.workload["priced_for"] = f"this machine (device='auto'): {machine.description}"
+        return found
+
+    return lowering_stage.plan_on_one_rank(solve, mesh)
+
+
+def _replanner(mesh: DeviceMesh, opts: PlanOptions) -> Callable[[CapturedGraph, Sequence[Any]], Plan]:
+    """What the lowered module calls for a step traced in other module modes (eval): a plan made
+    like this one, around the stored parameters (``pins``)."""
+    from apmodel import lowering as lowering_stage
+
     def replan(other: CapturedGraph, pins: Sequence[Any]) -> Plan:
-        """The step traced in other module modes (eval), planned like this one around the stored parameters."""
         return lowering_stage.plan_on_one_rank(
             lambda: plan_workload(Workload(other, tuple(mesh.shape)), opts, constraints=pins).plan, mesh)
 
-    return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering,
-                                  bucket_cap_mb=bucket_cap_mb, inflight_mb=inflight_mb if overlap else None,
-                                  replan=replan)
+    return replan
 
 
 def parallelize_pipeline(

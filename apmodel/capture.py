@@ -10,11 +10,10 @@ node name (:class:`CapturedGraph`), so later stages never touch AOTAutograd obje
 
 Trace on the meta device: build the model under ``with torch.device("meta")`` and pass meta
 sample inputs. Nothing is allocated. The time is AOTAutograd's per-op dispatch (functionalisation,
-fake tensors, proxy tracing, about 1.3 ms per node) spread evenly, so a stack of identical layers
+fake tensors, proxy tracing) spread evenly, so a stack of identical layers
 (a transformer's) is traced with three layers and the others are stamped from the middle one,
 after checking that every layer's forward calls the same ops on the same kinds of inputs (see
-``apmodel/stamping.py``): LLaMA-3 8B (32 layers, 7.5k nodes) captures in about 2.3 s instead of
-7.5 s on a 2-core machine, with the same graph.
+``apmodel/stamping.py``), with the same graph as the full trace.
 
 After tracing, ``aten.detach`` nodes (no-ops on values, inserted by autograd around saved tensors)
 are bypassed and dead code is removed; view ops are kept as they are, so the graph reads like the
@@ -308,7 +307,7 @@ def _remove_local_mutations(gm: fx.GraphModule) -> bool:
     not of that kind (it mutates an input, a view or an aliased tensor) and the graph must be
     traced with functionalization instead.
 
-    Tracing without AOTAutograd's functionalization is about 20% faster; decompositions such as
+    Tracing without AOTAutograd's functionalization is faster; decompositions such as
     ``rms_norm``'s then leave ``add_`` on a tensor they just created. ``y = op_(x, ...)`` becomes
     ``y = op(x, ...)`` with every later use of ``x`` reading ``y``; this is exact when ``x`` is
     the output of a non-aliasing op and nothing views it.
@@ -357,7 +356,7 @@ def _val_signature(val: Any) -> str:
     return repr(val)
 
 
-def _fingerprint(gm: fx.GraphModule, param_fqn: dict[str, str]) -> str:
+def graph_fingerprint(gm: fx.GraphModule, param_fqn: dict[str, str]) -> str:
     """sha256 of, per node in order: op kind, target, arguments (nodes by position), value shapes
     and dtypes; plus each parameter placeholder's FQN."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -575,6 +574,44 @@ def _preset_workload(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict
     return {**preset, "batch": int(batch), "seq": int(seq)}
 
 
+def _check_step_output(gm: fx.GraphModule, out_spec: Any, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+    """The traced step returns one tensor: a scalar when it is ``loss_fn``'s."""
+    out_node = gm.graph.output_node()
+    forward_outs = [
+        (v, d) for v, d in zip(_returned(out_node), out_node.meta["desc"], strict=True) if type(d).__name__ == "PlainAOTOutput"
+    ]
+    what = "loss_fn" if loss_fn is not None else "model"
+    if out_spec.num_leaves != 1 or len(forward_outs) != 1:
+        raise ValueError(f"capture: {what} must return a single tensor, got output structure {out_spec}")
+    out_val = forward_outs[0][0].meta.get("val") if isinstance(forward_outs[0][0], fx.Node) else None
+    if not isinstance(out_val, torch.Tensor):
+        raise ValueError(f"capture: {what} must return a tensor, got {type(out_val).__name__}")
+    if loss_fn is not None and out_val.dim() != 0:
+        raise ValueError(f"capture: loss_fn must return a scalar, got a tensor of shape {tuple(out_val.shape)}")
+
+
+def _check_gradients(model: nn.Module, labels: Mapping[str, Any], has_loss_fn: bool, allow_unused_parameters: bool) -> None:
+    """Every trainable parameter gets a gradient (else an error, or a warning when
+    ``allow_unused_parameters``)."""
+    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    no_grad = sorted(
+        fqn for node, fqn in labels["param_fqn"].items()
+        if node not in labels["param_grad"] and fqn in trainable
+    )
+    if no_grad:
+        message = (
+            f"capture: {len(no_grad)} trainable parameter(s) get no gradient from the traced "
+            f"{'loss' if has_loss_fn else 'output'}: {', '.join(no_grad[:10])}"
+            f"{' ...' if len(no_grad) > 10 else ''}"
+        )
+        if not allow_unused_parameters:
+            raise ValueError(
+                message + "; freeze them (requires_grad_(False)) or pass allow_unused_parameters=True "
+                "if they are meant to stay unchanged"
+            )
+        logger.warning(message)
+
+
 def capture(
     model: nn.Module,
     sample_inputs: Sequence[torch.Tensor] | torch.Tensor,
@@ -613,41 +650,13 @@ def capture(
             gm, out_spec = trace_step(module, inputs, functionalize=True)
     traced_s = time.perf_counter() - start
 
-    out_node = gm.graph.output_node()
-    forward_outs = [
-        (v, d) for v, d in zip(_returned(out_node), out_node.meta["desc"], strict=True) if type(d).__name__ == "PlainAOTOutput"
-    ]
-    what = "loss_fn" if loss_fn is not None else "model"
-    if out_spec.num_leaves != 1 or len(forward_outs) != 1:
-        raise ValueError(f"capture: {what} must return a single tensor, got output structure {out_spec}")
-    out_val = forward_outs[0][0].meta.get("val") if isinstance(forward_outs[0][0], fx.Node) else None
-    if not isinstance(out_val, torch.Tensor):
-        raise ValueError(f"capture: {what} must return a tensor, got {type(out_val).__name__}")
-    if loss_fn is not None and out_val.dim() != 0:
-        raise ValueError(f"capture: loss_fn must return a scalar, got a tensor of shape {tuple(out_val.shape)}")
-
+    _check_step_output(gm, out_spec, loss_fn)
     gm, removed = simplify(gm)
     tied = _merge_tied_parameters(gm, module)
     labels = _label(gm)
     is_backward = _backward_flags(gm, labels["roles"])
-    trainable = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    no_grad = sorted(
-        fqn for node, fqn in labels["param_fqn"].items()
-        if node not in labels["param_grad"] and fqn in trainable
-    )
-    if no_grad:
-        message = (
-            f"capture: {len(no_grad)} trainable parameter(s) get no gradient from the traced "
-            f"{'loss' if loss_fn is not None else 'output'}: {', '.join(no_grad[:10])}"
-            f"{' ...' if len(no_grad) > 10 else ''}"
-        )
-        if not allow_unused_parameters:
-            raise ValueError(
-                message + "; freeze them (requires_grad_(False)) or pass allow_unused_parameters=True "
-                "if they are meant to stay unchanged"
-            )
-        logger.warning(message)
-    fingerprint = _fingerprint(gm, labels["param_fqn"])
+    _check_gradients(model, labels, loss_fn is not None, allow_unused_parameters)
+    fingerprint = graph_fingerprint(gm, labels["param_fqn"])
     unsupported = _unsupported_ops(gm)
     if unsupported:
         logger.warning("capture: ops without a DTensor sharding rule in torch %s (planned replicated): %s",

@@ -71,7 +71,7 @@ import torch
 import torch.fx as fx
 
 from apmodel._torch_private import OpOverload, lazy_graph_module, op_schema
-from apmodel.capture import CapturedGraph, _fingerprint, aliases_first_input
+from apmodel.capture import CapturedGraph, aliases_first_input, graph_fingerprint
 from apmodel.conventions import layer_pattern_from_names
 from apmodel.options import AC_POLICIES
 from apmodel.regions import region_of
@@ -303,7 +303,7 @@ def checkpoint(captured: CapturedGraph, policy: str) -> CapturedGraph:
             if needs_copy(a):
                 b.replace_input_with(a, recompute(a, b))
     gm = lazy_graph_module(captured.gm, graph)  # its code generated on first use
-    base_fp = _fingerprint(gm, captured.param_fqn)
+    base_fp = graph_fingerprint(gm, captured.param_fqn)
     fingerprint = hashlib.sha256(f"{base_fp}|ac={policy}".encode()).hexdigest()
     ops = [n for n in graph.nodes if n.op == "call_function"]
     stats = dict(captured.stats)

@@ -328,6 +328,35 @@ def _node_layer(conv: ModelConventions, node: "fx.Node") -> str:
     return ""
 
 
+def _link_within_layers(linears: dict[str, _Linear], matmul_of: Mapping[str, str], norm_nodes: set[str],
+                        layer_conv: ModelConventions, is_bwd: Mapping[str, bool]) -> None:
+    """Record which linear's output reaches which linear's input (``feeds`` / ``fed_by``), walking
+    back from each linear's activations through the forward ops of its own layer (a norm stops
+    the walk: what follows it is another block)."""
+    for lin in linears.values():
+        layer = layer_conv.layer_of(lin.weight)
+        if not layer:
+            continue
+        frontier = list(lin.activations)
+        seen: set[str] = set()
+        while frontier:
+            node = frontier.pop()
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            if node.op != "call_function" or is_bwd.get(node.name, False) or node.name in norm_nodes:
+                continue
+            other = matmul_of.get(node.name)
+            if other is not None:
+                if other != lin.weight and layer_conv.layer_of(other) == layer:
+                    linears[other].feeds.add(lin.weight)
+                    lin.fed_by.add(other)
+                continue
+            if _node_layer(layer_conv, node) != layer:
+                continue
+            frontier.extend(node.all_input_nodes)
+
+
 def derive(captured: "CapturedGraph") -> ModelConventions:
     """Conventions read off a captured graph by data flow (see the module docstring)."""
     gm = captured.gm
@@ -379,28 +408,7 @@ def derive(captured: "CapturedGraph") -> ModelConventions:
     # which linear's output reaches which linear's input, inside one layer
     norm_nodes = {u.name for pname, fqn in fqn_of.items() if fqn in norm_params
                   for u, _, _ in _through_views(nodes[pname], is_bwd)}
-    for lin in linears.values():
-        layer = layer_conv.layer_of(lin.weight)
-        if not layer:
-            continue
-        frontier = list(lin.activations)
-        seen: set[str] = set()
-        while frontier:
-            node = frontier.pop()
-            if node.name in seen:
-                continue
-            seen.add(node.name)
-            if node.op != "call_function" or is_bwd.get(node.name, False) or node.name in norm_nodes:
-                continue
-            other = matmul_of.get(node.name)
-            if other is not None:
-                if other != lin.weight and layer_conv.layer_of(other) == layer:
-                    linears[other].feeds.add(lin.weight)
-                    lin.fed_by.add(other)
-                continue
-            if _node_layer(layer_conv, node) != layer:
-                continue
-            frontier.extend(node.all_input_nodes)
+    _link_within_layers(linears, matmul_of, norm_nodes, layer_conv, is_bwd)
 
     # the vocabulary: rows of the embedding tables that output projections produce (when any do)
     shapes = {fqn: tuple(getattr(nodes[p].meta.get("val"), "shape", ())) for p, fqn in fqn_of.items()}

@@ -21,7 +21,7 @@ filters, in the same order (``tests/test_strategies.py`` compares them op by op)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,35 +88,8 @@ def expand(
     if n == 0 or not entries:
         return Expansion([], 0, None)
     width = len(entries[0])
-    n_axes = combos.shape[1]
-    # codes: every distinct placement in the entries (None included) -> a small int
-    codes: dict[object, int] = {}
-    table = np.array([[codes.setdefault(e[pos], len(codes)) for pos in range(width)] for e in entries],
-                     dtype=np.int64).reshape(len(entries), width)
-    values = list(codes)
-    radix = len(values)
-    weights = radix ** np.arange(n_axes - 1, -1, -1, dtype=np.int64)
-    # a position's spec is None when the first axis' entry has None there (as torch builds it)
-    absent = np.array([[e[pos] is None for pos in range(width)] for e in entries], dtype=bool)
     first = combos[:, 0]
-
-    def position(pos: int) -> tuple[np.ndarray, list[Placements | None]]:
-        """Per combination the index of its distinct tuple at ``pos``, and those tuples."""
-        packed = table[combos, pos] @ weights
-        packed[absent[first, pos]] = -1
-        uniq, inverse = _rank(packed)
-        tuples: list[Placements | None] = []
-        for key in uniq.tolist():
-            if key < 0:
-                tuples.append(None)
-                continue
-            digits = []
-            for _ in range(n_axes):
-                key, d = divmod(key, radix)
-                digits.append(values[d])
-            tuples.append(tuple(reversed(digits)))
-        return inverse, tuples
-
+    absent, positions = _position_tuples(entries, combos)
     raw_ok = np.ones(n, dtype=bool)
     kept = np.ones(n, dtype=bool)
     finals: dict[object, int] = {}  # rewritten placement -> id
@@ -125,20 +98,12 @@ def expand(
     def mixed(tuples: list[Placements | None]) -> np.ndarray:
         return np.array([t is not None and tp.mixed_partials((t,)) for t in tuples], dtype=bool)
 
-    positions = [position(pos) for pos in range(width)]
     for inverse, tuples in positions:
         raw_ok &= ~mixed(tuples)[inverse]
     # torch's per-combination errors, among the combinations without mixed partials
     in_positions = list(range(nout, width))
     n_inputs = (~absent[:, nout:]).sum(axis=1) if width > nout else np.zeros(len(entries), dtype=np.int64)
-    bad_count = raw_ok & (n_inputs[first] != len(rule.inputs))
-    bad_output = raw_ok & absent[first, 0] if nout == 1 else np.zeros(n, dtype=bool)
-    if bad_count.any() or bad_output.any():
-        at = int(np.flatnonzero(bad_count | bad_output)[0])
-        if bad_count[at]:
-            raise AssertionError(f"{rule.op}: {int(n_inputs[first[at]])} input placements for {len(rule.inputs)} "
-                                 f"tensor inputs")
-        raise RuntimeError(f"{rule.op}: output spec is None")
+    _raise_as_torch(rule, raw_ok, n_inputs[first], absent[first, 0] if nout == 1 else None)
 
     for i in range(n_out_slots):
         if i < nout:
@@ -183,6 +148,63 @@ def expand(
     rows = np.flatnonzero(kept)
     if len(rows) == 0:
         return Expansion([], raw, len(rule.inputs) if raw else None)
+    return Expansion(_distinct_strategies(rows, per_slot, finals, n_out_slots), raw, len(rule.inputs))
+
+
+def _position_tuples(entries: Sequence[Sequence[Any]], combos: np.ndarray,
+                     ) -> tuple[np.ndarray, list[tuple[np.ndarray, list[Placements | None]]]]:
+    """Whether each entry's position is absent (None: then its spec is None when the first axis'
+    entry has None there, as torch builds it), and per position: each combination's index of its
+    distinct tuple there (one placement per mesh axis), and those tuples."""
+    width = len(entries[0])
+    n_axes = combos.shape[1]
+    # codes: every distinct placement in the entries (None included) -> a small int
+    codes: dict[object, int] = {}
+    table = np.array([[codes.setdefault(e[pos], len(codes)) for pos in range(width)] for e in entries],
+                     dtype=np.int64).reshape(len(entries), width)
+    values = list(codes)
+    radix = len(values)
+    weights = radix ** np.arange(n_axes - 1, -1, -1, dtype=np.int64)
+    absent = np.array([[e[pos] is None for pos in range(width)] for e in entries], dtype=bool)
+    first = combos[:, 0]
+
+    def position(pos: int) -> tuple[np.ndarray, list[Placements | None]]:
+        packed = table[combos, pos] @ weights
+        packed[absent[first, pos]] = -1
+        uniq, inverse = _rank(packed)
+        tuples: list[Placements | None] = []
+        for key in uniq.tolist():
+            if key < 0:
+                tuples.append(None)
+                continue
+            digits = []
+            for _ in range(n_axes):
+                key, d = divmod(key, radix)
+                digits.append(values[d])
+            tuples.append(tuple(reversed(digits)))
+        return inverse, tuples
+
+    return absent, [position(pos) for pos in range(width)]
+
+
+def _raise_as_torch(rule: tp.SingleDimRule, raw_ok: np.ndarray, n_inputs: np.ndarray, output_absent: np.ndarray | None) -> None:
+    """torch's per-combination errors, at the first combination (among ``raw_ok``) that has one:
+    an input count (``n_inputs``, per combination) other than the rule's, or a single output
+    whose spec is None (``output_absent``, per combination; None when the rule has several)."""
+    bad_count = raw_ok & (n_inputs != len(rule.inputs))
+    bad_output = raw_ok & output_absent if output_absent is not None else np.zeros(len(raw_ok), dtype=bool)
+    if bad_count.any() or bad_output.any():
+        at = int(np.flatnonzero(bad_count | bad_output)[0])
+        if bad_count[at]:
+            raise AssertionError(f"{rule.op}: {int(n_inputs[at])} input placements for {len(rule.inputs)} "
+                                 f"tensor inputs")
+        raise RuntimeError(f"{rule.op}: output spec is None")
+
+
+def _distinct_strategies(rows: np.ndarray, per_slot: list[tuple[np.ndarray, list[int]]], finals: dict[object, int],
+                         n_out_slots: int) -> list[tuple[tuple[Placements | None, ...], tuple[Placements, ...]]]:
+    """The strategies of the kept combinations ``rows``, each distinct one once (its first
+    combination), as (outputs, present inputs) of rewritten placements."""
     key = np.zeros(len(rows), dtype=np.int64)
     for inverse, ids in per_slot:  # ids are -1 (absent input) or a final's id
         key = _combine(key, np.asarray(ids, dtype=np.int64)[inverse[rows]] + 1, len(finals) + 1)
@@ -195,4 +217,4 @@ def expand(
         outs = tuple(by_id[ids[inverse[r]]] for inverse, ids in out_slots)
         ins = tuple(by_id[ids[inverse[r]]] for inverse, ids in in_slots if ids[inverse[r]] >= 0)
         out.append((outs, ins))
-    return Expansion(out, raw, len(rule.inputs))
+    return out

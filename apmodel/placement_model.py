@@ -43,6 +43,7 @@ from apmodel import placements as pl
 from apmodel.capture import CapturedGraph
 from apmodel.clustering import Grouping, cluster, local_signature
 from apmodel.memory import MemoryModel
+from apmodel.pair_blocks import Factors, factored_stacks
 from apmodel.pricing import CostContext
 from apmodel.strategies import Strategy, input_slots
 from apmodel.strategy_filters import Placements
@@ -107,120 +108,6 @@ def _param_placements(s: Strategy) -> Placements:
 
 def _negated(pred: Callable[[Strategy], bool]) -> Callable[[Strategy], bool]:
     return lambda s: not pred(s)
-
-
-#: a redistribution matrix ``block[np.ix_(rows, cols)]`` as ``(block, rows, cols)`` (:meth:`CostContext.redistribution_factors`)
-Factors = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-def _joint_classes(labels: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Indices grouped by their labels in every vector of ``labels`` at once: each index's class and
-    one index of every class (the first). Two indices share a class iff every vector labels them
-    alike, so a sum of matrices indexed by these vectors is a function of the classes."""
-    key = np.zeros(len(labels[0]), dtype=np.int64)
-    for lab in labels:  # kept below n * (largest label + 1): compacted after every vector
-        key = key * (int(lab.max(initial=0)) + 1) + lab
-        _, key = np.unique(key, return_inverse=True)
-    _, first, classes = np.unique(key, return_index=True, return_inverse=True)
-    return classes.astype(np.int64, copy=False), first.astype(np.int64, copy=False)
-
-
-def _rounded_up(n: int) -> int:
-    """``n`` rounded up to three significant bits (8, 9, ..., 16, 18, ..., 32, 36, ...): stacking
-    blocks padded to these sizes wastes at most a quarter of each side."""
-    if n <= 8:
-        return n
-    step = 1 << (n.bit_length() - 3)
-    return -(-n // step) * step
-
-
-@dataclass
-class _PairSum:
-    """The sum of one group pair's terms (factored matrices, some transposed), by classes: its
-    block is ``(len(row_first), len(col_first))``, written by :meth:`write`, and the sum is
-    ``block[np.ix_(row_class, col_class)]``.
-
-    The classes are :func:`_joint_classes` of the terms' row and column indices (entries of one
-    class pair are sums of the same numbers); on the 4-D mesh of LLaMA-3 8B the pairs' blocks hold
-    126 M entries where their matrices hold 242 M (43 M once equal blocks are shared:
-    :func:`_distinct_blocks`). A term that appears several times (the same
-    object: the edge between two groups of layer copies, repeated for every layer) enters once,
-    multiplied by its count, in the order of its first appearance. Each entry is the same
-    floating-point sum as adding the dense matrices in that order (a running sum of k copies
-    would round k - 1 times, a product rounds once)."""
-
-    terms: list[tuple[Factors, int]]  # distinct terms as they enter, with their counts
-    row_class: np.ndarray
-    row_first: np.ndarray
-    col_class: np.ndarray
-    col_first: np.ndarray
-
-    @staticmethod
-    def key(terms: list[tuple[Factors, bool]]) -> tuple:
-        """What the sum depends on: the terms' identities and orientations in order (two pairs with
-        equal keys have equal classes and bit-for-bit equal blocks; the factors outlive the key)."""
-        return tuple((id(factors), transposed) for factors, transposed in terms)
-
-    @classmethod
-    def of(cls, terms: list[tuple[Factors, bool]]) -> _PairSum:
-        distinct: dict[tuple[int, bool], list] = {}  # (id, transposed) -> [factors as they enter, count]
-        for factors, transposed in terms:
-            entry = distinct.get((id(factors), transposed))
-            if entry is None:
-                block, rows, cols = factors
-                distinct[(id(factors), transposed)] = [(block.T, cols, rows) if transposed else factors, 1]
-            else:
-                entry[1] += 1
-        row_class, row_first = _joint_classes([f[1] for f, _ in distinct.values()])
-        col_class, col_first = _joint_classes([f[2] for f, _ in distinct.values()])
-        return cls([(f, n) for f, n in distinct.values()], row_class, row_first, col_class, col_first)
-
-    @property
-    def block_shape(self) -> tuple[int, int]:
-        return (len(self.row_first), len(self.col_first))
-
-    def write(self, out: np.ndarray) -> None:
-        """The block into ``out`` (of :attr:`block_shape`; a view into a stack: nothing else is allocated)."""
-        for i, ((block, rows, cols), count) in enumerate(self.terms):
-            mat = block[rows[self.row_first]][:, cols[self.col_first]]  # rows, then columns: 2x np.ix_'s speed
-            if i == 0:
-                np.multiply(mat, count, out=out)
-            elif count == 1:
-                out += mat
-            else:
-                out += mat * count
-
-
-#: entries of a block compared first when looking for an equal one (a full comparison follows a match)
-_BLOCK_SAMPLE = 64
-
-
-def _distinct_blocks(pairs: Sequence[_PairSum], ca: int, cb: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs' blocks in one stack ``(n, ca, cb)`` (zero padding), each distinct block once, and
-    the block of every pair. Pairs of different terms can sum to equal blocks (a layer's ops of
-    equal shapes and placements); sharing them, with the pairs of equal terms, cuts what the solvers
-    copy and hold to a third on a 4-D mesh. A block is written into the next free slot, then
-    compared with the earlier ones that agree on a fixed sample of entries; an equal one takes its
-    place (the slot is cleared for the next pair). The slots never written are never touched
-    (``np.zeros`` pages stay unmapped)."""
-    blocks = np.zeros((len(pairs), ca, cb))
-    sample = np.linspace(0, ca * cb - 1, min(_BLOCK_SAMPLE, ca * cb)).astype(np.int64)
-    by_sample: dict[bytes, list[int]] = {}
-    block_of_pair = np.empty(len(pairs), dtype=np.int64)
-    n = 0  # blocks kept
-    for k, pair in enumerate(pairs):  # summed in place: no block is made twice
-        slot = blocks[n]
-        pair.write(slot[: pair.block_shape[0], : pair.block_shape[1]])
-        seen = by_sample.setdefault(slot.reshape(-1)[sample].tobytes(), [])
-        equal = next((m for m in seen if np.array_equal(blocks[m], slot)), None)
-        if equal is None:
-            seen.append(n)
-            block_of_pair[k] = n
-            n += 1
-        else:
-            block_of_pair[k] = equal
-            slot.fill(0.0)
-    return blocks[:n], block_of_pair
 
 
 def default_batch_placement(val: torch.Tensor | None, mesh_shape: Sequence[int]) -> tuple[str, ...]:
@@ -675,71 +562,9 @@ class PlacementModel:
         grouping = cluster(self.nodes, signatures, state_key, merge_copies=self.merge_copies, flow_coupling=self.flow_coupling)
         G = grouping.num_groups
         group_states = [self.strategies[ms[0]] for ms in grouping.groups]
-
-        # Unary: compute cost of each member, priced once per distinct content.
-        compute_memo = self._compute_memo  # kept across recompiles (constraints and scales leave it valid)
-        unary = [np.zeros(len(s)) for s in group_states]
-        for g, members in enumerate(grouping.groups):
-            for m in members:
-                key = (signatures[m], id(self.strategies[m]))
-                vec = compute_memo.get(key)
-                if vec is None:
-                    vec = compute_memo[key] = self.compute_vector(m)
-                unary[g] += vec
-        for name in self.boundary_outputs:
-            unary[grouping.group_of[name]] += self.boundary_vector(name)
-
-        # Pairwise: redistribution per graph edge, priced once per distinct (strategies, shape) pair.
-        matrix_memo: dict[Hashable, Factors] = {}
-        scaled_blocks: dict[int, np.ndarray] = {}  # a shared block scaled once (weight_traffic_scale)
-        same_factors: dict[tuple, Factors] = {}  # equal factors (other strategy lists, equal strings) as one object
-        terms: dict[tuple[int, int], list[tuple[Factors, bool]]] = {}  # per group pair: (matrix, transposed) in order
-        for e in self.edges:
-            val = _tensor(self.node_by_name[e.producer].meta.get("val"), e.out_index)
-            edge_key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
-                        tuple(val.shape), val.dtype, self.is_param_gradient(e), self.is_bucketed(e))
-            factors = matrix_memo.get(edge_key)
-            if factors is None:
-                block, rows, cols = self.edge_factors(e)
-                if self.weight_traffic_scale != 1.0 and self.is_bucketed(e):
-                    scaled = scaled_blocks.get(id(block))
-                    if scaled is None:  # forbidden pairs (+inf) stay forbidden
-                        scaled = scaled_blocks[id(block)] = np.where(np.isinf(block), block,
-                                                                     block * self.weight_traffic_scale)
-                    block = scaled
-                factors = same_factors.setdefault((id(block), rows.tobytes(), cols.tobytes()), (block, rows, cols))
-                matrix_memo[edge_key] = factors
-            gu, gv = grouping.group_of[e.producer], grouping.group_of[e.consumer]
-            if gu == gv:  # the matrix's diagonal
-                block, rows, cols = factors
-                unary[gu] += block[rows, cols]
-                continue
-            terms.setdefault((min(gu, gv), max(gu, gv)), []).append((factors, gu > gv))
-        # each pair's matrix factored (its distinct rows and columns), which the solvers read without
-        # spreading it (on a 4-D mesh the dense matrices run to gigabytes); one stack per shape and
-        # block size (rounded up: a stack's blocks are padded to its largest)
-        # Pairs with the same terms in the same order (a layer's two projections of one shape, each
-        # group pair of a repeated block) have the same sum: it is made once and the pairs share it.
-        by_size: dict[tuple[int, ...], tuple[list[tuple[int, int, int]], list[_PairSum]]] = {}
-        made: dict[tuple, tuple[tuple[int, ...], int]] = {}  # terms' key -> (stack key, block index)
-        for (gu, gv), pair_terms in terms.items():
-            terms_key = _PairSum.key(pair_terms)
-            slot = made.get(terms_key)
-            if slot is None:
-                pair = _PairSum.of(pair_terms)
-                ca, cb = pair.block_shape
-                size = (len(group_states[gu]), len(group_states[gv]), _rounded_up(ca), _rounded_up(cb))
-                pairs = by_size.setdefault(size, ([], []))[1]
-                slot = made[terms_key] = (size, len(pairs))
-                pairs.append(pair)
-            by_size[slot[0]][0].append((gu, gv, slot[1]))
-        stacks = []
-        for (_, _, ca, cb), (edges, pairs) in by_size.items():
-            blocks, block_of_pair = _distinct_blocks(pairs, ca, cb)
-            stacks.append(solvers.FactoredStack([gu for gu, _, _ in edges], [gv for _, gv, _ in edges],
-                                                np.stack([pairs[k].row_class for _, _, k in edges]),
-                                                np.stack([pairs[k].col_class for _, _, k in edges]), blocks,
-                                                block_of=block_of_pair[[k for _, _, k in edges]]))
+        unary = self._compute_unaries(grouping, signatures, group_states)
+        terms = self._pair_terms(grouping, unary)
+        stacks = factored_stacks(terms, [len(s) for s in group_states])
 
         # Forbidden states (restrictions) as +inf unaries.
         for g, members in enumerate(grouping.groups):
@@ -767,6 +592,54 @@ class PlacementModel:
         )
         self._compiled = CompiledModel(problem=problem, grouping=grouping, group_states=group_states, build_s=build_s)
         return self._compiled
+
+    def _compute_unaries(self, grouping: Grouping, signatures: Mapping[str, Hashable],
+                         group_states: Sequence[Sequence[Strategy]]) -> list[np.ndarray]:
+        """Per group, the compute cost of each state summed over its members (priced once per
+        distinct content), plus the boundary costs of the forward outputs among them."""
+        compute_memo = self._compute_memo  # kept across recompiles (constraints and scales leave it valid)
+        unary = [np.zeros(len(s)) for s in group_states]
+        for g, members in enumerate(grouping.groups):
+            for m in members:
+                key = (signatures[m], id(self.strategies[m]))
+                vec = compute_memo.get(key)
+                if vec is None:
+                    vec = compute_memo[key] = self.compute_vector(m)
+                unary[g] += vec
+        for name in self.boundary_outputs:
+            unary[grouping.group_of[name]] += self.boundary_vector(name)
+        return unary
+
+    def _pair_terms(self, grouping: Grouping, unary: list[np.ndarray]) -> dict[tuple[int, int], list[tuple[Factors, bool]]]:
+        """The redistribution of every graph edge, priced once per distinct (strategies, shape) pair:
+        per group pair ``(gu, gv)``, ``gu < gv``, its edges' factored matrices in order (each flagged
+        if transposed); an edge inside one group adds its matrix's diagonal to ``unary`` instead."""
+        matrix_memo: dict[Hashable, Factors] = {}
+        scaled_blocks: dict[int, np.ndarray] = {}  # a shared block scaled once (weight_traffic_scale)
+        same_factors: dict[tuple, Factors] = {}  # equal factors (other strategy lists, equal strings) as one object
+        terms: dict[tuple[int, int], list[tuple[Factors, bool]]] = {}  # per group pair: (matrix, transposed) in order
+        for e in self.edges:
+            val = _tensor(self.node_by_name[e.producer].meta.get("val"), e.out_index)
+            edge_key = (id(self.strategies[e.producer]), e.out_index, id(self.strategies[e.consumer]), e.slot,
+                        tuple(val.shape), val.dtype, self.is_param_gradient(e), self.is_bucketed(e))
+            factors = matrix_memo.get(edge_key)
+            if factors is None:
+                block, rows, cols = self.edge_factors(e)
+                if self.weight_traffic_scale != 1.0 and self.is_bucketed(e):
+                    scaled = scaled_blocks.get(id(block))
+                    if scaled is None:  # forbidden pairs (+inf) stay forbidden
+                        scaled = scaled_blocks[id(block)] = np.where(np.isinf(block), block,
+                                                                     block * self.weight_traffic_scale)
+                    block = scaled
+                factors = same_factors.setdefault((id(block), rows.tobytes(), cols.tobytes()), (block, rows, cols))
+                matrix_memo[edge_key] = factors
+            gu, gv = grouping.group_of[e.producer], grouping.group_of[e.consumer]
+            if gu == gv:  # the matrix's diagonal
+                block, rows, cols = factors
+                unary[gu] += block[rows, cols]
+                continue
+            terms.setdefault((min(gu, gv), max(gu, gv)), []).append((factors, gu > gv))
+        return terms
 
     def _group_label(self, members: list[str]) -> str:
         rep = members[0]

@@ -41,8 +41,8 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-# isinstance on a placement class is a Python ``__instancecheck__`` in torch 2.13 (~1 µs; the 4-D
-# strategy enumeration makes millions): the three common classes are answered by type first, any
+# isinstance on a placement class is a Python ``__instancecheck__`` in torch 2.13 (slow, and the
+# 4-D strategy enumeration makes millions): the three common classes are answered by type first, any
 # other (strided shards, masked partials) by isinstance.
 
 

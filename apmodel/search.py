@@ -139,7 +139,7 @@ def solve_model(
 
 #: weights of the parameters' gathers and gradients' reductions in the surrogate problems solved
 #: beside the serial one when overlap is priced (see solve_model): half price (free weight traffic
-#: made the surrogate replicate every parameter: a step 9x slower on LLaMA-3 8B (4,8))
+#: made the surrogate replicate every parameter, a far slower step on LLaMA-3 8B (4,8))
 OVERLAP_WEIGHT_SCALES = (0.5,)
 
 
@@ -169,7 +169,7 @@ def _solve_once(pmodel: PlacementModel, options: PlanOptions, timings: dict[str,
 
 def prepare_solver(options: PlanOptions) -> None:
     """Start loading what the solve will need, in the background: TRW-S's compiled kernels (numba's
-    import and cached machine code, ~0.6 s a process) while the planner traces and builds."""
+    import and cached machine code, paid once a process) while the planner traces and builds."""
     if options.solver == "trws" or (options.seeding is not False and options.seed_solver == "trws"):
         solvers.warm_up_in_background()
 

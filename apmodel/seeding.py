@@ -20,23 +20,14 @@ exponentially with D. Seeding decomposes the problem:
    problem is a restriction of the full one (its optimum is never below the full optimum) and
    equals it for ``r >= D``.
 
-Measured (LLaMA-3 8B, batch 8, seq 2048, h100; 2 CPU cores; "full" = unseeded, radius 2;
-build = strategies + pricing (+ seeding), seconds; solved by HiGHS unless noted):
-
-    mesh     layers  strategies full / seeded  build+solve full / seeded  objective µs full / seeded
-    4x2x4    2       41,224 / 20,426           6.5+64 / 2.3+7             24,927.6 / 24,927.6
-    4x2x4    32      624,964 / 307,046         8.2+36 / 6.3+13            177,223.6 / 177,404.8
-    2x2x2x4  2       224,894 / 40,108          48+9 (TRW-S) / 4.7+12      22,832.1 / 23,258.4
-    2x2x2x4  32      (not run) / 599,938       - / 29+49                  - / 166,522.4
-
-(HiGHS runs out of 23 GB on the unseeded 2x2x2x4 problem; TRW-S proves it optimal.) The 1.9% on
-2x2x2x4 comes from seeds that no full-mesh strategy realises: every 1-D problem shards the batch
-(S(0)), but a batch of 8 cannot be split 32 ways, so the optimum lies 3 axes from such seeds.
+Seeding roughly halves the strategies on 3 axes and cuts them by more on 4 (the README's
+*Benchmarks* has the measurements). On 4 axes radius 2 stays above the optimum because of seeds
+that no full-mesh strategy realises: every 1-D problem shards the batch (S(0)), but a batch of 8
+cannot be split 32 ways, so the optimum lies 3 axes from such seeds.
 
 The default radius (``PlanOptions.seed_radius_for``) is 2 on 3 axes and ``D - 1`` beyond: on
-LLaMA-3 8B (2,2,2,4), seq 2048, batch 8, radius 2 stops at 214,148.5 µs (TRW-S gap 0.05% in its
-space) while radius 3 reaches the unseeded optimum, 209,015.6 µs, which TRW-S proves on the whole
-space: 55 s end to end for radius 3 against 140 s unseeded (2 cores, idle; benchmarks/planner.py).
+LLaMA-3 8B (2,2,2,4), seq 2048, batch 8, radius 2 stops above the unseeded optimum while radius 3
+reaches it, in less time than the unseeded search.
 
 User constraints are not projected; :func:`apmodel.api.build_model` falls back to the full
 enumeration when they conflict with the restricted candidates.

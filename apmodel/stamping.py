@@ -1,7 +1,6 @@
 """Repeated layers: trace three, stamp the others.
 
-A transformer's layers are structurally identical, and tracing them is most of capture's time
-(about 0.25 s per LLaMA-3 8B layer). :func:`trace_step` traces a copy of the model with its first
+A transformer's layers are structurally identical, and tracing them is most of capture's time. :func:`trace_step` traces a copy of the model with its first
 three layers (first, one middle, last), checks that the graph repeats layer by layer, and stamps
 the middle layer once per missing layer: the same nodes, names, wiring, descriptors and metadata as
 tracing every layer (``tests/test_capture_stamping.py`` compares the two on the reference models).
@@ -35,8 +34,8 @@ from apmodel.tracing import WRAPPED, TracedStep, trace, user_fqn
 
 logger = logging.getLogger("apmodel.capture")
 
-# A transformer's layers are structurally identical, and tracing them is most of capture's time
-# (about 0.25 s per LLaMA-3 8B layer). When a model holds such a stack, capture traces a copy of
+# A transformer's layers are structurally identical, and tracing them is most of capture's time.
+# When a model holds such a stack, capture traces a copy of
 # the model with its first three layers (first, one middle, last), checks that the graph repeats
 # layer by layer, and stamps the middle layer once per missing layer: the same nodes, names,
 # wiring, descriptors and metadata as tracing every layer (tests/test_capture_stamping.py compares

@@ -330,30 +330,13 @@ def _node_strategies(
     val = _val(node)
 
     if node.op == "placeholder":
-        if not _is_tensor(val):
-            return (Strategy((None,), ()),)
-        key: tuple = ("placeholder", tuple(val.shape), ms, allow_uneven, ball)
-        hit = cache.memo.get(key)
-        if hit is None:
-            hit = tuple(Strategy((pl,), ()) for pl in placeholder_placements(tuple(val.shape), ms, allow_uneven))
-            if ball is not None:
-                hit = tuple(s for s in hit if ball.contains(s))
-            if not hit:  # unreachable: all-Replicate always passes
-                raise AssertionError(f"placeholder {node.name}: no placement")
-            cache.memo[key] = hit
-        return hit
+        return _placeholder_strategies(node, val, ms, allow_uneven, ball, cache)
 
     if node.op != "call_function":
         raise ValueError(f"node {node.name}: unsupported FX op kind {node.op!r} (expected placeholder/call_function/output)")
 
     slots = input_slots(node)
-    try:
-        cand = [_distinct_outputs(cache, producer_strategies[p.name], i) for p, i in slots]
-    except KeyError as e:
-        raise ValueError(f"node {node.name}: no strategies given for its producer {e.args[0]!r}") from None
-    for (p, i), c in zip(slots, cand, strict=True):
-        if not c:
-            raise ValueError(f"node {node.name}: producer {p.name} output {i} has no candidate placement")
+    cand = _input_candidates(node, slots, producer_strategies, cache)
 
     if node.target is operator.getitem and slots and slots[0][1] >= 0 and isinstance(_val(slots[0][0]), (tuple, list)):
         return tuple(Strategy((pl,), (pl,)) for pl in cand[0])
@@ -367,21 +350,7 @@ def _node_strategies(
         # redistribution can reach). Those need not be outputs of any producer strategy, so the
         # widened problem is no longer a restriction of the unseeded one (it can be cheaper).
         cand = [_with_ball_inputs(c, ball, j, _slot_shape(p, i), ms, allow_uneven) for j, (c, (p, i)) in enumerate(zip(cand, slots, strict=True))]
-    # Arguments with every tensor replaced by a TensorArg (shape + candidate placements).
-    it = iter(cand)
-
-    def sub(a: object) -> object:
-        if isinstance(a, fx.Node):
-            v = _val(a)
-            if _is_tensor(v):
-                return tp.TensorArg(tuple(v.shape), tuple(v.stride()), v.dtype, next(it))
-            return v  # a non-tensor value (e.g. a SymInt) stands for itself
-        if isinstance(a, (list, tuple)):
-            return type(a)(sub(x) for x in a)
-        return a
-
-    args = tuple(sub(a) for a in node.args)
-    kwargs = {k: sub(v) for k, v in node.kwargs.items()}
+    args, kwargs = _tensor_args(node, cand)
     out_shapes = _out_shapes(val)
     # Only full-mesh rules look at the producers' candidate placements; single-dim rules (and the
     # replicate fallback) do not, so their key leaves them out and more nodes share one entry.
@@ -409,46 +378,9 @@ def _node_strategies(
     if not isinstance(op, tp.OpOverload) or not tp.has_sharding_rule(op):
         reason = tp.no_rule_reason(_op_name(op))
     else:
-        checks = TensorChecks(op, out_shapes, in_shapes, Filter(ms, allow_uneven, partial_inputs,
-                                                                 tuple(partial_reduce_ops), tuple(partial_input_ops)))
-        coded: expansion.Expansion | None = None
-        raw: list = []
-        try:
-            rule = tp.SingleDimRule(op, args, kwargs, val, mesh, cache.specs) if tp.rule_kind(op) == "single_dim" else None
-            if rule is not None and rule.exact:  # expanded on codes (apmodel.expansion)
-                combos = (np.array(_ball_combos(rule, in_ball, out_shapes), dtype=np.int64).reshape(-1, nd)
-                          if in_ball is not None else expansion.all_combinations(len(rule.entries), nd))
-                coded = expansion.expand(rule, combos, len(out_shapes), checks.output, checks.input)
-            elif in_ball is not None:
-                assert rule is not None  # restricting to a ball implies a single-dim rule
-                raw = rule.expand(_ball_combos(rule, in_ball, out_shapes))
-            else:
-                raw = tp.op_strategies(op, args, kwargs, val, mesh, memo=cache.specs)
-        except Exception as e:  # a rule that rejects these arguments: fall back to replicate
-            reason = f"DTensor rule of torch {torch.__version__} failed ({type(e).__name__}: {e})"
-            coded, raw = None, []
-        if coded is not None:
-            if coded.raw and coded.raw_inputs != len(slots):
-                reason = f"rule gave {coded.raw_inputs} input placements for {len(slots)} tensor inputs"
-            else:
-                result = [s for s in (Strategy(outs, ins) for outs, ins in coded.strategies)
-                          if in_ball is None or in_ball.contains(s)]
-        seen: set[Strategy] = set()
-        for outs, ins in raw:
-            if len(ins) != len(slots):
-                reason = f"rule gave {len(ins)} input placements for {len(slots)} tensor inputs"
-                result = []
-                break
-            s = _unmask(Strategy(_align_outputs(outs, out_shapes, nd), tuple(ins)))
-            if s in seen:
-                continue
-            seen.add(s)
-            if in_ball is not None and not in_ball.contains(s):
-                continue
-            if checks.keep(s):
-                result.append(s)
-        if reason is None and not result:
-            reason = "every strategy of the rule was filtered out"
+        filt = Filter(ms, allow_uneven, partial_inputs, tuple(partial_reduce_ops), tuple(partial_input_ops))
+        result, reason = _rule_strategies(op, args, kwargs, val, mesh, cache, TensorChecks(op, out_shapes, in_shapes, filt),
+                                          len(slots), in_ball, nd)
     if reason is not None and not result:
         name = _op_name(op)
         cache.unsupported[name] = cache.unsupported.get(name, 0) + 1
@@ -459,6 +391,103 @@ def _node_strategies(
         cache.fallback_keys.add(key)
     cache.memo[key] = tuple(result)
     return cache.memo[key]
+
+
+def _input_candidates(node: fx.Node, slots: Sequence[tuple[fx.Node, int]],
+                      producer_strategies: Mapping[str, Sequence[Strategy]], cache: StrategyCache) -> list[tuple[Placements, ...]]:
+    """Per input slot, the distinct placements its producer's candidates output there."""
+    try:
+        cand = [_distinct_outputs(cache, producer_strategies[p.name], i) for p, i in slots]
+    except KeyError as e:
+        raise ValueError(f"node {node.name}: no strategies given for its producer {e.args[0]!r}") from None
+    for (p, i), c in zip(slots, cand, strict=True):
+        if not c:
+            raise ValueError(f"node {node.name}: producer {p.name} output {i} has no candidate placement")
+    return cand
+
+
+def _placeholder_strategies(node: fx.Node, val: Any, ms: tuple[int, ...], allow_uneven: bool, ball: Ball | None,
+                            cache: StrategyCache) -> tuple[Strategy, ...]:
+    """A placeholder's candidates: every placement of its tensor on the mesh (in the ball, if any)."""
+    if not _is_tensor(val):
+        return (Strategy((None,), ()),)
+    key: tuple = ("placeholder", tuple(val.shape), ms, allow_uneven, ball)
+    hit = cache.memo.get(key)
+    if hit is None:
+        hit = tuple(Strategy((pl,), ()) for pl in placeholder_placements(tuple(val.shape), ms, allow_uneven))
+        if ball is not None:
+            hit = tuple(s for s in hit if ball.contains(s))
+        if not hit:  # unreachable: all-Replicate always passes
+            raise AssertionError(f"placeholder {node.name}: no placement")
+        cache.memo[key] = hit
+    return hit
+
+
+def _tensor_args(node: fx.Node, cand: Sequence[tuple[Placements, ...]]) -> tuple[tuple, dict[str, Any]]:
+    """The node's arguments with every tensor replaced by a TensorArg (shape + candidate
+    placements, ``cand`` in slot order)."""
+    it = iter(cand)
+
+    def sub(a: object) -> object:
+        if isinstance(a, fx.Node):
+            v = _val(a)
+            if _is_tensor(v):
+                return tp.TensorArg(tuple(v.shape), tuple(v.stride()), v.dtype, next(it))
+            return v  # a non-tensor value (e.g. a SymInt) stands for itself
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    return tuple(sub(a) for a in node.args), {k: sub(v) for k, v in node.kwargs.items()}
+
+
+def _rule_strategies(op: Any, args: tuple, kwargs: dict[str, Any], val: Any, mesh: DeviceMesh, cache: StrategyCache,
+                     checks: TensorChecks, n_inputs: int, in_ball: Ball | None, nd: int) -> tuple[list[Strategy], str | None]:
+    """The strategies DTensor's sharding rule of ``op`` gives (expanded on codes where the
+    single-dim rule is exact), filtered by ``checks`` and ``in_ball``; with the reason when there
+    are none (the rule failed, disagreed with the node's inputs, or all were filtered out)."""
+    out_shapes = checks.out_shapes
+    result: list[Strategy] = []
+    reason = None
+    coded: expansion.Expansion | None = None
+    raw: list = []
+    try:
+        rule = tp.SingleDimRule(op, args, kwargs, val, mesh, cache.specs) if tp.rule_kind(op) == "single_dim" else None
+        if rule is not None and rule.exact:  # expanded on codes (apmodel.expansion)
+            combos = (np.array(_ball_combos(rule, in_ball, out_shapes), dtype=np.int64).reshape(-1, nd)
+                      if in_ball is not None else expansion.all_combinations(len(rule.entries), nd))
+            coded = expansion.expand(rule, combos, len(out_shapes), checks.output, checks.input)
+        elif in_ball is not None:
+            assert rule is not None  # restricting to a ball implies a single-dim rule
+            raw = rule.expand(_ball_combos(rule, in_ball, out_shapes))
+        else:
+            raw = tp.op_strategies(op, args, kwargs, val, mesh, memo=cache.specs)
+    except Exception as e:  # a rule that rejects these arguments: fall back to replicate
+        reason = f"DTensor rule of torch {torch.__version__} failed ({type(e).__name__}: {e})"
+        coded, raw = None, []
+    if coded is not None:
+        if coded.raw and coded.raw_inputs != n_inputs:
+            reason = f"rule gave {coded.raw_inputs} input placements for {n_inputs} tensor inputs"
+        else:
+            result = [s for s in (Strategy(outs, ins) for outs, ins in coded.strategies)
+                      if in_ball is None or in_ball.contains(s)]
+    seen: set[Strategy] = set()
+    for outs, ins in raw:
+        if len(ins) != n_inputs:
+            reason = f"rule gave {len(ins)} input placements for {n_inputs} tensor inputs"
+            result = []
+            break
+        s = _unmask(Strategy(_align_outputs(outs, out_shapes, nd), tuple(ins)))
+        if s in seen:
+            continue
+        seen.add(s)
+        if in_ball is not None and not in_ball.contains(s):
+            continue
+        if checks.keep(s):
+            result.append(s)
+    if reason is None and not result:
+        reason = "every strategy of the rule was filtered out"
+    return result, reason
 
 
 def _slot_shape(producer: fx.Node, index: int) -> tuple[int, ...]:

@@ -139,7 +139,7 @@ def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREAD
     calls = [c for c in recorded if fitted.time_us(*c.on_meta()) > 0]   # views and getitem are free
     fit_shapes = {tuple(tuple(s) for s in r["shapes"]) for r in fit_rows or ()}
     overlap = [str(c.op) for c in calls
-               if tuple(tuple(t.shape) for t in cm.compute._tensors(c.args)) in fit_shapes]
+               if tuple(tuple(t.shape) for t in cm.compute.tensors_in(c.args)) in fit_shapes]
     reference = list(fit_rows or ())[::max(1, len(fit_rows or ()) // DRIFT_REFERENCE_ROWS)][:DRIFT_REFERENCE_ROWS]
     cpu = torch.device("cpu")
     factories = [c.runner for c in calls] + [
@@ -152,7 +152,7 @@ def held_out(profile: ms.ComputeProfile, *, threads: int | None = DEFAULT_THREAD
     if bad:
         raise RuntimeError(f"could not time {bad[0][0]}: {bad[0][1]}")
     times, again = all_times[:len(calls)], all_times[len(calls):]
-    drift = mr._median(sorted(now / row["meas_us"] for now, row in zip(again, reference, strict=False))) if reference else 1.0
+    drift = mr.median_of_sorted(sorted(now / row["meas_us"] for now, row in zip(again, reference, strict=False))) if reference else 1.0
     metas = [c.on_meta() for c in calls]
     return {
         "recorded": len(recorded), "threads": n_threads, "in_fit_set": overlap, "drift": drift,

@@ -42,7 +42,7 @@ VIEW_OPS = frozenset({
 #: Ops that read a subset of their first tensor argument (bytes = indices + 2 x output).
 GATHER_OPS = frozenset({"embedding", "index_select", "gather", "index"})
 
-_DTYPE_KEY = {
+DTYPE_KEY = {
     torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8",
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
 }
@@ -80,7 +80,7 @@ def grouped_mm_dims(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tupl
     return grouped_mm_as_bmm(a, b)
 
 
-def _op_name(op: Any) -> str:
+def op_name(op: Any) -> str:
     pkt = getattr(op, "overloadpacket", None)
     if pkt is not None:
         return pkt.__name__
@@ -117,8 +117,8 @@ class RooflineCompute:
     def flops(self, op: Any, args: tuple, kwargs: dict | None, out: Any) -> int:
         """FLOPs by torch's flop counter, the grouped GEMM's as its batched GEMM (0 when the op is
         not registered)."""
-        ins, outs = _tensors(args) + _tensors(kwargs or {}), _tensors(out)
-        if _op_name(op) == GROUPED_MM and len(ins) >= 2 and outs:
+        ins, outs = tensors_in(args) + tensors_in(kwargs or {}), tensors_in(out)
+        if op_name(op) == GROUPED_MM and len(ins) >= 2 and outs:
             g, m, k, n = grouped_mm_dims(ins[0], ins[1], outs[0])
             return 2 * g * m * k * n
         f = flop_registry.get(getattr(op, "overloadpacket", None))
@@ -137,11 +137,11 @@ class RooflineCompute:
 
     def _analyse(self, op: Any, args: tuple, kwargs: dict, out: Any,
                  dtype: torch.dtype | None) -> dict[str, float]:
-        name = _op_name(op)
+        name = op_name(op)
         if name in VIEW_OPS or op is operator.getitem:
             return {"flops": 0, "bytes": 0, "compute_us": 0.0, "memory_us": 0.0, "total_us": 0.0}
-        ins = _tensors(args) + _tensors(kwargs)
-        outs = _tensors(out)
+        ins = tensors_in(args) + tensors_in(kwargs)
+        outs = tensors_in(out)
         if not ins and not outs:
             return {"flops": 0, "bytes": 0, "compute_us": 0.0, "memory_us": 0.0, "total_us": 0.0}
         nbytes = self._bytes(name, ins, outs, dtype)
@@ -169,7 +169,7 @@ class RooflineCompute:
     def _tensor_core_rate(self, ins: list[torch.Tensor], dtype: torch.dtype | None) -> float:
         dts = [t.dtype for t in ins if t.is_floating_point()]
         dt = dtype if (dtype is not None and dts) else (dts[0] if dts else torch.float32)
-        key = _DTYPE_KEY.get(dt, "fp32")
+        key = DTYPE_KEY.get(dt, "fp32")
         if key == "fp32":
             key = "tf32" if self.fp32_matmul == "tf32" else "fp32"
         return self.device.peak_flops(key) * self.device.matmul_efficiency
@@ -189,7 +189,7 @@ class RooflineCompute:
         return len(self._cache)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     _collect(tree, out)
     return out

@@ -138,15 +138,15 @@ class ComputeProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": PROFILE_SCHEMA, "device": self.device, "executions": list(self.executions),
-                "reference": _thaw(self.reference), "provenance": _thaw(self.provenance),
-                "fit": _thaw(self.fit), "params": _thaw(self.params)}
+                "reference": thaw(self.reference), "provenance": thaw(self.provenance),
+                "fit": thaw(self.fit), "params": thaw(self.params)}
 
     def dumps(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
 
     def replace(self, **changes: Any) -> "ComputeProfile":
-        d = {"device": self.device, "params": _thaw(self.params), "reference": _thaw(self.reference),
-             "provenance": _thaw(self.provenance), "fit": _thaw(self.fit), "source": self.source,
+        d = {"device": self.device, "params": thaw(self.params), "reference": thaw(self.reference),
+             "provenance": thaw(self.provenance), "fit": thaw(self.fit), "source": self.source,
              "executions": self.executions}
         d.update(changes)
         return ComputeProfile(**d)
@@ -157,7 +157,7 @@ class ComputeProfile:
         ratio of dense peaks (per dtype), HBM bandwidth by the ratio of HBM bandwidths. CPU floors,
         latencies, the L2 rate and capacity, traffic factors and alignment efficiencies are kept
         (same software stack; same die for H100/H200)."""
-        p = _thaw(self.params)
+        p = thaw(self.params)
         ref = self.reference
         hbm_ratio = spec.hbm_TBps / float(ref["hbm_TBps"])
         p["memory"]["hbm_TBps"] = _sig(p["memory"]["hbm_TBps"] * hbm_ratio)
@@ -172,7 +172,7 @@ class ComputeProfile:
         p["embedding_backward"]["scatter_GBps"] = _sig(p["embedding_backward"]["scatter_GBps"] * hbm_ratio)
         reference = {"device": spec.name, "peak_tflops": dict(spec.peak_tflops),
                      "hbm_TBps": spec.hbm_TBps, "sm_count": ref["sm_count"]}
-        prov = _thaw(self.provenance)
+        prov = thaw(self.provenance)
         prov["derived_from"] = {
             "device": self.device,
             "method": note or ("datasheet ratios: matmul/attention TFLOP/s x peak ratio "
@@ -216,11 +216,11 @@ def _freeze(x: Any) -> Any:
     return x
 
 
-def _thaw(x: Any) -> Any:
+def thaw(x: Any) -> Any:
     if isinstance(x, Mapping):
-        return {k: _thaw(v) for k, v in x.items()}
+        return {k: thaw(v) for k, v in x.items()}
     if isinstance(x, tuple):
-        return [_thaw(v) for v in x]
+        return [thaw(v) for v in x]
     return copy.copy(x)
 
 

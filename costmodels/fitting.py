@@ -38,8 +38,8 @@ import numpy as np
 
 from . import measured as ms
 from . import measurements as mr
-from .compute import _tensors
-from .compute_profile import _thaw
+from .compute import tensors_in
+from .compute_profile import thaw
 from .hardware import DeviceSpec
 from .hardware import device as _device
 
@@ -249,7 +249,7 @@ def settings_for(device: str | DeviceSpec, *, sm_count: int | None = None,
     initial = initial_params()
     h200 = ms.ComputeProfile(device="h200", params=initial, reference=reference_of("h200"))
     if not h200.matches(spec):
-        initial = _thaw(h200.scaled_to(spec).params)
+        initial = thaw(h200.scaled_to(spec).params)
     if cache_MiB is not None:
         initial["memory"]["l2_MiB"] = float(cache_MiB)
     return FitSettings(initial=initial, reference=reference)
@@ -391,7 +391,7 @@ def fit_profile(rows: Rows | Sequence[Mapping[str, Any]], device: str | DeviceSp
     data = rows if isinstance(rows, Rows) else Rows(rows)
     say: Log = log or (lambda s: logger.info("%s", s))
     reference = settings.reference
-    params = copy.deepcopy(_thaw(settings.initial))
+    params = copy.deepcopy(thaw(settings.initial))
     # a backend without measurements (cuDNN on a CPU) takes flash's parameters
     att_rows = {r["op"].split("_")[1] for r in data.rows if r["op"].startswith("sdpa_") and r.get("meas_us") is not None}
     if att_rows and "flash" in att_rows:
@@ -589,12 +589,12 @@ def prediction_report(model: Any, calls: Sequence[mr.Call], measured_us: Sequenc
     items: list[dict[str, Any]] = []
     for c, meas in zip(calls, measured_us, strict=False):
         pred = float(model.time_us(c.op, c.args, c.kwargs, c.out))
-        items.append({"op": str(c.op), "shapes": [list(t.shape) for t in _tensors(c.args)],
+        items.append({"op": str(c.op), "shapes": [list(t.shape) for t in tensors_in(c.args)],
                       "meas_us": float(meas), "pred_us": pred,
                       "factor": max(pred / meas, meas / pred) if pred > 0 else math.inf})
     if not items:
         return {"ops": 0}
     factors: list[float] = sorted(float(it["factor"]) for it in items)
-    return {"ops": len(items), "median_factor": mr._median(factors), "max_factor": factors[-1],
+    return {"ops": len(items), "median_factor": mr.median_of_sorted(factors), "max_factor": factors[-1],
             "within": sum(f <= factor for f in factors) / len(factors), "factor": factor,
             "worst": sorted(items, key=lambda it: -it["factor"])[:worst], "items": items}

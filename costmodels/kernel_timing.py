@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import torch
 
 from . import measurements as mr
-from .compute import _op_name, _tensors
+from .compute import op_name, tensors_in
 from .hardware import DeviceSpec
 from .hardware import device as _device
 
@@ -258,7 +258,7 @@ def _cpu_rows(quick: bool) -> list[dict[str, Any]]:
 def _embedding_backward_row(vocab: int, dim: int, tokens: int, dtype: str) -> dict[str, Any]:
     """An ``embedding_dense_backward`` row; ``bytes`` (table + gradient rows + int64 indices)
     carries the table size, as in the H200 file."""
-    isz = mr._DTYPES_BY_NAME[dtype].itemsize
+    isz = mr.DTYPES_BY_NAME[dtype].itemsize
     return {"op": "embedding_dense_backward", "shapes": [[tokens, dim], [tokens]], "dtype": dtype,
             "bytes": vocab * dim * isz + tokens * dim * isz + tokens * 8}
 
@@ -293,7 +293,7 @@ def kernel_rows(device_type: str, *, quick: bool = False) -> list[dict[str, Any]
 def _index_bound(op: Any, args: tuple) -> int:
     """Exclusive upper bound of the integer index arguments of ``op`` (rows of the table an
     embedding reads, classes of a loss); 1 (all zeros) for other ops."""
-    name = _op_name(op)
+    name = op_name(op)
     if name == "embedding" and isinstance(args[0], torch.Tensor):
         return int(args[0].shape[0])
     if name == "embedding_dense_backward":
@@ -490,7 +490,7 @@ def _row_bytes(calls: Sequence[mr.Call]) -> int:
     seen: set[int] = set()
     total = 0
     for c in calls:
-        for t in _tensors(c.args) + _tensors(c.kwargs) + _tensors(c.out):
+        for t in tensors_in(c.args) + tensors_in(c.kwargs) + tensors_in(c.out):
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()

@@ -58,15 +58,15 @@ from torch.fx.operator_schemas import get_signature_for_torch_op
 from torch.utils.flop_counter import flop_registry
 
 from .compute import (
-    _DTYPE_KEY,
+    DTYPE_KEY,
     GROUPED_MM,
     VIEW_OPS,
     RooflineCompute,
-    _op_name,
-    _tensors,
     call_key,
     grouped_mm_dims,
     memoized_time_us,
+    op_name,
+    tensors_in,
 )
 from .compute import GATHER_OPS as _ROOFLINE_GATHER_OPS
 from .compute_profile import (
@@ -362,11 +362,11 @@ class MeasuredCompute:
         """CPU and GPU time of ``op`` (uncached)."""
         if op is operator.getitem:
             return _FREE
-        name = _op_name(op)
+        name = op_name(op)
         if name in VIEW_OPS:
             return _FREE
-        ins = _tensors(args) + _tensors(kwargs)
-        outs = _tensors(out)
+        ins = tensors_in(args) + tensors_in(kwargs)
+        outs = tensors_in(out)
         if name in ALLOC_OPS:
             return Price("alloc", 0.0, 0.0, self._floor["elementwise"], 0.0)
         if not ins and not outs:
@@ -430,7 +430,7 @@ class MeasuredCompute:
         profile's rate for the dtype; other tensor-core dtypes (fp16, tf32, fp8) at the bf16
         fraction of their peak (assumption: no measurement); fp32 without TF32 on CUDA cores."""
         dt = dtype if (dtype is not None and a.is_floating_point()) else a.dtype
-        key = _DTYPE_KEY.get(dt, "fp32")
+        key = DTYPE_KEY.get(dt, "fp32")
         if key == "fp32" and self.fp32_matmul == "tf32":
             key = "tf32"
         if key in self._mm_tflops:

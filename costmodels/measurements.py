@@ -23,7 +23,7 @@ from .measured import MeasuredCompute
 MEASUREMENTS_SCHEMA = "apmodel.kernel_measurements/1"
 
 #: The dtypes a measurement row names (its ``dtype`` field).
-_DTYPES_BY_NAME = {
+DTYPES_BY_NAME = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
 }
@@ -67,7 +67,7 @@ def row_calls(row: Mapping[str, Any]) -> list[Call]:
     """
     aten = torch.ops.aten
     kind = row["op"]
-    dt = _DTYPES_BY_NAME[row["dtype"]]
+    dt = DTYPES_BY_NAME[row["dtype"]]
     shapes = [tuple(int(x) for x in s) for s in row["shapes"]]
 
     def t(shape: Sequence[int], dtype: torch.dtype = dt) -> torch.Tensor:
@@ -85,41 +85,7 @@ def row_calls(row: Mapping[str, Any]) -> list[Call]:
     if kind == "bmm":
         return [_call(aten.bmm.default, t(shapes[0]), t(shapes[1]))]
     if kind.startswith("sdpa_"):
-        backend = kind.split("_")[1]
-        causal = bool(row.get("causal", False))
-        q = t(shapes[0])
-        calls = []
-        if backend == "flash" and row.get("device_type") == "cpu":
-            fwd = _call(aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                                   q, q, q, q, o[0], o[1], 0.0, causal))
-        elif backend == "flash":
-            fwd = _call(aten._scaled_dot_product_flash_attention.default, q, q, q, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_flash_attention_backward.default,
-                                   q, q, q, q, o[0], o[1], o[2], o[3], o[4], o[5], 0.0, causal, o[6], o[7]))
-        elif backend == "cudnn":
-            fwd = _call(aten._scaled_dot_product_cudnn_attention.default, q, q, q, None, True, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_cudnn_attention_backward.default,
-                                   q, q, q, q, o[0], o[1], o[6], o[7], None, o[2], o[3], o[4], o[5], 0.0, causal))
-        elif backend == "efficient":
-            fwd = _call(aten._scaled_dot_product_efficient_attention.default, q, q, q, None, True, 0.0, causal)
-            calls.append(fwd)
-            if kind.endswith("_fwd_plus_bwd"):
-                o = fwd.out
-                calls.append(_call(aten._scaled_dot_product_efficient_attention_backward.default,
-                                   q, q, q, q, None, o[0], o[1], o[2], o[3], 0.0, [True, True, True, False], causal))
-        else:
-            raise ValueError(f"unknown attention backend in row op {kind!r}")
-        return calls
+        return _attention_calls(kind, row, t(shapes[0]))
     if kind == "add":
         return [_call(aten.add.Tensor, t(shapes[0]), t(shapes[1]))]
     if kind == "mul_scalar":
@@ -165,6 +131,46 @@ def row_calls(row: Mapping[str, Any]) -> list[Call]:
             raise ValueError(f"embedding_dense_backward row: cannot recover num_weights from bytes={row['bytes']}")
         return [_call(aten.embedding_dense_backward.default, t(grad), idx(ind), int(num_weights), -1, False)]
     raise ValueError(f"unknown measured op {kind!r}")
+
+
+def _attention_calls(kind: str, row: Mapping[str, Any], q: torch.Tensor) -> list[Call]:
+    """The calls of an ``sdpa_<backend>_fwd`` / ``_fwd_plus_bwd`` row (``q``: the query, key and
+    value alike): the backend's forward, then its backward on the forward's outputs."""
+    aten = torch.ops.aten
+    backend = kind.split("_")[1]
+    causal = bool(row.get("causal", False))
+    calls = []
+    if backend == "flash" and row.get("device_type") == "cpu":
+        fwd = _call(aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                               q, q, q, q, o[0], o[1], 0.0, causal))
+    elif backend == "flash":
+        fwd = _call(aten._scaled_dot_product_flash_attention.default, q, q, q, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_flash_attention_backward.default,
+                               q, q, q, q, o[0], o[1], o[2], o[3], o[4], o[5], 0.0, causal, o[6], o[7]))
+    elif backend == "cudnn":
+        fwd = _call(aten._scaled_dot_product_cudnn_attention.default, q, q, q, None, True, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_cudnn_attention_backward.default,
+                               q, q, q, q, o[0], o[1], o[6], o[7], None, o[2], o[3], o[4], o[5], 0.0, causal))
+    elif backend == "efficient":
+        fwd = _call(aten._scaled_dot_product_efficient_attention.default, q, q, q, None, True, 0.0, causal)
+        calls.append(fwd)
+        if kind.endswith("_fwd_plus_bwd"):
+            o = fwd.out
+            calls.append(_call(aten._scaled_dot_product_efficient_attention_backward.default,
+                               q, q, q, q, None, o[0], o[1], o[2], o[3], 0.0, [True, True, True, False], causal))
+    else:
+        raise ValueError(f"unknown attention backend in row op {kind!r}")
+    return calls
 
 
 def row_harness_cpu_us(model: MeasuredCompute, row: Mapping[str, Any]) -> float:
@@ -213,10 +219,10 @@ def fit_report(model: MeasuredCompute, rows: Sequence[Mapping[str, Any]], *, mea
         by_class.setdefault(_row_class(it["op"]), []).append(abs(math.log(it["ratio"])))
     return {
         "rows": len(items),
-        "median_abs_rel_err": _median(rel),
-        "median_abs_log_err": _median(logs),
+        "median_abs_rel_err": median_of_sorted(rel),
+        "median_abs_log_err": median_of_sorted(logs),
         "max_factor": math.exp(logs[-1]),
-        "by_class": {k: {"rows": len(v), "median_abs_log_err": _median(sorted(v)),
+        "by_class": {k: {"rows": len(v), "median_abs_log_err": median_of_sorted(sorted(v)),
                          "max_factor": math.exp(max(v))} for k, v in sorted(by_class.items())},
         "worst": by_factor[:worst],
         "items": items,
@@ -233,7 +239,7 @@ def _row_class(op: str) -> str:
     return "memory"
 
 
-def _median(sorted_vals: Sequence[float]) -> float:
+def median_of_sorted(sorted_vals: Sequence[float]) -> float:
     n = len(sorted_vals)
     if n == 0:
         return math.nan

@@ -125,66 +125,95 @@ def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float, max_infli
     :data:`GLOO_MAX_INFLIGHT` on gloo). Deterministic: every rank orders the same program alike,
     so collectives of one process group are issued in the same order everywhere."""
     _check(ops)
-    n = len(ops)
-    users: list[list[int]] = [[] for _ in range(n)]
-    for i, op in enumerate(ops):
-        for j in op.inputs:
-            users[j].append(i)
-    wait_of: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        if op.kind == "wait":
-            wait_of.setdefault(op.inputs[0], i)
-    rooted = _static_rooted(ops)
-    prologue = [i for i, op in enumerate(ops) if rooted[i] and op.kind != "source"]
-    in_prologue = [False] * n
-    for i in prologue:
-        in_prologue[i] = True
-    slots = [i for i, op in enumerate(ops) if op.kind == "compute" and not in_prologue[i]]
+    return _IssueOrder(ops, inflight_limit_bytes, max_inflight).run()
 
-    # collectives whose result another collective reads (through views): a gradient reduced over
-    # one mesh axis, then the next; their waits are taken as soon as they have settled, so the
-    # next link starts without waiting for a reader at the end of the step
-    feeds_collective = [False] * n
-    for i in range(n - 1, -1, -1):
-        feeds_collective[i] = any(ops[u].kind == "issue" or (ops[u].kind in ("view", "wait") and feeds_collective[u])
-                                  for u in users[i])
-    is_link = [i in wait_of and feeds_collective[wait_of[i]] for i in range(n)]
-    # a view a collective reads is taken as soon as it can be, so the collective is not held back
-    eager_view = [op.kind == "view" and any(ops[u].kind == "issue" or feeds_collective[u] for u in users[i])
-                  for i, op in enumerate(ops)]
 
-    emitted = [False] * n
-    missing = [len(set(op.inputs)) for op in ops]
-    order: list[int] = []
-    inflight: OrderedDict[int, float] = OrderedDict()  # issue -> heavy ops emitted before it
-    state = {"used": 0.0, "heavy": 0.0}
-    ready_issues: list[int] = []  # heap: collectives (and views they read) outside the prologue, inputs ready
+class _IssueOrder:
+    """The working state of :func:`issue_order`: the program's structure (read once) and the order
+    emitted so far, with the collectives in flight."""
 
-    def emit(i: int) -> None:
-        order.append(i)
-        emitted[i] = True
+    def __init__(self, ops: Sequence[ProgramOp], inflight_limit_bytes: float, max_inflight: int | None) -> None:
+        self.ops, self.inflight_limit_bytes, self.max_inflight = ops, inflight_limit_bytes, max_inflight
+        n = self.n = len(ops)
+        users: list[list[int]] = [[] for _ in range(n)]
+        for i, op in enumerate(ops):
+            for j in op.inputs:
+                users[j].append(i)
+        self.users = users
+        wait_of: dict[int, int] = {}
+        for i, op in enumerate(ops):
+            if op.kind == "wait":
+                wait_of.setdefault(op.inputs[0], i)
+        self.wait_of = wait_of
+        rooted = _static_rooted(ops)
+        self.prologue = [i for i, op in enumerate(ops) if rooted[i] and op.kind != "source"]
+        self.in_prologue = [False] * n
+        for i in self.prologue:
+            self.in_prologue[i] = True
+        self.slots = [i for i, op in enumerate(ops) if op.kind == "compute" and not self.in_prologue[i]]
+
+        # collectives whose result another collective reads (through views): a gradient reduced over
+        # one mesh axis, then the next; their waits are taken as soon as they have settled, so the
+        # next link starts without waiting for a reader at the end of the step
+        feeds_collective = [False] * n
+        for i in range(n - 1, -1, -1):
+            feeds_collective[i] = any(ops[u].kind == "issue" or (ops[u].kind in ("view", "wait") and feeds_collective[u])
+                                      for u in users[i])
+        self.is_link = [i in wait_of and feeds_collective[wait_of[i]] for i in range(n)]
+        # a view a collective reads is taken as soon as it can be, so the collective is not held back
+        self.eager_view = [op.kind == "view" and any(ops[u].kind == "issue" or feeds_collective[u] for u in users[i])
+                           for i, op in enumerate(ops)]
+
+        self.emitted = [False] * n
+        self.missing = [len(set(op.inputs)) for op in ops]
+        self.order: list[int] = []
+        self.inflight: OrderedDict[int, float] = OrderedDict()  # issue -> heavy ops emitted before it
+        self.used = 0.0  # bytes in flight
+        self.heavy = 0.0  # heavy ops emitted
+        self.ready_issues: list[int] = []  # heap: collectives (and views they read) outside the prologue, inputs ready
+        self.pointer = 0  # the next prologue op
+
+    def run(self) -> list[int]:
+        ops = self.ops
+        for i, op in enumerate(ops):
+            if op.kind == "source":
+                self.emit(i)
+        for s in self.slots:
+            self.advance()
+            self.demand(s)
+        for i in range(self.n):  # what no slot read: the prologue's tail, collectives nobody waits for
+            if not self.emitted[i]:
+                self.demand(i)
+        return self.order
+
+    def emit(self, i: int) -> None:
+        ops, inflight = self.ops, self.inflight
+        self.order.append(i)
+        self.emitted[i] = True
         op = ops[i]
-        state["heavy"] += op.weight
+        self.heavy += op.weight
         if op.kind == "issue":
-            inflight[i] = state["heavy"]
-            state["used"] += op.nbytes
+            inflight[i] = self.heavy
+            self.used += op.nbytes
         elif op.kind == "wait":
             c = op.inputs[0]
             if c in inflight:
                 del inflight[c]
-                state["used"] -= ops[c].nbytes
-        for u in set(users[i]):
+                self.used -= ops[c].nbytes
+        missing = self.missing
+        for u in set(self.users[i]):
             missing[u] -= 1
-            if missing[u] == 0 and not in_prologue[u] and (ops[u].kind == "issue" or eager_view[u]):
-                heapq.heappush(ready_issues, u)
+            if missing[u] == 0 and not self.in_prologue[u] and (ops[u].kind == "issue" or self.eager_view[u]):
+                heapq.heappush(self.ready_issues, u)
 
-    def fits(i: int) -> bool:
-        if max_inflight is not None and len(inflight) >= max_inflight:
+    def fits(self, i: int) -> bool:
+        if self.max_inflight is not None and len(self.inflight) >= self.max_inflight:
             return False
-        return not inflight or state["used"] + ops[i].nbytes <= inflight_limit_bytes
+        return not self.inflight or self.used + self.ops[i].nbytes <= self.inflight_limit_bytes
 
-    def demand(target: int) -> None:
+    def demand(self, target: int) -> None:
         """Emit ``target`` and everything it reads (iteratively: graphs are deep)."""
+        ops, emitted, inflight = self.ops, self.emitted, self.inflight
         stack = [target]
         while stack:
             i = stack[-1]
@@ -195,24 +224,25 @@ def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float, max_infli
             if todo:
                 stack.extend(reversed(todo))
                 continue
-            if ops[i].kind == "issue" and not fits(i):  # make room: the oldest in flight is waited
+            if ops[i].kind == "issue" and not self.fits(i):  # make room: the oldest in flight is waited
                 oldest = next(iter(inflight))
-                if oldest in wait_of:
-                    stack.append(wait_of[oldest])
+                if oldest in self.wait_of:
+                    stack.append(self.wait_of[oldest])
                 else:  # a collective nobody waits for stops counting
                     del inflight[oldest]
-                    state["used"] -= ops[oldest].nbytes
+                    self.used -= ops[oldest].nbytes
                 continue
             stack.pop()
-            emit(i)
+            self.emit(i)
 
-    def settled(c: int) -> bool:
+    def settled(self, c: int) -> bool:
         """A collective the program may wait for without stalling (by its structure, the same on
         every rank): at least one heavy op (``weight``) ran since it was issued."""
-        return c in inflight and c in wait_of and state["heavy"] - inflight[c] >= 1
+        return c in self.inflight and c in self.wait_of and self.heavy - self.inflight[c] >= 1
 
-    def waits_behind(i: int) -> list[int]:
+    def waits_behind(self, i: int) -> list[int]:
         """The collectives whose unemitted waits op ``i`` reads, directly or through views."""
+        ops, emitted = self.ops, self.emitted
         found, stack, seen = [], [i], set()
         while stack:
             j = stack.pop()
@@ -226,60 +256,59 @@ def issue_order(ops: Sequence[ProgramOp], inflight_limit_bytes: float, max_infli
                     stack.append(k)
         return found
 
-    pointer = 0
-
-    def advance() -> None:
+    def advance(self) -> None:
         """Before a slot: issue what is ready, run the prologue ahead, wait for what has settled
         when that unblocks them."""
-        nonlocal pointer
         while True:
-            progressed = False
             blockers: list[int] = []
-            while ready_issues:  # collectives whose inputs exist, in program order
-                i = ready_issues[0]
-                if emitted[i]:
-                    heapq.heappop(ready_issues)
-                    continue
-                if ops[i].kind == "issue" and not fits(i):
-                    blockers.append(next(iter(inflight)))
-                    break
-                heapq.heappop(ready_issues)
-                emit(i)
-                progressed = True
-            while pointer < len(prologue):  # the prologue runs ahead, in program order
-                i = prologue[pointer]
-                op = ops[i]
-                if emitted[i] or op.kind == "wait":  # its waits are left for their readers
-                    pointer += 1
-                    continue
-                behind = waits_behind(i)
-                if behind:  # a chained collective: behind the wait of the one before it
-                    blockers.extend(behind)
-                    break
-                if op.kind == "issue" and not fits(i):
-                    blockers.append(next(iter(inflight)))
-                    break
-                emit(i)
-                pointer += 1
-                progressed = True
-            blockers.extend(c for c in inflight if is_link[c])
+            progressed = self._issue_ready(blockers)
+            progressed = self._run_prologue(blockers) or progressed
+            blockers.extend(c for c in self.inflight if self.is_link[c])
             for c in dict.fromkeys(blockers):
-                if settled(c):
-                    demand(wait_of[c])
+                if self.settled(c):
+                    self.demand(self.wait_of[c])
                     progressed = True
             if not progressed:
                 return
 
-    for i, op in enumerate(ops):
-        if op.kind == "source":
-            emit(i)
-    for s in slots:
-        advance()
-        demand(s)
-    for i in range(n):  # what no slot read: the prologue's tail, collectives nobody waits for
-        if not emitted[i]:
-            demand(i)
-    return order
+    def _issue_ready(self, blockers: list[int]) -> bool:
+        """Issue the collectives whose inputs exist, in program order, while they fit (the oldest in
+        flight joins ``blockers`` where one does not); whether any was."""
+        ready_issues, emitted, progressed = self.ready_issues, self.emitted, False
+        while ready_issues:
+            i = ready_issues[0]
+            if emitted[i]:
+                heapq.heappop(ready_issues)
+                continue
+            if self.ops[i].kind == "issue" and not self.fits(i):
+                blockers.append(next(iter(self.inflight)))
+                break
+            heapq.heappop(ready_issues)
+            self.emit(i)
+            progressed = True
+        return progressed
+
+    def _run_prologue(self, blockers: list[int]) -> bool:
+        """Run the prologue ahead, in program order, until a chained collective or the limit blocks
+        it (what blocks it joins ``blockers``); whether anything ran."""
+        prologue, progressed = self.prologue, False
+        while self.pointer < len(prologue):
+            i = prologue[self.pointer]
+            op = self.ops[i]
+            if self.emitted[i] or op.kind == "wait":  # its waits are left for their readers
+                self.pointer += 1
+                continue
+            behind = self.waits_behind(i)
+            if behind:  # a chained collective: behind the wait of the one before it
+                blockers.extend(behind)
+                break
+            if op.kind == "issue" and not self.fits(i):
+                blockers.append(next(iter(self.inflight)))
+                break
+            self.emit(i)
+            self.pointer += 1
+            progressed = True
+        return progressed
 
 
 @dataclass

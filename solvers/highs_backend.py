@@ -138,16 +138,7 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
                 warm_start = x_lp
     if fallback is not None and time_limit is not None:
         left = time_limit - (time.perf_counter() - t0)
-        t1 = time.perf_counter()
-        fb = fallback(problem, max(1e-3, FALLBACK_TIME_SHARE * left))
-        stats["fallback_s"] = time.perf_counter() - t1
-        if fb is not None:
-            candidates.append((fb.assignment, "TRW-S"))
-            if fb.lower_bound is not None:
-                bounds.append(float(fb.lower_bound))
-            stats["fallback_energy"] = problem.energy(fb.assignment)
-            if warm_start is None or stats["fallback_energy"] < problem.energy(warm_start):
-                warm_start = fb.assignment
+        warm_start = _fallback_stage(problem, fallback, left, stats, candidates, bounds, warm_start)
     if time_limit is not None:
         time_limit = time_limit - (time.perf_counter() - t0)
         if time_limit <= MIP_MIN_S and candidates:  # no time left for the MIP: the best plan known
@@ -157,18 +148,7 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
                 stats.update(model_status="Time limit reached (before the MIP)", mip_nodes=0, plan_from=source)
                 return BackendResult(x, lower_bound=max(bounds) if bounds else None, status="time_limit",
                                      info=stats)
-    h = _new_highs(highspy)
-    if mip_rel_gap is not None:
-        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
-    _configure(h, time_limit, threads, options)
-    _pass(h, highspy, model, integral=True)
-    if warm_start is not None:
-        x0 = problem.check_assignment(warm_start)
-        sol = highspy.HighsSolution()
-        sol.col_value = model.columns_from_assignment(problem, x0).tolist()
-        sol.value_valid = True
-        h.setSolution(sol)
-    h.run()
+    h = _run_mip(problem, model, highspy, time_limit, threads, options, mip_rel_gap, warm_start)
     ms = h.getModelStatus()
     info = h.getInfo()
     M = highspy.HighsModelStatus
@@ -205,3 +185,38 @@ def solve_highs(problem: PairwiseProblem, time_limit: float | None = None, *, mi
                  stats["model_status"])
     bound = max(bounds) if bounds else None
     return BackendResult(x, lower_bound=bound, status=st, info=stats)
+
+
+def _fallback_stage(problem: PairwiseProblem, fallback: Fallback, left: float, stats: dict[str, Any],
+                    candidates: list[tuple[np.ndarray, str]], bounds: list[float], warm_start: Any) -> Any:
+    """Run ``fallback`` on its share of the ``left`` seconds: its plan joins ``candidates``, its
+    bound ``bounds``; the MIP's warm start (returned) is its plan when that is better."""
+    t1 = time.perf_counter()
+    fb = fallback(problem, max(1e-3, FALLBACK_TIME_SHARE * left))
+    stats["fallback_s"] = time.perf_counter() - t1
+    if fb is not None:
+        candidates.append((fb.assignment, "TRW-S"))
+        if fb.lower_bound is not None:
+            bounds.append(float(fb.lower_bound))
+        stats["fallback_energy"] = problem.energy(fb.assignment)
+        if warm_start is None or stats["fallback_energy"] < problem.energy(warm_start):
+            warm_start = fb.assignment
+    return warm_start
+
+
+def _run_mip(problem: PairwiseProblem, model: Any, highspy: Any, time_limit: float | None, threads: int | None,
+             options: dict | None, mip_rel_gap: float | None, warm_start: Any) -> Any:
+    """The MIP of ``model`` solved by HiGHS from ``warm_start`` (if any); the Highs object after its run."""
+    h = _new_highs(highspy)
+    if mip_rel_gap is not None:
+        h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+    _configure(h, time_limit, threads, options)
+    _pass(h, highspy, model, integral=True)
+    if warm_start is not None:
+        x0 = problem.check_assignment(warm_start)
+        sol = highspy.HighsSolution()
+        sol.col_value = model.columns_from_assignment(problem, x0).tolist()
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    return h

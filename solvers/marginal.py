@@ -25,7 +25,7 @@ from .problem import PairwiseProblem
 _HASH_SEED = 12345  # fixed seed for the row-hash vectors (deterministic models)
 
 
-def _classes(costs: np.ndarray, axis: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def row_classes(costs: np.ndarray, axis: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Per edge, label identical rows (axis=1) or columns (axis=2) of ``costs`` (k, a, b).
 
     Returns labels (k, n) in 0..count-1 (labels ordered by first occurrence is not required) and
@@ -73,7 +73,7 @@ def _per_edge_ranks(labels: np.ndarray, width: int) -> tuple[np.ndarray, np.ndar
     return (inv.reshape(labels.shape) - start[:, None]).astype(np.int64), np.diff(np.append(start, len(uniq)))
 
 
-def _finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
+def finite_absmax_per_edge(c: np.ndarray) -> np.ndarray:
     """Per edge, the largest finite |cost| (0 when none is finite); +inf and NaN (padding) entries skipped."""
     a = np.abs(c)
     np.putmask(a, ~(a < np.inf), 0.0)  # NaN < inf is False
@@ -121,7 +121,7 @@ class ClassCorners:
         for e in range(len(self.cu)):
             key = self.identity(e)
             if key not in by_identity:
-                by_identity[key] = float(_finite_absmax_per_edge(self.corner(e)[None])[0])
+                by_identity[key] = float(finite_absmax_per_edge(self.corner(e)[None])[0])
             out[e] = by_identity[key]
         return out
 
@@ -130,7 +130,7 @@ def factored_classes(rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray, ind
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, ClassCorners]:
     """Classes of both axes for edges given factored (edge ``k``'s matrix ``blocks[index[k]][np.ix_(rows[k],
     cols[k])]``, as in :class:`~solvers.FactoredStack`; ``index`` defaults to every block in turn), as
-    :func:`_classes` gives them for dense matrices, without making those: ``(lu, cu, lv, cv,
+    :func:`row_classes` gives them for dense matrices, without making those: ``(lu, cu, lv, cv,
     corners)``, the class pairs' costs as :class:`ClassCorners`.
 
     The classes are the labels the edges come with, renumbered per edge to those some state uses.
@@ -213,8 +213,8 @@ def build_marginal_model(problem: PairwiseProblem, compress: bool = True) -> Mar
             lu, cu, lv, cv, corners = factored_classes(f.row_class, f.col_class, f.blocks, f.block_of)
             block = corners.padded()
         elif compress:
-            lu, cu = _classes(g.costs, 1, rng)
-            lv, cv = _classes(g.costs, 2, rng)
+            lu, cu = row_classes(g.costs, 1, rng)
+            lv, cv = row_classes(g.costs, 2, rng)
         else:
             lu, cu = np.tile(np.arange(a), (k, 1)), np.full(k, a)
             lv, cv = np.tile(np.arange(b), (k, 1)), np.full(k, b)

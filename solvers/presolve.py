@@ -56,9 +56,27 @@ def _supports(g: EdgeGroup, finite: np.ndarray, other: np.ndarray, towards_u: bo
 def presolve(problem: PairwiseProblem) -> PresolveResult:
     p = problem
     allowed = np.isfinite(p.unary_flat).copy()
-    reasons: dict[int, list[str]] = {}
+    reasons: dict[int, list[str]] = {}  # variable -> what removed its states, for the messages
+    kept, absorbed = _absorb_single_variable_rows(p, allowed, reasons)
+    _check_vars(p, allowed, reasons, "unary costs and single-variable constraints")
+    _arc_consistency(p, allowed, reasons)
+    _check_vars(p, allowed, reasons, "after propagating forbidden pairs along edges")
+    if kept:
+        _check_rows(p, allowed, kept)
 
-    # 1. single-variable rows -> domain restrictions
+    removed = int(np.isfinite(p.unary_flat).sum() - allowed.sum())
+    if removed == 0 and not absorbed:
+        return PresolveResult(p, 0, ())
+    unary = np.where(allowed, p.unary_flat, np.inf)
+    reduced = PairwiseProblem._from_parts(p, unary, kept)
+    log.debug("presolve removed %d states, absorbed %d single-variable constraints", removed, len(absorbed))
+    return PresolveResult(reduced, removed, tuple(absorbed))
+
+
+def _absorb_single_variable_rows(p: PairwiseProblem, allowed: np.ndarray, reasons: dict[int, list[str]],
+                                 ) -> tuple[list[LinearConstraint], list[str]]:
+    """1. Single-variable rows become domain restrictions (in ``allowed``): the rows kept (over
+    several variables) and the names of those absorbed."""
     kept: list[LinearConstraint] = []
     absorbed: list[str] = []
     lo_all, hi_all = p.constraint_bounds
@@ -85,23 +103,26 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
             reasons.setdefault(v, []).append(f"constraint {c.name!r}")
         allowed[sl] &= ok
         absorbed.append(c.name)
+    return kept, absorbed
 
-    def check_vars(where: str) -> None:
-        counts = np.add.reduceat(allowed.astype(np.int64), p.offsets[:-1]) if p.n_vars else np.zeros(0)
-        empty = np.flatnonzero(counts == 0)
-        if len(empty):
-            names = tuple(p.var_name(v) for v in empty[:10])
-            detail = "; ".join(
-                f"{p.var_name(v)}: states removed by " + (", ".join(reasons.get(int(v), [])) or "its unary cost (all +inf)")
-                for v in empty[:10]
-            )
-            cons = tuple(sorted({r.split("'")[1] for v in empty for r in reasons.get(int(v), []) if r.startswith("constraint")}))
-            raise Infeasible(f"no feasible state for variable(s) {', '.join(names)} ({where}): {detail}",
-                             variables=names, constraints=cons)
 
-    check_vars("unary costs and single-variable constraints")
+def _check_vars(p: PairwiseProblem, allowed: np.ndarray, reasons: dict[int, list[str]], where: str) -> None:
+    """Infeasible, naming what removed them, when a variable has no allowed state left."""
+    counts = np.add.reduceat(allowed.astype(np.int64), p.offsets[:-1]) if p.n_vars else np.zeros(0)
+    empty = np.flatnonzero(counts == 0)
+    if len(empty):
+        names = tuple(p.var_name(v) for v in empty[:10])
+        detail = "; ".join(
+            f"{p.var_name(v)}: states removed by " + (", ".join(reasons.get(int(v), [])) or "its unary cost (all +inf)")
+            for v in empty[:10]
+        )
+        cons = tuple(sorted({r.split("'")[1] for v in empty for r in reasons.get(int(v), []) if r.startswith("constraint")}))
+        raise Infeasible(f"no feasible state for variable(s) {', '.join(names)} ({where}): {detail}",
+                         variables=names, constraints=cons)
 
-    # 2. arc consistency
+
+def _arc_consistency(p: PairwiseProblem, allowed: np.ndarray, reasons: dict[int, list[str]]) -> None:
+    """2. Arc consistency: a state no allowed state of a neighbour can pair with (finitely) goes."""
     finite = [np.isfinite(g.costs) if g.factors is None else np.isfinite(g.factors.blocks)[g.factors.block_of]
               for g in p.groups]
     idx_u = [p.offsets[g.u][:, None] + np.arange(g.shape[0]) for g in p.groups]
@@ -144,31 +165,24 @@ def presolve(problem: PairwiseProblem) -> PresolveResult:
         if not changed:
             break
         touched = touched_now
-    check_vars("after propagating forbidden pairs along edges")
 
-    # 3. rows: min / max achievable left-hand side over allowed states
-    if kept:
-        base = PairwiseProblem._from_parts(p, p.unary_flat, kept)
-        mat = base.constraint_matrix
-        lo_k, hi_k = base.constraint_bounds
-        for i, c in enumerate(kept):
-            row = mat.getrow(i).toarray().ravel()
-            mins = np.minimum.reduceat(np.where(allowed, row, np.inf), p.offsets[:-1])
-            maxs = np.maximum.reduceat(np.where(allowed, row, -np.inf), p.offsets[:-1])
-            mn, mx = float(mins.sum()), float(maxs.sum())
-            if mn > hi_k[i] + _tol(c.rhs):
-                raise Infeasible(
-                    f"constraint {c.name!r}: the smallest achievable left-hand side is {mn:g} > rhs {c.rhs:g}",
-                    constraints=(c.name,))
-            if mx < lo_k[i] - _tol(c.rhs):
-                raise Infeasible(
-                    f"constraint {c.name!r}: the largest achievable left-hand side is {mx:g} < rhs {c.rhs:g}",
-                    constraints=(c.name,))
 
-    removed = int(np.isfinite(p.unary_flat).sum() - allowed.sum())
-    if removed == 0 and not absorbed:
-        return PresolveResult(p, 0, ())
-    unary = np.where(allowed, p.unary_flat, np.inf)
-    reduced = PairwiseProblem._from_parts(p, unary, kept)
-    log.debug("presolve removed %d states, absorbed %d single-variable constraints", removed, len(absorbed))
-    return PresolveResult(reduced, removed, tuple(absorbed))
+def _check_rows(p: PairwiseProblem, allowed: np.ndarray, kept: list[LinearConstraint]) -> None:
+    """3. Rows: Infeasible when the min / max achievable left-hand side over the allowed states
+    cannot meet the right-hand side."""
+    base = PairwiseProblem._from_parts(p, p.unary_flat, kept)
+    mat = base.constraint_matrix
+    lo_k, hi_k = base.constraint_bounds
+    for i, c in enumerate(kept):
+        row = mat.getrow(i).toarray().ravel()
+        mins = np.minimum.reduceat(np.where(allowed, row, np.inf), p.offsets[:-1])
+        maxs = np.maximum.reduceat(np.where(allowed, row, -np.inf), p.offsets[:-1])
+        mn, mx = float(mins.sum()), float(maxs.sum())
+        if mn > hi_k[i] + _tol(c.rhs):
+            raise Infeasible(
+                f"constraint {c.name!r}: the smallest achievable left-hand side is {mn:g} > rhs {c.rhs:g}",
+                constraints=(c.name,))
+        if mx < lo_k[i] - _tol(c.rhs):
+            raise Infeasible(
+                f"constraint {c.name!r}: the largest achievable left-hand side is {mx:g} < rhs {c.rhs:g}",
+                constraints=(c.name,))

@@ -171,55 +171,71 @@ def _positions(states: np.ndarray, n_orig: int) -> np.ndarray:
 
 def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: bool = True) -> Reduction:
     """Apply the reductions of the module docstring until none applies; raise Infeasible when one proves it."""
-    p = problem
-    n = p.n_vars
-    n_orig = p.n_states.tolist()
-    unary = [np.array(u, dtype=np.float64) for u in p.unary]
-    states = [np.arange(k, dtype=np.int64) for k in n_orig]
-    adj: list[dict[int, np.ndarray | _Factored]] = [dict() for _ in range(n)]  # adj[v][w]: rows = states of v
-    for g in p.groups:
-        for k in range(len(g)):
-            u, v = int(g.u[k]), int(g.v[k])
-            # a read-only view (or factors): every rule below makes new matrices, never writes one
-            f = g.factors
-            m = g.costs[k] if f is None else _Factored(f.blocks, int(f.block_of[k]), f.row_class[k], f.col_class[k])
-            adj[u][v] = m
-            adj[v][u] = m.T
-    frozen = np.zeros(n, dtype=bool)
-    for c in p.constraints:
-        for v, _, _ in c.terms:
-            frozen[v] = True
-    alive = np.ones(n, dtype=bool)
-    records: list[_Record] = []
-    offset = 0.0
-    counts = {"fixed": 0, "leaf": 0, "series": 0, "states_removed": 0}
-    finite_blocks: dict[tuple[int, int, bool], np.ndarray] = {}  # see _rows_with_a_finite_entry
+    reducer = _Reducer(problem, series=series, dominance=dominance)
+    reducer.run()
+    return reducer.reduction()
 
-    def restrict_states(v: int, keep: np.ndarray) -> None:
+
+class _Reducer:
+    """The working state of :func:`reduce_problem`: per variable its unary, its surviving original
+    states and its edges (``adj[v][w]``: rows are the states of ``v``), what is eliminated and how
+    to undo it."""
+
+    def __init__(self, problem: PairwiseProblem, *, series: bool, dominance: bool) -> None:
+        p = self.p = problem
+        self.series, self.dominance = series, dominance
+        n = self.n = p.n_vars
+        self.n_orig = p.n_states.tolist()
+        self.unary = [np.array(u, dtype=np.float64) for u in p.unary]
+        self.states = [np.arange(k, dtype=np.int64) for k in self.n_orig]
+        self.adj: list[dict[int, np.ndarray | _Factored]] = [dict() for _ in range(n)]  # adj[v][w]: rows = states of v
+        for g in p.groups:
+            for k in range(len(g)):
+                u, v = int(g.u[k]), int(g.v[k])
+                # a read-only view (or factors): every rule below makes new matrices, never writes one
+                f = g.factors
+                m = g.costs[k] if f is None else _Factored(f.blocks, int(f.block_of[k]), f.row_class[k], f.col_class[k])
+                self.adj[u][v] = m
+                self.adj[v][u] = m.T
+        self.frozen = np.zeros(n, dtype=bool)
+        for c in p.constraints:
+            for v, _, _ in c.terms:
+                self.frozen[v] = True
+        self.alive = np.ones(n, dtype=bool)
+        self.records: list[_Record] = []
+        self.offset = 0.0
+        self.counts = {"fixed": 0, "leaf": 0, "series": 0, "states_removed": 0}
+        self.finite_blocks: dict[tuple[int, int, bool], np.ndarray] = {}  # see _rows_with_a_finite_entry
+        self.dirty = np.ones(n, dtype=bool)  # variables whose dominance test may find something new
+        self.stale = np.ones(n, dtype=bool)  # variables whose unary or edges changed since their last prune
+
+    def restrict_states(self, v: int, keep: np.ndarray) -> None:
         if keep.all():
             return
         if not keep.any():
-            raise Infeasible(f"no feasible state for variable {p.var_name(v)} (found while eliminating its "
-                             "neighbours: every state is forbidden)", variables=(p.var_name(v),))
-        counts["states_removed"] += int((~keep).sum())
+            raise Infeasible(f"no feasible state for variable {self.p.var_name(v)} (found while eliminating its "
+                             "neighbours: every state is forbidden)", variables=(self.p.var_name(v),))
+        self.counts["states_removed"] += int((~keep).sum())
+        adj = self.adj
         for w in adj[v]:
-            dirty[w] = stale[w] = True  # w's rows lost entries: a state may now dominate another, or be forbidden
-        unary[v] = unary[v][keep]
-        states[v] = states[v][keep]
+            self.dirty[w] = self.stale[w] = True  # w's rows lost entries: a state may now dominate another, or be forbidden
+        self.unary[v] = self.unary[v][keep]
+        self.states[v] = self.states[v][keep]
         for w, m in adj[v].items():
             m2 = m[keep]
             adj[v][w] = m2
             adj[w][v] = m2.T
 
-    def prune(v: int, dominated: bool) -> None:
+    def prune(self, v: int, dominated: bool) -> None:
         """Drop forbidden states of v, then (when ``dominated``, unless frozen) dominated ones."""
-        stale[v] = False
+        unary, adj = self.unary, self.adj
+        self.stale[v] = False
         keep = np.isfinite(unary[v])
         for m in adj[v].values():
-            keep &= _rows_with_a_finite_entry(m, finite_blocks)
-        restrict_states(v, keep)
+            keep &= _rows_with_a_finite_entry(m, self.finite_blocks)
+        self.restrict_states(v, keep)
         k = len(unary[v])
-        if not (dominance and dominated) or frozen[v] or k < 2:
+        if not (self.dominance and dominated) or self.frozen[v] or k < 2:
             return
         width = 1 + sum(m.shape[1] for m in adj[v].values())
         if k * k * width > MAX_DOMINANCE_WORK:
@@ -232,116 +248,126 @@ def reduce_problem(problem: PairwiseProblem, *, series: bool = True, dominance: 
         # index: a strict partial order, so a kept state dominates every removed one
         beats = le & (~le.T | (idx[:, None] < idx[None, :]))
         np.fill_diagonal(beats, False)
-        restrict_states(v, ~cast(np.ndarray, beats.any(axis=0)))  # an array (see _rows_with_a_finite_entry)
+        self.restrict_states(v, ~cast(np.ndarray, beats.any(axis=0)))  # an array (see _rows_with_a_finite_entry)
 
-    def drop_var(v: int) -> list[int]:
+    def drop_var(self, v: int) -> list[int]:
+        adj = self.adj
         nbrs = list(adj[v])
         for w in nbrs:
             del adj[w][v]
         adj[v].clear()
-        alive[v] = False
+        self.alive[v] = False
         return nbrs
 
-    def eliminate(v: int) -> list[int] | None:
+    def eliminate(self, v: int) -> list[int] | None:
         """Eliminate v if a rule applies; return the neighbours to revisit, or None."""
-        nonlocal offset
+        unary, states, adj = self.unary, self.states, self.adj
         k = len(unary[v])
         deg = len(adj[v])
         if k == 1:
             for w, m in adj[v].items():
                 unary[w] = unary[w] + np.asarray(m)[0]
-                dirty[w] = stale[w] = True
-            offset += float(unary[v][0])
-            records.append(_Record("fixed", v, value=int(states[v][0])))
-            counts["fixed"] += 1
-            return drop_var(v)
+                self.dirty[w] = self.stale[w] = True
+            self.offset += float(unary[v][0])
+            self.records.append(_Record("fixed", v, value=int(states[v][0])))
+            self.counts["fixed"] += 1
+            return self.drop_var(v)
         if deg == 0:
             s = int(np.argmin(unary[v]))
-            offset += float(unary[v][s])
-            records.append(_Record("fixed", v, value=int(states[v][s])))
-            counts["fixed"] += 1
-            alive[v] = False
+            self.offset += float(unary[v][s])
+            self.records.append(_Record("fixed", v, value=int(states[v][s])))
+            self.counts["fixed"] += 1
+            self.alive[v] = False
             return []
         if deg == 1:
             (w, m), = adj[v].items()
             tot = unary[v][:, None] + np.asarray(m)  # (k, n_w)
             arg = tot.argmin(axis=0)
             unary[w] = unary[w] + tot[arg, np.arange(tot.shape[1])]
-            dirty[w] = stale[w] = True
-            records.append(_Record("leaf", v, states=states[v], a=w, pos_a=_positions(states[w], n_orig[w]),
-                                   table=arg))
-            counts["leaf"] += 1
-            return drop_var(v)
-        if deg == 2 and series:
-            (a, ma), (b, mb) = adj[v].items()
-            if ma.shape[1] * k * mb.shape[1] > MAX_SERIES_WORK:
-                return None
-            ma, mb = np.asarray(ma), np.asarray(mb)
-            tot = ma.T[:, :, None] + unary[v][None, :, None] + mb[None, :, :]  # (n_a, k, n_b)
-            arg = tot.argmin(axis=1)
-            prod = np.take_along_axis(tot, arg[:, None, :], axis=1)[:, 0, :]
-            records.append(_Record("series", v, states=states[v], a=a, b=b,
-                                   pos_a=_positions(states[a], n_orig[a]), pos_b=_positions(states[b], n_orig[b]),
-                                   table=arg))
-            counts["series"] += 1
-            drop_var(v)
-            if b in adj[a]:
-                prod = np.asarray(adj[a][b]) + prod  # parallel edges are summed
-            adj[a][b] = prod
-            dirty[a] = dirty[b] = stale[a] = stale[b] = True
-            adj[b][a] = prod.T
-            return [a, b]
+            self.dirty[w] = self.stale[w] = True
+            self.records.append(_Record("leaf", v, states=states[v], a=w, pos_a=_positions(states[w], self.n_orig[w]),
+                                        table=arg))
+            self.counts["leaf"] += 1
+            return self.drop_var(v)
+        if deg == 2 and self.series:
+            return self._series(v)
         return None
 
-    dirty = np.ones(n, dtype=bool)  # variables whose dominance test may find something new
-    stale = np.ones(n, dtype=bool)  # variables whose unary or edges changed since their last prune
-    for _round in range(MAX_ROUNDS):
-        # (a) dominance, once per changed variable (the costly test); (b) eliminations to a fixpoint,
-        # pruning only forbidden states on the way
-        before = dict(counts)
-        for v in np.flatnonzero(alive & dirty).tolist():
-            dirty[v] = False
-            if alive[v]:
-                prune(v, True)
-        queue = np.flatnonzero(alive).tolist()[::-1]
-        queued = np.zeros(n, dtype=bool)
-        queued[queue] = True
-        while queue:
-            v = queue.pop()
-            queued[v] = False
-            if not alive[v]:
-                continue
-            if stale[v]:  # otherwise pruning finds nothing new
-                prune(v, False)
-            revisit = None if frozen[v] else eliminate(v)
-            for w in revisit or ():
-                if alive[w] and not queued[w]:
-                    queued[w] = True
-                    queue.append(w)
-        if counts == before or not (alive & dirty).any():
-            break
+    def _series(self, v: int) -> list[int] | None:
+        """Series reduction of ``v``, of degree 2 (when the product is small enough)."""
+        unary, states, adj, n_orig = self.unary, self.states, self.adj, self.n_orig
+        k = len(unary[v])
+        (a, ma), (b, mb) = adj[v].items()
+        if ma.shape[1] * k * mb.shape[1] > MAX_SERIES_WORK:
+            return None
+        ma, mb = np.asarray(ma), np.asarray(mb)
+        tot = ma.T[:, :, None] + unary[v][None, :, None] + mb[None, :, :]  # (n_a, k, n_b)
+        arg = tot.argmin(axis=1)
+        prod = np.take_along_axis(tot, arg[:, None, :], axis=1)[:, 0, :]
+        self.records.append(_Record("series", v, states=states[v], a=a, b=b,
+                                    pos_a=_positions(states[a], n_orig[a]), pos_b=_positions(states[b], n_orig[b]),
+                                    table=arg))
+        self.counts["series"] += 1
+        self.drop_var(v)
+        if b in adj[a]:
+            prod = np.asarray(adj[a][b]) + prod  # parallel edges are summed
+        adj[a][b] = prod
+        self.dirty[a] = self.dirty[b] = self.stale[a] = self.stale[b] = True
+        adj[b][a] = prod.T
+        return [a, b]
 
-    kept = np.flatnonzero(alive)
-    new_index = np.full(n, -1, dtype=np.int64)
-    new_index[kept] = np.arange(len(kept))
-    edges: list = []
-    factored: list = []
-    for v in kept.tolist():
-        for w, m in adj[v].items():
-            if v < w:
-                (factored if isinstance(m, _Factored) else edges).append((int(new_index[v]), int(new_index[w]), m))
-    edges += _factored_stacks(factored)
-    cons = []
-    for c in p.constraints:
-        terms = []
-        for v, s, coef in c.terms:
-            j = np.flatnonzero(states[v] == s)
-            if len(j):  # a removed state of a frozen variable is forbidden: its indicator is 0
-                terms.append((int(new_index[v]), int(j[0]), coef))
-        cons.append(LinearConstraint(c.name, terms, c.sense, c.rhs))
-    names = [p.names[v] for v in kept.tolist()] if p.names else None
-    reduced = PairwiseProblem([unary[v] for v in kept.tolist()], edges, cons, names=names)
-    stats = dict(counts, vars=len(kept), edges=reduced.n_edges, indicators=reduced.n_indicators)
-    log.debug("reduce: %d -> %d variables, %d -> %d edges, %d -> %d states (%s)", n, len(kept), p.n_edges,
-              reduced.n_edges, p.n_indicators, reduced.n_indicators, counts)
-    return Reduction(p, reduced, offset, kept, [states[v] for v in kept.tolist()], records, stats)
+    def run(self) -> None:
+        """Rounds of (a) dominance, once per changed variable (the costly test), and (b) eliminations
+        to a fixpoint, pruning only forbidden states on the way, until a round changes nothing."""
+        n, alive, dirty, stale = self.n, self.alive, self.dirty, self.stale
+        for _round in range(MAX_ROUNDS):
+            before = dict(self.counts)
+            for v in np.flatnonzero(alive & dirty).tolist():
+                dirty[v] = False
+                if alive[v]:
+                    self.prune(v, True)
+            queue = np.flatnonzero(alive).tolist()[::-1]
+            queued = np.zeros(n, dtype=bool)
+            queued[queue] = True
+            while queue:
+                v = queue.pop()
+                queued[v] = False
+                if not alive[v]:
+                    continue
+                if stale[v]:  # otherwise pruning finds nothing new
+                    self.prune(v, False)
+                revisit = None if self.frozen[v] else self.eliminate(v)
+                for w in revisit or ():
+                    if alive[w] and not queued[w]:
+                        queued[w] = True
+                        queue.append(w)
+            if self.counts == before or not (alive & dirty).any():
+                break
+
+    def reduction(self) -> Reduction:
+        """The reduced problem over the surviving variables, and how to map back."""
+        p, n, states, counts = self.p, self.n, self.states, self.counts
+        kept = np.flatnonzero(self.alive)
+        new_index = np.full(n, -1, dtype=np.int64)
+        new_index[kept] = np.arange(len(kept))
+        edges: list = []
+        factored: list = []
+        for v in kept.tolist():
+            for w, m in self.adj[v].items():
+                if v < w:
+                    (factored if isinstance(m, _Factored) else edges).append((int(new_index[v]), int(new_index[w]), m))
+        edges += _factored_stacks(factored)
+        cons = []
+        for c in p.constraints:
+            terms = []
+            for v, s, coef in c.terms:
+                j = np.flatnonzero(states[v] == s)
+                if len(j):  # a removed state of a frozen variable is forbidden: its indicator is 0
+                    terms.append((int(new_index[v]), int(j[0]), coef))
+            cons.append(LinearConstraint(c.name, terms, c.sense, c.rhs))
+        names = [p.names[v] for v in kept.tolist()] if p.names else None
+        reduced = PairwiseProblem([self.unary[v] for v in kept.tolist()], edges, cons, names=names)
+        stats = dict(counts, vars=len(kept), edges=reduced.n_edges, indicators=reduced.n_indicators)
+        log.debug("reduce: %d -> %d variables, %d -> %d edges, %d -> %d states (%s)", n, len(kept), p.n_edges,
+                  reduced.n_edges, p.n_indicators, reduced.n_indicators, counts)
+        return Reduction(p, reduced, self.offset, kept, [states[v] for v in kept.tolist()], records=self.records, stats=stats)

@@ -14,7 +14,7 @@ Compression.  States whose rows (columns) of an edge matrix are identical form a
 placement costs: states with the same layout).  A message is then a min over classes: take the
 class-wise minimum of the incoming vector, add the small class-pair block, expand to states.
 All edges whose class counts fit a common padding live in one set of flat ragged arrays sorted
-by source level (:class:`_Unified`), so each level costs a fixed handful of numpy calls whatever
+by source level (:class:`~solvers.trws_layout.Unified`), so each level costs a fixed handful of numpy calls whatever
 the mix of state counts; when the padded blocks of *all* edges stay small (``UNIFIED_ALL_ENTRIES``,
 e.g. the planner's reduced problems) every edge joins them, otherwise the remaining
 (incompressible, large) edges are handled per ``(n_u, n_v)`` shape group as contiguous slices of
@@ -22,7 +22,7 @@ stacked cost arrays.
 
 Kernels.  The above is the numpy kernel; its cost is numpy's per-call overhead times the levels
 (the planner's problems: ~80 levels for ~200 variables).  :mod:`solvers.trws_compiled` runs the
-same sweeps as compiled loops (numba, optional: the ``fast`` extra), 10-50x faster per sweep, with
+same sweeps as compiled loops (numba, optional: the ``fast`` extra), much faster per sweep, with
 the same messages (the order inside a level does not matter).  ``kernel="auto"`` (the default)
 starts on numpy and switches, messages carried over, once the run has lasted ``COMPILED_AFTER_S``.
 
@@ -42,16 +42,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import trws_compiled
 from .local_search import LocalSearch
-from .marginal import ClassCorners, _classes, _finite_absmax_per_edge, factored_classes
+from .marginal import ClassCorners, factored_classes, finite_absmax_per_edge, row_classes
 from .problem import PairwiseProblem
 from .solution import BackendResult, Infeasible, Unsupported
+from .trws_layout import Directed, Unified, class_block, class_dense, csr, levels
 
 #: ``(problem, x, bound, margins, deadline, target_gap, info) -> (x, bound)``: improves a TRW-S result
 PolishStep = Callable[[PairwiseProblem, np.ndarray, float, "np.ndarray | None", "float | None", float, dict],
@@ -100,126 +100,9 @@ def _compiled_kernel(kernel: str) -> bool:
     return True
 
 
-def _levels(n: int, lo_nbr_ptr: np.ndarray, lo_nbr: np.ndarray) -> np.ndarray:
-    """Longest-path level of every variable given, per variable, its earlier neighbours (CSR)."""
-    lev = [0] * n
-    ptr = lo_nbr_ptr.tolist()
-    nb = lo_nbr.tolist()
-    for v in range(n):
-        best = -1
-        for w in nb[ptr[v] : ptr[v + 1]]:
-            if lev[w] > best:
-                best = lev[w]
-        lev[v] = best + 1
-    return np.array(lev, dtype=np.int64)
-
-
-def _csr(n: int, keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    order = np.argsort(keys, kind="stable")
-    ptr = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(ptr, keys + 1, 1)
-    return np.cumsum(ptr), vals[order]
-
-
-@dataclass
-class _Directed:
-    """One shape group in one direction, sorted by the level of its source."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    costs: np.ndarray  # (k, n_src, n_dst), finite
-    src_idx: np.ndarray  # (k, n_src) flat indicator indices
-    dst_idx: np.ndarray  # (k, n_dst)
-    msg: np.ndarray  # (k, n_dst) message into dst
-    rev: np.ndarray  # position of the same edge in the other direction's arrays
-    level_ptr: np.ndarray | None  # edges with source level L are [level_ptr[L], level_ptr[L+1])
-    pair: int = -1  # index of the same edges' arrays in the other direction's list
-    raw: np.ndarray | None = None  # forward only: original-order costs (+inf allowed), for decoding
-    eid: np.ndarray = field(kw_only=True)  # position of each sorted edge in ``raw``
-    cid: np.ndarray = field(kw_only=True)  # the same edge's index in :class:`~solvers.trws_compiled.RaggedEdges`
-
-
-def _class_block(raw: np.ndarray, lu, cu, lv, cv) -> np.ndarray:
-    """(k, mu, mv) cost of each class pair (raw values, +inf allowed); padding marked by NaN."""
-    k, a, b = raw.shape
-    mu, mv = int(cu.max()), int(cv.max())
-    rep_u = np.zeros((k, mu), dtype=np.int64)
-    rep_u[np.arange(k)[:, None], lu] = np.arange(a)[None, :]
-    rep_v = np.zeros((k, mv), dtype=np.int64)
-    rep_v[np.arange(k)[:, None], lv] = np.arange(b)[None, :]
-    cc = raw[np.arange(k)[:, None, None], rep_u[:, :, None], rep_v[:, None, :]]
-    valid = (np.arange(mu)[None, :, None] < cu[:, None, None]) & (np.arange(mv)[None, None, :] < cv[:, None, None])
-    return np.where(valid, cc, np.nan)
-
-
-def _class_dense(lu: np.ndarray, lv: np.ndarray, block: np.ndarray) -> np.ndarray:
-    """The (k, a, b) matrices of class labels and a class block (the inverse of :func:`_class_block`)."""
-    return block[np.arange(len(block))[:, None, None], lu[:, :, None], lv[:, None, :]]
-
-
 UNIFIED_MAX_CLASSES = 32  # edges with at most this many row / column classes share one padded block array
 UNIFIED_ALL_ENTRIES = 2_000_000  # padded class blocks up to this many entries in total: every edge is unified
 UNIFIED_SMALL = 4  # without compressible edges, edges of at most this many classes are still unified
-
-
-class _RaggedClassMin:
-    """Class-wise minimum of ragged per-edge vectors (all edges of one direction, flat)."""
-
-    def __init__(self, labels: np.ndarray, ptr: np.ndarray, m: int) -> None:
-        counts = np.diff(ptr)
-        key = np.repeat(np.arange(len(counts)), counts) * m + labels
-        self.perm = np.argsort(key, kind="stable")
-        ks = key[self.perm]
-        new = np.ones(len(ks), dtype=bool)
-        new[1:] = ks[1:] != ks[:-1]
-        self.starts = np.flatnonzero(new)
-        self.dest = ks[self.starts]
-        self.seg_ptr = np.searchsorted(self.starts, ptr)
-        self.ptr = ptr
-        self.m = m
-
-    def __call__(self, vals: np.ndarray, e0: int, e1: int) -> np.ndarray:
-        f0, f1 = self.ptr[e0], self.ptr[e1]
-        s0, s1 = self.seg_ptr[e0], self.seg_ptr[e1]
-        out = np.full((e1 - e0) * self.m, np.inf)
-        out[self.dest[s0:s1] - e0 * self.m] = np.minimum.reduceat(vals[self.perm[f0:f1] - f0], self.starts[s0:s1] - f0)
-        return out.reshape(e1 - e0, self.m)
-
-
-def _ragged_take(flat: np.ndarray, ptr: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder a ragged array (segments ``flat[ptr[i]:ptr[i+1]]``) by ``order``."""
-    counts = np.diff(ptr)[order]
-    new_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    idx = np.repeat(ptr[:-1][order] - new_ptr[:-1], counts) + np.arange(new_ptr[-1])
-    return flat[idx], new_ptr
-
-
-class _Unified:
-    """All class-compressed edges of one direction in flat ragged arrays, sorted by source level.
-
-    One numpy call per step handles every edge of a level, whatever the state counts; costs live in
-    one padded block array ``blk`` (E, m_src, m_dst) of class-pair costs.
-    """
-
-    def __init__(self, p: PairwiseProblem, src, dst, lsrc, ptr_s, ldst, ptr_d, blk, order, lev, n_levels, gamma):
-        self.order = order
-        self.src, self.dst = src[order], dst[order]
-        self.lsrc, self.sptr = _ragged_take(lsrc, ptr_s, order)
-        self.ldst, self.dptr = _ragged_take(ldst, ptr_d, order)
-        ns, nd = np.diff(self.sptr), np.diff(self.dptr)
-        self.ns = ns
-        self.sidx = np.repeat(p.offsets[self.src] - self.sptr[:-1], ns) + np.arange(self.sptr[-1])
-        self.didx = np.repeat(p.offsets[self.dst] - self.dptr[:-1], nd) + np.arange(self.dptr[-1])
-        self.gamma_rep = np.repeat(gamma[self.src], ns)
-        self.blk = np.ascontiguousarray(blk[order])
-        self.ms, self.md = blk.shape[1], blk.shape[2]
-        self.erep_d = np.repeat(np.arange(len(self.src)), nd)
-        self.dst_flat = self.erep_d * self.md + self.ldst
-        self.src_min = _RaggedClassMin(self.lsrc, self.sptr, self.ms)
-        self.dst_min = _RaggedClassMin(self.ldst, self.dptr, self.md)
-        self.msg = np.zeros(self.dptr[-1])
-        self.rev: np.ndarray | None = None  # positions of the reverse messages (into src) in the other direction's msg
-        self.level_ptr = np.searchsorted(lev[self.src], np.arange(n_levels + 1), side="left")
 
 
 class TRWS:
@@ -245,10 +128,10 @@ class TRWS:
         eu = np.concatenate(us) if us else np.zeros(0, np.int64)
         ev = np.concatenate(vs) if vs else np.zeros(0, np.int64)
         # process variables in rank order: relabel to rank space for the level computation
-        lo_ptr, lo_nb = _csr(V, rank[ev], rank[eu])
-        hi_ptr, hi_nb = _csr(V, V - 1 - rank[eu], V - 1 - rank[ev])
-        self.lev_f = _levels(V, lo_ptr, lo_nb)[rank]
-        self.lev_b = _levels(V, hi_ptr, hi_nb)[V - 1 - rank]
+        lo_ptr, lo_nb = csr(V, rank[ev], rank[eu])
+        hi_ptr, hi_nb = csr(V, V - 1 - rank[eu], V - 1 - rank[ev])
+        self.lev_f = levels(V, lo_ptr, lo_nb)[rank]
+        self.lev_b = levels(V, hi_ptr, hi_nb)[V - 1 - rank]
         n_in = np.bincount(ev, minlength=V)
         n_out = np.bincount(eu, minlength=V)
         self.gamma = 1.0 / np.maximum(1, np.maximum(n_in, n_out))
@@ -276,13 +159,13 @@ class TRWS:
                     raw = g.costs if mask.all() else g.costs[mask]
                     if transposed:
                         raw, u, v = raw.transpose(0, 2, 1), v, u
-                    lu, cu = _classes(raw, 1, rng)
-                    lv, cv = _classes(raw, 2, rng)
+                    lu, cu = row_classes(raw, 1, rng)
+                    lv, cv = row_classes(raw, 2, rng)
                     a, b = raw.shape[1:]
                     block = None
                     if int(cu.max()) * int(cv.max()) <= COMPRESS_RATIO * a * b:
-                        block = _class_block(raw, lu, cu, lv, cv)
-                    absmax = _finite_absmax_per_edge(raw if block is None else block)
+                        block = class_block(raw, lu, cu, lv, cv)
+                    absmax = finite_absmax_per_edge(raw if block is None else block)
                 scale += float(absmax.sum())
                 parts.append((raw, u, v, lu, cu, lv, cv, block))
         self.scale = scale + 1.0
@@ -293,10 +176,10 @@ class TRWS:
         self.msum_lo = np.zeros(self.N)  # messages into v from earlier neighbours
         self.msum_hi = np.zeros(self.N)  # from later neighbours
         # phase 2: the compiled kernel's ragged edges, or the numpy kernel's arrays sorted by source level
-        self.fwd: list[_Directed] = []
-        self.bwd: list[_Directed] = []
-        self.ufwd: _Unified | None = None
-        self.ubwd: _Unified | None = None
+        self.fwd: list[Directed] = []
+        self.bwd: list[Directed] = []
+        self.ufwd: Unified | None = None
+        self.ubwd: Unified | None = None
         self.edges: trws_compiled.RaggedEdges | None = None
         self._ucanon = np.zeros(0, np.int64)  # index in RaggedEdges of every edge of the unified block
         # kept to switch kernels mid-run ("auto")
@@ -353,11 +236,11 @@ class TRWS:
                 block = block.padded()
             if max(int(cu.max()), int(cv.max())) <= cap:
                 if block is None:
-                    block = _class_block(raw, lu, cu, lv, cv)
+                    block = class_block(raw, lu, cu, lv, cv)
                 uparts.append((u, v, lu, lv, block))
                 ucanon.append(cid)
             else:  # a factored part's dense matrices are made only here (the numpy kernel's wide edges)
-                self._add_part(raw if raw is not None else _class_dense(lu, lv, block), u, v, cid)
+                self._add_part(raw if raw is not None else class_dense(lu, lv, block), u, v, cid)
         if uparts:
             self._ucanon = np.concatenate(ucanon)
             self._build_unified(uparts)
@@ -386,8 +269,8 @@ class TRWS:
         ptr_v = np.concatenate([[0], np.cumsum(p.n_states[Vv])]).astype(np.int64)
         of = np.argsort(self.lev_f[U], kind="stable")
         ob = np.argsort(self.lev_b[Vv], kind="stable")
-        f = _Unified(p, U, Vv, LU, ptr_u, LV, ptr_v, blk, of, self.lev_f, self.n_lev_f, self.gamma)
-        b = _Unified(p, Vv, U, LV, ptr_v, LU, ptr_u, blk.transpose(0, 2, 1), ob, self.lev_b, self.n_lev_b,
+        f = Unified(p, U, Vv, LU, ptr_u, LV, ptr_v, blk, of, self.lev_f, self.n_lev_f, self.gamma)
+        b = Unified(p, Vv, U, LV, ptr_v, LU, ptr_u, blk.transpose(0, 2, 1), ob, self.lev_b, self.n_lev_b,
                      self.gamma)
         inv_f = np.empty_like(of)
         inv_f[of] = np.arange(len(of))
@@ -413,9 +296,9 @@ class TRWS:
             return p.offsets[vars_][:, None] + np.arange(n)[None, :]
 
         fin = np.where(np.isfinite(raw), raw, self.big)
-        df = _Directed(u[of], v[of], np.ascontiguousarray(fin[of]), idx(u[of], a), idx(v[of], b), np.zeros((len(u), b)),
+        df = Directed(u[of], v[of], np.ascontiguousarray(fin[of]), idx(u[of], a), idx(v[of], b), np.zeros((len(u), b)),
                        inv_b[of], None, len(self.bwd), raw=raw, eid=of, cid=cid)
-        db = _Directed(v[ob], u[ob], np.ascontiguousarray(fin[ob].transpose(0, 2, 1)), idx(v[ob], b), idx(u[ob], a),
+        db = Directed(v[ob], u[ob], np.ascontiguousarray(fin[ob].transpose(0, 2, 1)), idx(v[ob], b), idx(u[ob], a),
                        np.zeros((len(u), a)), inv_f[ob], None, len(self.fwd), raw=None, eid=ob, cid=cid)
         self.fwd.append(df)
         self.bwd.append(db)
@@ -737,7 +620,7 @@ def _lagrangian(tr: TRWS, ls: LocalSearch | None, w: np.ndarray, rhs: float, max
 
 @functools.lru_cache(maxsize=1)
 def warm_up_in_background() -> threading.Thread | None:
-    """Load the compiled kernels (numba's import and cached code, ~0.6 s) in a daemon thread, once
+    """Load the compiled kernels (numba's import and cached code: see ``COMPILED_AFTER_S``) in a daemon thread, once
     per process, so that a solve starting later finds them warm and runs compiled from its first
     sweep; None without numba. A caller with other work first (the planner traces and builds for
     seconds before it solves) starts this, then goes on: numba's loading of machine code overlaps it."""

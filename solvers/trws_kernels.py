@@ -1,6 +1,6 @@
 """TRW-S's compiled loops (numba), over the arrays of :class:`solvers.trws_compiled.RaggedEdges`.
 
-Imported only when the compiled kernel is used (numba's import costs ~0.4 s). With numba each
+Imported only when the compiled kernel is used (numba's import is slow). With numba each
 function is compiled on first use and cached next to this file; without it they stay plain
 Python (``prange`` is ``range``), which the tests run on small problems.
 
@@ -55,7 +55,7 @@ def minplus_rows(forward, e, d0, d1, eu, ev, uptr, vptr, lu, lv, mu, mv, bptr, b
         if h < hm[c]:
             hm[c] = h
     # four running minima (independent chains, so the loop is not bound by one chain of min latencies);
-    # a row as a slice with range indices: numba then drops the negative-index checks (~2x faster)
+    # a row as a slice with range indices: numba then drops the negative-index checks
     n4 = cs - cs % 4
     at = prod_ptr[e]
     for d in range(d0, d1):

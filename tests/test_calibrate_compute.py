@@ -165,7 +165,7 @@ def test_cpu_kernel_set_is_priced_and_stays_below_the_allocator_threshold():
     for r in full:
         calls = mr.row_calls(r)
         for c in calls:
-            for t in cm.compute._tensors(c.out):
+            for t in cm.compute.tensors_in(c.out):
                 assert t.numel() * t.element_size() < kt.HOST_ALLOCATOR_WARM_BYTES, mr.describe_row(r)
     shapes = {tuple(map(tuple, r["shapes"])) for r in rows if r["op"] == "mm"}
     assert ((256, 256), (256, 255)) in shapes and ((256, 255), (255, 256)) in shapes     # misaligned pitches
@@ -187,7 +187,7 @@ def test_materialized_calls_run_what_is_priced():
     (_, a0, _), (_, a1, _), (_, a2, _) = seq
     assert a2[1].dtype == torch.int64 and 0 <= int(a2[1].min()) and int(a2[1].max()) < 50
     for (_, args, _), c in zip(seq, calls, strict=False):
-        for real, fake in zip(cm.compute._tensors(args), cm.compute._tensors(c.args), strict=False):
+        for real, fake in zip(cm.compute.tensors_in(args), cm.compute.tensors_in(c.args), strict=False):
             assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
     kt.runner(seq)()
     emb = mr.row_calls({"op": "embedding_dense_backward", "shapes": [[16, 8], [16]], "dtype": "float32",

@@ -20,7 +20,7 @@ from apmodel import expansion
 from apmodel.capture import capture
 from apmodel.models import build, config, sample_inputs
 from apmodel.options import PlanOptions
-from apmodel.placement_model import _distinct_blocks, _joint_classes, _PairSum
+from apmodel.pair_blocks import PairSum, distinct_blocks, joint_classes
 from apmodel.pricing import build_cost_context
 from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
 from apmodel.strategy_filters import Filter, TensorChecks
@@ -154,7 +154,7 @@ def test_pair_factors_count_repeated_matrices_once():
     want = a.copy()
     for f, transposed in terms[1:]:
         want = want + (dense[id(f)].T if transposed else dense[id(f)])
-    pair = _PairSum.of(terms)
+    pair = PairSum.of(terms)
     block = np.full((pair.block_shape[0] + 2, pair.block_shape[1] + 3), np.nan)  # written in place, as into a stack
     pair.write(block[: pair.block_shape[0], : pair.block_shape[1]])
     assert np.isnan(block[pair.block_shape[0]:]).all() and np.isnan(block[:, pair.block_shape[1]:]).all()
@@ -162,7 +162,7 @@ def test_pair_factors_count_repeated_matrices_once():
     out = block[np.ix_(pair.row_class, pair.col_class)]
     np.testing.assert_allclose(out, want, rtol=1e-13)  # the term-by-term sum, up to its rounding
     np.testing.assert_array_equal(out, (21 * a + 14 * b.T) + c)  # each distinct matrix once, times its count
-    one = _PairSum.of([(fb, True)])
+    one = PairSum.of([(fb, True)])
     block = np.empty(one.block_shape)
     one.write(block)
     np.testing.assert_array_equal(block[np.ix_(one.row_class, one.col_class)], b.T)
@@ -177,12 +177,12 @@ def test_pairs_summing_to_equal_blocks_share_one():
     fa[0][0, 0] = np.inf  # a forbidden pair, in both
     fa_copy[0][0, 0] = np.inf
     a, a_copy = fa[0][np.ix_(fa[1], fa[2])], fa_copy[0][np.ix_(fa_copy[1], fa_copy[2])]
-    pairs = [_PairSum.of([(fa, False)]), _PairSum.of([(fb, False)]), _PairSum.of([(fa_copy, False)]),
-             _PairSum.of([(fa, False), (fb, False)])]
+    pairs = [PairSum.of([(fa, False)]), PairSum.of([(fb, False)]), PairSum.of([(fa_copy, False)]),
+             PairSum.of([(fa, False), (fb, False)])]
     want = [a, b, a_copy, a + b]
     ca = max(p.block_shape[0] for p in pairs)
     cb = max(p.block_shape[1] for p in pairs)
-    blocks, block_of = _distinct_blocks(pairs, ca, cb)
+    blocks, block_of = distinct_blocks(pairs, ca, cb)
     assert block_of.tolist() == [0, 1, 0, 2] and len(blocks) == 3
     for pair, k, m in zip(pairs, block_of, want, strict=False):
         np.testing.assert_array_equal(blocks[k][np.ix_(pair.row_class, pair.col_class)], m)
@@ -192,7 +192,7 @@ def test_joint_classes_group_indices_labelled_alike_by_every_vector():
     rng = np.random.default_rng(1)
     for n, sizes in ((1, (1,)), (40, (3,)), (500, (4, 7, 2)), (300, (300, 300))):
         labels = [rng.integers(0, k, n) for k in sizes]
-        classes, first = _joint_classes(labels)
+        classes, first = joint_classes(labels)
         # brute force: the tuple of an index's labels is its class
         tuples = [tuple(int(lab[i]) for lab in labels) for i in range(n)]
         assert len(set(tuples)) == len(first)

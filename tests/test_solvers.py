@@ -788,7 +788,7 @@ def test_edge_stack_is_kept_as_given_and_checked():
 
 
 def test_row_classes_group_exactly_the_identical_rows():
-    from solvers.marginal import _classes
+    from solvers.marginal import row_classes
 
     rng = np.random.default_rng(0)
     for _ in range(150):
@@ -797,7 +797,7 @@ def test_row_classes_group_exactly_the_identical_rows():
         base[rng.random(base.shape) < 0.2] = np.inf
         costs = np.stack([base[e][rng.integers(0, 3, size=a)] for e in range(k)])
         for axis in (1, 2):
-            labels, counts = _classes(costs, axis, np.random.default_rng(1))
+            labels, counts = row_classes(costs, axis, np.random.default_rng(1))
             rows = costs if axis == 1 else costs.transpose(0, 2, 1)
             for e in range(k):
                 distinct = [tuple(r) for r in rows[e]]

@@ -18,7 +18,7 @@ signature accepts. Without ``loss_fn`` the model's output must be the scalar los
 
 Results go to stdout (rich tables, or JSON with ``--json``); progress and logs go to stderr.
 Every failure is one line ``error: ...`` on stderr naming what is wrong, with exit code 2 (``-vv``
-shows the traceback instead); all of them go through :func:`_errors`.
+shows the traceback instead); all of them go through :func:`error_boundary`.
 Heavy imports (torch) happen inside the commands so that ``--help`` is quick.
 """
 
@@ -40,7 +40,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from apmodel.cli.errors import CLIError, _console, _errors, describe_error
+from apmodel.cli.errors import CLIError, describe_error, error_boundary, results_console
 from apmodel.cli.flags import options_from_flags, with_option_flags
 from apmodel.cli.output import JSON_KEYS as JSON_KEYS  # the public contract's keys, re-exported
 from apmodel.cli.output import plan_json, print_plan
@@ -267,7 +267,7 @@ def plan(
     """Plan a model on a mesh and print the plan (or --json). Every planning option has a flag
     (below, by group) and a key of the --config file; the README's options table lists them."""
     _setup_logging(verbose)
-    with _errors(verbose), _cwd_importable():
+    with error_boundary(verbose), _cwd_importable():
         cfg = _merged_config(config, option_flags, model=model, mesh=mesh, seq=seq, batch=batch, layers=layers)
         _check_report_outputs(report_html, png)
         with _stdout_to_stderr(True), _Progress(True) as progress:
@@ -277,9 +277,9 @@ def plan(
         if json_out:
             typer.echo(json.dumps(plan_json(result, cfg), default=float))
         else:
-            print_plan(result, cfg, _console())
+            print_plan(result, cfg, results_console())
             if out is not None:
-                _console().print(f"plan saved to {out}", highlight=False, markup=False)
+                results_console().print(f"plan saved to {out}", highlight=False, markup=False)
 
 
 # --------------------------------------------------------------------------------- explain
@@ -292,7 +292,7 @@ def explain(
 ) -> None:
     """Why the plan chose what it chose at one node: every candidate priced with its neighbours fixed."""
     _setup_logging(verbose)
-    with _errors(verbose), _cwd_importable():
+    with error_boundary(verbose), _cwd_importable():
         _explain(plan_file, target, top)
 
 
@@ -308,7 +308,7 @@ def _explain(plan_file: Path, target: str, top: int) -> None:
     node = pm.fqn_to_node.get(target, target)
     rows = saved.explain(target)
     by_str = {str(s): s for s in pm.strategies[node]}
-    console = _console()
+    console = results_console()
     n = pm.node_by_name[node]
     console.print(f"[bold]{escape(target)}[/] (node {escape(node)}, {escape(str(n.target))}), {len(rows)} candidates; "
                   f"planned: {_strategy_str(saved.node_strategy[node])}", highlight=False)
@@ -334,7 +334,7 @@ def diff(
     limit: int = typer.Option(40, "--limit", min=0, help="Show at most this many differing nodes."),
 ) -> None:
     """Compare two plans: objectives, parameter placements, node strategies."""
-    with _errors():
+    with error_boundary():
         _diff(a, b, limit)
 
 
@@ -343,7 +343,7 @@ def _diff(a: Path, b: Path, limit: int) -> None:
     from apmodel.plans import diff as plan_diff
 
     pa, pb = Plan.load(a), Plan.load(b)
-    console = _console()
+    console = results_console()
     t = Table(title="Plans", title_justify="left")
     for col in ("", "mesh", "objective µs", "compute µs", "comm µs", "solver"):
         t.add_column(col)
@@ -420,7 +420,7 @@ def report(
 ) -> None:
     """A one-page HTML report of a saved plan, or of the differences between two plans."""
     _setup_logging(verbose)
-    with _errors(verbose), _cwd_importable():
+    with error_boundary(verbose), _cwd_importable():
         _report(plans, out, png, trace)
 
 
@@ -479,7 +479,7 @@ def calibrate(
     from apmodel.options import PlanOptions
 
     _setup_logging(verbose)
-    with _errors(verbose):
+    with error_boundary(verbose):
         options = PlanOptions(**options_from_flags(option_flags))
         _calibrate(logs, out, axes=axis, ranks=ranks, kind=kind, mesh=mesh, options=options, use=use)
 
@@ -528,7 +528,7 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
     cal.meta.update({"device": device, "gpus_per_node": gpus_per_node, "mesh_shape": list(shape),
                      "sources": [str(p) for p in logs]})
     cal.save(out)
-    console = _console()
+    console = results_console()
     t = Table(title=f"Calibration of the NCCL model ({escape(device)}, mesh {'x'.join(map(str, shape))})", title_justify="left")
     for col in ("collective", "axis", "sizes", "factor at min", "factor at max", "range"):
         t.add_column(col, justify="left" if col == "collective" else "right")
@@ -563,7 +563,7 @@ def calibrate_compute(
 ) -> None:
     """Measure kernels on this machine (its GPU if CUDA is present, else the CPU) and fit a compute profile."""
     _setup_logging(verbose)
-    with _errors(verbose):
+    with error_boundary(verbose):
         check_writable(out)
         meas_out = measurements_out if measurements_out is not None else out.with_name(f"{out.stem}_kernels.json")
         check_writable(meas_out, "--measurements-out")
@@ -593,7 +593,7 @@ def calibrate_compute(
         for k, v in rep["by_class"].items():
             t.add_row(escape(k), str(v["rows"]), f"{math.expm1(v['median_abs_log_err']):.1%}", f"{v['max_factor']:.2f}x")
         t.add_row("all", str(rep["rows"]), f"{rep['median_abs_rel_err']:.1%}", f"{rep['max_factor']:.2f}x")
-        console = _console()
+        console = results_console()
         console.print(t)
         notes = [f"{len(cal.measurements['skipped'])} kernels the device cannot run were skipped"] if cal.measurements["skipped"] else []
         if cal.fit.unconstrained:
@@ -610,7 +610,7 @@ def calibrate_compute(
 @app.command()
 def devices() -> None:
     """The device registry: peak throughput, memory, fabric, network."""
-    with _errors():
+    with error_boundary():
         _devices()
 
 
@@ -628,7 +628,7 @@ def _devices() -> None:
         t.add_row(name, ", ".join(sorted(aliases.get(name, []))), f"{d.peak_flops('bf16') / 1e12:,.0f}",
                   "—" if fp8 is None else f"{fp8:,.0f}", f"{d.hbm_TBps:.2f}", f"{d.hbm_GiB:.0f}",
                   d.fabric.kind, f"{d.fabric.GBps:.0f}", "yes" if d.fabric.nvls else "no", f"{d.nic_GBps:.1f}")
-    _console().print(t)
+    results_console().print(t)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The CLI's error boundary and its consoles: every failure becomes one ``error: ...`` line.
 
-:func:`_errors` wraps each command: a user error (``ValueError`` and friends raised with a message
+:func:`error_boundary` wraps each command: a user error (``ValueError`` and friends raised with a message
 naming the culprit, :class:`CLIError`, an infeasible constraint set, a data-dependent op met while
 tracing, with the model's own source line) prints as one line on stderr with exit code 2; ``-vv``
 re-raises instead. A reader that closes the pipe early is not a failure.
@@ -32,7 +32,7 @@ class _ResultConsole(Console):
         raise SystemExit(0)
 
 
-def _console() -> Console:
+def results_console() -> Console:
     """Console for results on stdout; wide tables when stdout is not a terminal (pipes, files)."""
     console = _ResultConsole()
     if not console.is_terminal:
@@ -139,7 +139,7 @@ def describe_error(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _errors(verbose: int = 0) -> Iterator[None]:
+def error_boundary(verbose: int = 0) -> Iterator[None]:
     """The CLI's one error boundary: any exception becomes one ``error:`` line and exit code 2.
 
     ``-vv`` re-raises instead, so the traceback is there when debugging."""

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 from apmodel.lowering.graph import Placements
 
 
-class _FromGlobal(torch.autograd.Function):
+class FromGlobal(torch.autograd.Function):
     """A plain input (the global value, the same on every rank) -> its DTensor at the planned
     placement (local chunk, no communication). Its gradient comes back as the full global tensor:
     gathering it is the one collective outside the plan (only for inputs that require grad)."""
@@ -31,7 +31,7 @@ class _FromGlobal(torch.autograd.Function):
         return g.full_tensor(), None, None
 
 
-class _JointStep(torch.autograd.Function):
+class JointStep(torch.autograd.Function):
     """forward: the joint graph's forward nodes; backward: its backward nodes (both over DTensors)."""
 
     @staticmethod

@@ -23,19 +23,19 @@ def _token(p: Placement) -> str:
     return placements.to_str(p)
 
 
-def _tokens(pl: Sequence[Placement]) -> tuple[str, ...]:
+def placement_tokens(pl: Sequence[Placement]) -> tuple[str, ...]:
     return tuple(_token(p) for p in pl)
 
 
-def _fmt(pl: Sequence[Placement] | None) -> str:
-    return "None" if pl is None else "".join(_tokens(pl))
+def format_placements(pl: Sequence[Placement] | None) -> str:
+    return "None" if pl is None else "".join(placement_tokens(pl))
 
 
-def _all_replicated(pl: Sequence[Placement]) -> bool:
+def all_replicated(pl: Sequence[Placement]) -> bool:
     return all(isinstance(p, Replicate) for p in pl)
 
 
-def _comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+def comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """True when going from src to dst needs no collective (only local chunking)."""
     return all(
         _token(s) == _token(d) or (isinstance(s, Replicate) and isinstance(d, Shard))
@@ -43,9 +43,9 @@ def _comm_free(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     )
 
 
-def _flatten(obj: Any) -> tuple[list, Any]:
+def flatten_args(obj: Any) -> tuple[list, Any]:
     """Leaves of nested tuples/lists/dicts (FX's immutable ones included) and a spec to rebuild them
-    with :func:`_unflatten` (lists and tuples come back as tuples' and lists' plain types)."""
+    with :func:`unflatten_args` (lists and tuples come back as tuples' and lists' plain types)."""
     leaves: list = []
 
     def walk(o: Any) -> Any:
@@ -59,7 +59,7 @@ def _flatten(obj: Any) -> tuple[list, Any]:
     return leaves, walk(obj)
 
 
-def _unflatten(leaves: Sequence[Any], spec: Any) -> Any:
+def unflatten_args(leaves: Sequence[Any], spec: Any) -> Any:
     it = iter(leaves)
 
     def build(sp: Any) -> Any:
@@ -73,7 +73,7 @@ def _unflatten(leaves: Sequence[Any], spec: Any) -> Any:
     return build(spec)
 
 
-def _tensor_vals(node: fx.Node) -> list:
+def tensor_vals(node: fx.Node) -> list:
     v = node.meta.get("val")
     if isinstance(v, torch.Tensor):
         return [v]
@@ -82,7 +82,7 @@ def _tensor_vals(node: fx.Node) -> list:
     return [v]
 
 
-def _check_even(name: str, shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int]) -> None:
+def check_even(name: str, shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int]) -> None:
     for d, size in enumerate(shape):
         ways = 1
         for axis, p in enumerate(pl):
@@ -90,19 +90,19 @@ def _check_even(name: str, shape: Sequence[int], pl: Placements, mesh_shape: Seq
                 ways *= mesh_shape[axis]
         if ways > 1 and int(size) % ways:
             raise ValueError(
-                f"plan shards node {name!r} dim {d} (size {size}) {ways} ways ({_fmt(pl)} on mesh "
+                f"plan shards node {name!r} dim {d} (size {size}) {ways} ways ({format_placements(pl)} on mesh "
                 f"{tuple(mesh_shape)}): uneven shards are not supported by lowering"
             )
 
 
-def _node_strategy(plan: Any, node: fx.Node):
+def node_strategy_of(plan: Any, node: fx.Node):
     try:
         return plan.node_strategy[node.name]
     except KeyError:
         raise ValueError(f"plan has no strategy for graph node {node.name!r} ({node.target})") from None
 
 
-def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
+def tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
     """(leaf position in the flattened (args, kwargs), producer, producer output index) for each
     input slot of ``node``, in the order of :func:`apmodel.strategies.input_slots` (the order of a
     strategy's ``inputs``)."""
@@ -113,7 +113,7 @@ def _tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
         slots[0][0].meta.get("val"), (tuple, list)
     ):
         return [(0, slots[0][0], slots[0][1])]
-    flat, _ = _flatten((node.args, node.kwargs))
+    flat, _ = flatten_args((node.args, node.kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
     if len(positions) != len(slots):
         raise ValueError(f"node {node.name!r} ({node.target}): cannot match its {len(slots)} input slots to its arguments")

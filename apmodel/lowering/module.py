@@ -14,10 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from apmodel.kernels import local_kernels as default_local_kernels
-from apmodel.lowering.autograd import _FromGlobal, _JointStep
-from apmodel.lowering.graph import _fmt, _tokens
+from apmodel.lowering.autograd import FromGlobal, JointStep
+from apmodel.lowering.graph import format_placements, placement_tokens
+from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
-from apmodel.lowering.program import LoweredProgram, ModelModes
+from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import planned_redistributions
 from apmodel.options import default_of
 
@@ -91,7 +92,7 @@ def _native_forward(self: nn.Module, traced: LoweredProgram, inputs: list) -> An
         v = getattr(owner, leaf)
         if not isinstance(v, DTensor) or v.placements != prog.storage[n]:
             raise ValueError(f"parameter {prog.captured.param_fqn[n.name]!r} must be a DTensor placed "
-                             f"{_fmt(prog.storage[n])}, got {_fmt(v.placements) if isinstance(v, DTensor) else type(v).__name__}")
+                             f"{format_placements(prog.storage[n])}, got {format_placements(v.placements) if isinstance(v, DTensor) else type(v).__name__}")
         params.append(v)
     buffers = [_global(getattr(*buffer_owners[n])) for n in prog.buffers]
     inputs = [x if x.device == device else x.to(device) for x in inputs]
@@ -129,7 +130,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if isinstance(x, DTensor):
             x = prog._redistribute(x, pl, node.name, sig.name(i), 0, "input")
         elif x.requires_grad:
-            x = _FromGlobal.apply(x, prog.mesh, pl)
+            x = FromGlobal.apply(x, prog.mesh, pl)
         else:  # the global tensor, identical on every rank: keep the local chunk, no communication
             x = distribute_tensor(x, prog.mesh, pl, src_data_rank=None)
         dinputs.append(x)
@@ -138,8 +139,8 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     for n in prog.params:
         fqn = prog.captured.param_fqn[n.name]
         v = self.get_parameter(fqn)
-        if not isinstance(v, DTensor) or _tokens(v.placements) != _tokens(prog.storage[n]):
-            raise ValueError(f"parameter {fqn!r} must be a DTensor placed {_fmt(prog.storage[n])}, got {type(v).__name__}")
+        if not isinstance(v, DTensor) or placement_tokens(v.placements) != placement_tokens(prog.storage[n]):
+            raise ValueError(f"parameter {fqn!r} must be a DTensor placed {format_placements(prog.storage[n])}, got {type(v).__name__}")
         if device is None:
             device = v.to_local().device
         values.append(v)
@@ -159,7 +160,7 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     prog.redistributions = traced.redistributions = []
     prog.new_buffer_values = {}
     keep = torch.is_grad_enabled() and any(v.requires_grad for v in values + dinputs)
-    out = _JointStep.apply(prog, device, keep, *values, *dinputs)
+    out = JointStep.apply(prog, device, keep, *values, *dinputs)
     with torch.no_grad():  # buffer updates of the step (replicated: the local value is the global one)
         for fqn, new in prog.new_buffer_values.items():
             self.get_buffer(fqn).copy_(new)

@@ -10,7 +10,7 @@ import logging
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -24,17 +24,18 @@ from apmodel._torch_private import OpOverload, has_sharding_rule, tracing_graph
 from apmodel.kernels import local_kernels as default_local_kernels
 from apmodel.lowering.graph import (
     Placements,
-    _all_replicated,
-    _check_even,
-    _comm_free,
-    _flatten,
-    _fmt,
-    _node_strategy,
-    _tensor_leaves,
-    _tensor_vals,
-    _tokens,
-    _unflatten,
+    all_replicated,
+    check_even,
+    comm_free,
+    flatten_args,
+    format_placements,
+    node_strategy_of,
+    placement_tokens,
+    tensor_leaves,
+    tensor_vals,
+    unflatten_args,
 )
+from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.records import Redistribution
 from apmodel.options import run_precision_of, torch_dtype
 from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
@@ -55,7 +56,7 @@ class _Slot:
 class _Step:
     node: fx.Node
     target: Callable
-    spec: Any  # structure of (args, kwargs), see _flatten
+    spec: Any  # structure of (args, kwargs), see flatten_args
     leaves: list  # constants, _Ref(node) or _DEVICE markers
     slots: list[_Slot]
     outputs: tuple  # planned output placements (one per tensor output, None for non-tensors)
@@ -160,58 +161,6 @@ def _contiguous(x: Any) -> Any:
     return x
 
 
-@dataclass(frozen=True)
-class ModelModes:
-    """What of a model's state changes its step's graph without changing its code: ``training``
-    of each module (``modules()`` order: BatchNorm's statistics, dropout) and ``requires_grad``
-    of each parameter (``parameters()`` order: which gradients the step computes)."""
-
-    training: tuple[bool, ...]
-    trainable: tuple[bool, ...]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> "ModelModes":
-        return cls(tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()))
-
-    @contextlib.contextmanager
-    def applied(self, model: nn.Module) -> Any:
-        """``model`` (a structural copy of the model these modes were read from) in these modes
-        while inside, restored after."""
-        before = ModelModes.of(model)
-        try:
-            self._set(model)
-            yield
-        finally:
-            before._set(model)
-
-    def _set(self, model: nn.Module) -> None:
-        for m, training in zip(model.modules(), self.training, strict=True):
-            m.training = training
-        for p, trainable in zip(model.parameters(), self.trainable, strict=True):
-            p.requires_grad_(trainable)
-
-    def describe(self, model: nn.Module, planned: "ModelModes | None") -> str:
-        """How these modes differ from ``planned``'s, in words (modules and parameters named)."""
-        changes = []
-        if planned is None or planned.training != self.training:
-            evaluating = [f"{name or '<root>'} ({type(m).__name__})"
-                          for (name, m), training in zip(model.named_modules(), self.training, strict=True) if not training]
-            changes.append(f"{len(evaluating)} module(s) in eval mode" + _some(evaluating))
-        if planned is not None and planned.trainable != self.trainable:
-            named = [name for name, _ in model.named_parameters()]
-            frozen = [n for n, now, then in zip(named, self.trainable, planned.trainable, strict=True) if then and not now]
-            thawed = [n for n, now, then in zip(named, self.trainable, planned.trainable, strict=True) if now and not then]
-            if frozen:
-                changes.append(f"{len(frozen)} parameter(s) frozen since planning" + _some(frozen))
-            if thawed:
-                changes.append(f"{len(thawed)} parameter(s) unfrozen since planning" + _some(thawed))
-        return "; ".join(changes)
-
-
-def _some(names: Sequence[str], shown: int = 3) -> str:
-    return f" ({', '.join(names[:shown])}{', ...' if len(names) > shown else ''})" if names else ""
-
-
 def _glob_literal(name: str) -> str:
     """``name`` as a glob pattern matching itself only."""
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
@@ -247,135 +196,28 @@ class LoweredProgram:
         self.local_kernels = local_kernels
         self.plan = plan
         self.captured = captured
-        gm: fx.GraphModule = captured.gm
-        roles = captured.roles
-        mesh_shape = tuple(mesh.shape)
-        self.placeholders: list[fx.Node] = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.params = [n for n in self.placeholders if roles.get(n.name) == "param"]
-        self.buffers = [n for n in self.placeholders if roles.get(n.name) == "buffer"]
-        self.inputs = sorted(
-            (n for n in self.placeholders if roles.get(n.name) == "input"),
-            key=lambda n: captured.input_index[n.name],
-        )
-        self.tangents = [n for n in self.placeholders if roles.get(n.name) == "tangent"]
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        out_args = [a for a in _flatten(out_node.args[0])[0] if isinstance(a, fx.Node)]
-        self.fwd_outputs = [a for a in out_args if roles.get(a.name) == "output"]
-        self.output_tangent = {
-            o: next(t for t in self.tangents if t.name == captured.output_tangent[o.name])
-            for o in self.fwd_outputs
-            if o.name in captured.output_tangent
-        }
-        by_name = {n.name: n for n in gm.graph.nodes}
-        self.param_grad = {p: by_name[captured.param_grad[p.name]] for p in self.params if p.name in captured.param_grad}
-        self.input_grad = {by_name[i]: by_name[g] for i, g in captured.input_grad.items()}
-        self.buffer_update = {by_name[b]: by_name[u] for b, u in captured.buffer_update.items()}
-        self.signature = captured.signature
-        precision = run_precision_of(getattr(plan, "workload", None) or {})
+        self._read_graph(captured)
         self.param_dtype: torch.dtype | None = None
         """mixed precision: floating parameters are cast to this dtype for compute (None: as stored)"""
         self.reduce_dtype: torch.dtype | None = None
         """mixed precision: parameter gradients are cast to this dtype before they are reduced"""
-        if precision is not None:
-            self.param_dtype, self.reduce_dtype = (torch_dtype(name) for name in precision)
-            traced = {n.meta["val"].dtype for n in self.params if n.meta["val"].is_floating_point()}
-            if traced - {self.param_dtype}:
-                raise ValueError(
-                    f"the plan runs in mixed precision ({precision[0]} compute, {precision[1]} reductions) but its "
-                    f"graph has {sorted(map(str, traced))} parameters: capture with param_dtype={self.param_dtype}"
-                )
-
-        # storage placements of params (must be R/S) and buffers, checked against the node strategy
-        self.storage: dict[fx.Node, Placements] = {}
-        for n in self.params + self.buffers + self.inputs + self.tangents:
-            strat = _node_strategy(plan, n)
-            pl = tuple(strat.outputs[0])
-            if len(pl) != len(mesh_shape):
-                raise ValueError(f"placement {_fmt(pl)} of {n.name!r} has {len(pl)} entries, mesh has {len(mesh_shape)} axes")
-            if n in self.params:
-                fqn = captured.param_fqn[n.name]
-                planned = plan.param_placements.get(fqn) if hasattr(plan, "param_placements") else None
-                if planned is not None and _tokens(planned) != _tokens(pl):
-                    raise ValueError(
-                        f"plan stores parameter {fqn!r} as {_fmt(planned)} but its graph node "
-                        f"{n.name!r} is planned as {_fmt(pl)}"
-                    )
-                if any(isinstance(p, Partial) for p in pl):
-                    raise ValueError(f"plan stores parameter {fqn!r} as partial ({_fmt(pl)}); storage must be R or S(d)")
-            self.storage[n] = pl
-
-        # steps
-        is_bwd = captured.is_backward
-        chain = captured.param_gradient_chain()
+        self._apply_run_precision(plan)
+        mesh_shape = tuple(mesh.shape)
+        self.storage: dict[fx.Node, Placements] = self._storage_placements(plan, mesh_shape)
+        """storage placements of the placeholders (parameters: R or S(d)), checked against the plan"""
         self.fwd_steps: list[_Step] = []
         self.bwd_steps: list[_Step] = []
-        for n in gm.graph.nodes:
-            if n.op != "call_function":
-                continue
-            strat = _node_strategy(plan, n)
-            flat, spec = _flatten((n.args, n.kwargs))
-            leaves: list = []
-            for a in flat:
-                if isinstance(a, fx.Node):
-                    leaves.append(_Ref(a))
-                elif isinstance(a, torch.device):
-                    leaves.append(_DEVICE)
-                else:
-                    leaves.append(a)
-            tl = _tensor_leaves(n)
-            ins = tuple(strat.inputs) if strat.inputs is not None else ()
-            if len(ins) != len(tl):
-                raise ValueError(
-                    f"plan strategy for node {n.name!r} ({n.target}) has {len(ins)} input placements, "
-                    f"the node has {len(tl)} tensor arguments"
-                )
-            is_getitem = n.target is operator.getitem
-            slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
-                     for (leaf, prod, k), dst in zip(tl, ins, strict=True)]
-            outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
-            for v, out_pl in zip(_tensor_vals(n), outs, strict=False):
-                if isinstance(v, torch.Tensor) and out_pl is not None:
-                    _check_even(n.name, v.shape, out_pl, mesh_shape)
-            for s in slots:
-                if s.dst is not None:
-                    pv = _tensor_vals(s.producer)[s.index]
-                    if isinstance(pv, torch.Tensor):
-                        _check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
-            without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
-            if without_rule and not all(_all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
-                raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
-            step = _Step(n, n.target, spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule,
-                         fill=_fill_value(n))
-            region = region_of(n.target)
-            if region is not None:
-                try:
-                    modes = region.alternative_on_axes(ins, backward=is_backward(n.target))
-                except RegionError as e:
-                    raise ValueError(f"node {n.name!r}: {e}") from None
-                step.region_comms = self._region_comms(modes)
-            (self.bwd_steps if is_bwd.get(n.name, False) else self.fwd_steps).append(step)
+        chain = captured.param_gradient_chain()
+        for n in captured.gm.graph.nodes:
+            if n.op == "call_function":
+                step = self._step(n, node_strategy_of(plan, n), chain, mesh_shape)
+                (self.bwd_steps if captured.is_backward.get(n.name, False) else self.fwd_steps).append(step)
         for n in self.storage:
             v = n.meta.get("val")
             if isinstance(v, torch.Tensor):
-                _check_even(n.name, v.shape, self.storage[n], mesh_shape)
-
-        # values the backward reads from the forward
-        fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
-        self.saved: list[fx.Node] = []
-        seen = set()
-        for bwd_step in self.bwd_steps:
-            for a in bwd_step.node.all_input_nodes:
-                if a in fwd_set and a not in seen:
-                    seen.add(a)
-                    self.saved.append(a)
-        for o in list(self.fwd_outputs) + list(self.buffer_update.values()):
-            seen.add(o)
-        for _, g in list(self.param_grad.items()) + list(self.input_grad.items()):
-            if g in fwd_set:  # gradient computed without the tangent (rare); keep it
-                seen.add(g)
-                self.saved.append(g)
-        self._plan_frees(self.fwd_steps, keep=seen)
-        self._plan_frees(self.bwd_steps, keep=set(self.param_grad.values()) | set(self.input_grad.values()))
+                check_even(n.name, v.shape, self.storage[n], mesh_shape)
+        self.saved: list[fx.Node] = self._saved_and_freed()
+        """the values the backward reads from the forward"""
         self.redistributions: list[Redistribution] = []
         self.new_buffer_values: dict[str, torch.Tensor] = {}
         """buffer FQN -> its value after the last forward (global, replicated), to write back"""
@@ -389,6 +231,135 @@ class LoweredProgram:
         self.variants: dict[tuple, LoweredProgram] = {}
         """the plan replayed on other input shapes or module modes, by (shapes, modes)"""
         self._kernels: dict[torch.device, dict] = {}
+
+    def _read_graph(self, captured: Any) -> None:
+        """The graph's placeholders by role, its forward outputs and their tangents, and the
+        gradient and buffer-update nodes, as nodes."""
+        gm: fx.GraphModule = captured.gm
+        roles = captured.roles
+        self.placeholders: list[fx.Node] = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.params = [n for n in self.placeholders if roles.get(n.name) == "param"]
+        self.buffers = [n for n in self.placeholders if roles.get(n.name) == "buffer"]
+        self.inputs = sorted(
+            (n for n in self.placeholders if roles.get(n.name) == "input"),
+            key=lambda n: captured.input_index[n.name],
+        )
+        self.tangents = [n for n in self.placeholders if roles.get(n.name) == "tangent"]
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        out_args = [a for a in flatten_args(out_node.args[0])[0] if isinstance(a, fx.Node)]
+        self.fwd_outputs = [a for a in out_args if roles.get(a.name) == "output"]
+        self.output_tangent = {
+            o: next(t for t in self.tangents if t.name == captured.output_tangent[o.name])
+            for o in self.fwd_outputs
+            if o.name in captured.output_tangent
+        }
+        by_name = {n.name: n for n in gm.graph.nodes}
+        self.param_grad = {p: by_name[captured.param_grad[p.name]] for p in self.params if p.name in captured.param_grad}
+        self.input_grad = {by_name[i]: by_name[g] for i, g in captured.input_grad.items()}
+        self.buffer_update = {by_name[b]: by_name[u] for b, u in captured.buffer_update.items()}
+        self.signature = captured.signature
+
+    def _apply_run_precision(self, plan: Any) -> None:
+        """Mixed precision as the plan's workload records it: the compute and reduce dtypes, the
+        graph's floating parameters checked to be traced in the compute dtype."""
+        precision = run_precision_of(getattr(plan, "workload", None) or {})
+        if precision is not None:
+            self.param_dtype, self.reduce_dtype = (torch_dtype(name) for name in precision)
+            traced = {n.meta["val"].dtype for n in self.params if n.meta["val"].is_floating_point()}
+            if traced - {self.param_dtype}:
+                raise ValueError(
+                    f"the plan runs in mixed precision ({precision[0]} compute, {precision[1]} reductions) but its "
+                    f"graph has {sorted(map(str, traced))} parameters: capture with param_dtype={self.param_dtype}"
+                )
+
+    def _storage_placements(self, plan: Any, mesh_shape: tuple[int, ...]) -> dict[fx.Node, Placements]:
+        """The storage placements of params (must be R/S), buffers, inputs and tangents, checked
+        against the node strategy and the plan's parameter placements."""
+        storage: dict[fx.Node, Placements] = {}
+        for n in self.params + self.buffers + self.inputs + self.tangents:
+            strat = node_strategy_of(plan, n)
+            pl = tuple(strat.outputs[0])
+            if len(pl) != len(mesh_shape):
+                raise ValueError(f"placement {format_placements(pl)} of {n.name!r} has {len(pl)} entries, mesh has {len(mesh_shape)} axes")
+            if n in self.params:
+                fqn = self.captured.param_fqn[n.name]
+                planned = plan.param_placements.get(fqn) if hasattr(plan, "param_placements") else None
+                if planned is not None and placement_tokens(planned) != placement_tokens(pl):
+                    raise ValueError(
+                        f"plan stores parameter {fqn!r} as {format_placements(planned)} but its graph node "
+                        f"{n.name!r} is planned as {format_placements(pl)}"
+                    )
+                if any(isinstance(p, Partial) for p in pl):
+                    raise ValueError(f"plan stores parameter {fqn!r} as partial ({format_placements(pl)}); storage must be R or S(d)")
+            storage[n] = pl
+        return storage
+
+    def _step(self, n: fx.Node, strat: Any, chain: frozenset[str], mesh_shape: tuple[int, ...]) -> _Step:
+        """The step that runs ``n`` under its planned strategy ``strat``: its arguments as leaves
+        and input slots, the placements checked against the node's tensors and the mesh (an op
+        without a DTensor rule kept replicated), a region's process groups made."""
+        flat, spec = flatten_args((n.args, n.kwargs))
+        leaves: list = []
+        for a in flat:
+            if isinstance(a, fx.Node):
+                leaves.append(_Ref(a))
+            elif isinstance(a, torch.device):
+                leaves.append(_DEVICE)
+            else:
+                leaves.append(a)
+        tl = tensor_leaves(n)
+        ins = tuple(strat.inputs) if strat.inputs is not None else ()
+        if len(ins) != len(tl):
+            raise ValueError(
+                f"plan strategy for node {n.name!r} ({n.target}) has {len(ins)} input placements, "
+                f"the node has {len(tl)} tensor arguments"
+            )
+        is_getitem = n.target is operator.getitem
+        slots = [_Slot(leaf, prod, k, None if dst is None else tuple(dst), gradient=prod.name in chain and n.name in chain)
+                 for (leaf, prod, k), dst in zip(tl, ins, strict=True)]
+        outs = tuple(None if o is None else tuple(o) for o in strat.outputs)
+        for v, out_pl in zip(tensor_vals(n), outs, strict=False):
+            if isinstance(v, torch.Tensor) and out_pl is not None:
+                check_even(n.name, v.shape, out_pl, mesh_shape)
+        for s in slots:
+            if s.dst is not None:
+                pv = tensor_vals(s.producer)[s.index]
+                if isinstance(pv, torch.Tensor):
+                    check_even(f"{s.producer.name} (as input of {n.name})", pv.shape, s.dst, mesh_shape)
+        without_rule = isinstance(n.target, OpOverload) and not has_sharding_rule(n.target)
+        if without_rule and not all(all_replicated(p) for p in [*(sl.dst for sl in slots), *outs] if p is not None):
+            raise ValueError(f"node {n.name!r} ({n.target}) has no DTensor rule; the plan must keep it replicated")
+        step = _Step(n, cast(Callable, n.target), spec, leaves, slots, outs, is_getitem, is_factory=not tl, without_rule=without_rule,
+                     fill=_fill_value(n))
+        region = region_of(n.target)
+        if region is not None:
+            try:
+                modes = region.alternative_on_axes(ins, backward=is_backward(n.target))
+            except RegionError as e:
+                raise ValueError(f"node {n.name!r}: {e}") from None
+            step.region_comms = self._region_comms(modes)
+        return step
+
+    def _saved_and_freed(self) -> list[fx.Node]:
+        """The values the backward reads from the forward (returned), and where each step frees
+        the values it reads last."""
+        fwd_set = set(self.placeholders) - set(self.tangents) | {s.node for s in self.fwd_steps}
+        saved: list[fx.Node] = []
+        seen = set()
+        for bwd_step in self.bwd_steps:
+            for a in bwd_step.node.all_input_nodes:
+                if a in fwd_set and a not in seen:
+                    seen.add(a)
+                    saved.append(a)
+        for o in list(self.fwd_outputs) + list(self.buffer_update.values()):
+            seen.add(o)
+        for _, g in list(self.param_grad.items()) + list(self.input_grad.items()):
+            if g in fwd_set:  # gradient computed without the tangent (rare); keep it
+                seen.add(g)
+                saved.append(g)
+        self._plan_frees(self.fwd_steps, keep=seen)
+        self._plan_frees(self.bwd_steps, keep=set(self.param_grad.values()) | set(self.input_grad.values()))
+        return saved
 
     def _region_comms(self, modes: Sequence[str | None]) -> dict[str, RegionComm]:
         """Alternative name -> the ranks it spans here, for a region planned as ``modes`` (one
@@ -525,7 +496,7 @@ class LoweredProgram:
                     name = self.signature.name(i)
                     raise ValueError(
                         f"input {name} has size {size} in dim {d}, which the plan splits {ways} ways "
-                        f"({_fmt(self.storage[node])} on mesh {mesh_shape}): pad it to {-(-size // ways) * ways} "
+                        f"({format_placements(self.storage[node])} on mesh {mesh_shape}): pad it to {-(-size // ways) * ways} "
                         f"(and mask the padding out of the loss), or drop the last partial batch "
                         f"(DataLoader(..., drop_last=True))")
 
@@ -537,7 +508,7 @@ class LoweredProgram:
         pins = []
         for n in self.params:
             fqn = self.captured.param_fqn[n.name]
-            pins.append(fix(_glob_literal(fqn), _fmt(self.storage[n]), name=f"parameter {fqn} stored as {_fmt(self.storage[n])}"))
+            pins.append(fix(_glob_literal(fqn), format_placements(self.storage[n]), name=f"parameter {fqn} stored as {format_placements(self.storage[n])}"))
         return pins
 
     def _redistribute(self, x: DTensor, dst: Placements, consumer: str, producer: str, index: int, phase: str,
@@ -546,12 +517,12 @@ class LoweredProgram:
         dtype first under mixed precision (the cast is local and happens only when it moves)."""
         if not isinstance(x, DTensor):
             raise TypeError(f"argument {producer!r} of node {consumer!r} is a {type(x).__name__}, expected a DTensor")
-        if _tokens(x.placements) == _tokens(dst):
+        if placement_tokens(x.placements) == placement_tokens(dst):
             return x
         if gradient and self.reduce_dtype is not None and x.is_floating_point():
             x = x.to(self.reduce_dtype)  # type: ignore[assignment]  # a DTensor's to() is a DTensor; torch's stub says Tensor
         self.redistributions.append(
-            Redistribution(consumer, producer, index, phase, _tokens(x.placements), _tokens(dst), tuple(x.shape), x.dtype,
+            Redistribution(consumer, producer, index, phase, placement_tokens(x.placements), placement_tokens(dst), tuple(x.shape), x.dtype,
                            gradient=gradient)
         )
         return x.redistribute(self.mesh, dst)
@@ -596,7 +567,7 @@ class LoweredProgram:
                     if kernel is not None:
                         out = self._run_local(s, kernel, flat)
                     else:
-                        args, kwargs = _unflatten(flat, s.spec)
+                        args, kwargs = unflatten_args(flat, s.spec)
                         try:
                             out = s.target(*args, **kwargs)
                         except (RuntimeError, ValueError) as e:  # eager says the first, fake tensors the second
@@ -605,12 +576,12 @@ class LoweredProgram:
                             # The traced graph relied on a producer's memory layout (e.g. attention
                             # output laid out [b, s, h, d]) that a redistribution does not keep:
                             # functional graph, so a copy is as good as a view here (local, no comm).
-                            args, kwargs = _unflatten([_contiguous(x) for x in flat], s.spec)
+                            args, kwargs = unflatten_args([_contiguous(x) for x in flat], s.spec)
                             out = s.target(*args, **kwargs)
                 except Exception as e:
                     raise RuntimeError(
                         f"DTensor failed to run node {n.name!r} ({s.target}) with input placements "
-                        f"{[_fmt(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}{self._mixed_dtypes_hint(flat)}"
+                        f"{[format_placements(sl.dst) for sl in s.slots]}: {type(e).__name__}: {e}{self._mixed_dtypes_hint(flat)}"
                     ) from e
                 env[n] = self._place_outputs(s, out)
             if regions is not None:
@@ -638,7 +609,7 @@ class LoweredProgram:
     def _local_outputs(self, s: _Step) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(local shape, dtype) of each tensor output of ``s`` at its planned placement."""
         return [(tuple(v.shape) if pl is None else placements.local_shape(tuple(v.shape), pl, tuple(self.mesh.shape)),
-                 v.dtype) for v, pl in zip(_tensor_vals(s.node), s.outputs, strict=False) if isinstance(v, torch.Tensor)]
+                 v.dtype) for v, pl in zip(tensor_vals(s.node), s.outputs, strict=False) if isinstance(v, torch.Tensor)]
 
     def failure_message(self, node_name: str, error: BaseException) -> str:
         """What a native graph's failure at the kernels of joint-graph node ``node_name`` says."""
@@ -646,7 +617,7 @@ class LoweredProgram:
         if node is None:
             return f"node {node_name!r}: {type(error).__name__}: {error}"
         vals = [a.meta.get("val") for a in node.node.all_input_nodes]
-        return (f"node {node_name!r} ({node.target}) failed with input placements {[_fmt(sl.dst) for sl in node.slots]}: "
+        return (f"node {node_name!r} ({node.target}) failed with input placements {[format_placements(sl.dst) for sl in node.slots]}: "
                 f"{type(error).__name__}: {error}{self._mixed_dtypes_hint(vals)}")
 
     def _mixed_dtypes_hint(self, args: list) -> str:
@@ -664,11 +635,11 @@ class LoweredProgram:
         """Run `kernel` on the local shards (inputs already at the planned placements) and wrap its
         tensor outputs as DTensors with the planned output placements and the traced global shapes."""
         local = [x.to_local() if isinstance(x, DTensor) else x for x in flat]
-        args, kwargs = _unflatten(local, s.spec)
+        args, kwargs = unflatten_args(local, s.spec)
         out = kernel(*args, **kwargs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
-        vals = _tensor_vals(s.node)
+        vals = tensor_vals(s.node)
         R = tuple(Replicate() for _ in self.mesh.shape)
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
@@ -691,18 +662,18 @@ class LoweredProgram:
             if not isinstance(o, DTensor):  # factory: global value on every rank -> local chunk
                 pl = R if pl is None else pl
                 if any(isinstance(p, Partial) for p in pl):
-                    raise RuntimeError(f"node {s.node.name!r} ({s.target}): a factory cannot be planned as partial ({_fmt(pl)})")
+                    raise RuntimeError(f"node {s.node.name!r} ({s.target}): a factory cannot be planned as partial ({format_placements(pl)})")
                 outs[i] = distribute_tensor(o, self.mesh, pl, src_data_rank=None)
                 continue
             o = _plain_partials(o)
             outs[i] = o
             if pl is None:
                 continue
-            if _tokens(o.placements) != _tokens(pl):
-                if not _comm_free(o.placements, pl):
+            if placement_tokens(o.placements) != placement_tokens(pl):
+                if not comm_free(o.placements, pl):
                     raise RuntimeError(
-                        f"node {s.node.name!r} ({s.target}): DTensor produced placement {_fmt(o.placements)}, "
-                        f"the plan expects {_fmt(pl)} (inputs {[_fmt(sl.dst) for sl in s.slots]})"
+                        f"node {s.node.name!r} ({s.target}): DTensor produced placement {format_placements(o.placements)}, "
+                        f"the plan expects {format_placements(pl)} (inputs {[format_placements(sl.dst) for sl in s.slots]})"
                     )
                 outs[i] = o.redistribute(self.mesh, pl)
         return outs[0] if single else tuple(outs) if isinstance(out, tuple) else outs

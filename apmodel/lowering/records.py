@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from apmodel.lowering.graph import _tensor_leaves, _tensor_vals, _tokens
+from apmodel.lowering.graph import placement_tokens, tensor_leaves, tensor_vals
 from apmodel.options import run_precision_of, torch_dtype
 
 # ----------------------------------------------------------------------------------------------
@@ -65,15 +65,15 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
         if n.op != "call_function":
             continue
         strat = plan.node_strategy[n.name]
-        for (_, prod, idx), dst in zip(_tensor_leaves(n), strat.inputs, strict=False):
+        for (_, prod, idx), dst in zip(tensor_leaves(n), strat.inputs, strict=False):
             src = plan.node_strategy[prod.name].outputs[idx]
             if dst is None or src is None:
                 continue
-            val = _tensor_vals(prod)[idx]
-            if _tokens(src) != _tokens(dst):
+            val = tensor_vals(prod)[idx]
+            if placement_tokens(src) != placement_tokens(dst):
                 gradient = prod.name in chain and n.name in chain
                 out.append(Redistribution(n.name, prod.name, idx, "backward" if is_bwd.get(n.name) else "forward",
-                                          _tokens(src), _tokens(dst), tuple(val.shape), moved_dtype(val, gradient),
+                                          placement_tokens(src), placement_tokens(dst), tuple(val.shape), moved_dtype(val, gradient),
                                           gradient=gradient, bucketed=gradient or prod.name in param_values))
     by_name = {n.name: n for n in gm.graph.nodes}
     # Boundary moves: a forward output to its required (tangent) placement, each gradient to its
@@ -84,10 +84,10 @@ def planned_redistributions(plan: Any, captured: Any) -> list[Redistribution]:
     boundary += [(f"buffer:{captured.buffer_fqn[b]}", u, b, "forward") for b, u in captured.buffer_update.items()]
     for label, producer, target, phase in boundary:
         src, dst = plan.node_strategy[producer].outputs[0], plan.node_strategy[target].outputs[0]
-        if _tokens(src) != _tokens(dst):
+        if placement_tokens(src) != placement_tokens(dst):
             val = by_name[producer].meta["val"]
             gradient = label.startswith("grad:") and target in captured.param_fqn
-            out.append(Redistribution(label, producer, 0, phase, _tokens(src), _tokens(dst), tuple(val.shape),
+            out.append(Redistribution(label, producer, 0, phase, placement_tokens(src), placement_tokens(dst), tuple(val.shape),
                                       moved_dtype(val, gradient), gradient=gradient, bucketed=gradient))
     return out
 
