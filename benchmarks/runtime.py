@@ -355,9 +355,8 @@ def _ddp(name: str, tokens: torch.Tensor, targets: torch.Tensor) -> Callable[[],
 
 def _fsdp2(name: str, mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) -> Callable[[], float]:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     if mesh.ndim > 1:  # FSDP2 shards over every process (a 2-D mesh would be HSDP's)
         mesh = init_device_mesh(mesh.device_type, (mesh.size(),))

@@ -43,7 +43,7 @@ def _parallel_twin(case: Any, mesh: Any) -> tuple[torch.nn.Module, torch.nn.Modu
 
 
 def test_model_modes_name_what_changed_and_are_restored():
-    from apmodel.lowering.program import ModelModes
+    from apmodel.lowering.modes import ModelModes
 
     model = CASES["cnn_batchnorm"].seeded()
     planned = ModelModes.of(model)
@@ -67,7 +67,7 @@ def test_lower_without_replan_refuses_eval_mode_that_changes_the_graph():
     from apmodel._torch_private import fake_mesh
     from apmodel.capture import capture
     from apmodel.lowering import lower
-    from apmodel.lowering.program import ModelModes
+    from apmodel.lowering.modes import ModelModes
     from apmodel.plans import PlanMismatch
 
     case = CASES["cnn_batchnorm"]
