@@ -28,9 +28,10 @@ from apmodel.api_arguments import check_parallelize_target, check_step_arguments
 from apmodel.capture import CapturedGraph
 from apmodel.checkpointing import checkpoint, policy_of
 from apmodel.constraints import ConstraintLike
-from apmodel.lowering.module import DEFAULT_BUCKET_CAP_MB, DEFAULT_INFLIGHT_MB
+from apmodel.lowering.module import DEFAULT_BUCKET_MB, DEFAULT_INFLIGHT_MB
+from apmodel.machine import Machine
 from apmodel.machine import detect as detect_machine
-from apmodel.options import DEVICE_AUTO, PlanOptions, make_options, run_precision_of
+from apmodel.options import DEVICE_AUTO, PlanOptions, make_options, renamed_keywords, run_precision_of
 from apmodel.placement_model import ConstraintConflict, PlacementModel
 from apmodel.plans import Plan
 from apmodel.pricing import DTYPES, CostContext, build_cost_context
@@ -351,7 +352,6 @@ def plan(
     constraints: Sequence[ConstraintLike] = (),
     replay: Plan | str | Path | None = None,
     workload: Mapping[str, Any] | None = None,
-    memory_limit: float | None = None,
     progress: Progress | None = None,
     **option_values: Any,
 ) -> Plan:
@@ -365,15 +365,13 @@ def plan(
     take their labels). Options: ``options`` and/or their keywords (:class:`PlanOptions`), e.g.
     ``device="h200"`` (the accelerator of the cost model: ``"h100"``, ``"h200"``, ``"a100"``,
     ``"b200"``, ``"cpu"``), ``solver="highs"``, ``param_policy="free"``. ``replay`` prices a saved
-    plan on this workload instead of searching. ``memory_limit`` (bytes per device, the option
-    ``memory_limit_bytes``; default: the device's HBM less 10%, ``math.inf`` for none): a plan over
-    it is solved again under a memory row, or refused with :class:`~apmodel.memory.OutOfMemory`.
-    ``workload``: extra keys for the plan file's workload record.
+    plan on this workload instead of searching. ``memory_limit_bytes`` (bytes per device; default:
+    the device's HBM less 10%, ``math.inf`` for none; ``memory_limit=``, its old name, is read with
+    a DeprecationWarning): a plan over it is solved again under a memory row, or refused with
+    :class:`~apmodel.memory.OutOfMemory`. ``workload``: extra keys for the plan file's workload record.
     """
     mesh_shape = mesh_shape_argument(mesh_shape)
     check_step_arguments("apmodel.plan", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=True)
-    if memory_limit is not None:
-        option_values["memory_limit_bytes"] = memory_limit
     opts = make_options(options, **option_values)
     wl = Workload(model, mesh_shape, tuple(sample_inputs), loss_fn, kwargs, targets, allow_unused_parameters)
     return plan_workload(wl, opts, constraints=constraints, replay=replay, record=workload, progress=progress).plan
@@ -388,7 +386,7 @@ def attach(saved: Plan | str | Path, *, progress: Progress | None = None) -> Pla
     preset model built with :func:`apmodel.models.build`)."""
     from apmodel.config import Config, load_config
     from apmodel.strategies import enumerate_strategies
-    from apmodel.workloads import load_workload
+    from apmodel.workloads import DEFAULT_BATCH, default_seq, load_workload
 
     if isinstance(saved, (str, Path)):
         saved = Plan.load(saved)
@@ -408,8 +406,9 @@ def attach(saved: Plan | str | Path, *, progress: Progress | None = None) -> Pla
         cfg = Config()
     progress.stage(f"re-tracing {record['model']}")
     mesh = tuple(saved.mesh_shape)
-    workload = load_workload(record["model"], mesh, batch=record.get("batch", 8), seq=record.get("seq", 2048),
-                             layers=record.get("layers"))
+    # a record without batch or seq was planned with the command line's defaults
+    workload = load_workload(record["model"], mesh, batch=record.get("batch") or DEFAULT_BATCH,
+                             seq=record.get("seq") or default_seq(record["model"]), layers=record.get("layers"))
     captured = _capture(workload, options)
     saved.check_compatible(captured, mesh)
     progress.stage("enumerating strategies and building the model")
@@ -432,7 +431,7 @@ def parallelize(
     constraints: Sequence[Any] = (),
     plan: Plan | None = None,
     lowering: str = "native",
-    bucket_cap_mb: float | None = None,
+    bucket_mb: float | None = None,
     overlap: bool | None = None,
     options: PlanOptions | None = None,
     **option_values: Any,
@@ -461,10 +460,11 @@ def parallelize(
         lowering: "native" (default): the step traced once into a forward and a backward graph
             over local shards with explicit functional collectives, which ``torch.compile``
             compiles; "interpret": the joint graph run node by node over DTensors (for debugging).
-        bucket_cap_mb: native lowering: independent collectives of one kind and process group
-            (parameter gathers, gradient reductions) merged into buckets of at most this many MB;
-            0: one collective per planned step. None (default): the size the plan was priced with
-            (the option ``bucket_mb``, 25 MB unless set), so the program runs what was priced.
+        bucket_mb: the option ``bucket_mb``: the plan is priced with it and the native program
+            merges independent collectives of one kind and process group (parameter gathers,
+            gradient reductions) into buckets of at most this many MB; 0: one collective per planned
+            step. With ``plan``: what the program runs (default: the size the plan was priced with).
+            ``bucket_cap_mb=``, its old name, is read with a DeprecationWarning.
         overlap: native lowering: collectives issued as soon as their inputs exist and waited just
             before their first reader, parameter gathers prefetched, at most the option
             ``inflight_mb`` in flight; False: each waited as it is issued. None (default): as the
@@ -480,28 +480,22 @@ def parallelize(
 
     check_parallelize_target(model, mesh, lowering, lowering_stage.LOWERINGS)
     check_step_arguments("apmodel.parallelize", model, sample_inputs, loss_fn, kwargs, targets, allow_captured=False)
+    option_values = renamed_keywords(option_values, stacklevel=3)
+    if "bucket_mb" in option_values:  # given by its old name
+        bucket_mb = option_values.pop("bucket_mb")
     machine = None
+    if plan is None and bucket_mb is not None:  # priced with the size the program runs
+        option_values["bucket_mb"] = bucket_mb
     if plan is None:
-        if option_values.get("device", DEVICE_AUTO if options is None else None) == DEVICE_AUTO:
-            machine = detect_machine(mesh, {k: v for k, v in option_values.items() if k != "device"})
-            logger.info("parallelize prices this machine: %s", machine.description)
-            option_values = machine.options
-        opts = make_options(options, **option_values)
-        opts.check_mesh(tuple(mesh.shape))  # on every rank, before one of them plans for all
-        precision = opts.run_precision
-        priced_bucket_mb = opts.bucket_mb
+        opts, machine = _planning_options(mesh, options, option_values)
+        precision, priced_bucket_mb = opts.run_precision, opts.bucket_mb
         priced_overlap, inflight_mb = opts.overlap, opts.inflight_mb
     elif option_values or options is not None or constraints:
         raise TypeError("planning options given together with plan=: the plan is used as it is")
     else:
-        precision = run_precision_of(plan.workload)
-        # plans saved before the option existed were priced per collective, and ran with 25 MB buckets
-        recorded = plan.workload.get("bucket_mb")
-        priced_bucket_mb = DEFAULT_BUCKET_CAP_MB if recorded is None else float(recorded)
-        priced_overlap = bool(plan.workload.get("overlap", False))  # plans from before it: serial
-        inflight_mb = float(plan.workload.get("inflight_mb") or DEFAULT_INFLIGHT_MB)
-    if bucket_cap_mb is None:
-        bucket_cap_mb = priced_bucket_mb
+        precision, priced_bucket_mb, priced_overlap, inflight_mb = _as_priced(plan)
+    if bucket_mb is None:
+        bucket_mb = priced_bucket_mb
     if overlap is None:
         overlap = priced_overlap
     # Mixed precision: traced as it runs (bf16 parameters and inputs), so the graph holds the casts
@@ -518,12 +512,35 @@ def parallelize(
         opts = PlanOptions.from_record(plan.workload)
 
     return lowering_stage.lower(model, mesh, plan, captured, local_kernels=kernels.local_kernels, lowering=lowering,
-                                  bucket_cap_mb=bucket_cap_mb, inflight_mb=inflight_mb if overlap else None,
+                                  bucket_mb=bucket_mb, inflight_mb=inflight_mb if overlap else None,
                                   replan=_replanner(mesh, opts))
 
 
+def _planning_options(mesh: DeviceMesh, options: PlanOptions | None,
+                      option_values: dict[str, Any]) -> tuple[PlanOptions, Machine | None]:
+    """:func:`parallelize`'s options, and the machine detected when ``device`` is "auto" (its
+    default without ``options``); checked against the mesh on every rank, before one plans for all."""
+    machine = None
+    if option_values.get("device", DEVICE_AUTO if options is None else None) == DEVICE_AUTO:
+        machine = detect_machine(mesh, {k: v for k, v in option_values.items() if k != "device"})
+        logger.info("parallelize prices this machine: %s", machine.description)
+        option_values = machine.options
+    opts = make_options(options, **option_values)
+    opts.check_mesh(tuple(mesh.shape))
+    return opts, machine
+
+
+def _as_priced(plan: Plan) -> tuple[tuple[str, str] | None, float, bool, float]:
+    """How a saved plan runs, as it was priced: (run precision, bucket MB, overlap, in-flight MB).
+    Plans saved before an option existed run as they ran then: 25 MB buckets (they were priced per
+    collective), serially."""
+    recorded = plan.workload.get("bucket_mb")
+    return (run_precision_of(plan.workload), DEFAULT_BUCKET_MB if recorded is None else float(recorded),
+            bool(plan.workload.get("overlap", False)), float(plan.workload.get("inflight_mb") or DEFAULT_INFLIGHT_MB))
+
+
 def _plan_on_mesh(captured: CapturedGraph, mesh: DeviceMesh, opts: PlanOptions, constraints: Sequence[Any],
-                  machine: Any) -> Plan:
+                  machine: Machine | None) -> Plan:
     """The plan of :func:`parallelize`: made on one rank, for all (the plan says which machine it
     priced when ``machine`` was detected)."""
     from apmodel import lowering as lowering_stage
@@ -558,7 +575,7 @@ def parallelize_pipeline(
     pp_axis: int,
     stages: Sequence[Sequence[int]] | None = None,
     microbatches: int | None = None,
-    schedule: str | None = None,
+    pp_schedule: str | None = None,
     plan: Plan | None = None,
     lowering: str = "native",
     options: PlanOptions | None = None,
@@ -573,10 +590,15 @@ def parallelize_pipeline(
     ``make_model()``: a fresh full model, ideally on meta (called once per stage cut).
     ``sample_inputs``: the model's inputs for the whole batch (targets go to ``loss_fn(output,
     target)`` on the last stage). ``stages`` (``[first, last]`` layers per stage), ``microbatches``
-    and ``schedule`` (``"1f1b"``, ``"interleaved"``): as planned, or read from ``plan.pipeline``
-    (a plan made with a pipeline axis). Options: as for :func:`parallelize`, for every stage plan."""
+    and ``pp_schedule`` (``"1f1b"``, ``"interleaved"``; ``schedule=``, its old name, is read with a
+    DeprecationWarning): as planned, or read from ``plan.pipeline`` (a plan made with a pipeline
+    axis). Options: as for :func:`parallelize`, for every stage plan."""
     from apmodel import lowering as lowering_stage
     from apmodel.lowering import pipeline as lowered_pipeline
+
+    option_values = renamed_keywords(option_values, stacklevel=3)
+    if "pp_schedule" in option_values:  # given by its old name
+        pp_schedule = option_values.pop("pp_schedule")
 
     if plan is not None:
         if not plan.pipeline:
@@ -587,7 +609,7 @@ def parallelize_pipeline(
                              "apmodel.parallelize on the whole mesh")
         stages = stages or [tuple(s) for s in record["stages"]]
         microbatches = microbatches or record["microbatches"]
-        schedule = schedule or record["schedule"]
+        pp_schedule = pp_schedule or record["schedule"]
     if not stages or microbatches is None:
         raise TypeError("apmodel.parallelize_pipeline: give stages and microbatches (or a plan with a pipeline)")
     opts = make_options(options, **option_values)
@@ -601,7 +623,7 @@ def parallelize_pipeline(
 
     return lowered_pipeline.build(make_model, mesh, pp_axis, [(int(a), int(b)) for a, b in stages], microbatches,
                                   sample_inputs, loss_fn=loss_fn, plan_stage=plan_stage, lower_stage=lower_stage,
-                                  schedule=schedule or "1f1b")
+                                  schedule=pp_schedule or "1f1b")
 
 
 def plan_pipelined(
@@ -627,8 +649,7 @@ def plan_pipelined(
     saved = Plan.load(replay) if isinstance(replay, (str, Path)) else replay
     if pipeline is None:
         if options.pp_axis is not None:
-            pipeline = P.PipelineOptions(options.pp_axis, options.pp_degrees or None, options.microbatches,
-                                         options.pp_schedule)
+            pipeline = P.PipelineOptions.of(options)
         elif saved is not None and saved.pipeline:
             pipeline = P.PipelineOptions(int(saved.pipeline["axis"]))
         else:

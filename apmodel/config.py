@@ -2,10 +2,13 @@
 
 Every section and key is optional; command-line flags override the file. An unknown key, or a
 value of the wrong type or out of range, raises ``ConfigError`` naming the file and the key
-(``solver.time_limit``). The keys of the planning options, their types, ranges and defaults are
-not listed here: they are declared once, on :class:`~apmodel.options.PlanOptions` (each field's
-``toml``), and the README's options table lists them. Beside them, ``[workload]`` names what to
-plan and ``[[constraints]]`` adds user constraints::
+(``solving.time_limit``). The keys of the planning options, their types, ranges and defaults are
+not listed here: they are declared once, on :class:`~apmodel.options.PlanOptions`, and the
+README's options table lists them. Each option's section is its group (``[pricing]``,
+``[search]``, ``[pipeline]``, ``[solving]``: the panels of ``apmodel plan --help``) and its key
+is its name (the flag's and the Python keyword's). Beside them, ``[workload]`` names what to plan
+(its keys are the flags ``--model``, ``--mesh``, ...) and ``[[constraints]]`` adds user
+constraints::
 
     [workload]            # what to plan (the command line may give these instead)
     model = "llama3-8b"   # a preset of apmodel.models, or "package.module:factory"
@@ -14,12 +17,13 @@ plan and ``[[constraints]]`` adds user constraints::
     batch = 8
     layers = 32           # override of the preset's n_layers
 
-    [solver]              # options: backend, time_limit, options = { max_iters = 300 }, ...
-    backend = "trws"
-    [topology]            # gpus_per_node and the topology's overrides (intra_GBps, ...)
+    [solving]             # solver, time_limit, solver_options = { max_iters = 300 }, seed_solver
+    solver = "trws"
+    [pricing]             # device, gpus_per_node, ac, memory_limit_bytes, ...
     gpus_per_node = 8
-    [planner]             # param_policy, ac, memory_limit_GB, ...
     ac = "selective"
+    [pricing.topology]    # the topology's overrides (intra_GBps, ...)
+    inter_GBps = 50.0
 
     [[constraints]]
     fix = "layers.*.attention.wo.weight"
@@ -34,11 +38,14 @@ plan and ``[[constraints]]`` adds user constraints::
     sense = "<="
     rhs = 4
 
-``examples/apmodel.toml`` is a commented example.
+``examples/apmodel.toml`` is a commented example. The keys of earlier versions
+(:data:`~apmodel.options.OLD_TOML_KEYS`: ``[planner] memory_limit_GB``, ``[cost] bucket_MB``,
+``[solver] backend``, ...) are still read, each with a logged warning naming its new key.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import sys
@@ -54,24 +61,14 @@ else:  # pragma: no cover
 from apmodel import constraints as C
 from apmodel import placements as pl
 from apmodel.option_spec import BadValue, OptionSpec
-from apmodel.options import OptionsError, PlanOptions, option_spec, toml_keys
+from apmodel.options import OLD_TOML_KEYS, OptionsError, PlanOptions, option_spec, toml_keys
+from apmodel.workloads import WORKLOAD_KEYS, WorkloadError, parse_mesh
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     """A configuration file is malformed; the message names the file and the key."""
-
-
-#: The ``[workload]`` keys: what to plan (not planning options; the CLI's --model, --mesh, ...).
-WORKLOAD_KEYS: dict[str, OptionSpec] = {
-    "model": OptionSpec(help="A preset of apmodel.models, package.module:factory or hf:NAME.", toml="workload.model",
-                        flag="--model"),
-    "mesh": OptionSpec(help='Mesh shape, axis sizes joined by "x".', toml="workload.mesh", flag="--mesh"),
-    "seq": OptionSpec(help="Sequence length.", toml="workload.seq", flag="--seq", kind="int", range="[1, inf)"),
-    "batch": OptionSpec(help="Global batch size.", toml="workload.batch", flag="--batch", kind="int",
-                        range="[1, inf)"),
-    "layers": OptionSpec(help="Override of the preset's number of layers.", toml="workload.layers", flag="--layers",
-                         kind="int", range="[1, inf)"),
-}
 
 
 @dataclass
@@ -96,7 +93,7 @@ class Config:
 
 
 #: section -> key -> (Config attribute or PlanOptions field, sub-key of a ``keys`` option or None, spec):
-#: every key a configuration may hold but the constraints, generated from the declarations.
+#: every key a configuration may hold but the constraints and the old keys, generated from the declarations.
 _SCHEMA: dict[str, dict[str, tuple[str, str | None, OptionSpec]]] = {
     "workload": {key: (key, None, spec) for key, spec in WORKLOAD_KEYS.items()},
 }
@@ -110,8 +107,6 @@ _CONSTRAINT_KEYS = {
 }
 
 
-# "4x8", "4,8", "4×8" or "8": what ``apmodel.workloads.parse_mesh`` reads
-_MESH_AXIS = re.compile(r"\s*[0-9]+\s*")
 _ON = re.compile(r"output|input(:[0-9]+)?")
 
 
@@ -145,10 +140,11 @@ def _check_finite(src: str, key: str, value: float) -> None:
 
 
 def _check_mesh(src: str, text: str) -> None:
-    parts = text.lower().replace(",", "x").replace("×", "x").split("x")
-    if not (1 <= len(parts) <= 4 and all(_MESH_AXIS.fullmatch(p) and int(p) > 0 for p in parts)):
-        raise ConfigError(f"{src}: key 'workload.mesh' must be 1 to 4 positive axis sizes joined by 'x' "
-                          f"(e.g. \"8\" or \"4x8\"), got {_short(text)}")
+    """The mesh as the command line reads it (:func:`apmodel.workloads.parse_mesh`, the one parser)."""
+    try:
+        parse_mesh(text, "key 'workload.mesh'")
+    except WorkloadError as e:
+        raise ConfigError(f"{src}: {e}") from None
 
 
 def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Linear:
@@ -196,16 +192,33 @@ def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Line
 
 
 def toml_key_of(name: str) -> str:
-    """The TOML key that sets option ``name`` (``planner.memory_limit_GB`` for ``memory_limit_bytes``)."""
+    """The TOML key that sets option ``name`` (``pricing.memory_limit_bytes`` for ``memory_limit_bytes``)."""
     try:
         return option_spec(name).toml
     except OptionsError:
         return name
 
 
+_OLD_SECTIONS = {key.partition(".")[0] for key in OLD_TOML_KEYS} - set(_SCHEMA)
+
+
+def _old_key(source: str, section: str, key: str, value: Any, schema: dict[str, tuple[str, str | None, OptionSpec]],
+             renamed: list[str]) -> tuple[str, str | None, OptionSpec, Any]:
+    """A key of an earlier version (:data:`~apmodel.options.OLD_TOML_KEYS`): its option, sub-key,
+    spec and value in today's unit, the rename noted in ``renamed``; else a ConfigError."""
+    old = OLD_TOML_KEYS.get(f"{section}.{key}")
+    if old is None:
+        known = sorted(schema) or sorted(k.partition(".")[2] for k in OLD_TOML_KEYS if k.startswith(section + "."))
+        raise ConfigError(f"{source}: unknown key '{section}.{key}' (known: {', '.join(known)})")
+    renamed.append(f"'{section}.{key}' -> '{old.new_toml()}'" + (f" ({old.note})" if old.note else ""))
+    spec = option_spec(old.option)
+    return old.option, old.sub, spec.keys[old.sub] if old.sub else spec, old.convert(value)
+
+
 def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path | None = None) -> Config:
     """Validate a parsed TOML document; relative file paths are resolved against ``base_dir``."""
     cfg = Config(source=source)
+    renamed: list[str] = []  # keys of an earlier version, warned about once per file
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a configuration must be a table of sections, got {_short(data)}")
     for section, body in data.items():
@@ -214,16 +227,17 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
                 raise ConfigError(f"{source}: key 'constraints' must be an array of tables ([[constraints]])")
             cfg.constraints = [_parse_constraint(source, i, e) for i, e in enumerate(body)]
             continue
-        schema = _SCHEMA.get(section)
-        if schema is None:
+        schema = _SCHEMA.get(section, {})
+        if section not in _SCHEMA and section not in _OLD_SECTIONS:
             known = sorted([*_SCHEMA, "constraints"])
             raise ConfigError(f"{source}: unknown key {section!r} (known sections: {', '.join(known)})")
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: key {section!r} must be a table ([{section}])")
         for key, value in body.items():
-            if key not in schema:
-                raise ConfigError(f"{source}: unknown key '{section}.{key}' (known: {', '.join(sorted(schema))})")
-            name, sub, spec = schema[key]
+            if key in schema:
+                name, sub, spec = schema[key]
+            else:
+                name, sub, spec, value = _old_key(source, section, key, value, schema, renamed)
             try:
                 read = spec.read(value)
             except BadValue as e:
@@ -232,8 +246,12 @@ def parse_config(data: dict[str, Any], source: str = "<config>", base_dir: Path 
                 setattr(cfg, name, read)
             elif sub is not None:
                 cfg.options.setdefault(name, {})[sub] = read
+            elif isinstance(read, dict) and spec.kind == "keys":  # beside an old [topology] section's keys
+                cfg.options[name] = {**cfg.options.get(name, {}), **read}
             else:
                 cfg.options[name] = read
+    if renamed:
+        logger.warning("%s: deprecated keys, read as their new names (rename them): %s", source, "; ".join(renamed))
     if cfg.mesh is not None:
         _check_mesh(source, cfg.mesh)
     try:  # the planning options' own checks (ranges, policies), reported under their TOML keys

@@ -1,8 +1,14 @@
 """How an option of a planning run is declared: :class:`OptionSpec` (the metadata of one
-:class:`~apmodel.options.PlanOptions` field: help, TOML key, flag, kind, choices, range) and
+:class:`~apmodel.options.PlanOptions` field: help, group, kind, choices, range) and
 :func:`option`, which attaches it to a field. The CLI flags (:mod:`apmodel.cli.flags`), the TOML
 schema (:mod:`apmodel.config`), the value checks and the README's options table are generated
 from these declarations. This module imports no torch.
+
+**One name per option.** An option's name is its field's, and every surface spells it so: the
+TOML key (``[<group>] <name>``: the TOML section is the option's group, which is also its
+``--help`` panel), the flag (``--<name>`` with dashes) and the keyword of every function that
+takes it. A spec therefore declares neither a TOML key nor a flag: both are derived from
+``name`` and ``group`` (:attr:`OptionSpec.toml`, :attr:`OptionSpec.flag`).
 """
 
 from __future__ import annotations
@@ -12,8 +18,11 @@ import re
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Mapping, TypeGuard
 
-#: The groups of the options, in the order the README and ``apmodel plan --help`` show them.
+#: The groups of the options, in the order the README and ``apmodel plan --help`` show them; each is
+#: also the TOML section of its options (``[pricing]``, ``[search]``, ...).
 GROUPS = {"pricing": "Pricing", "search": "Search space", "pipeline": "Pipeline", "solving": "Solving"}
+#: The TOML sections a spec may sit in: the groups, and ``[workload]`` (what to plan; not an option).
+SECTIONS = {**GROUPS, "workload": "Workload"}
 
 
 class BadValue(ValueError):
@@ -47,28 +56,27 @@ class OptionSpec:
 
     ``kind`` is what a value is on the surfaces (:data:`KINDS`): ``str``, ``path`` (a file; with
     ``suffix``; ``relative``: read relative to the configuration file), ``object`` (a dotted name
-    ``"package.module:Name"``), ``int``, ``float`` (``unit``; ``scale`` turns it into the field's
-    unit), ``bool`` (flag ``--x/--no-x``), ``ints`` (integers; a repeated flag, or comma-separated), ``placements``
+    ``"package.module:Name"``), ``int``, ``float`` (``unit``: the unit the value is in, on
+    every surface), ``bool`` (flag ``--x/--no-x``), ``ints`` (integers; a repeated flag, or comma-separated), ``placements``
     (one placement string per input or output, ``"default"`` for the default; a repeated flag),
-    ``table`` (free keys; ``--flag KEY=VALUE``, repeated) and ``keys`` (the sub-keys ``keys``, which
-    sit directly in the TOML section ``toml``; ``--flag KEY=VALUE``, repeated). ``range`` is an
+    ``table`` (free keys; ``--flag KEY=VALUE``, repeated) and ``keys`` (the sub-keys ``keys``, a TOML
+    table such as ``[pricing.topology]``; ``--flag KEY=VALUE``, repeated). ``range`` is an
     interval such as ``"(0, 1]"`` or ``"[0, inf)"`` (of each item for ``ints``). ``default_doc`` says
     what a ``None`` default means; ``python`` what the Python API takes beyond the surfaces (values
     of another type are not checked against ``choices``); ``help_from`` names a function
     (``"module:function"``) whose text ``--help`` appends; ``registry`` one (``"module:function"``)
     listing the backends the option may name, checked before planning (:meth:`PlanOptions.check_available`);
     ``model``: the option is a keyword argument of the placement model (:meth:`PlanOptions.model_kwargs`).
+    ``name`` is the field's name (bound by :func:`apmodel.options.option_spec`; ``""`` for the
+    sub-keys of a ``keys`` option); the TOML key and the flag are derived from it and ``group``.
     """
 
     help: str
-    toml: str
-    flag: str
     kind: str = "str"
     group: str = "pricing"
     choices: tuple[str, ...] = ()
     range: str = ""
     unit: str = ""
-    scale: float = 1.0
     suffix: str = ""
     relative: bool = False
     default_doc: str = ""
@@ -77,25 +85,38 @@ class OptionSpec:
     registry: str = ""
     model: bool = False
     keys: Mapping[str, "OptionSpec"] = field(default_factory=dict)
+    name: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"option kind {self.kind!r} is not one of {KINDS}")
-        if self.group not in GROUPS:
-            raise ValueError(f"option group {self.group!r} is not one of {tuple(GROUPS)}")
+        if self.group not in SECTIONS:
+            raise ValueError(f"option group {self.group!r} is not one of {tuple(SECTIONS)}")
         if self.range and _RANGE.fullmatch(self.range) is None:
             raise ValueError(f"option range {self.range!r}: expected an interval such as '(0, 1]' or '[0, inf)'")
 
-    # ------------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------------ the names
     @property
     def section(self) -> str:
-        return self.toml.split(".")[0]
+        """The TOML section: the option's group."""
+        return self.group
 
     @property
     def key(self) -> str:
-        """The TOML key within the section (``""`` for ``keys``: its sub-keys sit in the section)."""
-        return self.toml.partition(".")[2]
+        """The TOML key within the section: the option's name."""
+        return self.name
 
+    @property
+    def toml(self) -> str:
+        """``section.key``, e.g. ``pricing.ac`` (``""`` for a sub-key of a ``keys`` option)."""
+        return f"{self.group}.{self.name}" if self.name else ""
+
+    @property
+    def flag(self) -> str:
+        """The flag: the name with dashes, e.g. ``--memory-limit-bytes``."""
+        return "--" + self.name.replace("_", "-") if self.name else ""
+
+    # ------------------------------------------------------------------------ reading
     def bounds(self) -> tuple[float, bool, float, bool] | None:
         """``(low, low_open, high, high_open)`` of ``range``."""
         m = _RANGE.fullmatch(self.range) if self.range else None
@@ -103,12 +124,12 @@ class OptionSpec:
             return None
         return float(m.group(2)), m.group(1) == "(", float(m.group(3)), m.group(4) == ")"
 
-    def in_range(self, v: float, scale: float = 1.0) -> bool:
-        """Whether ``v`` lies in ``range`` (its bounds times ``scale``); NaN never does."""
+    def in_range(self, v: float) -> bool:
+        """Whether ``v`` lies in ``range``; NaN never does."""
         b = self.bounds()
         if b is None:
             return not (isinstance(v, float) and math.isnan(v))
-        lo, lo_open, hi, hi_open = b[0] * scale, b[1], b[2] * scale, b[3]
+        lo, lo_open, hi, hi_open = b
         return (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
 
     def range_text(self) -> str:
@@ -171,7 +192,7 @@ class OptionSpec:
         if k == "float":
             if not is_number(value) or not self.in_range(value):
                 raise BadValue(self.what())
-            return float(value) * self.scale
+            return float(value)
         if k == "bool":
             if not isinstance(value, bool):
                 raise BadValue(self.what())
@@ -214,7 +235,7 @@ class OptionSpec:
         return self.flag
 
     def toml_text(self) -> str:
-        """The TOML key(s): ``planner.ac``; for ``keys`` each sub-key."""
+        """The TOML key(s): ``pricing.ac``; for ``keys`` each sub-key (``pricing.topology.nvls``)."""
         if self.kind == "keys":
             return ", ".join(f"{self.toml}.{k}" for k in self.keys)
         return self.toml
@@ -229,10 +250,10 @@ def spec_of(f: Any) -> OptionSpec | None:
     return f.metadata.get(SPEC_KEY)
 
 
-def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str, toml: str, flag: str,
-           **spec: Any) -> Any:
-    """A :class:`PlanOptions` field with its declaration (:class:`OptionSpec` keywords)."""
-    metadata = {SPEC_KEY: OptionSpec(help=help, toml=toml, flag=flag, **spec)}
+def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str, **spec: Any) -> Any:
+    """A :class:`PlanOptions` field with its declaration (:class:`OptionSpec` keywords; no TOML key
+    and no flag: both are the field's name, in its group's section)."""
+    metadata = {SPEC_KEY: OptionSpec(help=help, **spec)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)

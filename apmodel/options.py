@@ -9,8 +9,12 @@ and its flags), the recipes and the benchmarks all build one, and a plan file re
 rebuild the model (:meth:`PlanOptions.from_record`).
 
 Each field carries its whole declaration in its metadata (:class:`~apmodel.option_spec.OptionSpec`, made by
-:func:`option`): default, help text, TOML section and key, command-line flag, kind of value,
-allowed values or range, unit. Everything else is generated from it:
+:func:`option`): default, help text, group, kind of value, allowed values or range, unit. The
+option has one name, the field's: its TOML key is ``[<group>] <name>``, its flag ``--<name>``
+(dashes for underscores), its keyword ``<name>``; the group is also its ``--help`` panel.
+Spellings of earlier versions (:data:`OLD_TOML_KEYS`, :data:`OLD_FLAGS`, :data:`OLD_KEYWORDS`,
+:data:`OLD_RECORD_KEYS`) are still read, with a warning naming the new name.
+Everything else is generated from it:
 
 * the flags of ``apmodel plan`` (and of ``apmodel calibrate`` for the device's; :mod:`apmodel.cli.flags`),
   read with the same checks as the TOML keys and named in their errors,
@@ -26,24 +30,28 @@ keyword arguments (:meth:`PlanOptions.model_kwargs`).
 
 **Adding an option** is a one-place change:
 
-1. add a field to :class:`PlanOptions`, in its group (``group="pricing"``, ``"search"`` or
-   ``"solving"``), declared with :func:`option`::
+1. add a field to :class:`PlanOptions`, in its group (``group="pricing"``, ``"search"``,
+   ``"pipeline"`` or ``"solving"``), declared with :func:`option`::
 
        microbatches: int | None = option(
-           None, help="Microbatches per step.", toml="pipeline.microbatches", flag="--microbatches",
-           group="search", kind="int", range="[1, inf)", default_doc="the number of stages")
+           None, help="Microbatches per step.", group="pipeline", kind="int", range="[1, inf)",
+           default_doc="the number of stages")
 
-   (``choices=`` for a closed set of strings, ``kind="bool"`` for a ``--x/--no-x`` flag, ``"ints"``
-   (each item in ``range``) or ``"placements"`` for a repeated flag, ``"table"`` for
-   ``--flag KEY=VALUE``; a new TOML section such as ``[pipeline]`` needs nothing more: the sections
-   are the ones the specs name; a new group is one entry of :data:`~apmodel.option_spec.GROUPS`);
+   (its TOML key is then ``pipeline.microbatches`` and its flag ``--microbatches``; ``choices=``
+   for a closed set of strings, ``kind="bool"`` for a ``--x/--no-x`` flag, ``"ints"`` (each item
+   in ``range``) or ``"placements"`` for a repeated flag, ``"table"`` for ``--flag KEY=VALUE``; a
+   new group, and so a new TOML section, is one entry of :data:`~apmodel.option_spec.GROUPS`);
 2. read it where the pipeline needs it (``options.microbatches``); cross-field checks go in
    ``__post_init__``, checks against the mesh in :meth:`PlanOptions.check_mesh`;
 3. run ``python tools/options_table.py`` to regenerate the README's table.
 
 ``tests/test_options.py`` then checks, for every field and without a list of its own, that it has
-a flag, a TOML key and a README row, and that a value set through the TOML key and through the
-flag lands in ``PlanOptions`` alike.
+one name across field, TOML key, flag and keyword, that its ``--help`` panel is its TOML section,
+that it has a README row, and that a value set through the TOML key and through the flag lands in
+``PlanOptions`` alike.
+
+**Renaming an option** keeps the old spelling readable: add it to :data:`OLD_TOML_KEYS`,
+:data:`OLD_FLAGS`, :data:`OLD_KEYWORDS` (and :data:`OLD_RECORD_KEYS` when plan files recorded it).
 
 This module imports no torch: the CLI validates options before the slow imports.
 """
@@ -55,11 +63,13 @@ import functools
 import importlib
 import logging
 import math
+import warnings
 from collections import Counter
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from apmodel.option_spec import GROUPS, BadValue, OptionSpec, is_number, option, spec_of
+from apmodel.schedules import SCHEDULES
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +155,8 @@ DEFAULT_SEED_RADIUS = 2
 #: Param dtypes a mixed-precision step can compute in (the reduce dtype is always fp32).
 MIXED_PARAM_DTYPES = ("bf16", "fp16")
 
-#: Pipeline schedules (:mod:`apmodel.schedules`: Schedule1F1B, ScheduleInterleaved1F1B).
-PP_SCHEDULES = ("1f1b", "interleaved")
+#: Pipeline schedules: the ones :mod:`apmodel.schedules` declares (Schedule1F1B, ScheduleInterleaved1F1B).
+PP_SCHEDULES = SCHEDULES
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -174,8 +184,8 @@ class OptionsError(ValueError):
 
 
 def _sub(help: str, kind: str, range: str = "", unit: str = "") -> OptionSpec:
-    """The spec of a sub-key of a ``keys`` option (its TOML key and flag are the option's)."""
-    return OptionSpec(help=help, toml="", flag="", kind=kind, range=range, unit=unit)
+    """The spec of a sub-key of a ``keys`` option (no name of its own: a key of the option's table)."""
+    return OptionSpec(help=help, kind=kind, range=range, unit=unit)
 
 
 #: The topology's keys a configuration may override (``costmodels.Topology`` keyword arguments).
@@ -193,7 +203,8 @@ TOPOLOGY_KEYS = tuple(TOPOLOGY_SPECS)
 class PlanOptions:
     """What to search, how to price and how to solve; every field is declared here, once.
 
-    Each field's metadata (:func:`option_spec`) holds its help, TOML key, flag and allowed values;
+    Each field's metadata (:func:`option_spec`) holds its help, group and allowed values (its TOML
+    key and flag are its name);
     the README's options table lists them (:func:`options_table`). A few take more in Python than
     on the surfaces: ``device`` a ``DeviceSpec``, ``dtype`` a torch dtype, ``mixed_precision`` a
     pair ``(param dtype, reduce dtype)`` such as ``("bf16", "fp32")`` (which sets ``dtype``; see
@@ -203,142 +214,122 @@ class PlanOptions:
 
     # pricing
     device: Any = option(
-        "h100", help="Target device of the cost model (see `apmodel devices`).", toml="device.name", flag="--device",
+        "h100", help="Target device of the cost model (see `apmodel devices`).",
         python="or a costmodels DeviceSpec")
     gpus_per_node: int = option(
-        8, help="GPUs per node: which mesh axes cross the network.", toml="topology.gpus_per_node",
-        flag="--gpus-per-node", kind="int", range="[1, inf)")
+        8, help="GPUs per node: which mesh axes cross the network.", kind="int", range="[1, inf)")
     dtype: PricingDtype | Any = option(
-        "bf16", help="Pricing dtype of compute and parameter gathers.", toml="device.dtype", flag="--dtype",
+        "bf16", help="Pricing dtype of compute and parameter gathers.",
         choices=PRICING_DTYPES, python="or a torch dtype")
     mixed_precision: bool | tuple[str, str] | None = option(
         None, help="fp32 master weights, gradients, optimizer state and gradient reductions beside bf16/fp16 "
-                   "compute and gathers.", toml="device.mixed_precision", flag="--mixed-precision", kind="bool",
+                   "compute and gathers.", kind="bool",
         default_doc="priced so for bf16/fp16, the step run in the model's dtype; given: also traced and run so",
         python="or a pair (\"bf16\", \"fp32\"), which sets dtype")
     compute_model: Any = option(
-        None, help="A replacement compute model, constructed with the DeviceSpec.", toml="cost.compute_model",
-        flag="--compute-model", kind="object", default_doc="the device's", python="or an object")
+        None, help="A replacement compute model, constructed with the DeviceSpec.", kind="object", default_doc="the device's", python="or an object")
     comm_model: Any = option(
-        None, help="A replacement collective model, constructed with the Topology.", toml="cost.comm_model",
-        flag="--comm-model", kind="object", default_doc="the device's", python="or an object")
+        None, help="A replacement collective model, constructed with the Topology.", kind="object", default_doc="the device's", python="or an object")
     compute_profile: str | None = option(
         None, help="Compute profile (from `apmodel calibrate-compute`) for the measured compute model; in a "
-                   "configuration, relative to its file.", toml="cost.compute_profile", flag="--compute-profile",
+                   "configuration, relative to its file.",
         kind="path", suffix=".json", relative=True, default_doc="the device's built-in profile")
     execution: Execution = option(
         "eager", help="Execution mode the measured compute model prices: eager (a launch cost per op) or graphs "
-                      "(CUDA-graph replay).", toml="device.execution", flag="--execution", choices=EXECUTIONS)
+                      "(CUDA-graph replay).", choices=EXECUTIONS)
     calibration: str | None = option(
-        None, help="Collective calibration (from `apmodel calibrate`); in a configuration, relative to its file.",
-        toml="cost.calibration", flag="--calibration", kind="path", relative=True, default_doc="none")
+        None, help="Collective calibration (from `apmodel calibrate`); in a configuration, relative to its file.", kind="path", relative=True, default_doc="none")
     bucket_mb: float = option(
         25.0, help="Bucket size of the native program's merged collectives: a parameter's gathers and its "
-                   "gradient's reductions are priced as their share of one bucket (0: each alone, as the "
-                   "interpreter and parallelize(bucket_cap_mb=0) run them).", toml="cost.bucket_MB",
-        flag="--bucket-mb", kind="float", range="[0, inf)", unit="MB, 2^20 bytes")
+                   "gradient's reductions are priced as their share of one bucket, and parallelize runs "
+                   "them so (0: each alone, as the interpreter runs them).", kind="float", range="[0, inf)",
+        unit="MB, 2^20 bytes")
     overlap: bool = option(
         True, help="Price the step as the native program runs it: each collective issued as soon as its input "
                    "exists and waited just before its first reader, parameter gathers prefetched, so "
                    "communication hides behind computation where the dependencies allow (the objective is "
                    "the simulated step); off: compute and communication summed, each collective waited as "
-                   "issued, and parallelize runs so.", toml="cost.overlap", flag="--overlap", kind="bool")
+                   "issued, and parallelize runs so.", kind="bool")
     inflight_mb: float = option(
         100.0, help="Most bytes of collectives in flight at once in the overlapped program (prefetched "
                     "parameter gathers, gradient reductions not yet waited); a collective larger than this "
-                    "runs alone.", toml="cost.inflight_mb", flag="--inflight-mb", kind="float", range="(0, inf)",
+                    "runs alone.", kind="float", range="(0, inf)",
         unit="MB, 2^20 bytes")
     topology: Mapping[str, Any] = option(
         default_factory=dict, help="Overrides of the device's topology: " + "; ".join(
-            f"{k} ({s.help})" for k, s in TOPOLOGY_SPECS.items()) + ".",
-        toml="topology", flag="--topology", kind="keys", keys=TOPOLOGY_SPECS, default_doc="the device's")
+            f"{k} ({s.help})" for k, s in TOPOLOGY_SPECS.items()) + ".", kind="keys", keys=TOPOLOGY_SPECS, default_doc="the device's")
     optimizer: Optimizer = option(
-        "adamw", help="Optimizer whose state the memory model counts.", toml="planner.optimizer", flag="--optimizer",
+        "adamw", help="Optimizer whose state the memory model counts.",
         choices=OPTIMIZERS, model=True)
     ac: ACPolicy = option(
         "none", help="Activation checkpointing: selective (matmul and attention outputs saved, the rest of each "
                      "layer recomputed in backward) or full (each layer recomputed from its input); the "
-                     "recomputation is priced and lowered (apmodel.checkpointing).",
-        toml="planner.ac", flag="--ac", choices=AC_POLICIES)
+                     "recomputation is priced and lowered (apmodel.checkpointing).", choices=AC_POLICIES)
     memory_limit_bytes: float | None = option(
-        None, help="Per-device memory limit; inf: none. The field holds bytes (memory_limit= in apmodel.plan).",
-        toml="planner.memory_limit_GB", flag="--memory-limit-gb", kind="float", range="(0, inf]",
-        unit="GB, 1e9 bytes", scale=1e9, default_doc="the device's HBM less 10%")
+        None, help="Per-device memory limit in bytes (8e10: 80 GB); inf: none. Bytes on every surface (TOML, "
+                   "flag, Python, the plan file), so that no value is rescaled between them.", kind="float",
+        range="(0, inf]", unit="bytes", default_doc="the device's HBM less 10%")
     # search space
     param_policy: ParamPolicy = option(
         "full_shard", help="Parameter storage: full_shard (every parameter stored with the largest sharding it "
-                           "admits, on all axes but replicate_axes) or free.", toml="planner.param_policy",
-        flag="--param-policy", group="search", choices=PARAM_POLICIES, model=True)
+                           "admits, on all axes but replicate_axes) or free.", group="search", choices=PARAM_POLICIES, model=True)
     replicate_axes: tuple[int, ...] = option(
-        (), help="Mesh axes on which parameters stay replicated (HSDP); the flag once per axis.",
-        toml="planner.replicate_axes", flag="--replicate-axis", group="search", kind="ints", range="[0, inf)",
-        model=True)
+        (), help="Mesh axes on which parameters stay replicated (HSDP); the flag comma-separated (0,1) or "
+                 "once per axis.", group="search", kind="ints", range="[0, inf)", model=True)
     param_memory_fraction: float | None = option(
         None, help="Per-device parameter budget, a fraction of the model's parameter bytes (instead of "
-                   "param_policy).", toml="planner.param_memory_fraction", flag="--param-memory-fraction",
+                   "param_policy).",
         group="search", kind="float", range="(0, 1]", default_doc="none", model=True)
     param_budget_ratio: float | None = option(
         None, help="Storage budget 'high' of the AutoParallel paper: mean local/global ratio over parameter "
-                   "tensors (Appendix C; instead of param_policy).", toml="planner.param_budget_ratio",
-        flag="--param-budget-ratio", group="search", kind="float", range="(0, 1]", default_doc="none", model=True)
+                   "tensors (Appendix C; instead of param_policy).", group="search", kind="float", range="(0, 1]", default_doc="none", model=True)
     merge_copies: bool = option(
-        True, help="Merge the copies of repeated layers into one decision (apmodel.clustering).",
-        toml="planner.merge_copies", flag="--merge-copies", group="search", kind="bool", model=True)
+        True, help="Merge the copies of repeated layers into one decision (apmodel.clustering).", group="search", kind="bool", model=True)
     flow_coupling: bool = option(
-        True, help="Merge the producers a clustered node reads alike (paper §4.3; with merge_copies).",
-        toml="planner.flow_coupling", flag="--flow-coupling", group="search", kind="bool", model=True)
+        True, help="Merge the producers a clustered node reads alike (paper §4.3; with merge_copies).", group="search", kind="bool", model=True)
     seeding: bool | None = option(
         None, help="Split-dimension seeding: solve each mesh axis alone, then search near that plan "
-                   "(apmodel.seeding).", toml="planner.seeding", flag="--seeding", group="search", kind="bool",
+                   "(apmodel.seeding).", group="search", kind="bool",
         default_doc="on for meshes of 3+ axes")
     seed_radius: int | None = option(
-        None, help="Hamming radius of the seeded search.", toml="planner.seed_radius", flag="--seed-radius",
+        None, help="Hamming radius of the seeded search.",
         group="search", kind="int", range="[0, inf)", default_doc="2 on 3 axes, one less than the axes beyond")
     seed_widen_inputs: bool = option(
         False, help="Under seeding, full-mesh rules also take input placements from the seed's ball (no longer a "
-                    "restriction of the whole space).", toml="planner.seed_widen_inputs",
-        flag="--seed-widen-inputs", group="search", kind="bool")
+                    "restriction of the whole space).", group="search", kind="bool")
     input_placements: Sequence[Any] | None = option(
-        None, help="Placement of each step input, in order; the flag once per input.",
-        toml="planner.input_placements", flag="--input-placement", group="search", kind="placements",
+        None, help="Placement of each step input, in order; the flag once per input.", group="search", kind="placements",
         default_doc="the batch dimension sharded on axis 0", python="or torch placements", model=True)
     output_placements: Sequence[Any] | None = option(
-        None, help="Placement of each forward output, in order; the flag once per output.",
-        toml="planner.output_placements", flag="--output-placement", group="search", kind="placements",
+        None, help="Placement of each forward output, in order; the flag once per output.", group="search", kind="placements",
         default_doc="replicated scalars, batch-sharded others", python="or torch placements", model=True)
     # pipeline
     pp_axis: int | None = option(
         None, help="Mesh axis that may carry pipeline stages: every allowed degree is priced (stage split, "
-                   "schedule, transfers, memory) and the cheapest that fits chosen (apmodel.pipeline).",
-        toml="pipeline.axis", flag="--pp-axis", group="pipeline", kind="int", range="[0, inf)",
+                   "schedule, transfers, memory) and the cheapest that fits chosen (apmodel.pipeline).", group="pipeline", kind="int", range="[0, inf)",
         default_doc="no pipeline")
     pp_degrees: tuple[int, ...] = option(
         (), help="Pipeline degrees allowed, divisors of the axis size (1: no pipelining, the axis joins the SPMD "
-                 "plan); the flag comma-separated (1,2,4) or once per degree.", toml="pipeline.degrees",
-        flag="--pp-degrees", group="pipeline", kind="ints", range="[1, inf)",
+                 "plan); the flag comma-separated (1,2,4) or once per degree.", group="pipeline", kind="ints", range="[1, inf)",
         default_doc="every divisor of the axis size")
     microbatches: int | None = option(
-        None, help="Microbatches per step of a pipeline (must divide the batch).", toml="pipeline.microbatches",
-        flag="--microbatches", group="pipeline", kind="int", range="[1, inf)",
+        None, help="Microbatches per step of a pipeline (must divide the batch).", group="pipeline", kind="int", range="[1, inf)",
         default_doc="the smallest divisor of the batch that is at least twice the largest degree")
     pp_schedule: str = option(
         "1f1b", help="Pipeline schedule: 1f1b (Schedule1F1B) or interleaved (ScheduleInterleaved1F1B, two stages "
-                     "per rank).", toml="pipeline.schedule", flag="--pp-schedule", group="pipeline",
+                     "per rank).", group="pipeline",
         choices=PP_SCHEDULES)
     # solving
     solver: str = option(
-        "trws", help="Solver backend of the plan (solvers.register adds one).", toml="solver.backend", flag="--solver", group="solving",
+        "trws", help="Solver backend of the plan (solvers.register adds one).", group="solving",
         registry="solvers:available", help_from="solvers.backends:help_text")
     time_limit: float | None = option(
-        None, help="Time limit of each solve, the seeding solves included.", toml="solver.time_limit",
-        flag="--time-limit", group="solving", kind="float", range="(0, inf)", unit="seconds",
+        None, help="Time limit of each solve, the seeding solves included.", group="solving", kind="float", range="(0, inf)", unit="seconds",
         default_doc="the backend's")
     solver_options: Mapping[str, Any] = option(
-        default_factory=dict, help="Options passed to the backend (solver, not seed_solver), e.g. max_iters=300.",
-        toml="solver.options", flag="--solver-option", group="solving", kind="table", default_doc="none")
+        default_factory=dict, help="Options passed to the backend (solver, not seed_solver), e.g. max_iters=300.", group="solving", kind="table", default_doc="none")
     seed_solver: str = option(
-        "highs", help="Backend of the per-axis seeding solves (exact by default: each is small).",
-        toml="solver.seed_backend", flag="--seed-solver", group="solving", registry="solvers:available")
+        "highs", help="Backend of the per-axis seeding solves (exact by default: each is small).", group="solving", registry="solvers:available")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once, here
@@ -467,14 +458,17 @@ class PlanOptions:
     def from_record(cls, record: Mapping[str, Any]) -> "PlanOptions":
         """The options a plan file recorded (keys of other kinds, e.g. ``model``, are ignored).
 
-        Plans saved before this record existed keep their meaning: ``memory_limit_GB`` (1e9
-        bytes), a plan without ``bucket_mb`` was priced with every collective alone (0), one without
-        ``overlap`` serially, and
-        other missing keys take today's defaults."""
+        Plans saved before this record existed keep their meaning: keys of earlier versions
+        (:data:`OLD_RECORD_KEYS`: ``memory_limit_GB``, 1e9 bytes) are read with a logged warning,
+        a plan without ``bucket_mb`` was priced with every collective alone (0), one without
+        ``overlap`` serially, and other missing keys take today's defaults."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in record.items() if k in names and v is not None}
-        if "memory_limit_GB" in record and record["memory_limit_GB"] is not None and "memory_limit_bytes" not in values:
-            values["memory_limit_bytes"] = float(record["memory_limit_GB"]) * 1e9
+        for key, old in OLD_RECORD_KEYS.items():
+            if record.get(key) is not None and old.option not in values:
+                logger.warning("the plan file's workload key %r is read as %r (its name since; %s)", key,
+                               old.option, old.note or "same value")
+                values[old.option] = old.convert(record[key])
         if "bucket_mb" not in record:  # a plan from before bucket pricing: every collective priced alone
             values["bucket_mb"] = 0.0
         if "overlap" not in record:  # a plan from before overlap pricing: priced and run serially
@@ -496,9 +490,8 @@ def _check_field(name: str, spec: OptionSpec, value: Any) -> None:
     if spec.choices and (isinstance(value, str) or not spec.python) and value not in spec.choices:
         raise OptionsError(f"{name} {value!r}: expected one of {', '.join(spec.choices)}", name)
     if spec.kind in ("int", "float") and spec.range:
-        if not is_number(value) or not spec.in_range(value, spec.scale):
-            what = spec.what().replace(f" ({spec.unit})", "") if spec.scale != 1.0 else spec.what()
-            raise OptionsError(f"{name} must be {what}, got {value!r}", name)
+        if not is_number(value) or not spec.in_range(value):
+            raise OptionsError(f"{name} must be {spec.what()}, got {value!r}", name)
     if spec.kind == "ints" and spec.range and not all(is_number(a) and spec.in_range(a) for a in value):
         raise OptionsError(f"{name} {list(value)}: expected {spec.what()}", name)
     if spec.kind == "keys":
@@ -518,14 +511,15 @@ def option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(PlanOptions)]
 
 
+@functools.lru_cache(maxsize=None)
 def option_spec(name: str) -> OptionSpec:
-    """The declaration of option ``name``."""
+    """The declaration of option ``name``, bound to it (``spec.name``: its TOML key and flag)."""
     for f in dataclasses.fields(PlanOptions):
         if f.name == name:
             spec = spec_of(f)
             if not isinstance(spec, OptionSpec):
                 raise TypeError(f"PlanOptions.{name} has no option(...) declaration")
-            return spec
+            return dataclasses.replace(spec, name=name)
     raise OptionsError(f"unknown planning option {name!r} (options: {', '.join(option_names())})")
 
 
@@ -541,20 +535,90 @@ def default_of(name: str) -> Any:
 
 
 def toml_keys() -> dict[tuple[str, str], tuple[str, str | None, OptionSpec]]:
-    """``(section, key) -> (field, sub-key or None, spec)`` of every TOML key an option takes."""
-    out: dict[tuple[str, str], tuple[str, str | None, OptionSpec]] = {}
-    for name, spec in option_specs().items():
-        if spec.kind == "keys":
-            for sub, sub_spec in spec.keys.items():
-                out[(spec.toml, sub)] = (name, sub, sub_spec)
-        else:
-            out[(spec.section, spec.key)] = (name, None, spec)
-    return out
+    """``(section, key) -> (field, None, spec)`` of every TOML key an option takes: its group and name."""
+    return {(spec.section, spec.key): (name, None, spec) for name, spec in option_specs().items()}
 
 
 def make_options(options: PlanOptions | None = None, **changes: Any) -> PlanOptions:
-    """``options`` (default: all defaults) with ``changes``; unknown names are named in the error."""
+    """``options`` (default: all defaults) with ``changes``; unknown names are named in the error,
+    old ones (:data:`OLD_KEYWORDS`) taken with a ``DeprecationWarning``."""
+    changes = renamed_keywords(changes)
     return (options or PlanOptions()).replace(**changes) if changes else (options or PlanOptions())
+
+
+# ------------------------------------------------------------------------------- old names
+@dataclass(frozen=True)
+class OldName:
+    """A spelling of an option in an earlier version, still read with a warning naming the new one.
+
+    ``option``: the field; ``sub``: a sub-key of a ``keys`` option (the old ``[topology]`` section
+    held the topology's keys directly); ``scale``: an old value times it is the field's (the old
+    ``memory_limit_GB`` took 1e9 bytes); ``note``: what the warning adds."""
+
+    option: str
+    sub: str | None = None
+    scale: float = 1.0
+    note: str = ""
+
+    def convert(self, value: Any) -> Any:
+        return value * self.scale if self.scale != 1.0 and is_number(value) else value
+
+    def new_toml(self) -> str:
+        spec = option_spec(self.option)
+        return f"{spec.toml}.{self.sub}" if self.sub else spec.toml
+
+
+_GB = "GB then, bytes now: 70 GB is 7e10"
+#: TOML keys (``section.key``) of earlier versions: sections by kind of setting, before the
+#: sections became the options' groups and the keys their names.
+OLD_TOML_KEYS: Mapping[str, OldName] = {
+    "device.name": OldName("device"), "device.dtype": OldName("dtype"),
+    "device.mixed_precision": OldName("mixed_precision"), "device.execution": OldName("execution"),
+    "topology.gpus_per_node": OldName("gpus_per_node"),
+    **{f"topology.{k}": OldName("topology", sub=k) for k in TOPOLOGY_KEYS},
+    **{f"cost.{k}": OldName(k) for k in ("compute_model", "comm_model", "compute_profile", "calibration", "overlap",
+                                         "inflight_mb")},
+    "cost.bucket_MB": OldName("bucket_mb"),
+    "planner.optimizer": OldName("optimizer"), "planner.ac": OldName("ac"),
+    "planner.memory_limit_GB": OldName("memory_limit_bytes", scale=1e9, note=_GB),
+    **{f"planner.{k}": OldName(k) for k in ("param_policy", "replicate_axes", "param_memory_fraction",
+                                            "param_budget_ratio", "merge_copies", "flow_coupling", "seeding",
+                                            "seed_radius", "seed_widen_inputs", "input_placements",
+                                            "output_placements")},
+    "pipeline.axis": OldName("pp_axis"), "pipeline.degrees": OldName("pp_degrees"),
+    "pipeline.schedule": OldName("pp_schedule"),
+    "solver.backend": OldName("solver"), "solver.time_limit": OldName("time_limit"),
+    "solver.options": OldName("solver_options"), "solver.seed_backend": OldName("seed_solver"),
+}
+#: Flags of earlier versions (``apmodel plan``): hidden, read with a warning.
+OLD_FLAGS: Mapping[str, OldName] = {
+    "--memory-limit-gb": OldName("memory_limit_bytes", scale=1e9, note=_GB),
+    "--replicate-axis": OldName("replicate_axes"), "--input-placement": OldName("input_placements"),
+    "--output-placement": OldName("output_placements"), "--solver-option": OldName("solver_options"),
+}
+#: Keyword arguments of earlier versions (``apmodel.plan(memory_limit=)``, ``parallelize(bucket_cap_mb=)``,
+#: ``parallelize_pipeline(schedule=)``).
+OLD_KEYWORDS: Mapping[str, OldName] = {
+    "memory_limit": OldName("memory_limit_bytes"), "bucket_cap_mb": OldName("bucket_mb"),
+    "schedule": OldName("pp_schedule"),
+}
+#: Keys of a plan file's ``workload`` record of earlier versions (:meth:`PlanOptions.from_record`).
+OLD_RECORD_KEYS: Mapping[str, OldName] = {"memory_limit_GB": OldName("memory_limit_bytes", scale=1e9, note=_GB)}
+
+
+def renamed_keywords(values: Mapping[str, Any], stacklevel: int = 4) -> dict[str, Any]:
+    """``values`` (option keywords) with the names of earlier versions (:data:`OLD_KEYWORDS`)
+    replaced by the options' names, each with a ``DeprecationWarning`` naming the new one; both
+    spellings of one option is an :class:`OptionsError`."""
+    out = dict(values)
+    for old, new in OLD_KEYWORDS.items():
+        if old not in out:
+            continue
+        if new.option in out:
+            raise OptionsError(f"{old}= and {new.option}= are one option: give {new.option}=", new.option)
+        warnings.warn(f"the keyword {old}= is deprecated: use {new.option}=", DeprecationWarning, stacklevel=stacklevel)
+        out[new.option] = new.convert(out.pop(old))
+    return out
 
 
 # ------------------------------------------------------------------------------- the docs

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import costmodels
 from apmodel import schedules, search
 from apmodel.memory import OutOfMemory
-from apmodel.options import PlanOptions
+from apmodel.options import OptionsError, PlanOptions
 from apmodel.pipeline_record import DegreePrice, PipelineChoice, PipelineError
 from apmodel.stage_costs import StepUnits, count_layers, step_units
 from apmodel.workloads import Workload, WorkloadError, load_workload
@@ -60,43 +60,49 @@ DEFAULT_MICROBATCHES_PER_STAGE = 2
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """The pipeline part of a planning request.
+    """The pipeline group of the planning options, which :func:`plan_pipeline` receives: the
+    :class:`~apmodel.options.PlanOptions` fields of the same names, checked by their declarations
+    (:meth:`of` takes them from a ``PlanOptions``).
 
-    ``axis``: the mesh axis that may carry the pipeline. ``degrees``: the pipeline degrees allowed
-    (divisors of the axis size; 1 means none, and the axis joins the SPMD plan); None: every
-    divisor. ``microbatches``: per step (must divide the batch); None: the smallest divisor of the
-    batch that is at least ``2 ×`` the largest degree (or the batch). ``schedule``: ``"1f1b"`` or
-    ``"interleaved"`` (:mod:`apmodel.schedules`)."""
+    ``pp_axis``: the mesh axis that may carry the pipeline. ``pp_degrees``: the pipeline degrees
+    allowed (divisors of the axis size; 1 means none, and the axis joins the SPMD plan); None:
+    every divisor. ``microbatches``: per step (must divide the batch); None: the smallest divisor
+    of the batch that is at least ``2 ×`` the largest degree (or the batch). ``pp_schedule``:
+    ``"1f1b"`` or ``"interleaved"`` (:mod:`apmodel.schedules`)."""
 
-    axis: int
-    degrees: tuple[int, ...] | None = None
+    pp_axis: int
+    pp_degrees: tuple[int, ...] | None = None
     microbatches: int | None = None
-    schedule: str = "1f1b"
+    pp_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.axis, int) or isinstance(self.axis, bool) or self.axis < 0:
-            raise PipelineError(f"pp_axis {self.axis!r}: expected a mesh axis index >= 0")
-        if self.degrees is not None:
-            degrees = tuple(self.degrees)
-            if not degrees or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in degrees):
-                raise PipelineError(f"pp_degrees {list(degrees)!r}: expected positive integers such as 1,2,4")
-            object.__setattr__(self, "degrees", tuple(sorted(set(degrees))))
-        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
-            raise PipelineError(f"microbatches {self.microbatches!r}: expected a positive integer")
-        if self.schedule not in schedules.SCHEDULES:
-            raise PipelineError(f"pp_schedule {self.schedule!r}: expected one of {', '.join(schedules.SCHEDULES)}")
+        if self.pp_axis is None:
+            raise PipelineError("pp_axis None: expected a mesh axis index >= 0")
+        try:  # the options' own checks: one declaration of what each takes
+            checked = PlanOptions(pp_axis=self.pp_axis, pp_degrees=self.pp_degrees or (), microbatches=self.microbatches,
+                                  pp_schedule=self.pp_schedule)
+        except (OptionsError, TypeError, ValueError) as e:
+            raise PipelineError(str(e)) from None
+        object.__setattr__(self, "pp_degrees", checked.pp_degrees or None)
+
+    @classmethod
+    def of(cls, options: PlanOptions) -> "PipelineOptions":
+        """The pipeline group of ``options`` (whose ``pp_axis`` is set)."""
+        if options.pp_axis is None:
+            raise PipelineError("no pipeline axis: set pp_axis (--pp-axis)")
+        return cls(options.pp_axis, options.pp_degrees or None, options.microbatches, options.pp_schedule)
 
     def resolve(self, mesh_shape: Sequence[int], batch: int) -> tuple[tuple[int, ...], int]:
         """The degrees and microbatch count for ``mesh_shape`` and a global ``batch``, checked."""
-        if self.axis >= len(mesh_shape):
-            raise PipelineError(f"pp_axis {self.axis} is out of range for mesh {tuple(mesh_shape)} "
+        if self.pp_axis >= len(mesh_shape):
+            raise PipelineError(f"pp_axis {self.pp_axis} is out of range for mesh {tuple(mesh_shape)} "
                                 f"(axes 0..{len(mesh_shape) - 1})")
-        size = mesh_shape[self.axis]
-        degrees = self.degrees or tuple(d for d in range(1, size + 1) if size % d == 0)
+        size = mesh_shape[self.pp_axis]
+        degrees = self.pp_degrees or tuple(d for d in range(1, size + 1) if size % d == 0)
         bad = [d for d in degrees if size % d]
         if bad:
             raise PipelineError(f"pp_degrees {list(degrees)}: degree {bad[0]} does not divide the size {size} of "
-                                f"pipeline axis {self.axis} of mesh {tuple(mesh_shape)}")
+                                f"pipeline axis {self.pp_axis} of mesh {tuple(mesh_shape)}")
         m = self.microbatches
         if m is None:
             want = DEFAULT_MICROBATCHES_PER_STAGE * max(degrees)
@@ -107,7 +113,7 @@ class PipelineOptions:
         for d in degrees:
             if d > 1:
                 try:
-                    schedules.check(self.schedule, d, m)
+                    schedules.check(self.pp_schedule, d, m)
                 except schedules.ScheduleError as e:
                     raise PipelineError(f"pp_degrees: {e}") from None
         return tuple(degrees), m
@@ -320,8 +326,8 @@ def plan_pipeline(
         recorded = PipelineChoice.from_json(replay.pipeline, "replayed plan")
         if tuple(recorded.mesh) != mesh:
             raise PipelineError(f"the replayed plan's pipeline was made for mesh {tuple(recorded.mesh)}, got {mesh}")
-        pp = PipelineOptions(axis=recorded.axis, degrees=(recorded.degree,), microbatches=recorded.microbatches,
-                             schedule=recorded.schedule)
+        pp = PipelineOptions(pp_axis=recorded.axis, pp_degrees=(recorded.degree,), microbatches=recorded.microbatches,
+                             pp_schedule=recorded.schedule)
         fixed_stages, fixed_layers = recorded.chosen.stages or None, recorded.chosen.stage_plan_layers
     degrees, m = pp.resolve(mesh, batch)
     full_topo = costmodels.Topology(mesh, costmodels.device(options.device) if isinstance(options.device, str)
@@ -331,15 +337,15 @@ def plan_pipeline(
     plans: dict[int, "Plan"] = {}
     priced: list[DegreePrice] = []
     n_layers = layer_count(workload)
-    v = schedules.stages_per_rank(pp.schedule)
+    v = schedules.stages_per_rank(pp.pp_schedule)
     for d in degrees:  # before any planning: each stage needs a layer
         if d > 1 and d * v > n_layers:
-            raise PipelineError(f"pipeline degree {d} ({pp.schedule}, {d * v} stages): more stages than the model's "
+            raise PipelineError(f"pipeline degree {d} ({pp.pp_schedule}, {d * v} stages): more stages than the model's "
                                 f"{n_layers} repeated layers; each stage needs at least one layer (allow smaller "
                                 f"degrees with pp_degrees / --pp-degrees)")
     for d in degrees:
-        sub, _ = stage_mesh(mesh, pp.axis, d)
-        sub_options = _stage_options(options, mesh, pp.axis, d)
+        sub, _ = stage_mesh(mesh, pp.pp_axis, d)
+        sub_options = _stage_options(options, mesh, pp.pp_axis, d)
         if d == 1:
             progress(f"pipeline degree 1 (no pipelining): the full mesh {mesh}, batch {batch}")
             plan = plan_spmd(workload, sub_options.replace(memory_limit_bytes=math.inf), record)
@@ -358,7 +364,7 @@ def plan_pipeline(
             plans[1] = plan
             continue
         k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
-        progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.schedule}; "
+        progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.pp_schedule}; "
                  f"stage plan of {k_layers} layers")
         micro, cut = microbatch_workload(workload, sub, m, k_layers)
         plan = plan_spmd(micro, sub_options.replace(memory_limit_bytes=math.inf), record)
@@ -368,16 +374,16 @@ def plan_pipeline(
             units = units.with_layers(n_layers)
 
         def transfer(k: int, nbytes: float, d: int = d) -> float:
-            src = stage_rank(mesh, pp.axis, d, k % d)
-            dst = stage_rank(mesh, pp.axis, d, (k + 1) % d)
+            src = stage_rank(mesh, pp.pp_axis, d, k % d)
+            dst = stage_rank(mesh, pp.pp_axis, d, (k + 1) % d)
             return send_recv_us(nbytes, peer_link(full_topo, src, dst))
 
-        priced.append(price_degree(units, d, pp.schedule, m, transfer, stage_mesh_shape=sub,
+        priced.append(price_degree(units, d, pp.pp_schedule, m, transfer, stage_mesh_shape=sub,
                                    memory_limit_bytes=search.memory_limit_bytes(options, pmodel), stages=fixed_stages,
                                    stage_plan_layers=k_layers if cut else None))
         plans[d] = plan
     best = choose(priced)
-    choice = PipelineChoice(axis=pp.axis, mesh=mesh, schedule=pp.schedule, microbatches=m, chosen=best,
+    choice = PipelineChoice(axis=pp.pp_axis, mesh=mesh, schedule=pp.pp_schedule, microbatches=m, chosen=best,
                             alternatives=priced, planning_s=time.perf_counter() - start)
     plan = plans[best.degree]
     plan.pipeline = choice.to_json()

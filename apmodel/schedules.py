@@ -33,10 +33,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 Schedule = Literal["1f1b", "interleaved"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
+#: The schedules, declared once (the option ``pp_schedule`` takes these).
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 #: Stages per rank of the interleaved schedule (``v``): Megatron-LM's and torchtitan's examples use 2.
 INTERLEAVED_STAGES_PER_RANK = 2
 

@@ -246,7 +246,7 @@ def _out_of_memory(plan: Plan, limit: float, smallest: float, ac: str = "none") 
     if est.dominant_kind() == "activations" and stronger is not None:
         checkpointing = f"activation checkpointing (--ac {stronger}; ac={stronger!r} in Python), "
     return OutOfMemory(
-        f"out of memory: no plan fits {limit / 1e9:.2f} GB per device (memory_limit; by default the "
+        f"out of memory: no plan fits {limit / 1e9:.2f} GB per device (memory_limit_bytes; by default the "
         f"device's HBM less {HBM_RESERVE_FRACTION:.0%}); the cheapest plan needs {est.peak_bytes / 1e9:.2f} GB "
         f"({est.dominant()}), the smallest any plan can need is about {smallest / 1e9:.2f} GB: use "
         f"{checkpointing}a smaller batch or sequence, more devices, or an optimizer with less state"

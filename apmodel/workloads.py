@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from apmodel.option_spec import OptionSpec
+
 if TYPE_CHECKING:  # torch is imported where a model is built: parsing a mesh stays light
     import torch
     import torch.nn as nn
@@ -24,6 +26,25 @@ if TYPE_CHECKING:  # torch is imported where a model is built: parsing a mesh st
 #: Workload defaults of the command line (the Python API takes the inputs it is given).
 DEFAULT_SEQ = 2048
 DEFAULT_BATCH = 8
+
+
+def _workload_key(name: str, help: str, **spec: Any) -> OptionSpec:
+    return OptionSpec(help=help, name=name, group="workload", **spec)
+
+
+#: What to plan, declared once: the ``[workload]`` keys of a configuration file and the flags of
+#: ``apmodel plan`` that give them (``--model``, ``--mesh``, ...); not planning options.
+WORKLOAD_KEYS: dict[str, OptionSpec] = {s.name: s for s in (
+    _workload_key("model", "Preset (llama3-8b, llama3-debug, gpt2, moe-debug, ...), package.module:factory returning "
+                           "(model, sample_inputs[, loss_fn]), or a Hugging Face model built from its config: "
+                           "hf:gpt2-medium, hf:bert-base, hf:llama-2-7b, ... or hf:/path/to/config.json (needs "
+                           "pip install -e '.[hf]')."),
+    _workload_key("mesh", "Mesh shape, axis sizes joined by 'x': 8, 4x8, 4x2x4, 2x2x2x4."),
+    _workload_key("seq", "Sequence length.", kind="int", range="[1, inf)",
+                  default_doc=f"{DEFAULT_SEQ}, or the preset's position table when shorter"),
+    _workload_key("batch", "Global batch size.", kind="int", range="[1, inf)", default_doc=str(DEFAULT_BATCH)),
+    _workload_key("layers", "Override the preset's number of layers (quick runs).", kind="int", range="[1, inf)"),
+)}
 
 #: Largest mesh accepted: checked on the axis sizes before anything is allocated.
 MAX_MESH_AXES = 4

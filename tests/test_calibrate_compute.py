@@ -117,7 +117,7 @@ def test_compute_model_accepts_the_cpu_profile(calibrated, tmp_path):
         cm.compute_model("cpu", profile=str(out), execution="graphs")
     # from the configuration: relative to the file, as `calibration`
     cfg_dir = out.parent
-    cfg = parse_config_text('[cost]\ncompute_profile = "cpu_profile.json"\n[device]\nexecution = "eager"\n',
+    cfg = parse_config_text('[pricing]\ncompute_profile = "cpu_profile.json"\nexecution = "eager"\n',
                             str(cfg_dir / "apmodel.toml"), cfg_dir)
     assert cfg.options["compute_profile"] == str(out) and cfg.options["execution"] == "eager"
     assert isinstance(cm.compute_model("cpu", profile=cfg.options["compute_profile"], execution=cfg.options["execution"]),
@@ -265,10 +265,10 @@ def test_profiles_without_the_new_keys_price_as_before():
 
 
 @pytest.mark.parametrize("text,key", [
-    ('[device]\nexecution = "lazy"\n', "device.execution"),
-    ('[device]\nexecution = true\n', "device.execution"),
-    ('[cost]\ncompute_profile = 3\n', "cost.compute_profile"),
-    ('[cost]\ncompute_profile = "h200"\n', "cost.compute_profile"),
+    ('[pricing]\nexecution = "lazy"\n', "pricing.execution"),
+    ('[pricing]\nexecution = true\n', "pricing.execution"),
+    ('[pricing]\ncompute_profile = 3\n', "pricing.compute_profile"),
+    ('[pricing]\ncompute_profile = "h200"\n', "pricing.compute_profile"),
 ])
 def test_config_keys_are_validated(text, key):
     with pytest.raises(ConfigError) as e:
@@ -277,9 +277,9 @@ def test_config_keys_are_validated(text, key):
 
 
 def test_config_compute_profile_is_relative_to_the_file(tmp_path):
-    cfg = parse_config_text('[cost]\ncompute_profile = "profiles/cpu.json"\n', "x.toml", tmp_path)
+    cfg = parse_config_text('[pricing]\ncompute_profile = "profiles/cpu.json"\n', "x.toml", tmp_path)
     assert cfg.options["compute_profile"] == str(tmp_path / "profiles" / "cpu.json") and "execution" not in cfg.options
-    absolute = parse_config_text(f'[cost]\ncompute_profile = "{tmp_path / "p.json"}"\n', "x.toml", Path("/elsewhere"))
+    absolute = parse_config_text(f'[pricing]\ncompute_profile = "{tmp_path / "p.json"}"\n', "x.toml", Path("/elsewhere"))
     assert absolute.options["compute_profile"] == str(tmp_path / "p.json")
 
 

@@ -175,8 +175,8 @@ def test_copies_of_repeated_layers_cluster_together():
     with torch.device("meta"):
         model = build(cfg)
     captured = capture(model, sample_inputs(cfg, BATCH, SEQ, device="meta"))
-    none = apmodel.plan(captured, (2,), memory_limit=math.inf)
-    sel = apmodel.plan(captured, (2,), ac="selective", memory_limit=math.inf)
+    none = apmodel.plan(captured, (2,), memory_limit_bytes=math.inf)
+    sel = apmodel.plan(captured, (2,), ac="selective", memory_limit_bytes=math.inf)
     copies = sel.sizes["nodes"] - none.sizes["nodes"]
     # four layers' copies: the inner layers' copies share decision variables
     assert sel.sizes["groups"] - none.sizes["groups"] < 0.6 * copies, (none.sizes, sel.sizes)
@@ -226,12 +226,12 @@ def _compute_us(plan: Plan, names: Any) -> float:
 
 
 def test_recompute_is_priced(graphs):
-    none = apmodel.plan(graphs["none"], (1,), memory_limit=math.inf)
+    none = apmodel.plan(graphs["none"], (1,), memory_limit_bytes=math.inf)
     layers_forward_us = _compute_us(none, graphs["full"].regions)
     extra = {}
     for policy in ("selective", "full"):
         g = graphs[policy]
-        plan = apmodel.plan(g, (1,), memory_limit=math.inf)
+        plan = apmodel.plan(g, (1,), memory_limit_bytes=math.inf)
         recompute_us = _compute_us(plan, g.recompute_of)
         extra[policy] = plan.compute_us - none.compute_us
         # one device: the copies run the forward ops' kernels again, priced as the forward priced them
@@ -242,7 +242,7 @@ def test_recompute_is_priced(graphs):
     # full recomputes (almost) the whole forward of the layers; selective less
     assert 0.9 * layers_forward_us <= extra["full"] <= layers_forward_us
     assert 0 < extra["selective"] < extra["full"]
-    on_mesh = {p: apmodel.plan(graphs[p], (2, 2), memory_limit=math.inf) for p in ("none", "selective")}
+    on_mesh = {p: apmodel.plan(graphs[p], (2, 2), memory_limit_bytes=math.inf) for p in ("none", "selective")}
     assert on_mesh["selective"].compute_us > on_mesh["none"].compute_us
     assert on_mesh["selective"].fingerprint != on_mesh["none"].fingerprint
 
@@ -253,17 +253,17 @@ def test_a_batch_that_needs_checkpointing_fits_with_it(llama):
     with torch.device("meta"):
         model = build(cfg)
     captured = capture(model, sample_inputs(cfg, 16, SEQ, device="meta"))
-    sel = apmodel.plan(captured, (1,), ac="selective", memory_limit=math.inf)
-    none = apmodel.plan(captured, (1,), memory_limit=math.inf)
+    sel = apmodel.plan(captured, (1,), ac="selective", memory_limit_bytes=math.inf)
+    none = apmodel.plan(captured, (1,), memory_limit_bytes=math.inf)
     limit = 1.01 * sel.memory["peak_bytes"]
     assert none.memory["activations_bytes"] > none.memory["params_bytes"] + none.memory["optimizer_bytes"]
     assert none.memory["peak_bytes"] > limit
     with pytest.raises(OutOfMemory, match=r"\(activations .*--ac selective; ac='selective' in Python"):
-        apmodel.plan(captured, (1,), memory_limit=limit)
-    fitted = apmodel.plan(captured, (1,), ac="selective", memory_limit=limit)
+        apmodel.plan(captured, (1,), memory_limit_bytes=limit)
+    fitted = apmodel.plan(captured, (1,), ac="selective", memory_limit_bytes=limit)
     assert fitted.memory["peak_bytes"] <= limit
     with pytest.raises(OutOfMemory, match=r"--ac full"):  # the next step up is suggested
-        apmodel.plan(captured, (1,), ac="selective", memory_limit=0.9 * sel.memory["peak_bytes"])
+        apmodel.plan(captured, (1,), ac="selective", memory_limit_bytes=0.9 * sel.memory["peak_bytes"])
 
 
 def test_cli_ac_flag_and_config_key(tmp_path):
@@ -277,15 +277,15 @@ def test_cli_ac_flag_and_config_key(tmp_path):
     sel = CliRunner().invoke(app, [*args, "--ac", "selective"])
     assert sel.exit_code == 0, sel.output
     data = json.loads(sel.stdout)
-    limit_gb = 1.02 * data["memory"]["peak_bytes"] / 1e9
-    none = CliRunner().invoke(app, [*args, "--memory-limit-gb", f"{limit_gb:.6f}"])
+    limit = 1.02 * data["memory"]["peak_bytes"]
+    none = CliRunner().invoke(app, [*args, "--memory-limit-bytes", f"{limit:.0f}"])
     assert none.exit_code == 2
     assert "out of memory" in none.output and "--ac selective" in none.output
     bad = CliRunner().invoke(app, [*args, "--ac", "some"])
     assert bad.exit_code == 2 and "ac 'some'" in bad.output
-    assert parse_config_text('[planner]\nac = "full"\n').plan_options().ac == "full"
-    with pytest.raises(ConfigError, match="planner.ac"):
-        parse_config_text('[planner]\nac = "all"\n')
+    assert parse_config_text('[pricing]\nac = "full"\n').plan_options().ac == "full"
+    with pytest.raises(ConfigError, match="pricing.ac"):
+        parse_config_text('[pricing]\nac = "all"\n')
 
 
 # ------------------------------------------------------------------------- lowering on gloo

@@ -131,7 +131,7 @@ def test_every_command_refuses_an_edited_plan_file_alike(llama_plan, tmp_path, e
 
 def test_user_factory_with_config_constraint_and_diff(llama_plan, tmp_path):
     cfg = tmp_path / "apmodel.toml"
-    cfg.write_text('[solver]\nbackend = "highs"\n\n[[constraints]]\nfix = "up.weight"\nplacement = "S(1)"\n')
+    cfg.write_text('[solving]\nsolver = "highs"\n\n[[constraints]]\nfix = "up.weight"\nplacement = "S(1)"\n')
     out = tmp_path / "b.json"
     res = invoke("plan", "--model", "test_cli:tiny_mlp", "--mesh", "4", "--batch", "16", "--config", str(cfg),
                  "--json", "--out", str(out))
@@ -173,11 +173,12 @@ def test_parse_mesh():
 @pytest.mark.parametrize(
     "text,key",
     [
-        ('[solver]\ntimeout = 3\n', "solver.timeout"),
-        ('[sovler]\nbackend = "trws"\n', "sovler"),
-        ('[solver]\ntime_limit = "long"\n', "solver.time_limit"),
-        ('[topology]\ngpus_per_node = 8.5\n', "topology.gpus_per_node"),
-        ('[planner]\nparam_policy = "zero"\n', "planner.param_policy"),
+        ('[solving]\ntimeout = 3\n', "solving.timeout"),
+        ('[sovling]\nsolver = "trws"\n', "sovling"),
+        ('[solving]\ntime_limit = "long"\n', "solving.time_limit"),
+        ('[pricing]\ngpus_per_node = 8.5\n', "pricing.gpus_per_node"),
+        ('[search]\nparam_policy = "zero"\n', "search.param_policy"),
+        ('[planner]\nparam_policy = "zero"\n', "planner.param_policy"),  # an old key, named as written
         ('[[constraints]]\nfix = "a.weight"\nplacment = "RR"\n', "placment"),
         ('[[constraints]]\nlinear = "x"\nterms = [["a", "R"]]\nsense = "<="\nrhs = 1\n', "constraints[0].terms[0]"),
     ],
@@ -317,9 +318,9 @@ def test_gpus_per_node_that_splits_the_mesh_unevenly_is_named(tmp_path):
 
 def test_missing_calibration_file_is_named(tmp_path):
     cfg = tmp_path / "apmodel.toml"
-    cfg.write_text('[cost]\ncalibration = "missing.json"\n')
+    cfg.write_text('[pricing]\ncalibration = "missing.json"\n')
     line = error_line(invoke("plan", "--model", "test_cli:exploding_factory", "--mesh", "4", "--config", str(cfg)))
-    assert f"'{tmp_path / 'missing.json'}'" in line and "cost.calibration" in line and "does not exist" in line
+    assert f"'{tmp_path / 'missing.json'}'" in line and "pricing.calibration" in line and "does not exist" in line
 
 
 @pytest.mark.parametrize("where,expect", [

@@ -24,18 +24,18 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "apmodel.toml"
 # Every key the loader knows, with a valid value.
 FULL: dict[str, Any] = {
     "workload": {"model": "llama3-8b", "mesh": "4x8", "seq": 2048, "batch": 8, "layers": 32},
-    "solver": {"backend": "trws", "time_limit": 60.0, "options": {"max_iters": 300}, "seed_backend": "highs"},
-    "device": {"name": "h100", "dtype": "bf16", "mixed_precision": True, "execution": "eager"},
-    "topology": {"gpus_per_node": 8, "intra_GBps": 450.0, "inter_GBps": 50.0, "intra_latency_us": 0.0,
-                 "inter_latency_us": 0.0, "nvls": True},
-    "cost": {"calibration": "calibration.json", "compute_profile": "profile.json",
-             "compute_model": "mypkg.costs:MyCompute", "comm_model": "mypkg.costs:MyCollectives", "bucket_MB": 25.0,
-             "overlap": True, "inflight_mb": 64.0},
-    "planner": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25,
-                "optimizer": "sgd", "ac": "selective", "memory_limit_GB": 70.0, "merge_copies": True,
-                "flow_coupling": True, "seeding": True, "seed_radius": 2, "seed_widen_inputs": False,
-                "input_placements": ["S(0)R", "default"], "output_placements": ["RR"]},
-    "pipeline": {"axis": 0, "degrees": [1, 2, 4], "microbatches": 8, "schedule": "interleaved"},
+    "pricing": {"device": "h100", "dtype": "bf16", "mixed_precision": True, "execution": "eager", "gpus_per_node": 8,
+                "topology": {"intra_GBps": 450.0, "inter_GBps": 50.0, "intra_latency_us": 0.0,
+                             "inter_latency_us": 0.0, "nvls": True},
+                "calibration": "calibration.json", "compute_profile": "profile.json",
+                "compute_model": "mypkg.costs:MyCompute", "comm_model": "mypkg.costs:MyCollectives", "bucket_mb": 25.0,
+                "overlap": True, "inflight_mb": 64.0, "optimizer": "sgd", "ac": "selective",
+                "memory_limit_bytes": 7e10},
+    "search": {"param_policy": "full_shard", "replicate_axes": [0], "param_memory_fraction": 0.25,
+               "merge_copies": True, "flow_coupling": True, "seeding": True, "seed_radius": 2,
+               "seed_widen_inputs": False, "input_placements": ["S(0)R", "default"], "output_placements": ["RR"]},
+    "pipeline": {"pp_axis": 0, "pp_degrees": [1, 2, 4], "microbatches": 8, "pp_schedule": "interleaved"},
+    "solving": {"solver": "trws", "time_limit": 60.0, "solver_options": {"max_iters": 300}, "seed_solver": "highs"},
     "constraints": [
         {"fix": "layers.*.attention.wo.weight", "placement": "S(0)S(1)"},
         {"forbid": "output.weight", "placement": "RR", "on": "input:1", "name": "no"},
@@ -43,6 +43,79 @@ FULL: dict[str, Any] = {
     ],
 }
 FULL_TEXT = """
+[workload]
+model = "llama3-8b"
+mesh = "4x8"
+seq = 2048
+batch = 8
+layers = 32
+
+[solving]
+solver = "trws"
+time_limit = 60.0
+solver_options = { max_iters = 300 }
+seed_solver = "highs"
+
+[pricing]
+device = "h100"
+dtype = "bf16"
+mixed_precision = true
+execution = "eager"
+gpus_per_node = 8
+calibration = "calibration.json"
+compute_profile = "profile.json"
+compute_model = "mypkg.costs:MyCompute"
+comm_model = "mypkg.costs:MyCollectives"
+bucket_mb = 25.0
+overlap = true
+inflight_mb = 64.0
+optimizer = "sgd"
+ac = "selective"
+memory_limit_bytes = 7e10
+
+[pricing.topology]
+intra_GBps = 450.0
+inter_GBps = 50.0
+intra_latency_us = 0.0
+inter_latency_us = 0.0
+nvls = true
+
+[search]
+param_policy = "full_shard"
+replicate_axes = [0]
+param_memory_fraction = 0.25
+merge_copies = true
+flow_coupling = true
+seeding = true
+seed_radius = 2
+seed_widen_inputs = false
+input_placements = ["S(0)R", "default"]
+output_placements = ["RR"]
+
+[pipeline]
+pp_axis = 0
+pp_degrees = [1, 2, 4]
+microbatches = 8
+pp_schedule = "interleaved"
+
+[[constraints]]
+fix = "layers.*.attention.wo.weight"
+placement = "S(0)S(1)"
+[[constraints]]
+forbid = "output.weight"
+placement = "RR"
+on = "input:1"
+name = "no"
+[[constraints]]
+linear = "few"
+terms = [["layers.*.ffn_norm.weight", "RR", 1.0]]
+sense = "<="
+rhs = 4
+"""
+
+
+#: FULL_TEXT as earlier versions spelled it (sections by kind of setting, memory_limit_GB, bucket_MB, ...).
+OLD_FULL_TEXT = """
 [workload]
 model = "llama3-8b"
 mesh = "4x8"
@@ -100,27 +173,26 @@ degrees = [1, 2, 4]
 microbatches = 8
 schedule = "interleaved"
 
-[[constraints]]
-fix = "layers.*.attention.wo.weight"
-placement = "S(0)S(1)"
-[[constraints]]
-forbid = "output.weight"
-placement = "RR"
-on = "input:1"
-name = "no"
-[[constraints]]
-linear = "few"
-terms = [["layers.*.ffn_norm.weight", "RR", 1.0]]
-sense = "<="
-rhs = 4
 """
+
+
+def test_old_configs_load_as_the_new_keys_with_a_warning_each(caplog):
+    with caplog.at_level("WARNING", logger="apmodel.config"):
+        old = parse_config_text(OLD_FULL_TEXT, "old.toml")
+    new = parse_config_text(FULL_TEXT.split("[[constraints]]")[0], "old.toml")
+    assert old == new
+    assert "deprecated keys, read as their new names" in caplog.text
+    assert "'planner.memory_limit_GB' -> 'pricing.memory_limit_bytes' (GB then, bytes now" in caplog.text
+    assert "'cost.bucket_MB' -> 'pricing.bucket_mb'" in caplog.text
+    assert "'topology.nvls' -> 'pricing.topology.nvls'" in caplog.text
+    assert len(caplog.records) == 1  # one warning per file, naming every old key
 
 
 def test_valid_configs_load(tmp_path):
     # FULL holds every key but the second storage budget (param_budget_ratio excludes param_memory_fraction)
     keys = {(section, key) for section, body in _SCHEMA.items() for key in body}
     assert keys - {(s, k) for s, body in FULL.items() if s != "constraints" for k in body} == {
-        ("planner", "param_budget_ratio")}
+        ("search", "param_budget_ratio")}
     assert parse_config(copy.deepcopy(FULL)) == parse_config_text(FULL_TEXT)
     cfg = parse_config(copy.deepcopy(FULL), base_dir=tmp_path)
     assert cfg.options["calibration"] == str(tmp_path / "calibration.json") and len(cfg.constraints) == 3
@@ -132,14 +204,17 @@ BAD = [
     ('[workload]\nmesh = "4y8"\n', "workload.mesh"),
     ('[workload]\nmesh = "0x4"\n', "workload.mesh"),
     ('[workload]\nmodel = ""\n', "workload.model"),
-    ('[device]\ndtype = "int4"\n', "device.dtype"),
-    ('[planner]\noptimizer = "lion"\n', "planner.optimizer"),
-    ('[planner]\nmemory_limit_GB = 0\n', "planner.memory_limit_GB"),
-    ('[solver]\ntime_limit = nan\n', "solver.time_limit"),
-    ('[solver]\ntime_limit = inf\n', "solver.time_limit"),
-    ('[topology]\ninter_GBps = 0\n', "topology.inter_GBps"),
-    ('[topology]\nintra_latency_us = -1.0\n', "topology.intra_latency_us"),
-    ('[cost]\ncompute_model = "mypkg.costs.MyCompute"\n', "cost.compute_model"),
+    ('[pricing]\ndtype = "int4"\n', "pricing.dtype"),
+    ('[pricing]\noptimizer = "lion"\n', "pricing.optimizer"),
+    ('[pricing]\nmemory_limit_bytes = 0\n', "pricing.memory_limit_bytes"),
+    ('[solving]\ntime_limit = nan\n', "solving.time_limit"),
+    ('[solving]\ntime_limit = inf\n', "solving.time_limit"),
+    ('[pricing.topology]\ninter_GBps = 0\n', "pricing.topology"),
+    ('[pricing]\ntopology = { intra_latency_us = -1.0 }\n', "pricing.topology"),
+    ('[pricing.topology]\nintra = 1.0\n', "unknown key 'intra'"),
+    ('[pricing]\ncompute_model = "mypkg.costs.MyCompute"\n', "pricing.compute_model"),
+    ('[planner]\nmemory_limit_GB = 0\n', "planner.memory_limit_GB"),  # an old key, named as written
+    ('[planner]\nmemory_limit_bytes = 1\n', "unknown key 'planner.memory_limit_bytes'"),
     ('[[constraints]]\nfix = "a"\nplacement = "S(x)R"\n', "constraints[0].placement"),
     ('[[constraints]]\nfix = "a"\nplacement = "RR"\non = "inputx3"\n', "constraints[0].on"),
     ('[[constraints]]\nlinear = "x"\nterms = [["a", "Q", 1.0]]\nsense = "<="\nrhs = 1\n', "constraints[0].terms[0]"),
@@ -159,7 +234,7 @@ def test_bad_config_names_the_key(text, key):
 
 def test_unreadable_config_files(tmp_path):
     p = tmp_path / "c.toml"
-    p.write_bytes(b"[solver]\nbackend = \"\xff\"\n")
+    p.write_bytes(b"[solving]\nsolver = \"\xff\"\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(p)
     p.write_text("a = " + "[" * 50_000)

@@ -202,7 +202,7 @@ def _worker(rank: int, world: int, plan_dir: str, names: list[str]) -> dict[str,
         load_full_state_dict(ref, full)
         # parallel: built on meta, lowered (one collective per planned redistribution: the priced
         # program, compared below collective by collective), materialised, loaded
-        model = lower(tiny("meta"), mesh, plan, captured, bucket_cap_mb=None)
+        model = lower(tiny("meta"), mesh, plan, captured, bucket_mb=None)
         model.to_empty(device="cpu")
         load_full_state_dict(model, full)
         r["isinstance"] = isinstance(model, Transformer)

@@ -90,10 +90,10 @@ def test_state_bytes_are_the_sharded_parameters(tiny, optimizer):
 
 
 def test_a_memory_limit_changes_the_plan_to_fit(tiny):
-    free = apmodel.plan(tiny, (2, 2), param_policy="free", solver="highs", memory_limit=math.inf)
+    free = apmodel.plan(tiny, (2, 2), param_policy="free", solver="highs", memory_limit_bytes=math.inf)
     tight = free.memory["peak_bytes"] * 0.8
     # TRW-S under the memory row (HiGHS's MILP reaches the same plan here in ~4x the time)
-    fitted = apmodel.plan(tiny, (2, 2), param_policy="free", solver="trws", memory_limit=tight)
+    fitted = apmodel.plan(tiny, (2, 2), param_policy="free", solver="trws", memory_limit_bytes=tight)
     assert fitted.memory["peak_bytes"] <= tight
     assert fitted.objective_us >= free.objective_us - 1e-6  # the limit can only cost time
     assert fitted.node_strategy != free.node_strategy
@@ -101,7 +101,7 @@ def test_a_memory_limit_changes_the_plan_to_fit(tiny):
 
 def test_no_plan_fits_is_a_named_out_of_memory_error(tiny):
     with pytest.raises(OutOfMemory, match=r"out of memory: no plan fits 0\.00 GB per device.*smallest any plan"):
-        apmodel.plan(tiny, (2, 2), memory_limit=1000.0)
+        apmodel.plan(tiny, (2, 2), memory_limit_bytes=1000.0)
 
 
 def test_mixed_precision_reduces_gradients_and_keeps_masters_in_fp32():
@@ -146,15 +146,15 @@ def test_compare_recipes_marks_what_does_not_fit():
     first = json.loads(CliRunner().invoke(app, args).stdout)
     found, ddp = first["memory"]["peak_bytes"], first["recipes_detail"]["ddp"]["peak_bytes"]
     assert ddp > found > 0
-    limit_gb = (found + ddp) / 2 / 1e9
-    res = CliRunner().invoke(app, [*args, "--memory-limit-gb", f"{limit_gb:.9f}"])
+    limit = (found + ddp) / 2
+    res = CliRunner().invoke(app, [*args, "--memory-limit-bytes", f"{limit:.0f}"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["memory_limit_bytes"] == pytest.approx(limit_gb * 1e9)
+    assert data["memory_limit_bytes"] == pytest.approx(limit)
     detail = data["recipes_detail"]
     assert detail["ddp"]["fits_memory"] is False
     for name, r in detail.items():
         if r["peak_bytes"] is not None:
-            assert r["fits_memory"] == (r["peak_bytes"] <= limit_gb * 1e9), name
-    table = CliRunner().invoke(app, [a for a in args if a != "--json"] + ["--memory-limit-gb", f"{limit_gb:.9f}"])
+            assert r["fits_memory"] == (r["peak_bytes"] <= float(f"{limit:.0f}")), name
+    table = CliRunner().invoke(app, [a for a in args if a != "--json"] + ["--memory-limit-bytes", f"{limit:.0f}"])
     assert "(over)" in table.stdout

@@ -62,7 +62,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     ref = tiny_llama("cpu")
     full = full_weights(ref)
     model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
-                                mixed_precision=("bf16", "fp32"), bucket_cap_mb=0)  # one collective per move
+                                mixed_precision=("bf16", "fp32"), bucket_mb=0)  # one collective per move
     model.to_empty(device="cpu")
     load_full_state_dict(model, full)
     prog = model._apmodel_program

@@ -93,7 +93,7 @@ def _equality_worker(rank: int, world: int, plan_file: str) -> dict[str, Any]:
         return run
 
     out["llama"] = _both_lowerings(llama(device="h100"))
-    out["llama"]["unbucketed"] = llama(device="h100", bucket_cap_mb=0)("native")
+    out["llama"]["unbucketed"] = llama(device="h100", bucket_mb=0)("native")
     out["llama-mixed"] = _both_lowerings(llama(device="h100", mixed_precision=("bf16", "fp32")))
     out["llama-selective-ac"] = _both_lowerings(llama(device="h100", ac="selective"))
     out["llama-plan-file"] = _both_lowerings(llama(plan=Plan.load(plan_file)))

@@ -95,16 +95,16 @@ def test_bad_requests_are_named():
     with pytest.raises(schedules.ScheduleError, match="5 pipeline stages but the model has 4 repeated layers"):
         schedules.balanced_split([1.0] * 4, 5)
     with pytest.raises(PipelineError, match="microbatches 3 does not divide the batch 8"):
-        PipelineOptions(axis=0, microbatches=3).resolve((2, 2), 8)
+        PipelineOptions(pp_axis=0, microbatches=3).resolve((2, 2), 8)
     with pytest.raises(PipelineError, match="pp_axis 2 is out of range for mesh"):
-        PipelineOptions(axis=2).resolve((2, 2), 8)
+        PipelineOptions(pp_axis=2).resolve((2, 2), 8)
     with pytest.raises(PipelineError, match="degree 3 does not divide the size 4"):
-        PipelineOptions(axis=0, degrees=(1, 3)).resolve((4, 2), 8)
+        PipelineOptions(pp_axis=0, pp_degrees=(1, 3)).resolve((4, 2), 8)
     with pytest.raises(PipelineError, match="2 microbatches cannot fill a 1f1b pipeline of degree 4"):
-        PipelineOptions(axis=0, degrees=(4,), microbatches=2).resolve((4, 2), 8)
+        PipelineOptions(pp_axis=0, pp_degrees=(4,), microbatches=2).resolve((4, 2), 8)
     with pytest.raises(PipelineError, match="pp_schedule 'zb'"):
-        PipelineOptions(axis=0, schedule="zb")
-    assert PipelineOptions(axis=0).resolve((4, 2), 64) == ((1, 2, 4), 8)  # 2 microbatches per stage
+        PipelineOptions(pp_axis=0, pp_schedule="zb")
+    assert PipelineOptions(pp_axis=0).resolve((4, 2), 64) == ((1, 2, 4), 8)  # 2 microbatches per stage
 
 
 def test_stage_mesh_keeps_rank_strides():
@@ -194,7 +194,7 @@ def test_planned_split_is_brute_force_over_splits():
     """Degree 2 on a (2, 2) mesh: the chosen split of the unequal layers is the one brute force
     over every split finds with the stage plan's per-layer price (the plan's own per_layer)."""
     workload = _unequal_workload((2, 2))
-    plan, choice = plan_pipeline(workload, PlanOptions(device="h100"), PipelineOptions(axis=0, degrees=(1, 2)),
+    plan, choice = plan_pipeline(workload, PlanOptions(device="h100"), PipelineOptions(pp_axis=0, pp_degrees=(1, 2)),
                                  _plan_spmd)
     by_degree = {a.degree: a for a in choice.alternatives}
     assert set(by_degree) == {1, 2}
@@ -253,19 +253,19 @@ def test_plan_file_records_the_pipeline(unequal_plan, tmp_path):
 def test_a_pipelined_plan_replays(tmp_path):
     """Saved with its pipeline (version 3) and replayed: same degree, split, stage placements and price."""
     workload = _unequal_workload((2, 2))
-    first = api.plan_pipelined(workload, PlanOptions(device="h100"), PipelineOptions(axis=0, degrees=(2,)))
+    first = api.plan_pipelined(workload, PlanOptions(device="h100"), PipelineOptions(pp_axis=0, pp_degrees=(2,)))
     assert first.plan.pipeline["degree"] == 2 and tuple(first.plan.mesh_shape) == (2,)
     path = tmp_path / "pp.json"
     first.plan.save(path)
     again = api.plan_pipelined(_unequal_workload((2, 2)), PlanOptions(device="h100"),
-                               PipelineOptions(axis=0, degrees=(1, 2), microbatches=2), replay=path)
+                               PipelineOptions(pp_axis=0, pp_degrees=(1, 2), microbatches=2), replay=path)
     assert again.plan.node_strategy == first.plan.node_strategy
     for key in ("degree", "stages", "microbatches", "schedule"):
         assert again.plan.pipeline[key] == first.plan.pipeline[key], key
     for key in ("objective_us", "bubble_us", "p2p_us"):
         assert again.plan.pipeline[key] == pytest.approx(first.plan.pipeline[key]), key
     with pytest.raises(PipelineError, match=r"made for mesh \(2, 2\), got \(4,\)"):
-        api.plan_pipelined(_unequal_workload((4,)), PlanOptions(device="h100"), PipelineOptions(axis=0), replay=path)
+        api.plan_pipelined(_unequal_workload((4,)), PlanOptions(device="h100"), PipelineOptions(pp_axis=0), replay=path)
 
 
 # ------------------------------------------------------------------------------ the command line

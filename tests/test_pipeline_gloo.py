@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, schedule: str, stages: tuple) -> dict[str, An
     tokens, targets = fixed_tokens()
     pipelined = apmodel.parallelize_pipeline(
         lambda: tiny_llama("meta", n_layers=LAYERS), mesh, (tokens,), loss_fn=cross_entropy_loss, pp_axis=0,
-        stages=stages, microbatches=MICROBATCHES, schedule=schedule)
+        stages=stages, microbatches=MICROBATCHES, pp_schedule=schedule)
     reference = tiny_llama("cpu", n_layers=LAYERS)
     full = {**reference.state_dict(), **dict(reference.named_buffers())}  # RoPE tables are not persistent
     for module in pipelined.stages:

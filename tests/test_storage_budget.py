@@ -24,7 +24,7 @@ def captured():
 
 
 def _plan(captured, **options):
-    return apmodel.plan(captured, MESH, solver="highs", memory_limit=math.inf, **options)
+    return apmodel.plan(captured, MESH, solver="highs", memory_limit_bytes=math.inf, **options)
 
 
 def _mean_ratio(plan) -> float:

@@ -41,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 
 from apmodel.cli.errors import CLIError, describe_error, error_boundary, results_console
-from apmodel.cli.flags import options_from_flags, with_option_flags
+from apmodel.cli.flags import options_from_flags, with_option_flags, workload_flag
 from apmodel.cli.output import JSON_KEYS as JSON_KEYS  # the public contract's keys, re-exported
 from apmodel.cli.output import plan_json, print_plan
 from apmodel.formatting import fmt_bytes as _fmt_bytes
@@ -249,11 +249,11 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
 @app.command()
 @with_option_flags()
 def plan(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Preset (llama3-8b, llama3-debug, gpt2, moe-debug, ...), package.module:factory returning (model, sample_inputs[, loss_fn]), or a Hugging Face model built from its config: hf:gpt2-medium, hf:bert-base, hf:llama-2-7b, ... or hf:/path/to/config.json (needs pip install -e '.[hf]')."),
-    mesh: Optional[str] = typer.Option(None, "--mesh", help="Mesh shape, axis sizes joined by 'x': 8, 4x8, 4x2x4, 2x2x2x4."),
-    seq: Optional[int] = typer.Option(None, "--seq", min=1, help="Sequence length. Default: 2048, or the preset's position table when shorter."),
-    batch: Optional[int] = typer.Option(None, "--batch", min=1, help="Global batch size. Default: 8."),
-    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Override the preset's number of layers (quick runs)."),
+    model: Optional[str] = workload_flag("model", "-m"),
+    mesh: Optional[str] = workload_flag("mesh"),
+    seq: Optional[int] = workload_flag("seq"),
+    batch: Optional[int] = workload_flag("batch"),
+    layers: Optional[int] = workload_flag("layers"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML configuration file (flags override it)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Save the plan (JSON) here."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout instead of tables."),
@@ -549,12 +549,12 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
         logger.warning("the calibration is further from the measurements than the default model for %s "
                        "(logs of one collective and axis that disagree are averaged)",
                        ", ".join(f"{Path(r['source']).name} {r['size_class']}" for r in worse))
-    console.print(f"calibration saved to {out} (use it with [cost] calibration = \"{out}\")", highlight=False, markup=False)
+    console.print(f"calibration saved to {out} (use it with [pricing] calibration = \"{out}\")", highlight=False, markup=False)
 
 
 @app.command("calibrate-compute")
 def calibrate_compute(
-    out: Path = typer.Option(..., "--out", "-o", help="Write the fitted compute profile (JSON) here (the configuration's cost.compute_profile)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Write the fitted compute profile (JSON) here (the configuration's pricing.compute_profile)."),
     measurements_out: Optional[Path] = typer.Option(None, "--measurements-out", help="Write the kernel timings (JSON) here. Default: next to --out, NAME_kernels.json."),
     quick: bool = typer.Option(False, "--quick", help="A few sizes per kernel class (seconds; for tests). The full set takes minutes."),
     device_name: Optional[str] = typer.Option(None, "--device-name", help="Device the profile is for (see `apmodel devices`). Default: recognised from the GPU's name; cpu on a CPU."),
@@ -602,7 +602,7 @@ def calibrate_compute(
         for note in notes:
             console.print(f"note: {note}", highlight=False, markup=False)
         console.print(f"compute profile saved to {out} (executions: {', '.join(cal.profile.executions)}; "
-                      f"use it with [cost] compute_profile = \"{out}\"); kernel timings saved to {meas_out}",
+                      f"use it with [pricing] compute_profile = \"{out}\"); kernel timings saved to {meas_out}",
                       highlight=False, markup=False)
 
 

@@ -2,8 +2,9 @@
 
 :func:`with_option_flags` gives a command one flag per option (``--ac``, ``--[no-]seeding``,
 ``--topology KEY=VALUE``...; ``apmodel plan`` all of them, ``apmodel calibrate`` the device's),
-grouped in ``--help`` as the README's table groups them, and hands the command what was given as
-``option_flags`` (field -> raw value, ``None`` where not given);
+grouped in ``--help`` by the options' groups, which are their TOML sections, and hands the command
+what was given as ``option_flags`` (field -> raw value, ``None`` where not given); the flags of
+earlier versions (:data:`~apmodel.options.OLD_FLAGS`) are hidden and read with a warning;
 :func:`options_from_flags` reads those with the same checks as the TOML configuration
 (:meth:`~apmodel.option_spec.OptionSpec.read`), naming the flag in its errors.
 """
@@ -13,14 +14,19 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 import sys
 from typing import Any, Callable, List, Mapping, Optional
 
 import typer
+from rich.markup import escape
 
 from apmodel.cli.errors import CLIError
 from apmodel.option_spec import GROUPS, BadValue, OptionSpec
-from apmodel.options import default_text, option_specs
+from apmodel.options import OLD_FLAGS, OldName, default_text, option_specs
+from apmodel.workloads import WORKLOAD_KEYS
+
+logger = logging.getLogger(__name__)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,11 +56,47 @@ def flag_help(name: str, spec: OptionSpec) -> str:
     return f"{text} Default: {default_text(name, spec).strip('`')}. TOML: {spec.toml_text()}."
 
 
+def help_panel(group: str) -> str:
+    """The ``--help`` panel of a group's flags: the group, named with its TOML section (escaped: rich markup)."""
+    return escape(f"{GROUPS[group]} options ([{group}] in --config)")
+
+
 def _parameter(name: str, spec: OptionSpec) -> inspect.Parameter:
     decls = [f"{spec.flag}/--no-{spec.flag[2:]}"] if spec.kind == "bool" else [spec.flag]
-    info = typer.Option(None, *decls, help=flag_help(name, spec), rich_help_panel=f"{GROUPS[spec.group]} options",
+    info = typer.Option(None, *decls, help=flag_help(name, spec), rich_help_panel=help_panel(spec.group),
                         metavar="KEY=VALUE" if spec.kind in ("table", "keys") else None, show_default=False)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=_ANNOTATIONS[spec.kind])
+
+
+def workload_flag(name: str, *short: str) -> Any:
+    """The flag of a ``[workload]`` key (:data:`~apmodel.workloads.WORKLOAD_KEYS`: one declaration
+    for the file and the command line)."""
+    spec = WORKLOAD_KEYS[name]
+    text = spec.help + (f" Default: {spec.default_doc}." if spec.default_doc else "") + f" TOML: {spec.toml}."
+    return typer.Option(None, spec.flag, *short, min=1 if spec.kind == "int" else None, help=escape(text))
+
+
+def _old_parameter(flag: str, spec: OptionSpec) -> inspect.Parameter:
+    """A hidden flag of an earlier version (:data:`~apmodel.options.OLD_FLAGS`)."""
+    info = typer.Option(None, flag, hidden=True, show_default=False)
+    return inspect.Parameter(_old_param_name(flag), inspect.Parameter.KEYWORD_ONLY, default=info,
+                             annotation=_ANNOTATIONS[spec.kind])
+
+
+def _old_param_name(flag: str) -> str:
+    return "old_" + flag[2:].replace("-", "_")
+
+
+def _take_old_flag(flag: str, old: OldName, raw: Any, flags: dict[str, Any]) -> None:
+    """Read a given old flag as its option's, with a warning naming the new flag."""
+    new = option_specs()[old.option].flag
+    logger.warning("%s is deprecated: use %s%s", flag, new, f" ({old.note})" if old.note else "")
+    if isinstance(raw, (list, tuple)):  # a repeated flag: the old values beside the new ones
+        flags[old.option] = [*(flags[old.option] or []), *raw]
+    elif flags[old.option] is None:
+        flags[old.option] = old.convert(raw)
+    else:
+        raise CLIError(f"{flag} and {new} are one option: give {new}")
 
 
 def with_option_flags(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -63,6 +105,7 @@ def with_option_flags(*names: str) -> Callable[[Callable[..., Any]], Callable[..
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         specs = {n: s for n, s in option_specs().items() if not names or n in names}
+        old_flags = {f: old for f, old in OLD_FLAGS.items() if old.option in specs}
         if set(names) - set(specs):
             raise TypeError(f"{command.__name__}: {sorted(set(names) - set(specs))} are not planning options")
         signature = inspect.signature(command)
@@ -74,9 +117,15 @@ def with_option_flags(*names: str) -> Callable[[Callable[..., Any]], Callable[..
         @functools.wraps(command)
         def wrapper(**kwargs: Any) -> Any:
             flags = {name: kwargs.pop(name, None) for name in specs}
+            for flag, old in old_flags.items():
+                raw = kwargs.pop(_old_param_name(flag), None)
+                if raw is not None and raw != []:
+                    _take_old_flag(flag, old, raw, flags)
             return command(**kwargs, option_flags=flags)
 
-        params = sorted([*own, *(_parameter(n, s) for n, s in specs.items())], key=lambda p: p.kind)  # keyword-only last
+        params = sorted([*own, *(_parameter(n, s) for n, s in specs.items()),
+                         *(_old_parameter(f, specs[old.option]) for f, old in old_flags.items())],
+                        key=lambda p: p.kind)  # keyword-only last
         wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
         return wrapper
 

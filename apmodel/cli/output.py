@@ -241,7 +241,7 @@ def _print_recipes(result, cfg, console: Console) -> None:
                   "compared with the free-storage plan, which contains every recipe.", style="dim", highlight=False)
     if result.memory_limit_bytes is not None:
         console.print(f"peak memory per device against the limit of {_fmt_bytes(result.memory_limit_bytes)} "
-                      "(--memory-limit-gb; default HBM less 10%); (over): does not fit.", style="dim", highlight=False)
+                      "(--memory-limit-bytes; default HBM less 10%); (over): does not fit.", style="dim", highlight=False)
     for n in notes:
         console.print(f"  {n}", style="dim", highlight=False, markup=False)
 

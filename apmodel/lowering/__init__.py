@@ -26,7 +26,7 @@ Design
   process groups. A step runs the two graphs inside one ``autograd.Function`` over the parameters'
   local tensors: host time close to plain eager, and ``torch.compile`` (Inductor) compiles it with
   no graph break. Independent collectives of one kind and process group (the parameters'
-  gathers, the gradients' reductions) are bucketed (``bucket_cap_mb``), as the plan was priced.
+  gathers, the gradients' reductions) are bucketed (``bucket_mb``), as the plan was priced.
   ``lowering="interpret"`` runs the interpreter over DTensors every step instead (slower; for
   debugging a plan node by node).
 

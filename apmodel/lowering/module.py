@@ -20,7 +20,7 @@ from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
 from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import planned_redistributions
-from apmodel.options import default_of
+from apmodel.options import default_of, renamed_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ def _set_parameter(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
 #: :mod:`apmodel.lowering.native`) or "interpret" (the joint graph interpreted over DTensors every
 #: step: slower, for debugging a plan node by node).
 LOWERINGS = ("native", "interpret")
-#: Default bucket size of the native program's collectives, in MB (DDP's ``bucket_cap_mb``): the
+#: Default bucket size of the native program's collectives, in MB (as DDP's ``bucket_cap_mb``): the
 #: planning option ``bucket_mb``'s default, the size plans are priced with.
-DEFAULT_BUCKET_CAP_MB: float = default_of("bucket_mb")
+DEFAULT_BUCKET_MB: float = default_of("bucket_mb")
 #: Default in-flight limit of the overlapped native program, MB: the planning option ``inflight_mb``'s default.
 DEFAULT_INFLIGHT_MB: float = default_of("inflight_mb")
 
@@ -55,7 +55,7 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
         params = [cast(DTensor, model.get_parameter(prog.captured.param_fqn[n.name])).to_local() for n in prog.params]
         buffers = [_global(model.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
         inputs = [n.meta["val"] for n in prog.inputs]
-        prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_cap_mb,
+        prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_mb,
                                     prog.inflight_mb)
     return prog.native
 
@@ -170,9 +170,9 @@ def _parallel_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
           local_kernels: Callable[[torch.device], dict] = default_local_kernels,
-          lowering: str = "native", bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+          lowering: str = "native", bucket_mb: float | None = DEFAULT_BUCKET_MB,
           inflight_mb: float | None = DEFAULT_INFLIGHT_MB,
-          replan: Callable[[Any, Sequence[Any]], Any] | None = None) -> nn.Module:
+          replan: Callable[[Any, Sequence[Any]], Any] | None = None, **old_keywords: Any) -> nn.Module:
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
 
     ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
@@ -187,7 +187,10 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     ``lowering``: "native" (default) traces the step once into a forward and a backward graph over
     local shards with explicit functional collectives (see :mod:`apmodel.lowering.native`);
     ``torch.compile`` of the returned module compiles them. "interpret" runs the joint graph node by
-    node over DTensors each step (slower; for debugging a plan). ``inflight_mb``: the native program
+    node over DTensors each step (slower; for debugging a plan). ``bucket_mb``: the native program
+    merges independent collectives of one kind and group into buckets of at most this many MB (the
+    planning option ``bucket_mb``; 0 or None: one collective per planned step; ``bucket_cap_mb=``,
+    its old name, is read with a DeprecationWarning). ``inflight_mb``: the native program
     issues each collective as soon as its input exists and waits for it just before its first
     reader, parameter gathers prefetched, at most this many MB in flight (the planning option
     ``inflight_mb``); None: each collective waited as it is issued (a plan priced without overlap).
@@ -202,6 +205,10 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     """
     from apmodel.plans import PlanMismatch
 
+    renamed = renamed_keywords(old_keywords, stacklevel=3)
+    bucket_mb = renamed.pop("bucket_mb", bucket_mb)
+    if renamed:
+        raise TypeError(f"apmodel.lowering.lower: unexpected keyword arguments {sorted(renamed)}")
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering={lowering!r}: expected one of {', '.join(map(repr, LOWERINGS))}")
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
@@ -213,7 +220,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
         )
     if getattr(model, "_apmodel_program", None) is not None:
         raise ValueError(f"{type(model).__name__} has already been parallelized")
-    prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering, bucket_cap_mb=bucket_cap_mb,
+    prog = LoweredProgram(mesh, plan, captured, local_kernels, lowering=lowering, bucket_mb=bucket_mb,
                           inflight_mb=inflight_mb)
     prog.retrace_model = _meta_twin(model, prog.param_dtype)  # structure only (meta tensors): for other input shapes
     prog.training_modes = ModelModes.of(model)  # the modes the step was captured in

@@ -99,7 +99,7 @@ class NativeProgram:
 
     ``param_locals`` / ``buffers`` / ``inputs`` give the dtypes, local shapes and strides of the
     step's arguments (any device: only their metadata is read); tracing happens on fake tensors of
-    ``device``, so nothing is allocated and no collective runs. ``bucket_cap_mb``: collectives of
+    ``device``, so nothing is allocated and no collective runs. ``bucket_mb``: collectives of
     one kind and process group that do not depend on one another are merged into buckets of at
     most this size, as the plan was priced with the same size (None or 0: one collective per
     planned step, as a plan made with ``bucket_mb=0`` was priced). ``inflight_mb``: collectives
@@ -108,10 +108,10 @@ class NativeProgram:
     waited right after it is issued."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                 inputs: Sequence[torch.Tensor], device: torch.device, bucket_cap_mb: float | None = None,
+                 inputs: Sequence[torch.Tensor], device: torch.device, bucket_mb: float | None = None,
                  inflight_mb: float | None = None) -> None:
         self.prog = prog
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_mb = bucket_mb
         self.inflight_mb = inflight_mb
         self.device = device
         self.mesh = prog.mesh
@@ -246,8 +246,8 @@ class NativeProgram:
         # a region's function issues blocking collectives of its own (on other process groups, from
         # its backward's own thread): its graph keeps the traced order, each collective waited
         # right after it is issued, as the interpreter runs it
-        if self.bucket_cap_mb and not region_ops:
-            gm = _bucketed(gm, self.bucket_cap_mb, phase)
+        if self.bucket_mb and not region_ops:
+            gm = _bucketed(gm, self.bucket_mb, phase)
         # a region's own collectives are blocking: its graph keeps every collective waited as issued
         order_collectives(gm, None if region_ops else self.inflight_mb, static,
                           GLOO_MAX_INFLIGHT if self.mesh.device_type == "cpu" else None)

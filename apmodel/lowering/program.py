@@ -177,12 +177,12 @@ class LoweredProgram:
 
     def __init__(self, mesh: DeviceMesh, plan: Any, captured: Any,
                  local_kernels: Callable[[torch.device], dict] = default_local_kernels,
-                 region_groups: dict | None = None, lowering: str = "native", bucket_cap_mb: float | None = None,
+                 region_groups: dict | None = None, lowering: str = "native", bucket_mb: float | None = None,
                  inflight_mb: float | None = None):
         self.mesh = mesh
         self.lowering = lowering
         """"native" or "interpret" (see :func:`apmodel.lowering.lower`)"""
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_mb = bucket_mb
         """native: bucket size of runs of collectives, MB (see :func:`apmodel.lowering.lower`)"""
         self.inflight_mb = inflight_mb
         """native: collectives overlapped with computation, at most this many MB in flight; None: each
@@ -478,7 +478,7 @@ class LoweredProgram:
             plan = self.replan(captured, self._storage_pins())
         try:
             variant = LoweredProgram(self.mesh, plan, captured, self.local_kernels, self.region_groups, self.lowering,
-                                     self.bucket_cap_mb, self.inflight_mb)
+                                     self.bucket_mb, self.inflight_mb)
         except ValueError as e:
             raise ValueError(f"the plan cannot run at {where}: {e}") from None
         variant.training_modes = modes
