@@ -75,7 +75,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from apmodel.placements import is_partial
+from apmodel.core.placements import is_partial
 
 __all__ = [
     "OpOverload",

@@ -5,7 +5,7 @@
     python benchmarks/hf_models.py --layers 2               # quick: every model cut to 2 layers
 
 Each model is built from its transformers config on the meta device (``hf:NAME``, see
-:mod:`apmodel.hf`) and one training step (the model's own causal- or masked-LM loss) is planned
+:mod:`apmodel.frontend.hf`) and one training step (the model's own causal- or masked-LM loss) is planned
 on a (8,) mesh of H100s, global batch 16, sequence 4096 capped at a learned position table's size,
 bf16 mixed precision (fp32 gradient reductions), parameters fully sharded in storage (the paper's
 ``high = 1/world_size``). The found plan's objective is compared with apmodel's ``fsdp`` recipe
@@ -45,13 +45,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from apmodel import hf  # noqa: E402
-from apmodel import recipes as R  # noqa: E402
-from apmodel.api import build_model, solve_model  # noqa: E402
-from apmodel.options import PlanOptions  # noqa: E402
-from apmodel.pricing import build_cost_context  # noqa: E402
-from apmodel.roles import emerged  # noqa: E402
-from apmodel.workloads import load_workload, parse_mesh  # noqa: E402
+from apmodel.core.options import PlanOptions  # noqa: E402
+from apmodel.entry.api import build_model, solve_model  # noqa: E402
+from apmodel.frontend import hf  # noqa: E402
+from apmodel.frontend.workloads import load_workload, parse_mesh  # noqa: E402
+from apmodel.problem.pricing import build_cost_context  # noqa: E402
+from apmodel.reading import recipes as R  # noqa: E402
+from apmodel.reading.roles import emerged  # noqa: E402
 
 logger = logging.getLogger("benchmarks.hf_models")
 
@@ -76,7 +76,7 @@ PAPER_TABLE5: dict[str, dict[str, Any]] = {
     "gpt-j-6b": {"delta_pct": -3.0, "seq": 2048, "group": "mixed"},
     "t5-base": {"delta_pct": -0.9, "seq": 4096, "group": "mixed"},
 }
-#: The paper's 17 models in its order (groups as it reports them), then the other models apmodel.hf knows.
+#: The paper's 17 models in its order (groups as it reports them), then the other models apmodel.frontend.hf knows.
 DEFAULT_MODELS = ["bloom-560m", "bloom-7b1", "stablelm-2-1.6b", "phi-1", "gpt-neo-2.7b", "phi-2", "falcon-7b",
                   "pythia-6.9b", "distilbert-base", "roberta-base", "bert-base", "gpt2-medium", "gpt2-xl",
                   "t5-small", "gpt-j-6b", "pythia-160m", "t5-base",
@@ -181,7 +181,7 @@ def print_table(result: dict[str, Any], console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help=f"names of apmodel.hf.PRESETS "
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help=f"names of apmodel.frontend.hf.PRESETS "
                     f"({', '.join(hf.PRESETS)})")
     ap.add_argument("--mesh", default="8")
     ap.add_argument("--batch", type=int, default=16)

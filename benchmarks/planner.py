@@ -66,16 +66,16 @@ from rich.table import Table  # noqa: E402
 
 import solvers  # noqa: E402
 from apmodel import models  # noqa: E402
-from apmodel.api import (  # noqa: E402
+from apmodel.core.options import PlanOptions  # noqa: E402
+from apmodel.entry.api import (  # noqa: E402
     build_model,
     plan_workload,
     replay_constraints,
     solve_model,
 )
-from apmodel.capture import capture  # noqa: E402
-from apmodel.options import PlanOptions  # noqa: E402
-from apmodel.placement_model import ConstraintConflict  # noqa: E402
-from apmodel.workloads import load_workload, parse_mesh  # noqa: E402
+from apmodel.frontend.workloads import load_workload, parse_mesh  # noqa: E402
+from apmodel.graph.capture import capture  # noqa: E402
+from apmodel.problem.placement_model import ConstraintConflict  # noqa: E402
 
 logger = logging.getLogger("benchmarks.planner")
 

@@ -150,8 +150,8 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
     ``keep``: gets the plan the program runs."""
     device = mesh.device_type
     import apmodel
-    from apmodel import recipes
     from apmodel.lowering import load_full_state_dict
+    from apmodel.reading import recipes
 
     tokens, targets = _batch(name, device)
     ref = _build(name, device)
@@ -201,7 +201,7 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
     """Each plan of :data:`RANKED_PLANS`, run with overlap: its step priced for this machine (as the
     program runs it; forward and backward) and measured (median, interleaved rounds)."""
     import apmodel
-    from apmodel import recipes
+    from apmodel.reading import recipes
 
     tokens, targets = _batch(name, "cpu")
     made = []
@@ -247,8 +247,8 @@ def _calibrate_gloo(out_dir: str, mesh: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     import costmodels
-    from apmodel.options import PlanOptions
-    from apmodel.pricing import build_cost_context
+    from apmodel.core.options import PlanOptions
+    from apmodel.problem.pricing import build_cost_context
     from costmodels.collective_timing import time_collectives
     from costmodels.fitting import calibrate_compute
 

@@ -252,8 +252,8 @@ def planner_problem(model: str, mesh: tuple[int, ...]) -> solvers.PairwiseProble
     import torch
 
     from apmodel import models
-    from apmodel.api import build_model
-    from apmodel.capture import capture
+    from apmodel.entry.api import build_model
+    from apmodel.graph.capture import capture
 
     cfg = models.config(model, max_seq_len=max(2048, models.config(model).max_seq_len))
     with torch.device("meta"):

@@ -40,13 +40,13 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from apmodel import models  # noqa: E402
-from apmodel import placements as pl  # noqa: E402
-from apmodel.capture import capture  # noqa: E402
-from apmodel.options import PlanOptions  # noqa: E402
-from apmodel.pricing import build_cost_context  # noqa: E402
-from apmodel.search import placement_model, solve_model  # noqa: E402
-from apmodel.strategies import enumerate_strategies  # noqa: E402
-from apmodel.workloads import parse_mesh  # noqa: E402
+from apmodel.candidates.strategies import enumerate_strategies  # noqa: E402
+from apmodel.core import placements as pl  # noqa: E402
+from apmodel.core.options import PlanOptions  # noqa: E402
+from apmodel.frontend.workloads import parse_mesh  # noqa: E402
+from apmodel.graph.capture import capture  # noqa: E402
+from apmodel.problem.pricing import build_cost_context  # noqa: E402
+from apmodel.solve.search import placement_model, solve_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.storage")
 

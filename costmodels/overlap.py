@@ -21,7 +21,7 @@ soon as what it reads exists, waited just before its first reader, parameters' g
 ahead of the compute that reads them, and at most ``inflight_limit_bytes`` of collectives in flight
 (one collective larger than the limit runs alone). Without overlap every collective is waited right
 after it is issued. The same function orders the native program's FX graphs
-(:mod:`apmodel.lowering.native`) and the planner's priced program (:mod:`apmodel.step_timeline`), so
+(:mod:`apmodel.lowering.native`) and the planner's priced program (:mod:`apmodel.result.step_timeline`), so
 the price and the program agree on the order by construction.
 
 :func:`simulate` times an order: one compute lane, one communication lane per process group, each

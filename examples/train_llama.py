@@ -31,10 +31,10 @@ try:
 except ImportError:  # run from a source checkout without installing: use the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import apmodel
-from apmodel import placements
+from apmodel.core import placements
 from apmodel.lowering import issued_redistributions, load_full_state_dict
 from apmodel.models import build, config, sample_inputs
-from apmodel.plans import Plan
+from apmodel.result.plans import Plan
 
 log = logging.getLogger("train_llama")
 

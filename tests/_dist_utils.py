@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 #: Modules the forkserver imports once, so that forked workers start warm.
-PRELOAD = ["torch", "torch.distributed.tensor", "apmodel.lowering", "apmodel.capture", "apmodel.plans",
-           "apmodel.strategies", "apmodel.models"]
+PRELOAD = ["torch", "torch.distributed.tensor", "apmodel.lowering", "apmodel.graph.capture", "apmodel.result.plans",
+           "apmodel.candidates.strategies", "apmodel.models"]
 
 
 def _child(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple, init_group: bool) -> None:

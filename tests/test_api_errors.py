@@ -42,7 +42,7 @@ def test_plan_takes_the_clis_mesh_text_and_names_bad_shapes():
     tokens, targets = _meta_batch()
     plan = apmodel.plan(tiny_llama("meta"), "2x2", (tokens,), targets=(targets,), loss_fn=_lm_loss, device="h100")
     assert tuple(plan.mesh_shape) == (2, 2)
-    with pytest.raises(apmodel.workloads.WorkloadError, match=r"mesh_shape '2y2': expected axis sizes joined by 'x'"):
+    with pytest.raises(apmodel.frontend.workloads.WorkloadError, match=r"mesh_shape '2y2': expected axis sizes joined by 'x'"):
         apmodel.plan(tiny_llama("meta"), "2y2", (tokens,), targets=(targets,), loss_fn=_lm_loss)
     with pytest.raises(TypeError, match=r"mesh_shape must be axis sizes such as \(4, 8\) or \"4x8\", got float 2.5"):
         apmodel.plan(tiny_llama("meta"), 2.5, (tokens,), targets=(targets,), loss_fn=_lm_loss)
@@ -80,7 +80,7 @@ def test_build_model_and_attach_name_their_misuses(tmp_path):
         apmodel.build_model(tiny_llama("meta"), (2,), tokens, targets=(targets,), loss_fn=_lm_loss)
     with pytest.raises(TypeError, match=r"apmodel.attach: expected a Plan .* got dict"):
         apmodel.attach({"objective_us": 1.0})
-    from apmodel.plans import PlanFileError
+    from apmodel.result.plans import PlanFileError
 
     with pytest.raises(PlanFileError, match=r"no_such_plan\.json"):
         apmodel.attach(tmp_path / "no_such_plan.json")
@@ -89,7 +89,7 @@ def test_build_model_and_attach_name_their_misuses(tmp_path):
 def test_local_map_names_its_misuses():
     with pytest.raises(TypeError, match=r"local_map: fn must be a function or a callable object .* got int"):
         apmodel.local_map(3, name="not_callable", in_placements=["S(0)"], out_placements=["S(0)"])
-    with pytest.raises(apmodel.regions.RegionError, match=r"local_map name 7 must be an identifier"):
+    with pytest.raises(apmodel.graph.regions.RegionError, match=r"local_map name 7 must be an identifier"):
         apmodel.local_map(lambda x: x, name=7, in_placements=["S(0)"], out_placements=["S(0)"])
     with pytest.raises(TypeError, match=r"local_map 'bad_cost': cost_us must be callable .* got float"):
         apmodel.local_map(lambda x: x, name="bad_cost", in_placements=["S(0)"], out_placements=["S(0)"], cost_us=3.0)
@@ -133,7 +133,7 @@ def test_plan_moves_sample_inputs_on_cpu_to_meta_itself():
 def test_gpus_per_node_that_splits_the_mesh_unevenly_is_named(caplog):
     """3 GPUs per node put ranks 0-2 on one node and rank 3 on another: along axis 0 group {0, 2}
     shares a node and {1, 3} crosses the network, which the topology cannot price alike."""
-    from apmodel.options import OptionsError
+    from apmodel.core.options import OptionsError
 
     tokens, targets = _meta_batch()
     with pytest.raises(OptionsError, match=r"^gpus_per_node 3 lays mesh \(2, 2\) onto nodes unevenly: the device "
@@ -145,7 +145,7 @@ def test_gpus_per_node_that_splits_the_mesh_unevenly_is_named(caplog):
         apmodel.parallelize(tiny_llama("meta"), fake_mesh((2, 2)), (tokens,), targets=(targets,), loss_fn=_lm_loss,
                             gpus_per_node=3)
     # the default (8) is a guess the user did not make: a mesh it does not fit is a warning, once
-    with caplog.at_level("WARNING", logger="apmodel.options"):
+    with caplog.at_level("WARNING", logger="apmodel.core.options"):
         apmodel.cost_context((2, 9))  # a mesh no other test plans, so the once is this test's
         apmodel.cost_context((2, 9))
     said = [r.getMessage() for r in caplog.records if "onto nodes unevenly" in r.getMessage()]

@@ -50,7 +50,7 @@ def test_a_collective_as_large_as_the_bucket_and_an_all_to_all_pay_their_own_tim
 def test_bucket_mb_zero_prices_every_collective_alone():
     """The option reaches the price: with buckets, FSDP's many small gathers cost less than alone."""
     import apmodel
-    from apmodel import recipes
+    from apmodel.reading import recipes
 
     tokens, targets = fixed_tokens()
     fsdp = recipes.get("fsdp")
@@ -77,7 +77,7 @@ def _issued_worker(rank: int, world: int, mesh_shape: tuple[int, ...], names: tu
     import torch.distributed as dist
 
     import apmodel
-    from apmodel import recipes
+    from apmodel.reading import recipes
 
     mesh = dist.init_device_mesh("cpu", mesh_shape)
     tokens, targets = fixed_tokens()
@@ -105,8 +105,8 @@ def _issued_worker(rank: int, world: int, mesh_shape: tuple[int, ...], names: tu
 
 @pytest.mark.slow
 def test_recipe_plans_cost_what_their_issued_collectives_cost():
-    from apmodel.options import PlanOptions
-    from apmodel.pricing import build_cost_context
+    from apmodel.core.options import PlanOptions
+    from apmodel.problem.pricing import build_cost_context
 
     world = 2
     got = run_distributed(_issued_worker, world, (world,), ("ddp", "fsdp"))[0]

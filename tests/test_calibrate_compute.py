@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 import costmodels as cm
 from apmodel.cli import app
-from apmodel.config import ConfigError, parse_config_text
+from apmodel.frontend.config import ConfigError, parse_config_text
 from costmodels import fitting
 from costmodels import kernel_timing as kt
 from costmodels import measured as ms

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from apmodel.capture import CapturedGraph, capture
+from apmodel.graph.capture import CapturedGraph, capture
 from apmodel.models import build, cross_entropy_loss, sample_inputs
 from apmodel.models.attention import CPU_REFERENCE_KERNELS
 

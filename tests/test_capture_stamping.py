@@ -1,5 +1,5 @@
 """Capture of repeated layers: a stack of identical layers is traced with three layers and the
-others are stamped (apmodel/stamping.py, ``_trace_stamped``). The stamped graph must be the graph
+others are stamped (apmodel/graph/stamping.py, ``_trace_stamped``). The stamped graph must be the graph
 of tracing every layer: the same nodes and names, wiring, values, descriptors and module
 metadata, the same labels and fingerprint, and the same plan."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import fx, nn
 
-from apmodel import stamping, tracing
-from apmodel.api import plan
-from apmodel.capture import CapturedGraph, InputSignature, capture
+from apmodel.entry.api import plan
+from apmodel.graph import stamping, tracing
+from apmodel.graph.capture import CapturedGraph, InputSignature, capture
 from apmodel.models import build, sample_inputs
 
 B, S = 2, 32
@@ -149,7 +149,7 @@ def test_layers_that_differ_are_traced(kind, monkeypatch, caplog):
         model = _Stack(8, by_index=kind == "by_index", by_count=kind == "by_count")
     x = torch.empty(4, 16, device="meta")
     monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 4)
-    with caplog.at_level("INFO", logger="apmodel.capture"):
+    with caplog.at_level("INFO", logger="apmodel.graph.capture"):
         a = capture(model, (x,))
     stamped = "stamped the others" in caplog.text
     assert stamped == (kind == "plain"), caplog.text
@@ -210,7 +210,7 @@ def test_buffer_updates_and_functionalized_traces_are_stamped(functionalize, mon
     with torch.device("meta"):
         model = _NormStack(7)
     x = torch.empty(8, 16, device="meta")
-    with caplog.at_level("INFO", logger="apmodel.capture"):
+    with caplog.at_level("INFO", logger="apmodel.graph.capture"):
         a = capture(model, (x,), functionalize=functionalize)
     assert "stamped the others" in caplog.text
     assert len(a.buffer_update) == 7 * 3  # running mean, running var, batches tracked per layer
@@ -221,7 +221,7 @@ def test_buffer_updates_and_functionalized_traces_are_stamped(functionalize, mon
 @pytest.mark.parametrize("spec", ["hf:gpt2", "hf:llama-2-7b", "hf:bert-base"])
 def test_hugging_face_stacks_are_stamped(spec, monkeypatch, caplog):
     pytest.importorskip("transformers")
-    from apmodel.workloads import load_workload
+    from apmodel.frontend.workloads import load_workload
 
     wl = load_workload(spec, (2,), batch=B, seq=S, layers=6)
 
@@ -229,7 +229,7 @@ def test_hugging_face_stacks_are_stamped(spec, monkeypatch, caplog):
         return capture(wl.model, wl.sample_inputs, wl.loss_fn, kwargs=wl.kwargs, targets=wl.targets,
                        allow_unused_parameters=wl.allow_unused_parameters)
 
-    with caplog.at_level("INFO", logger="apmodel.capture"):
+    with caplog.at_level("INFO", logger="apmodel.graph.capture"):
         stamped = trace()
     assert "stamped the others" in caplog.text  # six layers: stamped at the default threshold
     monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
@@ -258,7 +258,7 @@ def test_layers_differing_in_a_slice_are_traced(window, monkeypatch, caplog):
         model.layers = nn.ModuleList(_Windowed() for _ in range(8))
     model.layers[6].window = window
     x = torch.empty(4, 16, device="meta")
-    with caplog.at_level("INFO", logger="apmodel.capture"):
+    with caplog.at_level("INFO", logger="apmodel.graph.capture"):
         a = capture(model, (x,))
     assert ("stamped the others" in caplog.text) == (window == 16)
     monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)
@@ -286,7 +286,7 @@ def test_a_first_layer_without_input_gradient_is_stamped(layers, monkeypatch, ca
     def loss(out, target):
         return ((out - target) ** 2).mean()
 
-    with caplog.at_level("INFO", logger="apmodel.capture"):
+    with caplog.at_level("INFO", logger="apmodel.graph.capture"):
         a = capture(model, (x,), loss, targets=(y,))
     assert "stamped the others" in caplog.text
     monkeypatch.setattr(stamping, "_STAMP_MIN_LAYERS", 10**9)

@@ -1,4 +1,4 @@
-"""Activation checkpointing (apmodel.checkpointing, ``PlanOptions.ac``): the joint graph rewritten so
+"""Activation checkpointing (apmodel.graph.checkpointing, ``PlanOptions.ac``): the joint graph rewritten so
 that the backward recomputes what the policy does not save.
 
 Held to: the bytes a real single-device run keeps for backward under ``torch.utils.checkpoint``
@@ -24,13 +24,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import apmodel
-from apmodel import placements as pl
-from apmodel.capture import capture
-from apmodel.checkpointing import RECOMPUTE_SUFFIX, SAVED_OPS, checkpoint, is_random, saved_values
-from apmodel.memory import MemoryModel, OutOfMemory, storage_root
+from apmodel.core import placements as pl
+from apmodel.core.options import OptionsError, PlanOptions
+from apmodel.graph.capture import capture
+from apmodel.graph.checkpointing import RECOMPUTE_SUFFIX, SAVED_OPS, checkpoint, is_random, saved_values
 from apmodel.models import build, config, sample_inputs
-from apmodel.options import OptionsError, PlanOptions
-from apmodel.plans import Plan
+from apmodel.problem.memory import MemoryModel, OutOfMemory, storage_root
+from apmodel.result.plans import Plan
 
 from _dist_utils import run_distributed
 from _helpers import SavedStorages, full_weights
@@ -270,7 +270,7 @@ def test_cli_ac_flag_and_config_key(tmp_path):
     from typer.testing import CliRunner
 
     from apmodel.cli import app
-    from apmodel.config import ConfigError, parse_config_text
+    from apmodel.frontend.config import ConfigError, parse_config_text
 
     args = ["plan", "--model", "llama3-debug", "--layers", "1", "--mesh", "1", "--seq", "64", "--batch", "32",
             "--optimizer", "sgd", "--json"]

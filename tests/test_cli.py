@@ -12,8 +12,8 @@ import torch.nn as nn
 from typer.testing import CliRunner
 
 from apmodel.cli import JSON_KEYS, app
-from apmodel.config import ConfigError, load_config
-from apmodel.workloads import parse_mesh
+from apmodel.frontend.config import ConfigError, load_config
+from apmodel.frontend.workloads import parse_mesh
 
 DATA = Path(__file__).parent / "data"
 LLAMA = ["--model", "llama3-debug", "--mesh", "2x2", "--seq", "64", "--batch", "8", "--layers", "1"]
@@ -442,7 +442,7 @@ def test_console_script_errors_without_traceback(tmp_path):
 
 def test_plan_warnings_are_shown_deduplicated(monkeypatch):
     """Plan.warnings (when the Plan has them) join the recipe checks: in the table and in --json."""
-    import apmodel.api as api
+    import apmodel.entry.api as api
 
     solve = api._solve
 
@@ -477,7 +477,7 @@ def test_explain_a_plan_saved_from_the_python_api(tmp_path):
     plan.save(path)
     res = invoke("explain", str(path), "layers.0.attention.wq.weight")
     assert res.exit_code == 0, res.output
-    from apmodel import placements as pl
+    from apmodel.core import placements as pl
 
     assert "layers.0.attention.wq.weight" in res.output
     assert pl.tuple_to_str(plan.param_placements["layers.0.attention.wq.weight"]) in res.output
@@ -486,7 +486,7 @@ def test_explain_a_plan_saved_from_the_python_api(tmp_path):
 def test_the_default_sequence_fits_the_presets_position_table():
     """Without --seq a preset plans at 2048 or its position table when shorter (llama3-debug holds
     512: the default 2048 failed); a --seq beyond the table is still the model's error."""
-    from apmodel.workloads import DEFAULT_SEQ, default_seq
+    from apmodel.frontend.workloads import DEFAULT_SEQ, default_seq
 
     assert default_seq("llama3-debug") == 512 and default_seq("gpt2") == 1024
     assert default_seq("llama3-8b") == DEFAULT_SEQ and default_seq("pkg.mod:factory") == DEFAULT_SEQ
@@ -510,7 +510,7 @@ def test_a_reader_closing_the_pipe_early_is_not_a_failure():
 
 def test_a_size_one_axis_gets_no_role():
     """`--mesh 1` once read its one axis as "tensor parallel 16/16" (a shard of one device)."""
-    from apmodel.roles import SIZE_ONE_AXIS
+    from apmodel.reading.roles import SIZE_ONE_AXIS
 
     res = invoke("plan", "--model", "llama3-debug", "--mesh", "1", "--layers", "1", "--batch", "2", "--json")
     assert res.exit_code == 0, res.output + repr(res.exception)

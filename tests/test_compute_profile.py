@@ -252,7 +252,7 @@ def test_compute_model_picks_measured_where_a_profile_exists():
 
 
 def test_cost_context_uses_compute_model():
-    from apmodel.api import cost_context
+    from apmodel.entry.api import cost_context
 
     ctx = cost_context((8,), device="h200")
     assert isinstance(ctx.compute, cm.MeasuredCompute)

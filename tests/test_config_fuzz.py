@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apmodel import constraints as C
-from apmodel import placements as pl
-from apmodel.config import _SCHEMA, Config, ConfigError, load_config, parse_config, parse_config_text
-from apmodel.pricing import DTYPES
-from apmodel.workloads import parse_mesh
+from apmodel.core import placements as pl
+from apmodel.frontend.config import _SCHEMA, Config, ConfigError, load_config, parse_config, parse_config_text
+from apmodel.frontend.workloads import parse_mesh
+from apmodel.problem import constraints as C
+from apmodel.problem.pricing import DTYPES
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "apmodel.toml"
 
@@ -177,7 +177,7 @@ schedule = "interleaved"
 
 
 def test_old_configs_load_as_the_new_keys_with_a_warning_each(caplog):
-    with caplog.at_level("WARNING", logger="apmodel.config"):
+    with caplog.at_level("WARNING", logger="apmodel.frontend.config"):
         old = parse_config_text(OLD_FULL_TEXT, "old.toml")
     new = parse_config_text(FULL_TEXT.split("[[constraints]]")[0], "old.toml")
     assert old == new

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import apmodel
+from apmodel.graph.regions import RegionComm, region_scope
 from apmodel.models.attention import ContextParallelAttention
-from apmodel.pricing import CostContext
-from apmodel.regions import RegionComm, region_scope
+from apmodel.problem.pricing import CostContext
 
 from _dist_utils import run_distributed
 from _helpers import full_weights, train

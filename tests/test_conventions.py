@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from apmodel import conventions as C
-from apmodel.capture import capture
+from apmodel.graph import conventions as C
+from apmodel.graph.capture import capture
 from apmodel.models import build, sample_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -8,7 +8,7 @@ import torch
 
 import apmodel
 from apmodel import models
-from apmodel.cost_labels import LOSS, UNATTRIBUTED, layer_of, node_labels
+from apmodel.result.cost_labels import LOSS, UNATTRIBUTED, layer_of, node_labels
 
 OVERRIDES = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=32)
 #: The ops of the loss function (cross entropy over the logits), forward and backward.

@@ -12,9 +12,9 @@ import torch
 
 import apmodel
 import costmodels as cm
-from apmodel.capture import capture
+from apmodel.graph.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.pricing import CheckedComm, CostContext, CostModelError
+from apmodel.problem.pricing import CheckedComm, CostContext, CostModelError
 
 MESH = (4,)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import costmodels as cm
-from apmodel.api import cost_context
+from apmodel.entry.api import cost_context
 
 DATA = Path(__file__).parent / "data"
 KIND_FILES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]

@@ -243,7 +243,7 @@ def test_cost_context_matrix_spreads_block_prices():
     import numpy as np
     import torch
 
-    from apmodel.pricing import CostContext
+    from apmodel.problem.pricing import CostContext
 
     mesh = (2, 4)
     comm = cm.NCCLCollectives(cm.Topology(mesh, "h100"))

@@ -264,7 +264,7 @@ def test_presets_plan_with_their_full_widths(preset):
     assert plan.objective_us > 0 and plan.comm_us > 0
     matrices = {f: p for f, p in plan.param_placements.items() if "norm" not in f and "router" not in f}
     assert "layers.1.moe.experts.w1" in matrices and "layers.0.attention.wkv_b.weight" in matrices
-    assert all("S(" in apmodel.placements.tuple_to_str(p) for p in matrices.values())
+    assert all("S(" in apmodel.core.placements.tuple_to_str(p) for p in matrices.values())
     assert any(name.startswith("routed_experts_top") for name in plan.node_strategy)
 
 

@@ -50,7 +50,7 @@ def test_sparse_routing_is_the_dense_function_on_one_device():
 def test_routed_experts_are_priced_for_the_routed_tokens():
     """The region's expert matmuls cost top_k / E of the dense model's (plus the load-imbalance
     padding under expert parallelism), and its all-to-alls are priced by the collective model."""
-    from apmodel.regions import RegionComm, region_scope
+    from apmodel.graph.regions import RegionComm, region_scope
 
     cost = apmodel.cost_context((4,), device="h100")
     t, dim, hidden, experts, k = 4096, 2048, 1408, 64, 6
@@ -103,7 +103,7 @@ def test_a_plan_counts_the_regions_all_to_alls_as_communication():
     want = 6 * cost.comm.time_us("all_to_all", row_bytes, 1) + 2 * cost.comm.time_us("all_to_all", count_bytes, 1)
     assert got == pytest.approx(want, rel=1e-9)
     # explain shows the forward's three as the region node's communication, not its compute
-    from apmodel.plans import explain
+    from apmodel.result.plans import explain
 
     chosen = next(r for r in explain(plan.model, plan.node_strategy, "routed_experts_top2") if r["chosen"])
     forward = 2 * cost.comm.time_us("all_to_all", row_bytes, 1) + cost.comm.time_us("all_to_all", count_bytes, 1)

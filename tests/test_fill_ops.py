@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import apmodel
-from apmodel.capture import capture
+from apmodel.graph.capture import capture
 
 from _dist_utils import run_distributed
 
@@ -56,9 +56,9 @@ def _captured():
 def _worker(rank: int, world: int, mesh_shape: tuple[int, ...], plan_path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from apmodel.api import build_model
+    from apmodel.entry.api import build_model
     from apmodel.lowering import load_full_state_dict, lower
-    from apmodel.plans import Plan
+    from apmodel.result.plans import Plan
 
     mesh = dist.init_device_mesh("cpu", mesh_shape)
     torch.manual_seed(0)

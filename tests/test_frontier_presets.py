@@ -104,4 +104,4 @@ def test_presets_plan_with_their_full_widths(preset):
     plan = apmodel.plan(model, (2, 4), sample_inputs(config(preset, n_layers=2), 8, 512), device="h100")
     assert plan.objective_us > 0 and plan.comm_us > 0
     matrices = {f: p for f, p in plan.param_placements.items() if "norm" not in f and "router" not in f}
-    assert matrices and all("S(" in apmodel.placements.tuple_to_str(p) for p in matrices.values())
+    assert matrices and all("S(" in apmodel.core.placements.tuple_to_str(p) for p in matrices.values())

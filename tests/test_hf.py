@@ -1,4 +1,4 @@
-"""Hugging Face transformers built from their configs (``hf:`` specs, :mod:`apmodel.hf`).
+"""Hugging Face transformers built from their configs (``hf:`` specs, :mod:`apmodel.frontend.hf`).
 
 Tiny configurations (two layers, hidden size 64) of the families apmodel knows by name: they
 plan with a backward (every parameter gets a gradient), keep tied weights tied, trace attention as
@@ -20,11 +20,11 @@ pytest.importorskip("transformers", reason="the optional dependency transformers
                                            "(pip install -e '.[hf]')")
 
 import apmodel  # noqa: E402
-from apmodel import hf  # noqa: E402
-from apmodel.api import plan_workload  # noqa: E402
-from apmodel.capture import capture  # noqa: E402
-from apmodel.options import PlanOptions  # noqa: E402
-from apmodel.workloads import WorkloadError, load_workload  # noqa: E402
+from apmodel.core.options import PlanOptions  # noqa: E402
+from apmodel.entry.api import plan_workload  # noqa: E402
+from apmodel.frontend import hf  # noqa: E402
+from apmodel.frontend.workloads import WorkloadError, load_workload  # noqa: E402
+from apmodel.graph.capture import capture  # noqa: E402
 
 from _dist_utils import run_distributed  # noqa: E402
 from _helpers import full_weights
@@ -33,7 +33,7 @@ MESH = (2, 2)
 STEPS = 3
 LOSS_RTOL = 1e-5
 
-#: Tiny configs (config.json contents) of the families of apmodel.hf.PRESETS.
+#: Tiny configs (config.json contents) of the families of apmodel.frontend.hf.PRESETS.
 TINY: dict[str, dict[str, Any]] = {
     "gpt2": dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32),
     "bert": dict(model_type="bert", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
@@ -128,7 +128,7 @@ def test_layers_batch_and_seq_flags(configs, caplog):
     assert wl.model.config.num_hidden_layers == 1 and len(wl.model.transformer.h) == 1
     assert tuple(wl.sample_inputs[0].shape) == (8, 16) and wl.sample_inputs[0].device.type == "meta"
     assert wl.record == {"model": configs["gpt2"], "batch": 8, "seq": 16, "layers": 1}
-    with caplog.at_level(logging.WARNING, logger="apmodel.hf"):
+    with caplog.at_level(logging.WARNING, logger="apmodel.frontend.hf"):
         capped = load_workload(configs["gpt2"], MESH, batch=8, seq=100)
     assert tuple(capped.sample_inputs[0].shape) == (8, 32) and capped.record["seq"] == 32  # n_positions
     assert "longer than its position table" in caplog.text
@@ -242,7 +242,7 @@ def _train_worker(rank: int, world: int, plan_path: str, family: str) -> dict[st
     from torch.distributed.tensor import DTensor
 
     from apmodel.lowering import load_full_state_dict, lower
-    from apmodel.plans import Plan
+    from apmodel.result.plans import Plan
 
     mesh = dist.init_device_mesh("cpu", MESH)
     torch.manual_seed(0)
@@ -292,7 +292,7 @@ def test_an_unknown_model_type_is_one_short_line(tmp_path, caplog):
     keeps its first sentence; the whole message is logged at INFO (``-v``)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 64}))
-    with caplog.at_level(logging.INFO, logger="apmodel.hf"):
+    with caplog.at_level(logging.INFO, logger="apmodel.frontend.hf"):
         with pytest.raises(hf.HFSpecError, match=r"cannot build model_type 'no-such-model'.*-v shows") as info:
             hf.build(f"hf:{path}", layers=None)
     assert len(str(info.value)) < 450 + len(str(path)) and "\n" not in str(info.value)

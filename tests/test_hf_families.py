@@ -20,8 +20,8 @@ pytest.importorskip("transformers", reason="the optional dependency transformers
                                            "(pip install -e '.[hf]')")
 
 import apmodel  # noqa: E402
-from apmodel import hf  # noqa: E402
-from apmodel.capture import capture  # noqa: E402
+from apmodel.frontend import hf  # noqa: E402
+from apmodel.graph.capture import capture  # noqa: E402
 
 from _dist_utils import run_distributed  # noqa: E402
 from _helpers import full_weights, train  # noqa: E402
@@ -84,7 +84,7 @@ def _train_worker(rank: int, world: int, plans: dict[str, str]) -> dict[str, Any
     from torch.distributed.tensor import DTensor
 
     from apmodel.lowering import load_full_state_dict, lower
-    from apmodel.plans import Plan
+    from apmodel.result.plans import Plan
 
     mesh = dist.init_device_mesh("cpu", MESH)
     out = {}

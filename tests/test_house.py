@@ -16,6 +16,7 @@ Each message names the offender, so a failure says what to split or rename.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -121,12 +122,12 @@ def test_function_lengths_count_from_def_to_the_last_line():
 @pytest.mark.parametrize("module, source, expected", [
     ("apmodel.a", "from apmodel.b import _x, y", ["from apmodel.b import _x"]),
     ("apmodel.lowering.a", "from .graph import _fmt", ["from apmodel.lowering.graph import _fmt"]),
-    ("apmodel.lowering.a", "from ..plans import _bad", ["from apmodel.plans import _bad"]),
+    ("apmodel.lowering.a", "from ..result.plans import _bad", ["from apmodel.result.plans import _bad"]),
     ("costmodels.a", "from costmodels import compute as c\nc._tensors(1)", ["costmodels.compute._tensors"]),
     ("apmodel.a", "import apmodel.b as b\nb._y", ["apmodel.b._y"]),
 ])
 def test_private_imports_are_found(module, source, expected):
-    modules = {"apmodel.a", "apmodel.b", "apmodel.plans", "apmodel.lowering.a", "apmodel.lowering.graph",
+    modules = {"apmodel.a", "apmodel.b", "apmodel.result.plans", "apmodel.lowering.a", "apmodel.lowering.graph",
                "costmodels.a", "costmodels.compute"}
     assert [what for _, what in private_imports(module, False, source, modules)] == expected
 
@@ -178,3 +179,22 @@ def test_no_module_imports_another_modules_private_names():
             offenders.append(f"{_rel(path)}:{line}: {what}")
     assert not offenders, ("underscore names used across modules (make them public in their home module):\n"
                            + "\n".join(offenders))
+
+
+def _design_packages() -> list[str]:
+    """The stage packages docs/design.md lists (its "| `apmodel/NAME/` | ... |" rows)."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    return re.findall(r"^\| `apmodel/(\w+)/` \|", text, flags=re.M)
+
+
+def test_the_tree_is_the_pipeline_docs_design_lists():
+    from test_import_graph import PACKAGE_ORDER
+
+    listed = _design_packages()
+    packages = sorted(p.name for p in (ROOT / "apmodel").iterdir() if (p / "__init__.py").is_file())
+    assert sorted(listed) == packages, (f"docs/design.md lists stage packages {sorted(listed)}; "
+                                        f"apmodel/ has {packages}")
+    assert listed == [p for p in PACKAGE_ORDER if p != "_torch_private"], "docs/design.md lists them in import order"
+    loose = sorted(p.name for p in (ROOT / "apmodel").glob("*.py")
+                   if p.name not in ("__init__.py", "_torch_private.py"))
+    assert not loose, f"modules outside a stage package (move each into its stage's package): {loose}"

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import apmodel
+from apmodel.core.options import make_options
 from apmodel.models import build, config, sample_inputs
 from apmodel.models.attention import SlidingWindowAttention, sliding_window_attention, sliding_window_mask
 from apmodel.models.llama3 import LlamaConfig
-from apmodel.options import make_options
-from apmodel.pricing import build_cost_context
+from apmodel.problem.pricing import build_cost_context
 from costmodels.compute import RooflineCompute
 
 from _dist_utils import run_distributed
@@ -118,7 +118,7 @@ def test_hybrid_30b_builds_and_plans_on_meta():
     assert plan.objective_us > 0 and plan.comm_us > 0
     assert "attention_window1024_flash" in plan.node_strategy  # the sliding layer runs the banded kernel
     matrices = {f: p for f, p in plan.param_placements.items() if "norm" not in f}
-    assert matrices and all("S(" in apmodel.placements.tuple_to_str(p) for p in matrices.values())
+    assert matrices and all("S(" in apmodel.core.placements.tuple_to_str(p) for p in matrices.values())
 
 
 @pytest.mark.parametrize("layers,every", [(12, 2), (14, 3)])

@@ -94,12 +94,35 @@ def test_orchestration_is_on_top_and_lowering_is_last():
 
     importers = {m for m, deps in graph.items() if not in_cli(m) and any(in_cli(d) for d in deps)}
     assert importers == set(), importers
-    assert {m for m, deps in graph.items() if "apmodel.api" in deps} <= {m for m in graph if in_cli(m)}
-    assert "apmodel.api" in graph["apmodel.cli"]
+    assert {m for m, deps in graph.items() if "apmodel.entry.api" in deps} <= {m for m in graph if in_cli(m)}
+    assert "apmodel.entry.api" in graph["apmodel.cli"]
     lowering = {m: deps for m, deps in graph.items() if m.startswith("apmodel.lowering")}
     assert len(lowering) >= 5
-    forbidden = {"apmodel.api", "apmodel.cli", "apmodel.search", "apmodel.recipes", "apmodel.report",
-                 "apmodel.report_data", "apmodel.report_figures"}
+    forbidden = {"apmodel.entry.api", "apmodel.cli", "apmodel.solve.search", "apmodel.reading.recipes", "apmodel.reading.report",
+                 "apmodel.reading.report_data", "apmodel.reading.report_figures"}
     for module, deps in lowering.items():
         assert not deps & forbidden, (module, deps & forbidden)
         assert not any(d.startswith("apmodel.models") for d in deps), (module, deps)
+
+
+#: apmodel's stage packages, bottom to top (docs/design.md, *The pipeline*): each imports only the
+#: packages before it (the torch boundary module counts as one, after ``core``).
+PACKAGE_ORDER = ("core", "_torch_private", "graph", "candidates", "problem", "result", "models", "frontend", "solve",
+                 "reading", "lowering", "entry", "cli")
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_stage_packages_import_only_the_stages_below():
+    graph = import_graph()
+    up = [f"{m} -> {d}" for m, deps in sorted(graph.items()) if m.startswith("apmodel.")
+          for d in sorted(deps) if d.startswith("apmodel.")
+          and PACKAGE_ORDER.index(_package(d)) > PACKAGE_ORDER.index(_package(m))]
+    assert up == [], "imports of a stage above (move the code down, or the import into the stage that needs it):\n" + "\n".join(up)
+
+
+def test_every_package_has_its_place_in_the_order():
+    packages = {_package(m) for m in import_graph() if m.startswith("apmodel.")}
+    assert packages == set(PACKAGE_ORDER), packages ^ set(PACKAGE_ORDER)

@@ -24,8 +24,10 @@ import pytest
 import torch
 
 import apmodel
-from apmodel import placements as pl
-from apmodel.capture import capture
+from apmodel.candidates.strategies import input_slots
+from apmodel.core import placements as pl
+from apmodel.core.options import PlanOptions
+from apmodel.graph.capture import capture
 from apmodel.lowering import (
     issued_redistributions,
     load_full_state_dict,
@@ -33,9 +35,7 @@ from apmodel.lowering import (
     planned_redistributions,
 )
 from apmodel.models import build, config, sample_inputs
-from apmodel.options import PlanOptions
-from apmodel.plans import Plan
-from apmodel.strategies import input_slots
+from apmodel.result.plans import Plan
 
 from _dist_utils import CollectiveRecorder, gloo_view, predicted_collectives, run_distributed
 from _helpers import full_weights
@@ -103,7 +103,7 @@ def _tp_storage(fqn: str) -> str:
 
 
 def tensor_parallel_1d(m) -> None:
-    """Constraint: Megatron-style tensor parallelism on a 1D mesh (apmodel.recipes' Megatron
+    """Constraint: Megatron-style tensor parallelism on a 1D mesh (apmodel.reading.recipes' Megatron
     recipes need a data-parallel axis too): every parameter stored as Megatron does, and read by
     its consumers at its storage placement (weights never move)."""
     for node, fqn in m.captured.param_fqn.items():
@@ -119,9 +119,9 @@ def tensor_parallel_1d(m) -> None:
 
 
 def forced_plan(captured, recipe: str, mesh_shape: tuple[int, ...]) -> Plan:
-    """FSDP (apmodel.recipes "fsdp") or tensor parallel (apmodel.recipes "megatron_tp": TP on the
+    """FSDP (apmodel.reading.recipes "fsdp") or tensor parallel (apmodel.reading.recipes "megatron_tp": TP on the
     last axis + data parallel on the others; on a 1D mesh :func:`tensor_parallel_1d`)."""
-    from apmodel import recipes
+    from apmodel.reading import recipes
 
     if recipe == "tp" and len(mesh_shape) == 1:
         # priced per collective: with bucketed gathers, gathering this tiny model's sharded weights
@@ -140,7 +140,7 @@ def random_plan(captured, mesh_shape: tuple[int, ...], seed: int) -> Plan:
     import numpy as np
 
     import solvers
-    from apmodel.api import build_model
+    from apmodel.entry.api import build_model
 
     pmodel = build_model(captured, mesh_shape, device="h100", param_policy="free")
     problem = pmodel.compile()
@@ -435,7 +435,7 @@ def captured():
 
 def test_planned_redistributions_price_to_the_plans_comm_cost(plans, captured):
     """Lowering reads the same redistributions off a plan as the planner priced."""
-    from apmodel.pricing import build_cost_context
+    from apmodel.problem.pricing import build_cost_context
 
     _, ps = plans
     for name, plan in ps.items():

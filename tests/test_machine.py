@@ -1,5 +1,5 @@
 """``parallelize(device="auto")``: the hardware of the live mesh as planning options
-(:mod:`apmodel.machine`). GPUs are simulated by their names (no GPU here); CPU meshes are timed on
+(:mod:`apmodel.frontend.machine`). GPUs are simulated by their names (no GPU here); CPU meshes are timed on
 a real 2x2 gloo mesh in the slow tier."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import apmodel
-from apmodel import machine
 from apmodel._torch_private import fake_mesh
-from apmodel.options import OptionsError
+from apmodel.core.options import OptionsError
+from apmodel.frontend import machine
 
 from _dist_utils import run_distributed
 from _tiny import fixed_tokens, tiny_llama
@@ -47,7 +47,7 @@ def test_known_gpus_are_priced_as_their_spec(live_gpu, gpu, spec):
 
 def test_unknown_gpu_is_named_in_a_warning_with_the_spec_used(live_gpu, caplog):
     live_gpu("NVIDIA GeForce RTX 4090")
-    with caplog.at_level(logging.WARNING, logger="apmodel.machine"):
+    with caplog.at_level(logging.WARNING, logger="apmodel.frontend.machine"):
         found = machine.detect(_CudaMesh(), {})
     assert found.options["device"] == machine.FALLBACK_GPU
     assert "RTX 4090" in caplog.text and machine.FALLBACK_GPU in caplog.text
@@ -62,7 +62,7 @@ def test_gpus_per_node_from_the_launcher_and_given_options_win(live_gpu, monkeyp
 
 def test_a_mesh_without_process_groups_is_priced_as_plan_prices():
     found = machine.detect(fake_mesh((2, 2)), {"dtype": "fp32"})
-    assert found.options == {"device": apmodel.options.default_of("device"), "dtype": "fp32"}
+    assert found.options == {"device": apmodel.core.options.default_of("device"), "dtype": "fp32"}
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):

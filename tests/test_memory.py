@@ -1,4 +1,4 @@
-"""The memory model (apmodel.memory): per-device bytes of a plan, held to a real single-device run
+"""The memory model (apmodel.problem.memory): per-device bytes of a plan, held to a real single-device run
 (bytes autograd saves, counted by ``torch.autograd.graph.saved_tensors_hooks``), to the arithmetic
 of sharded storage, and used as a constraint (a plan over the limit is re-solved under a memory
 row, or refused with a named out-of-memory error)."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import apmodel
-from apmodel.capture import capture
-from apmodel.memory import OPTIMIZER_STATE_COPIES, MemoryModel, OutOfMemory
+from apmodel.graph.capture import capture
 from apmodel.models import build, config, sample_inputs
+from apmodel.problem.memory import OPTIMIZER_STATE_COPIES, MemoryModel, OutOfMemory
 
 from _helpers import SavedStorages
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import apmodel
-from apmodel.capture import capture
+from apmodel.core.options import OptionsError, PlanOptions
+from apmodel.graph.capture import capture
 from apmodel.lowering import issued_redistributions, load_full_state_dict, lower, planned_redistributions
 from apmodel.models import build, config, sample_inputs
-from apmodel.options import OptionsError, PlanOptions
-from apmodel.plans import Plan, PlanMismatch
+from apmodel.result.plans import Plan, PlanMismatch
 
 from _dist_utils import CollectiveRecorder, gloo_view, predicted_collectives, run_distributed
 from _helpers import full_weights

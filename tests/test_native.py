@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import apmodel
-from apmodel.plans import Plan
+from apmodel.result.plans import Plan
 
 from _dist_utils import run_distributed
 from _helpers import full_weights, train

@@ -20,8 +20,7 @@ from typer.testing import CliRunner
 
 import apmodel.cli as cli
 from apmodel.cli import app
-from apmodel.config import _SCHEMA, parse_config_text
-from apmodel.options import (
+from apmodel.core.options import (
     TABLE_END,
     TABLE_START,
     OptionsError,
@@ -31,6 +30,7 @@ from apmodel.options import (
     option_spec,
     options_table,
 )
+from apmodel.frontend.config import _SCHEMA, parse_config_text
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = [f.name for f in dataclasses.fields(PlanOptions)]
@@ -193,7 +193,7 @@ def test_a_bad_flag_is_one_line_naming_it(args, expect):
 
 def test_the_placement_model_takes_the_options_marked_for_it():
     """``model_kwargs`` are exactly PlacementModel's keyword arguments: the search passes them whole."""
-    from apmodel.placement_model import PlacementModel
+    from apmodel.problem.placement_model import PlacementModel
 
     params = inspect.signature(PlacementModel.__init__).parameters
     keywords = {n for n, p in params.items() if p.kind == inspect.Parameter.KEYWORD_ONLY}
@@ -225,9 +225,9 @@ def test_the_table_is_generated():
 #: The functions that take options as keywords (explicitly or through ``**option_values``).
 def _option_functions() -> list[Any]:
     import apmodel
-    from apmodel import api
+    from apmodel.entry import api
     from apmodel.lowering import lower
-    from apmodel.pipeline import PipelineOptions
+    from apmodel.solve.pipeline import PipelineOptions
 
     return [apmodel.plan, apmodel.parallelize, api.parallelize_pipeline, api.build_model, api.cost_context,
             api.placement_model, api.solve_model, lower, PipelineOptions]
@@ -243,8 +243,8 @@ def test_every_option_has_one_name_across_field_toml_flag_and_keyword(name):
     underscores) and its keyword; its ``--help`` panel is its TOML section; a unit in the name is
     the unit of its value; old spellings are only read (hidden flags, **kwargs), never declared."""
     from apmodel.cli.flags import help_panel
-    from apmodel.option_spec import GROUPS
-    from apmodel.options import OLD_FLAGS, OLD_KEYWORDS, OLD_TOML_KEYS, make_options
+    from apmodel.core.option_spec import GROUPS
+    from apmodel.core.options import OLD_FLAGS, OLD_KEYWORDS, OLD_TOML_KEYS, make_options
 
     spec = option_spec(name)
     section = spec.group
@@ -284,7 +284,7 @@ def test_every_option_has_one_name_across_field_toml_flag_and_keyword(name):
 
 
 def test_old_toml_keys_are_read_with_a_warning_naming_the_new_key(caplog):
-    from apmodel.options import OLD_TOML_KEYS
+    from apmodel.core.options import OLD_TOML_KEYS
 
     for old_key, old in OLD_TOML_KEYS.items():
         spec = option_spec(old.option)
@@ -292,7 +292,7 @@ def test_old_toml_keys_are_read_with_a_warning_naming_the_new_key(caplog):
         value = _sample(sub, None if old.sub else default_of(old.option))
         section, _, key = old_key.partition(".")
         caplog.clear()
-        with caplog.at_level("WARNING", logger="apmodel.config"):
+        with caplog.at_level("WARNING", logger="apmodel.frontend.config"):
             opts = parse_config_text(f"[{section}]\n{key} = {_toml(value)}\n", "old.toml").plan_options()
         new_text = (f"[{spec.toml}]\n{old.sub} = {_toml(value)}\n" if old.sub else
                     f"[{spec.section}]\n{spec.key} = {_toml(old.convert(value))}\n")
@@ -317,7 +317,7 @@ def test_old_flags_are_read_with_a_warning_naming_the_new_flag(planned_options, 
 
 
 def test_old_keywords_and_record_keys_are_read_with_a_warning_naming_the_new_name(caplog):
-    from apmodel.options import make_options
+    from apmodel.core.options import make_options
 
     with pytest.warns(DeprecationWarning, match="memory_limit= is deprecated: use memory_limit_bytes="):
         assert make_options(memory_limit=5e9).memory_limit_bytes == 5e9
@@ -325,14 +325,14 @@ def test_old_keywords_and_record_keys_are_read_with_a_warning_naming_the_new_nam
         assert make_options(bucket_cap_mb=0).bucket_mb == 0
     with pytest.raises(OptionsError, match="give memory_limit_bytes="):
         make_options(memory_limit=1.0, memory_limit_bytes=2.0)
-    with caplog.at_level("WARNING", logger="apmodel.options"):
+    with caplog.at_level("WARNING", logger="apmodel.core.options"):
         assert PlanOptions.from_record({"memory_limit_GB": 70}).memory_limit_bytes == 70e9
     assert "'memory_limit_GB' is read as 'memory_limit_bytes'" in caplog.text
 
 
 def test_workload_keys_have_one_name_too():
     """``[workload]`` keys and the flags that give them are one declaration (``WORKLOAD_KEYS``)."""
-    from apmodel.workloads import WORKLOAD_KEYS
+    from apmodel.frontend.workloads import WORKLOAD_KEYS
 
     flags = _plan_flags()
     for key, spec in WORKLOAD_KEYS.items():

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import apmodel
-from apmodel.plans import price
+from apmodel.result.plans import price
 from costmodels.overlap import ProgramError, issue_order, serial_order, simulate
 from costmodels.overlap import ProgramOp as Op
 
@@ -266,7 +266,7 @@ def test_overlapped_program_equals_the_serial_one_on_2x2_gloo() -> None:
 
 
 def test_the_report_draws_one_layers_timeline_from_the_priced_program(tiny_captured) -> None:
-    from apmodel.report_data import timeline_lanes
+    from apmodel.reading.report_data import timeline_lanes
 
     plan = apmodel.plan(tiny_captured, (2, 2), device="h100", overlap=True)
     drawn = timeline_lanes(plan, "layers.0")

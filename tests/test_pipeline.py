@@ -14,12 +14,13 @@ import torch
 import torch.nn as nn
 
 import costmodels
-from apmodel import api, schedules
-from apmodel.options import PlanOptions
-from apmodel.pipeline import PipelineChoice, PipelineError, PipelineOptions, plan_pipeline, stage_mesh, stage_rank
-from apmodel.plans import Plan, PlanFileError
-from apmodel.stage_costs import step_units
-from apmodel.workloads import Workload
+from apmodel.core import schedules
+from apmodel.core.options import PlanOptions
+from apmodel.entry import api
+from apmodel.frontend.workloads import Workload
+from apmodel.result.plans import Plan, PlanFileError
+from apmodel.solve.pipeline import PipelineChoice, PipelineError, PipelineOptions, plan_pipeline, stage_mesh, stage_rank
+from apmodel.solve.stage_costs import step_units
 from costmodels.p2p import peer_link, send_recv_us
 
 
@@ -219,7 +220,7 @@ def test_planned_split_is_brute_force_over_splits():
 
 # ------------------------------------------------------------------------------ plan files
 def _choice() -> PipelineChoice:
-    from apmodel.pipeline_record import DegreePrice
+    from apmodel.result.pipeline_record import DegreePrice
 
     two = DegreePrice(2, 1234.5, 2e9, True, (8, 8), ((0, 39), (40, 79)), 100.0, 20.0, (600.0, 610.0))
     one = DegreePrice(1, 2000.0, 5e9, True, (2, 8, 8), stage_us=(2000.0,))
@@ -334,7 +335,7 @@ def test_more_stages_than_layers_is_refused_before_planning():
 def test_a_stage_mesh_keeps_its_links():
     """A pipeline on the inner axis of (8, 4): the stage mesh's 8 ranks sit 4 apart, across 4 nodes of
     8, and its collectives are priced so (not as one node's 8 consecutive ranks)."""
-    from apmodel.pipeline import _stage_options
+    from apmodel.solve.pipeline import _stage_options
 
     options = _stage_options(PlanOptions(device="h100"), (8, 4), 1, 4)
     link = options.comm_model.topo.axis(0)

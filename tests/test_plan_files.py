@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import apmodel
 import apmodel.models
-from apmodel import placements as pl
-from apmodel.plans import Plan, PlanFileError, PlanMismatch, diff
+from apmodel.core import placements as pl
+from apmodel.result.plans import Plan, PlanFileError, PlanMismatch, diff
 
 OVERRIDES = dict(n_layers=1, dim=32, n_heads=2, n_kv_heads=2, ffn_hidden_dim=64, vocab_size=64, max_seq_len=8)
 
@@ -218,7 +218,7 @@ def test_a_sharded_scalar_loss_plan_has_no_warnings(tiny_plan):
 
 
 def test_warning_all_replicated_when_nothing_divides(caplog):
-    with caplog.at_level(logging.WARNING, logger="apmodel.plans"):
+    with caplog.at_level(logging.WARNING, logger="apmodel.result.plans"):
         plan = _mlp_plan((3,))  # 16, 32, 64: nothing divisible by 3
     assert len(plan.warnings) == 1
     assert "replicates everything" in plan.warnings[0] and "axis 0 (size 3)" in plan.warnings[0]
@@ -387,7 +387,7 @@ def test_a_version_1_file_still_loads_without_rank_checks(valid_text):
 def test_a_fifo_is_refused_not_read(tmp_path):
     import os
 
-    from apmodel.config import ConfigError, load_config
+    from apmodel.frontend.config import ConfigError, load_config
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -409,7 +409,7 @@ def test_replay_refuses_an_edited_fingerprint_or_says_it_differs(valid_text, tmp
     # a well-formed fingerprint of another graph: replay takes other shapes of the same structure, and says so
     d["fingerprint"] = "0" * 64
     path.write_text(json.dumps(d))
-    with caplog.at_level(logging.WARNING, logger="apmodel.plans"):
+    with caplog.at_level(logging.WARNING, logger="apmodel.result.plans"):
         replayed = apmodel.plan(m, (2, 2), inputs, replay=path)
     said = [r.getMessage() for r in caplog.records if "replayed plan" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("replayed plan was made for a graph with fingerprint 000000000000, "
@@ -418,6 +418,6 @@ def test_replay_refuses_an_edited_fingerprint_or_says_it_differs(valid_text, tmp
     assert replayed.node_strategy == Plan.from_json(_valid(valid_text)).node_strategy
     caplog.clear()
     path.write_text(valid_text)  # the file as written: replayed without a warning
-    with caplog.at_level(logging.WARNING, logger="apmodel.plans"):
+    with caplog.at_level(logging.WARNING, logger="apmodel.result.plans"):
         apmodel.plan(m, (2, 2), inputs, replay=path)
     assert not [r for r in caplog.records if "replayed plan" in r.getMessage()]

@@ -13,11 +13,11 @@ import torch.nn as nn
 
 import apmodel
 import solvers
-from apmodel import placements as pl
-from apmodel.api import build_model, solve_model
-from apmodel.capture import capture
+from apmodel.core import placements as pl
+from apmodel.entry.api import build_model, solve_model
+from apmodel.graph.capture import capture
 from apmodel.models import build, sample_inputs
-from apmodel.plans import Plan, PlanMismatch
+from apmodel.result.plans import Plan, PlanMismatch
 
 
 class MLP(nn.Module):

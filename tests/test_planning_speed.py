@@ -16,14 +16,22 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from apmodel import _torch_private as tp
-from apmodel import expansion
-from apmodel.capture import capture
+from apmodel.candidates import expansion
+from apmodel.candidates.strategies import (
+    Ball,
+    Strategy,
+    _align_outputs,
+    _ball_combos,
+    _out_shapes,
+    _unmask,
+    enumerate_strategies,
+)
+from apmodel.candidates.strategy_filters import Filter, TensorChecks
+from apmodel.core.options import PlanOptions
+from apmodel.graph.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.options import PlanOptions
-from apmodel.pair_blocks import PairSum, distinct_blocks, joint_classes
-from apmodel.pricing import build_cost_context
-from apmodel.strategies import Ball, Strategy, _align_outputs, _ball_combos, _out_shapes, _unmask, enumerate_strategies
-from apmodel.strategy_filters import Filter, TensorChecks
+from apmodel.problem.pair_blocks import PairSum, distinct_blocks, joint_classes
+from apmodel.problem.pricing import build_cost_context
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -254,7 +262,7 @@ def test_captured_module_generates_its_code_on_first_use():
 def test_group_pairs_with_the_same_terms_share_one_block():
     """Every pair's matrix is the sum of its graph edges' redistribution matrices (built here edge by
     edge, dense), although pairs whose terms are the same objects share one block."""
-    from apmodel.api import build_model
+    from apmodel.entry.api import build_model
 
     cfg = config("llama3-debug", n_layers=2)
     with torch.device("meta"):

@@ -85,6 +85,6 @@ def test_the_command_list_runs(scratch):
 def test_the_options_table_is_the_generated_one():
     """The tables of "Planning options" are what the declarations on PlanOptions generate
     (`python tools/options_table.py` rewrites them)."""
-    from apmodel.options import with_options_table
+    from apmodel.core.options import with_options_table
 
     assert with_options_table(README) == README, "the README's options table is stale: run python tools/options_table.py"

@@ -11,12 +11,12 @@ import torch
 
 import costmodels
 from apmodel import _torch_private as tp
-from apmodel import placements as pl
-from apmodel import recipes as R
-from apmodel.api import cost_context, placement_model, solve_model
-from apmodel.capture import capture
+from apmodel.candidates.strategies import enumerate_strategies
+from apmodel.core import placements as pl
+from apmodel.entry.api import cost_context, placement_model, solve_model
+from apmodel.graph.capture import capture
 from apmodel.models import build, sample_inputs
-from apmodel.strategies import enumerate_strategies
+from apmodel.reading import recipes as R
 
 SOLVER = "trws"
 REGION_RECIPES = {"fsdp_ep": "routed_experts_top2", "fsdp_tp_ep": "routed_experts_top2", "fsdp_tp_cp": "attention_flash"}
@@ -52,7 +52,7 @@ def _s(plan, fqn):
 
 def _uses(plan, fqn):
     """Placement strings of the forward ops' input that reads ``fqn``."""
-    from apmodel.roles import param_uses
+    from apmodel.reading.roles import param_uses
 
     return {"".join(u[1]) for u in param_uses(plan.model, plan.node_strategy, fqn)}
 
@@ -174,7 +174,7 @@ def test_infeasible_recipe_is_reported(captured, setup_2x2):
 
 def test_emerged_roles_read_back_the_recipes(results_2x2):
     """The CLI's reading of a plan names the parallelism each recipe prescribes."""
-    from apmodel.roles import emerged
+    from apmodel.reading.roles import emerged
 
     fsdp = emerged(results_2x2["fsdp"].plan)
     assert all("FSDP" in fsdp[a] and "tensor parallel" not in fsdp[a] for a in ("axis0", "axis1"))
@@ -239,7 +239,7 @@ def test_gpt2_recipes_never_beat_the_searched_plans(gpt2_2x2):
 
 
 def test_gpt2_roles_read_tensor_parallelism(gpt2_2x2):
-    from apmodel.roles import emerged
+    from apmodel.reading.roles import emerged
 
     _, results, _, _ = gpt2_2x2
     tp = emerged(results["megatron_tp"].plan)
@@ -251,7 +251,7 @@ def test_gpt2_roles_read_tensor_parallelism(gpt2_2x2):
 def test_recipes_take_given_conventions(captured, setup_2x2):
     """Conventions that name no linear layer make the tensor-parallel recipes not applicable;
     the LLaMA default gives the same plan as the derived conventions on a LLaMA model."""
-    from apmodel.conventions import LLAMA, ModelConventions
+    from apmodel.graph.conventions import LLAMA, ModelConventions
 
     strategies, cost = setup_2x2
     none = ModelConventions(column_parallel=(), row_parallel=(), source="test: nothing to split")
@@ -267,9 +267,9 @@ def test_compare_recipes_searches_the_free_storage_space():
     """``compare_recipes`` of a default (full_shard) run searches the free-storage space too and
     checks every recipe against it: on GPT-2 the Megatron recipes (free storage) beat the
     full_shard plan, which is no reason for a warning, while the free-storage plan beats them all."""
-    from apmodel.api import plan_workload
-    from apmodel.options import PlanOptions
-    from apmodel.workloads import load_workload
+    from apmodel.core.options import PlanOptions
+    from apmodel.entry.api import plan_workload
+    from apmodel.frontend.workloads import load_workload
 
     result = plan_workload(load_workload("gpt2", (2, 2), batch=8, seq=64, layers=1), PlanOptions(solver=SOLVER),
                            compare_recipes=True)
@@ -290,8 +290,8 @@ def test_region_recipes_run_their_regions_as_declared(model, overrides, recipes)
     """FSDP+EP runs the routed experts expert parallel on the last axis (data parallel before it),
     FSDP+TP+EP expert parallel on the TP axis, FSDP+TP+CP attention context parallel before the TP
     axis (heads split on it); the searched plan, whose space holds them all, is never worse."""
+    from apmodel.graph.regions import region_of
     from apmodel.models import config
-    from apmodel.regions import region_of
 
     with torch.device("meta"):
         m = build(config(model, **overrides))

@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import apmodel
-from apmodel.api import build_model
-from apmodel.capture import capture
-from apmodel.regions import RegionError, local_map
+from apmodel.entry.api import build_model
+from apmodel.graph.capture import capture
+from apmodel.graph.regions import RegionError, local_map
 
 from _dist_utils import run_distributed
 from _helpers import train
@@ -102,7 +102,7 @@ def test_a_region_is_priced_by_the_ops_it_runs():
     """On one device, the region model's compute is the inline model's (priced node by node by the
     ordinary path) plus one recomputation of the region's forward in its backward (the region
     keeps only its inputs)."""
-    from apmodel.strategies import enumerate_strategies
+    from apmodel.candidates.strategies import enumerate_strategies
 
     tokens, targets = _batch("meta")
     cost = apmodel.cost_context((1,), device="h100")

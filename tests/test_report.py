@@ -17,13 +17,14 @@ import torch
 from typer.testing import CliRunner
 
 import apmodel
-from apmodel import models, report, report_data, report_figures
-from apmodel import placements as pl
+from apmodel import models
 from apmodel.cli import app
-from apmodel.formatting import fmt_bytes
-from apmodel.plans import Plan
-from apmodel.recipes import RecipeResult
-from apmodel.roles import param_role, param_uses
+from apmodel.core import placements as pl
+from apmodel.core.formatting import fmt_bytes
+from apmodel.reading import report, report_data, report_figures
+from apmodel.reading.recipes import RecipeResult
+from apmodel.reading.roles import param_role, param_uses
+from apmodel.result.plans import Plan
 
 OVERRIDES = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=128, max_seq_len=32)
 CLI_PLAN = ["plan", "--model", "llama3-debug", "--mesh", "2x2", "--layers", "1", "--seq", "32", "--batch", "8"]
@@ -205,7 +206,7 @@ def test_grid_groups_parameters_by_the_models_own_layers(tmp_path):
     """The per-layer grid follows the model's conventions (``h.0``, ``h.1``...), with its model
     attached and from the plan file alone; the axes' reading without the model says only what
     storage and traffic show."""
-    from apmodel.roles import emerged
+    from apmodel.reading.roles import emerged
 
     with torch.device("meta"):
         m = _HStack()
@@ -262,7 +263,7 @@ def test_diff_page(plan):
 
 
 def test_report_module_does_not_import_matplotlib():
-    code = "import sys, apmodel.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+    code = "import sys, apmodel.reading.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 

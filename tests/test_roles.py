@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apmodel.roles import _in_param_dims, _view_dims
+from apmodel.reading.roles import _in_param_dims, _view_dims
 
 
 def _views3(w: torch.Tensor) -> tuple[torch.Tensor, ...]:

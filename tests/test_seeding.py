@@ -1,4 +1,4 @@
-"""Split-dimension seeding (paper §4.3, apmodel/seeding.py).
+"""Split-dimension seeding (paper §4.3, apmodel/problem/seeding.py).
 
 Truths: the full (unseeded) problem solved exactly by HiGHS, torch's own full-product expansion of
 single-dim rules, the full topology's collective prices, and the definition of the Hamming ball.
@@ -14,11 +14,11 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import costmodels
 from apmodel import _torch_private as tp
-from apmodel import seeding
-from apmodel.api import build_model, cost_context, solve_model
-from apmodel.capture import capture
+from apmodel.candidates.strategies import Ball, Strategy, project
+from apmodel.entry.api import build_model, cost_context, solve_model
+from apmodel.graph.capture import capture
 from apmodel.models import build, config, sample_inputs
-from apmodel.strategies import Ball, Strategy, project
+from apmodel.problem import seeding
 
 aten = torch.ops.aten
 MESH = (2, 2, 2)
@@ -92,7 +92,7 @@ def test_radius_equal_to_mesh_rank_gives_the_full_problem(captured, cost, full):
 
 
 def test_default_radius_is_the_papers_on_three_axes_and_one_less_than_the_rank_beyond():
-    from apmodel.options import OptionsError, PlanOptions
+    from apmodel.core.options import OptionsError, PlanOptions
 
     assert [PlanOptions().seed_radius_for(d) for d in (1, 2, 3, 4)] == [2, 2, 2, 3]
     assert PlanOptions(seed_radius=1).seed_radius_for(4) == 1

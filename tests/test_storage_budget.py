@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import apmodel
-from apmodel import placements as pl
+from apmodel.core import placements as pl
 from apmodel.models import build, sample_inputs
 
 MESH = (2, 2)

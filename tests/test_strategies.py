@@ -1,4 +1,4 @@
-"""Strategy enumeration (apmodel/strategies.py) and placement strings (apmodel/placements.py).
+"""Strategy enumeration (apmodel/candidates/strategies.py) and placement strings (apmodel/core/placements.py).
 
 The independent truth for the semantic checks is a small SPMD simulator written here: it splits
 real tensors into per-device pieces for a placement tuple, runs the op on each device's pieces,
@@ -19,8 +19,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from apmodel import _torch_private as tp
-from apmodel.placements import from_str, is_even, local_shape, parse, to_str, tuple_to_str
-from apmodel.strategies import (
+from apmodel.candidates.strategies import (
     EXCLUDED,
     Strategy,
     StrategyCache,
@@ -30,6 +29,7 @@ from apmodel.strategies import (
     node_strategies,
     placeholder_placements,
 )
+from apmodel.core.placements import from_str, is_even, local_shape, parse, to_str, tuple_to_str
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -274,7 +274,7 @@ def _(x):
 def test_unknown_op_gets_replicate_only_and_one_warning(caplog):
     gm = _graph(lambda x: torch.ops.apmodel_test.twice(torch.ops.apmodel_test.twice(x)), (8, 8))
     cache = StrategyCache()
-    with caplog.at_level(logging.WARNING, logger="apmodel.strategies"):
+    with caplog.at_level(logging.WARNING, logger="apmodel.candidates.strategies"):
         out = enumerate_strategies(gm, (2, 2), progress=False, cache=cache)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert len(nodes) == 2

@@ -65,10 +65,10 @@ def test_lower_without_replan_refuses_eval_mode_that_changes_the_graph():
     so (planning only; a mesh without process groups)."""
     import apmodel
     from apmodel._torch_private import fake_mesh
-    from apmodel.capture import capture
+    from apmodel.graph.capture import capture
     from apmodel.lowering import lower
     from apmodel.lowering.modes import ModelModes
-    from apmodel.plans import PlanMismatch
+    from apmodel.result.plans import PlanMismatch
 
     case = CASES["cnn_batchnorm"]
     args, _, targets = case.step_inputs()

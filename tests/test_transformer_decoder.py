@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import apmodel
-from apmodel.capture import capture
+from apmodel.graph.capture import capture
 
 from _dist_utils import run_distributed
 from _helpers import full_weights
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, plan_json: dict) -> tuple[float, float]:
     import torch.distributed as dist
 
     from apmodel.lowering import load_full_state_dict
-    from apmodel.plans import Plan
+    from apmodel.result.plans import Plan
 
     mesh = dist.init_device_mesh("cpu", (1,))
     tokens, memory, targets = _batch()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import apmodel
-from apmodel.capture import capture
-from apmodel.plans import Plan
+from apmodel.graph.capture import capture
+from apmodel.result.plans import Plan
 
 from _dist_utils import run_distributed
 from _helpers import full_weights
@@ -187,7 +187,7 @@ def test_parameter_without_gradient_is_an_error_unless_allowed():
 
 
 def test_keyword_inputs_are_checked_at_call_time(plan_dir):
-    from apmodel.capture import InputSignature
+    from apmodel.graph.capture import InputSignature
 
     sig = _capture(CASES["keyword_inputs"]).signature
     assert sig == InputSignature(n_args=1, kwarg_names=("mask",), constant_kwargs=(("scale", 0.5),), n_targets=1)
@@ -262,7 +262,7 @@ def _other_shapes_worker(rank: int, world: int, plan_dir: str, ac: str) -> dict[
     checkpointing the step traced at the new shapes is checkpointed the same way."""
     import torch.distributed as dist
 
-    from apmodel.checkpointing import checkpoint
+    from apmodel.graph.checkpointing import checkpoint
     from apmodel.lowering import load_full_state_dict, lower
 
     mesh = dist.init_device_mesh("cpu", MESH)

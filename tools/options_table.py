@@ -1,4 +1,4 @@
-"""Regenerate the README's options table from the declarations on ``apmodel.options.PlanOptions``.
+"""Regenerate the README's options table from the declarations on ``apmodel.core.options.PlanOptions``.
 
     python tools/options_table.py           # rewrite README.md between the options-table markers
     python tools/options_table.py --check   # exit 1 if the README's table is not the generated one
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from apmodel.options import with_options_table  # noqa: E402
+from apmodel.core.options import with_options_table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,14 +44,14 @@ from apmodel.cli.errors import CLIError, describe_error, error_boundary, results
 from apmodel.cli.flags import options_from_flags, with_option_flags, workload_flag
 from apmodel.cli.output import JSON_KEYS as JSON_KEYS  # the public contract's keys, re-exported
 from apmodel.cli.output import plan_json, print_plan
-from apmodel.formatting import fmt_bytes as _fmt_bytes
-from apmodel.formatting import fmt_us as _fmt_us
-from apmodel.formatting import strategy_str as _strategy_str
+from apmodel.core.formatting import fmt_bytes as _fmt_bytes
+from apmodel.core.formatting import fmt_us as _fmt_us
+from apmodel.core.formatting import strategy_str as _strategy_str
 
 if TYPE_CHECKING:
     from rich.status import Status
 
-    from apmodel.options import PlanOptions
+    from apmodel.core.options import PlanOptions
 
 logger = logging.getLogger("apmodel.cli")
 
@@ -171,9 +171,9 @@ class _Progress:
 def _merged_config(config: Optional[Path], option_flags: Mapping[str, Any], **workload: Any):
     """The configuration file with the flags over it: the workload's (``None``: not given) and the
     planning options' (:func:`~apmodel.cli.flags.options_from_flags`); workload defaults filled in.
-    Option defaults are :class:`~apmodel.options.PlanOptions`' own."""
-    from apmodel.config import Config, load_config
-    from apmodel.workloads import DEFAULT_BATCH, default_seq
+    Option defaults are :class:`~apmodel.core.options.PlanOptions`' own."""
+    from apmodel.frontend.config import Config, load_config
+    from apmodel.frontend.workloads import DEFAULT_BATCH, default_seq
 
     cfg = load_config(config) if config is not None else Config()  # ConfigError names file and key
     for key, value in workload.items():
@@ -190,7 +190,7 @@ def _merged_config(config: Optional[Path], option_flags: Mapping[str, Any], **wo
 
 def _check_files(cfg) -> None:
     """Every file an option names exists (checked before tracing): say which option and where it came from."""
-    from apmodel.options import option_specs
+    from apmodel.core.options import option_specs
 
     for name, spec in option_specs().items():
         path = cfg.options.get(name) if spec.kind == "path" else None
@@ -206,8 +206,8 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     Cheap input checks (mesh, ``out``, files, backends, options) come first, before torch is
     imported and the model traced, so that a typo costs no waiting."""
     import solvers  # torch-free
-    from apmodel.options import option_spec
-    from apmodel.workloads import parse_mesh
+    from apmodel.core.options import option_spec
+    from apmodel.frontend.workloads import parse_mesh
 
     if cfg.model is None:
         raise ValueError("no model: give --model (a preset, package.module:factory or hf:NAME) or [workload] model "
@@ -222,8 +222,8 @@ def run_plan(cfg, *, compare_recipes: bool, out: Optional[Path], progress: _Prog
     options.check_available(lambda name: option_spec(name).flag)
     options.check_mesh(mesh, lambda name: option_spec(name).flag)
 
-    from apmodel.api import plan_workload
-    from apmodel.workloads import TraceFailed, load_workload
+    from apmodel.entry.api import plan_workload
+    from apmodel.frontend.workloads import TraceFailed, load_workload
 
     progress.stage(f"tracing {cfg.model} (seq {cfg.seq}, batch {cfg.batch})")
     record = {"config": None if cfg.source == "<defaults>" else str(Path(cfg.source).resolve())}
@@ -297,8 +297,8 @@ def explain(
 
 
 def _explain(plan_file: Path, target: str, top: int) -> None:
-    from apmodel.api import attach
-    from apmodel.plans import Plan
+    from apmodel.entry.api import attach
+    from apmodel.result.plans import Plan
 
     saved = Plan.load(plan_file)
     with _Progress(True) as progress:
@@ -339,8 +339,8 @@ def diff(
 
 
 def _diff(a: Path, b: Path, limit: int) -> None:
-    from apmodel.plans import Plan
-    from apmodel.plans import diff as plan_diff
+    from apmodel.result.plans import Plan
+    from apmodel.result.plans import diff as plan_diff
 
     pa, pb = Plan.load(a), Plan.load(b)
     console = results_console()
@@ -399,7 +399,7 @@ def _check_report_outputs(html_out: Optional[Path], png: Optional[Path], flag: s
 
 def _write_report(plan, html_out: Optional[Path], png: Optional[Path], **page: Any) -> None:
     """Write the HTML report and/or the PNG figures of ``plan``; say where on stderr."""
-    from apmodel import report
+    from apmodel.reading import report
 
     console = Console(stderr=True, highlight=False)
     if html_out is not None:
@@ -425,8 +425,8 @@ def report(
 
 
 def _report(plans: list[Path], out: Optional[Path], png: Optional[Path], trace: bool) -> None:
-    from apmodel import report as R
-    from apmodel.plans import Plan
+    from apmodel.reading import report as R
+    from apmodel.result.plans import Plan
 
     if len(plans) > 2:
         raise CLIError(f"report takes one plan file (a report) or two (a diff), got {len(plans)}")
@@ -443,7 +443,7 @@ def _report(plans: list[Path], out: Optional[Path], png: Optional[Path], trace: 
         return
     saved, notes = loaded[0], []
     if trace:
-        from apmodel.api import attach
+        from apmodel.entry.api import attach
 
         try:
             with _Progress(True) as progress:
@@ -476,7 +476,7 @@ def calibrate(
 ) -> None:
     """Fit per-collective correction curves of the NCCL model to nccl-tests logs (of the device
     and nodes --device and --gpus-per-node give, as for `apmodel plan`)."""
-    from apmodel.options import PlanOptions
+    from apmodel.core.options import PlanOptions
 
     _setup_logging(verbose)
     with error_boundary(verbose):
@@ -487,7 +487,7 @@ def calibrate(
 def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[int], kind: str, mesh: Optional[str],
                options: "PlanOptions", use: str) -> None:
     import costmodels
-    from apmodel.options import option_spec
+    from apmodel.core.options import option_spec
 
     device, gpus_per_node = options.device_name, options.gpus_per_node
 
@@ -505,7 +505,7 @@ def _calibrate(logs: list[Path], out: Path, *, axes: list[int], ranks: Optional[
                 raise ValueError(f"{p}: the log prints {log.ranks} '# Rank' lines, but --ranks is {ranks}")
             log.ranks = ranks
     if mesh is not None:
-        from apmodel.workloads import parse_mesh
+        from apmodel.frontend.workloads import parse_mesh
 
         shape = parse_mesh(mesh)
     else:

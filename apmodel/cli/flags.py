@@ -1,12 +1,12 @@
-"""The planning options' flags, generated from their declarations on :class:`~apmodel.options.PlanOptions`.
+"""The planning options' flags, generated from their declarations on :class:`~apmodel.core.options.PlanOptions`.
 
 :func:`with_option_flags` gives a command one flag per option (``--ac``, ``--[no-]seeding``,
 ``--topology KEY=VALUE``...; ``apmodel plan`` all of them, ``apmodel calibrate`` the device's),
 grouped in ``--help`` by the options' groups, which are their TOML sections, and hands the command
 what was given as ``option_flags`` (field -> raw value, ``None`` where not given); the flags of
-earlier versions (:data:`~apmodel.options.OLD_FLAGS`) are hidden and read with a warning;
+earlier versions (:data:`~apmodel.core.options.OLD_FLAGS`) are hidden and read with a warning;
 :func:`options_from_flags` reads those with the same checks as the TOML configuration
-(:meth:`~apmodel.option_spec.OptionSpec.read`), naming the flag in its errors.
+(:meth:`~apmodel.core.option_spec.OptionSpec.read`), naming the flag in its errors.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import typer
 from rich.markup import escape
 
 from apmodel.cli.errors import CLIError
-from apmodel.option_spec import GROUPS, BadValue, OptionSpec
-from apmodel.options import OLD_FLAGS, OldName, default_text, option_specs
-from apmodel.workloads import WORKLOAD_KEYS
+from apmodel.core.option_spec import GROUPS, BadValue, OptionSpec
+from apmodel.core.options import OLD_FLAGS, OldName, default_text, option_specs
+from apmodel.frontend.workloads import WORKLOAD_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _parameter(name: str, spec: OptionSpec) -> inspect.Parameter:
 
 
 def workload_flag(name: str, *short: str) -> Any:
-    """The flag of a ``[workload]`` key (:data:`~apmodel.workloads.WORKLOAD_KEYS`: one declaration
+    """The flag of a ``[workload]`` key (:data:`~apmodel.frontend.workloads.WORKLOAD_KEYS`: one declaration
     for the file and the command line)."""
     spec = WORKLOAD_KEYS[name]
     text = spec.help + (f" Default: {spec.default_doc}." if spec.default_doc else "") + f" TOML: {spec.toml}."
@@ -77,7 +77,7 @@ def workload_flag(name: str, *short: str) -> Any:
 
 
 def _old_parameter(flag: str, spec: OptionSpec) -> inspect.Parameter:
-    """A hidden flag of an earlier version (:data:`~apmodel.options.OLD_FLAGS`)."""
+    """A hidden flag of an earlier version (:data:`~apmodel.core.options.OLD_FLAGS`)."""
     info = typer.Option(None, flag, hidden=True, show_default=False)
     return inspect.Parameter(_old_param_name(flag), inspect.Parameter.KEYWORD_ONLY, default=info,
                              annotation=_ANNOTATIONS[spec.kind])

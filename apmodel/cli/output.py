@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from apmodel.formatting import fmt_bytes as _fmt_bytes
-from apmodel.formatting import fmt_us as _fmt_us
+from apmodel.core.formatting import fmt_bytes as _fmt_bytes
+from apmodel.core.formatting import fmt_us as _fmt_us
 
 #: Keys the ``plan --json`` object always has (docs/design.md, "Public contracts").
 JSON_KEYS = (
@@ -46,8 +46,8 @@ def step_keys(plan) -> dict[str, Any]:
 
 def plan_json(result, cfg) -> dict[str, Any]:
     """The ``--json`` object (docs/design.md keys first, then extras)."""
-    from apmodel import placements as pl
-    from apmodel.roles import emerged
+    from apmodel.core import placements as pl
+    from apmodel.reading.roles import emerged
 
     plan = result.plan
     lb = plan.solver.get("lower_bound_us")
@@ -81,7 +81,7 @@ def plan_json(result, cfg) -> dict[str, Any]:
         "memory_limit_bytes": result.memory_limit_bytes,
         **step_keys(plan),
     }
-    if plan.pipeline:  # the chosen degree, split, price and every degree priced (apmodel.pipeline_record)
+    if plan.pipeline:  # the chosen degree, split, price and every degree priced (apmodel.result.pipeline_record)
         data["pipeline"] = dict(plan.pipeline)
     if result.recipes is not None:
         data["recipes"] = {r.name: r.objective_us for r in result.recipes}
@@ -101,9 +101,9 @@ def plan_json(result, cfg) -> dict[str, Any]:
 
 def print_plan(result, cfg, console: Console) -> None:
     """Readable summary: solver stats, objective breakdown, one layer's parameters, emerged roles."""
-    from apmodel import placements as pl
-    from apmodel.plans import parse_collective_key
-    from apmodel.roles import emerged, read_param
+    from apmodel.core import placements as pl
+    from apmodel.reading.roles import emerged, read_param
+    from apmodel.result.plans import parse_collective_key
 
     plan = result.plan
     mesh = tuple(plan.mesh_shape)
@@ -198,7 +198,7 @@ def print_plan(result, cfg, console: Console) -> None:
 
 
 def _print_recipes(result, cfg, console: Console) -> None:
-    from apmodel import recipes as R
+    from apmodel.reading import recipes as R
 
     plan = result.plan
     base = plan.objective_us

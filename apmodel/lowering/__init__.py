@@ -1,7 +1,7 @@
 """Lowering: a solved :class:`~apmodel.plan.Plan` + the user's module -> an ordinary ``nn.Module``.
 
 This is the last pipeline stage (paper §5.1). It takes the joint forward-backward ATen graph the plan
-was solved on (:class:`apmodel.capture.CapturedGraph`) and makes it run on a real
+was solved on (:class:`apmodel.graph.capture.CapturedGraph`) and makes it run on a real
 :class:`~torch.distributed.device_mesh.DeviceMesh`, honouring every placement the plan chose.
 
 Design
@@ -16,7 +16,7 @@ Design
   node the planned input placements, the redistribution each input needs (all-gather,
   reduce-scatter, all-reduce, all-to-all, local chunk; recorded as :class:`Redistribution`, equal to
   :func:`planned_redistributions`), the local kernel (handed in for ops a device lacks, see
-  :func:`apmodel.kernels.local_kernels`), and the checks (output placements as planned, even shards,
+  :func:`apmodel.core.kernels.local_kernels`), and the checks (output placements as planned, even shards,
   the plan's fingerprint and mesh, input shapes at call time). Where DTensor eager needs help (each
   found by lowering random feasible plans): masked embedding partials are applied at once and kept
   as plain partial sums; a view whose input lost the traced layout runs on a contiguous copy.

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from apmodel import placements
+from apmodel.core import placements
 
 #: One placement per mesh axis.
 Placements = tuple[Placement, ...]
@@ -104,9 +104,9 @@ def node_strategy_of(plan: Any, node: fx.Node):
 
 def tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
     """(leaf position in the flattened (args, kwargs), producer, producer output index) for each
-    input slot of ``node``, in the order of :func:`apmodel.strategies.input_slots` (the order of a
+    input slot of ``node``, in the order of :func:`apmodel.candidates.strategies.input_slots` (the order of a
     strategy's ``inputs``)."""
-    from apmodel.strategies import input_slots
+    from apmodel.candidates.strategies import input_slots
 
     slots = input_slots(node)
     if node.target is operator.getitem and slots and slots[0][1] == node.args[1] and isinstance(

@@ -13,14 +13,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from apmodel.kernels import local_kernels as default_local_kernels
+from apmodel.core.kernels import local_kernels as default_local_kernels
+from apmodel.core.options import default_of, renamed_keywords
 from apmodel.lowering.autograd import FromGlobal, JointStep
 from apmodel.lowering.graph import format_placements, placement_tokens
 from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
 from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import planned_redistributions
-from apmodel.options import default_of, renamed_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     """Apply `plan` (made for `captured`, the joint graph of `model`) on the real `mesh`.
 
     ``local_kernels(device)`` maps ops without a kernel on ``device`` to the implementations run on
-    local shards instead (default: :func:`apmodel.kernels.local_kernels`).
+    local shards instead (default: :func:`apmodel.core.kernels.local_kernels`).
 
     Changes `model` in place and returns it: parameters become DTensors with the plan's storage
     placements (on the device they were on; meta stays meta; buffers stay plain tensors holding the
@@ -203,7 +203,7 @@ def lower(model: nn.Module, mesh: DeviceMesh, plan: Any, captured: Any, *,
     Raises ValueError for an unknown ``lowering``, a mesh of the wrong shape, a plan made for another graph (fingerprint), a
     plan with uneven shards, or a plan inconsistent with the graph.
     """
-    from apmodel.plans import PlanMismatch
+    from apmodel.result.plans import PlanMismatch
 
     renamed = renamed_keywords(old_keywords, stacklevel=3)
     bucket_mb = renamed.pop("bucket_mb", bucket_mb)
@@ -297,12 +297,12 @@ def capture_on_meta(model: nn.Module, sample_inputs: Sequence[Any], loss_fn: Cal
                     param_dtype: torch.dtype | None = None, **capture_options: Any) -> Any:
     """Capture `model`'s training step on the meta device (as the planner does), whatever device the
     model and the sample inputs are on. ``capture_options``: kwargs, targets,
-    allow_unused_parameters (see :func:`apmodel.capture.capture`).
+    allow_unused_parameters (see :func:`apmodel.graph.capture.capture`).
 
     ``param_dtype`` (mixed precision): the step is traced with floating parameters and floating
     inputs in this dtype, as the lowered step computes (buffers keep theirs), so that the casts
     the model's code makes at that dtype (norms computed in fp32, ...) are in the graph."""
-    from apmodel.capture import capture  # lazy: tracing machinery is heavy to import
+    from apmodel.graph.capture import capture  # lazy: tracing machinery is heavy to import
 
     on_meta = all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
     meta_model = model if on_meta and param_dtype is None else _meta_twin(model, param_dtype)
@@ -321,7 +321,7 @@ def plan_on_one_rank(solve: Callable[[], Any], mesh: DeviceMesh) -> Any:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return solve()
-    from apmodel.plans import Plan
+    from apmodel.result.plans import Plan
 
     if dist.get_world_size() != mesh.size():
         raise ValueError(

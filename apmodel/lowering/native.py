@@ -7,7 +7,7 @@ done once: the interpreter's forward and backward are traced with ``make_fx`` on
 the run's device, and DTensor's dispatch unfolds into what it does locally, so each graph holds
 
 * the local kernels the plan picked (mixed-precision casts, activation-checkpoint recomputation,
-  masked embedding lookups, the reference kernels of :mod:`apmodel.kernels`),
+  masked embedding lookups, the reference kernels of :mod:`apmodel.core.kernels`),
 * every redistribution as ``_c10d_functional`` collectives (``all_gather_into_tensor``,
   ``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single``) and their ``wait_tensor``,
   on the process group of the mesh axis, and the local chunking around them,
@@ -41,7 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
 from apmodel.lowering.graph import flatten_args, unflatten_args
-from apmodel.step_timeline import op_kind
+from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class _Layout:
 class _RegionCall:
     """A ``local_map`` region's operator in a native graph, with the ranks of its alternatives.
 
-    The region's function reads them from a scope (:func:`apmodel.regions.region_scope`) and sizes
+    The region's function reads them from a scope (:func:`apmodel.graph.regions.region_scope`) and sizes
     its all-to-alls from routed token counts, so it stays one opaque call: under ``torch.compile``
     it runs eagerly between compiled graphs."""
 
@@ -81,7 +81,7 @@ class _RegionCall:
         self.__qualname__ = self.__name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from apmodel.regions import region_scope
+        from apmodel.graph.regions import region_scope
 
         with region_scope(self.comms):
             return self.target(*args, **kwargs)
@@ -376,7 +376,7 @@ def _bucketed(gm: fx.GraphModule, cap_mb: float, phase: str) -> fx.GraphModule:
 def _program_ops(graph: fx.Graph, static: Sequence[bool]) -> tuple[list[fx.Node], list[ProgramOp]]:
     """The graph's nodes as a step program (:class:`costmodels.overlap.ProgramOp`): placeholders
     are sources (static: the leading ``static`` flags), functional collectives issues and waits,
-    views views, the rest compute (heavy as :func:`apmodel.step_timeline.op_kind` says); no durations."""
+    views views, the rest compute (heavy as :func:`apmodel.result.step_timeline.op_kind` says); no durations."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     ops: list[ProgramOp] = []

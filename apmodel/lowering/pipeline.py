@@ -14,7 +14,7 @@ coordinate form one stage mesh. Each rank:
    state, without its output projection it returns it);
 2. plans the stage's step at the microbatch size on the stage mesh (one rank of the stage mesh
    plans, the plan is sent to the others), and lowers it (``plan_stage`` and ``lower_stage``,
-   given by the caller: :func:`apmodel.api.parallelize_pipeline` uses apmodel's planner and
+   given by the caller: :func:`apmodel.entry.api.parallelize_pipeline` uses apmodel's planner and
    ``parallelize``);
 3. wraps it (:class:`StageModule`: plain tensors in and out, the full activation) in a
    ``PipelineStage`` and builds the schedule (``Schedule1F1B`` or ``ScheduleInterleaved1F1B``) with
@@ -38,11 +38,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from apmodel import conventions
+from apmodel.graph import conventions
 
 logger = logging.getLogger(__name__)
 
-#: ``torch.distributed.pipelining`` schedule of each schedule name of :mod:`apmodel.schedules`.
+#: ``torch.distributed.pipelining`` schedule of each schedule name of :mod:`apmodel.core.schedules`.
 SCHEDULE_CLASSES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 
@@ -102,7 +102,7 @@ class StageModule(nn.Module):
 
 def plan_on_group(solve: Callable[[], Any], group: dist.ProcessGroup | None, src: int) -> Any:
     """``solve()`` on global rank ``src`` only; its plan (as JSON) sent to every rank of ``group``."""
-    from apmodel.plans import Plan
+    from apmodel.result.plans import Plan
 
     if group is None or dist.get_world_size(group) == 1:
         return solve()

@@ -19,9 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from apmodel import placements
 from apmodel._torch_private import OpOverload, has_sharding_rule, tracing_graph
-from apmodel.kernels import local_kernels as default_local_kernels
+from apmodel.core import placements
+from apmodel.core.kernels import local_kernels as default_local_kernels
+from apmodel.core.options import run_precision_of, torch_dtype
+from apmodel.graph.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
 from apmodel.lowering.graph import (
     Placements,
     all_replicated,
@@ -37,8 +39,6 @@ from apmodel.lowering.graph import (
 )
 from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.records import Redistribution
-from apmodel.options import run_precision_of, torch_dtype
-from apmodel.regions import RegionComm, RegionError, is_backward, region_of, region_scope, traced_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -441,9 +441,9 @@ class LoweredProgram:
         return variant
 
     def _replay_on(self, inputs: Sequence[Any], modes: ModelModes | None) -> "LoweredProgram":
-        from apmodel.capture import capture
-        from apmodel.checkpointing import checkpoint, policy_of
-        from apmodel.plans import PlanMismatch, structure_fingerprint
+        from apmodel.graph.capture import capture
+        from apmodel.graph.checkpointing import checkpoint, policy_of
+        from apmodel.result.plans import PlanMismatch, structure_fingerprint
 
         if self.retrace_model is None:
             raise ValueError("this program cannot be traced again (made without lower()); re-plan for new shapes")
@@ -503,7 +503,7 @@ class LoweredProgram:
     def _storage_pins(self) -> list[Any]:
         """Constraints keeping every parameter at its storage placement (a plan for another graph
         of the same model runs on the parameters as they are stored)."""
-        from apmodel.constraints import fix
+        from apmodel.problem.constraints import fix
 
         pins = []
         for n in self.params:

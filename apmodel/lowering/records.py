@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from apmodel.core.options import run_precision_of, torch_dtype
 from apmodel.lowering.graph import placement_tokens, tensor_leaves, tensor_vals
-from apmodel.options import run_precision_of, torch_dtype
 
 # ----------------------------------------------------------------------------------------------
 # records
@@ -37,7 +37,7 @@ class Redistribution:
     """it moves a parameter gradient (priced in the reduce dtype under mixed precision)"""
     bucketed: bool = False
     """a parameter's gather or a gradient's reduction: merged into buckets by the native program,
-    priced as a share of one (:meth:`apmodel.placement_model.PlacementModel.is_bucketed`)"""
+    priced as a share of one (:meth:`apmodel.problem.placement_model.PlacementModel.is_bucketed`)"""
 
     @property
     def key(self) -> tuple:

@@ -1,5 +1,5 @@
 """Causal attention shared by the reference models (the CPU reference kernels of the ops it traces
-to live in :mod:`apmodel.kernels`).
+to live in :mod:`apmodel.core.kernels`).
 
 Why two paths (measured on torch 2.13.0+cpu):
 
@@ -42,14 +42,14 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 # re-exported: the models' tests check the kernels of the ops the models trace to
-from apmodel.kernels import (  # noqa: F401
+from apmodel.core.kernels import (  # noqa: F401
     CPU_REFERENCE_KERNELS,
     HALF_ONLY_KERNELS,
     flash_attention_backward,
     flash_attention_forward,
     rms_norm_backward,
 )
-from apmodel.regions import LocalRegion, RegionComm, local_map, region_comm
+from apmodel.graph.regions import LocalRegion, RegionComm, local_map, region_comm
 
 ATTENTION_BACKENDS = ("flash", "efficient")
 

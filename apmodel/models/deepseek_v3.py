@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from apmodel.graph.regions import LocalRegion
 from apmodel.models.attention import causal_attention
 from apmodel.models.llama3 import LlamaConfig, RMSNorm, apply_rope
 from apmodel.models.moe import MoE, MoEBlock, MoEConfig, MoETransformer, RoutedExperts
-from apmodel.regions import LocalRegion
 
 #: Bias update speed (gamma) of aux-loss-free balancing: 0.001 for the first 14.3T tokens
 #: (DeepSeek-V3 report §4.2, hyper-parameters).

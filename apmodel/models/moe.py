@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from apmodel._torch_private import grouped_mm, grouped_mm_runs
+from apmodel.graph.regions import LocalRegion, RegionComm, local_map, region_comm
 from apmodel.models.llama3 import Attention, FeedForward, LlamaConfig, RMSNorm, Transformer
-from apmodel.regions import LocalRegion, RegionComm, local_map, region_comm
 
 #: Tokens the busiest expert-parallel rank receives over the mean, assumed in pricing (routing is
 #: data dependent). 1.25 is the capacity factor Switch Transformer trains with (Fedus et al.

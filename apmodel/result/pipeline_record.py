@@ -1,0 +1,133 @@
+"""The record of a pipeline choice: the chosen degree, its stage split and price, and every degree
+priced, as plan files and ``apmodel plan --json`` carry it (the ``pipeline`` object). Read back with
+every field checked (:meth:`PipelineChoice.from_json`). See :mod:`apmodel.solve.pipeline` for how it is made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from apmodel.core import schedules
+
+
+class PipelineError(ValueError):
+    """A pipeline request the planner cannot follow; the message names the option at fault."""
+
+
+@dataclass(frozen=True)
+class DegreePrice:
+    """One pipeline degree, priced. µs per step; bytes per device (the fullest rank)."""
+
+    degree: int
+    objective_us: float
+    peak_bytes: float | None
+    fits: bool | None
+    stage_mesh: tuple[int, ...]
+    stages: tuple[tuple[int, int], ...] = ()
+    bubble_us: float = 0.0
+    p2p_us: float = 0.0
+    stage_us: tuple[float, ...] = ()
+    """per stage: one microbatch's forward + backward"""
+    stage_plan_layers: int | None = None
+    """repeated layers of the model the stage plan was solved for (None: the model's own)"""
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"degree": self.degree, "objective_us": self.objective_us, "peak_bytes": self.peak_bytes,
+                "fits": self.fits, "stage_mesh": list(self.stage_mesh), "stages": [list(s) for s in self.stages],
+                "bubble_us": self.bubble_us, "p2p_us": self.p2p_us, "stage_us": list(self.stage_us),
+                "stage_plan_layers": self.stage_plan_layers, "note": self.note}
+
+
+@dataclass
+class PipelineChoice:
+    """The chosen degree, its split and price, and every degree priced (``alternatives``)."""
+
+    axis: int
+    mesh: tuple[int, ...]
+    schedule: str
+    microbatches: int
+    chosen: DegreePrice
+    alternatives: list[DegreePrice] = field(default_factory=list)
+    planning_s: float = 0.0
+    """seconds spent planning and pricing every degree"""
+
+    @property
+    def degree(self) -> int:
+        return self.chosen.degree
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``pipeline`` object of ``--json`` and of plan files."""
+        c = self.chosen
+        return {"axis": self.axis, "mesh": list(self.mesh), "degree": c.degree, "schedule": self.schedule,
+                "microbatches": self.microbatches, "stage_mesh": list(c.stage_mesh),
+                "stages": [list(s) for s in c.stages], "objective_us": c.objective_us, "bubble_us": c.bubble_us,
+                "p2p_us": c.p2p_us, "peak_bytes": c.peak_bytes, "stage_us": list(c.stage_us),
+                "alternatives": [a.to_json() for a in self.alternatives], "planning_s": self.planning_s}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "plan") -> "PipelineChoice":
+        """Read :meth:`to_json`'s object; a malformed field raises :class:`PipelineError` naming it."""
+        def bad(where: str, what: str, got: Any) -> PipelineError:
+            return PipelineError(f"{source}: field 'pipeline.{where}' must be {what}, got {str(got)[:80]!r}")
+
+        def integer(value: Any, where: str, low: int = 1) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise bad(where, f"an integer >= {low}", value)
+            return value
+
+        def number(value: Any, where: str, optional: bool = False) -> float | None:
+            if value is None and optional:
+                return None
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(where, "a finite number", value)
+            return float(value)
+
+        def ints(value: Any, where: str) -> tuple[int, ...]:
+            if not isinstance(value, list) or not value:
+                raise bad(where, "a non-empty list of integers", value)
+            return tuple(integer(x, where) for x in value)
+
+        def degree_price(d: Any, prefix: str) -> DegreePrice:
+            def where(key: str) -> str:
+                return f"{prefix}.{key}" if prefix else key
+
+            if not isinstance(d, dict):
+                raise bad(prefix, "an object", d)
+            stages = d.get("stages", [])
+            if not isinstance(stages, list) or not all(isinstance(s, list) and len(s) == 2 for s in stages):
+                raise bad(where("stages"), "a list of [first_layer, last_layer] pairs", stages)
+            if not isinstance(d.get("stage_us", []), list):
+                raise bad(where("stage_us"), "a list of µs per stage", d.get("stage_us"))
+            fits = d.get("fits")
+            if fits is not None and not isinstance(fits, bool):
+                raise bad(where("fits"), "true, false or null", fits)
+            return DegreePrice(
+                degree=integer(d.get("degree"), where("degree")),
+                objective_us=number(d.get("objective_us"), where("objective_us")) or 0.0,
+                peak_bytes=number(d.get("peak_bytes"), where("peak_bytes"), optional=True),
+                fits=fits, stage_mesh=ints(d.get("stage_mesh"), where("stage_mesh")),
+                stages=tuple((integer(a, where("stages"), 0), integer(b, where("stages"), 0)) for a, b in stages),
+                bubble_us=number(d.get("bubble_us", 0.0), where("bubble_us")) or 0.0,
+                p2p_us=number(d.get("p2p_us", 0.0), where("p2p_us")) or 0.0,
+                stage_us=tuple(number(x, where("stage_us")) or 0.0 for x in d.get("stage_us", [])),
+                stage_plan_layers=None if d.get("stage_plan_layers") is None
+                else integer(d.get("stage_plan_layers"), where("stage_plan_layers")),
+                note=str(d.get("note", "")),
+            )
+
+        if not isinstance(data, dict):
+            raise bad("", "an object", data)
+        schedule = data.get("schedule")
+        if schedule not in schedules.SCHEDULES:
+            raise bad("schedule", f"one of {', '.join(schedules.SCHEDULES)}", schedule)
+        alternatives = data.get("alternatives", [])
+        if not isinstance(alternatives, list):
+            raise bad("alternatives", "a list", alternatives)
+        chosen = degree_price(data, "")
+        return cls(axis=integer(data.get("axis"), "axis", 0), mesh=ints(data.get("mesh"), "mesh"), schedule=schedule,
+                   microbatches=integer(data.get("microbatches"), "microbatches"), chosen=chosen,
+                   alternatives=[degree_price(a, f"alternatives[{i}]") for i, a in enumerate(alternatives)],
+                   planning_s=number(data.get("planning_s", 0.0), "planning_s") or 0.0)

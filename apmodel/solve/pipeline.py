@@ -1,0 +1,398 @@
+"""Pipeline stages composed with SPMD plans: the pipeline degree, the stage split and each stage's
+placements chosen together, from one cost model.
+
+One mesh axis (``axis``) may carry a pipeline. For each allowed degree ``d`` (a divisor of the
+axis size ``P``; 1 means no pipelining):
+
+* **the stage mesh**: the mesh without the pipeline axis, or with ``P / d`` left of it (the inner
+  part of the axis' coordinate; the outer part is the stage). Its axes keep their rank strides in
+  the full mesh, so the collective model sees which of them cross nodes;
+* **one SPMD plan** of the whole model on the stage mesh, at the microbatch size (batch /
+  ``microbatches``), solved without a memory limit (each rank holds one stage, not the model): the
+  repeated layers share one decision variable, so this is the plan every stage would get, and it
+  is solved once per degree instead of once per stage. :mod:`apmodel.solve.stage_costs` reads it per unit
+  (part before the layers, each layer, part after; forward and backward µs; bytes);
+* **the split**: contiguous layers per stage minimising the slowest stage (the embedding on the
+  first, head and loss on the last; :func:`apmodel.core.schedules.balanced_split`), under the memory
+  limit for 1F1B (a stage's parameters, gradients and optimizer state, plus its activations times
+  the microbatches in flight there, plus the plan's largest transient);
+* **the price**: the schedule's timeline (:func:`apmodel.core.schedules.simulate`) over per-microbatch
+  stage times, with the point-to-point transfer of each boundary's activation (and its gradient) on
+  the pipeline axis priced by :mod:`costmodels.p2p`. The step's objective is the timeline's length;
+  the bubble is its idle part on the busiest rank.
+
+Degree 1 is the ordinary plan of the full mesh and batch (memory-fitted as usual). The cheapest
+degree whose every rank fits the memory limit wins; every degree is kept as an alternative.
+
+What the price leaves out (see the README's *Pipeline parallelism*): transfers do not overlap their
+own rank's compute; every microbatch's step gathers its stage's parameters and reduces their
+gradients again (as the lowering runs it: :mod:`apmodel.lowering.pipeline` lowers each stage's
+step as one SPMD step per microbatch); the optimizer step is not priced (as in every plan).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import costmodels
+from apmodel.core import schedules
+from apmodel.core.options import OptionsError, PlanOptions
+from apmodel.frontend.workloads import Workload, WorkloadError, load_workload
+from apmodel.problem.memory import OutOfMemory
+from apmodel.result.pipeline_record import DegreePrice, PipelineChoice, PipelineError
+from apmodel.solve import search
+from apmodel.solve.stage_costs import StepUnits, count_layers, step_units
+from costmodels.p2p import peer_link, send_recv_us
+
+if TYPE_CHECKING:
+    from apmodel.result.plans import Plan
+
+logger = logging.getLogger(__name__)
+
+#: Default microbatches per pipeline rank: 2 per stage keeps 1F1B's bubble at (d - 1) / (3d - 1),
+#: under a third (torchtitan's examples run 2-4 microbatches per stage).
+DEFAULT_MICROBATCHES_PER_STAGE = 2
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The pipeline group of the planning options, which :func:`plan_pipeline` receives: the
+    :class:`~apmodel.core.options.PlanOptions` fields of the same names, checked by their declarations
+    (:meth:`of` takes them from a ``PlanOptions``).
+
+    ``pp_axis``: the mesh axis that may carry the pipeline. ``pp_degrees``: the pipeline degrees
+    allowed (divisors of the axis size; 1 means none, and the axis joins the SPMD plan); None:
+    every divisor. ``microbatches``: per step (must divide the batch); None: the smallest divisor
+    of the batch that is at least ``2 ×`` the largest degree (or the batch). ``pp_schedule``:
+    ``"1f1b"`` or ``"interleaved"`` (:mod:`apmodel.core.schedules`)."""
+
+    pp_axis: int
+    pp_degrees: tuple[int, ...] | None = None
+    microbatches: int | None = None
+    pp_schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if self.pp_axis is None:
+            raise PipelineError("pp_axis None: expected a mesh axis index >= 0")
+        try:  # the options' own checks: one declaration of what each takes
+            checked = PlanOptions(pp_axis=self.pp_axis, pp_degrees=self.pp_degrees or (), microbatches=self.microbatches,
+                                  pp_schedule=self.pp_schedule)
+        except (OptionsError, TypeError, ValueError) as e:
+            raise PipelineError(str(e)) from None
+        object.__setattr__(self, "pp_degrees", checked.pp_degrees or None)
+
+    @classmethod
+    def of(cls, options: PlanOptions) -> "PipelineOptions":
+        """The pipeline group of ``options`` (whose ``pp_axis`` is set)."""
+        if options.pp_axis is None:
+            raise PipelineError("no pipeline axis: set pp_axis (--pp-axis)")
+        return cls(options.pp_axis, options.pp_degrees or None, options.microbatches, options.pp_schedule)
+
+    def resolve(self, mesh_shape: Sequence[int], batch: int) -> tuple[tuple[int, ...], int]:
+        """The degrees and microbatch count for ``mesh_shape`` and a global ``batch``, checked."""
+        if self.pp_axis >= len(mesh_shape):
+            raise PipelineError(f"pp_axis {self.pp_axis} is out of range for mesh {tuple(mesh_shape)} "
+                                f"(axes 0..{len(mesh_shape) - 1})")
+        size = mesh_shape[self.pp_axis]
+        degrees = self.pp_degrees or tuple(d for d in range(1, size + 1) if size % d == 0)
+        bad = [d for d in degrees if size % d]
+        if bad:
+            raise PipelineError(f"pp_degrees {list(degrees)}: degree {bad[0]} does not divide the size {size} of "
+                                f"pipeline axis {self.pp_axis} of mesh {tuple(mesh_shape)}")
+        m = self.microbatches
+        if m is None:
+            want = DEFAULT_MICROBATCHES_PER_STAGE * max(degrees)
+            m = min((k for k in range(want, batch + 1) if batch % k == 0), default=batch)
+        if batch % m:
+            raise PipelineError(f"microbatches {m} does not divide the batch {batch}: each microbatch must hold "
+                                f"the same number of samples")
+        for d in degrees:
+            if d > 1:
+                try:
+                    schedules.check(self.pp_schedule, d, m)
+                except schedules.ScheduleError as e:
+                    raise PipelineError(f"pp_degrees: {e}") from None
+        return tuple(degrees), m
+
+
+def stage_mesh(mesh_shape: Sequence[int], axis: int, degree: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The SPMD mesh of one pipeline stage and the rank stride of each of its axes in the full mesh
+    (``degree`` 1: the full mesh)."""
+    shape = tuple(int(s) for s in mesh_shape)
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    if degree == 1:
+        return shape, strides
+    left = shape[axis] // degree
+    sub = [(left if i == axis else s, st) for i, (s, st) in enumerate(zip(shape, strides, strict=True)) if i != axis or left > 1]
+    if not sub:  # the whole mesh is the pipeline: each stage runs on one device
+        return (1,), (1,)
+    return tuple(s for s, _ in sub), tuple(st for _, st in sub)
+
+
+def stage_rank(mesh_shape: Sequence[int], axis: int, degree: int, rank: int) -> int:
+    """The global rank that holds pipeline rank ``rank`` for the stage mesh's first device."""
+    strides = [math.prod(mesh_shape[i + 1:]) for i in range(len(mesh_shape))]
+    return rank * (mesh_shape[axis] // degree) * strides[axis]
+
+
+def price_degree(
+    units: StepUnits,
+    degree: int,
+    schedule: str,
+    microbatches: int,
+    transfer_us: Callable[[int, float], float],
+    *,
+    stage_mesh_shape: Sequence[int],
+    memory_limit_bytes: float | None,
+    stages: Sequence[tuple[int, int]] | None = None,
+    stage_plan_layers: int | None = None,
+) -> DegreePrice:
+    """Split, schedule and price one degree (> 1) from the per-unit costs of a microbatch.
+
+    ``transfer_us(k, nbytes)``: moving ``nbytes`` per device across boundary ``k`` (stage ``k`` to
+    ``k + 1``). ``stages``: a split to price instead of the balanced one (a replayed plan)."""
+    v = schedules.stages_per_rank(schedule)
+    n_stages = degree * v
+    layer_us = [u.total_us for u in units.layers]
+    n_layers = len(layer_us)
+    limit = memory_limit_bytes
+
+    def stage_bytes(k: int, first: int, last: int, in_flight: float) -> float:
+        u = units.stage(first, last, with_pre=k == 0, with_post=k == n_stages - 1)
+        return u.state_bytes + in_flight * u.activation_bytes + units.transient_bytes
+
+    fits = None
+    if limit is not None and schedule == "1f1b":
+        def fits(k: int, i: int, j: int) -> bool:  # 1F1B: stage k holds min(m, d - k) microbatches
+            return stage_bytes(k, i, j, min(microbatches, degree - k)) <= limit
+    if stages is None:
+        try:
+            split = schedules.balanced_split(layer_us, n_stages, first_us=units.pre.total_us,
+                                             last_us=units.post.total_us, fits=fits)
+        except schedules.ScheduleError as e:
+            if n_stages > n_layers:
+                raise PipelineError(f"pipeline degree {degree} ({schedule}, {n_stages} stages): {e}") from None
+            split = schedules.balanced_split(layer_us, n_stages, first_us=units.pre.total_us,
+                                             last_us=units.post.total_us)
+    else:
+        split = tuple((int(a), int(b)) for a, b in stages)
+        _check_split(split, n_stages, n_layers)
+    parts = [units.stage(a, b, with_pre=k == 0, with_post=k == n_stages - 1) for k, (a, b) in enumerate(split)]
+    transfers = [transfer_us(k, units.boundary_bytes[b]) for k, (_, b) in enumerate(split[:-1])]
+    timeline = schedules.simulate(schedule, degree, microbatches, [p.forward_us for p in parts],
+                                  [p.backward_us for p in parts], transfers, [p.activation_bytes for p in parts])
+    per_rank = []
+    for r in range(degree):
+        mine = [parts[k] for k in range(r, n_stages, degree)]
+        per_rank.append(sum(p.state_bytes for p in mine) + timeline.held_bytes[r] + units.transient_bytes)
+    peak = max(per_rank)
+    ok = None if limit is None else peak <= limit
+    return DegreePrice(
+        degree=degree, objective_us=timeline.step_us, peak_bytes=peak, fits=ok, stage_mesh=tuple(stage_mesh_shape),
+        stages=split, bubble_us=timeline.bubble_us, p2p_us=2 * sum(transfers),
+        stage_us=tuple(p.total_us for p in parts), stage_plan_layers=stage_plan_layers,
+        note="" if ok is not False else f"rank {per_rank.index(peak)} needs {peak / 1e9:.2f} GB",
+    )
+
+
+def _check_split(split: Sequence[tuple[int, int]], n_stages: int, n_layers: int) -> None:
+    expect = 0
+    for a, b in split:
+        if a != expect or b < a:
+            raise PipelineError(f"pipeline stages {[list(s) for s in split]}: expected contiguous [first, last] "
+                                f"layer ranges from 0")
+        expect = b + 1
+    if len(split) != n_stages or expect != n_layers:
+        raise PipelineError(f"pipeline stages {[list(s) for s in split]}: expected {n_stages} stages covering "
+                            f"layers 0..{n_layers - 1}")
+
+
+# ------------------------------------------------------------------------------ the choice
+def choose(alternatives: Sequence[DegreePrice]) -> DegreePrice:
+    """The cheapest degree that fits (unknown fit counts as fitting); :class:`OutOfMemory` naming
+    every degree's need when none does."""
+    fitting = [a for a in alternatives if a.fits is not False]
+    if not fitting:
+        needs = "; ".join(f"degree {a.degree}: {a.peak_bytes / 1e9:.2f} GB" if a.peak_bytes is not None
+                          else f"degree {a.degree}: {a.note}" for a in alternatives)
+        raise OutOfMemory(f"out of memory: no pipeline degree fits the memory limit ({needs}); use activation "
+                          f"checkpointing (--ac selective), more microbatches, or more devices")
+    return min(fitting, key=lambda a: (a.objective_us, a.degree))
+
+
+# ------------------------------------------------------------------------------ orchestration
+#: ``plan_spmd(workload, options, record) -> plan``: one SPMD plan by the caller's orchestration
+#: (trace, build, solve; ``record``: extra keys of the plan's workload record); ``plan.model`` set.
+PlanSpmd = Callable[[Workload, PlanOptions, Mapping[str, Any]], "Plan"]
+
+
+def batch_of(workload: Workload) -> int:
+    """The global batch of a workload: its record's, else the first tensor input's dim 0."""
+    if workload.record.get("batch"):
+        return int(workload.record["batch"])
+    for x in workload.sample_inputs:
+        if hasattr(x, "shape") and len(x.shape) >= 1:
+            return int(x.shape[0])
+    raise PipelineError("pipeline planning needs a batched tensor input (dim 0 is the batch) to cut into microbatches")
+
+
+def layer_count(workload: Workload) -> int:
+    """The number of repeated layers of the workload's model (from its parameter names)."""
+    from apmodel.graph.capture import CapturedGraph
+
+    model = workload.model
+    fqns = (list(model.param_fqn.values()) if isinstance(model, CapturedGraph)
+            else [n for n, _ in model.named_parameters(remove_duplicate=False)])
+    n = count_layers(fqns)
+    if n == 0:
+        raise PipelineError("the model has no repeated layers (parameters named like layers.N.*) to split into "
+                            "pipeline stages")
+    return n
+
+
+def microbatch_workload(workload: Workload, mesh_shape: Sequence[int], microbatches: int,
+                        layers: int | None = None) -> tuple[Workload, bool]:
+    """The workload of one microbatch on ``mesh_shape``, and whether it has ``layers`` layers: a
+    named model is built again at ``batch / microbatches`` (with ``layers`` repeated layers when
+    given); a module's inputs, targets and keyword inputs have that batch cut along dim 0 (its
+    layers are kept)."""
+    from apmodel.graph.capture import CapturedGraph
+
+    batch = batch_of(workload)
+    micro = batch // microbatches
+    spec = workload.record.get("model")
+    if spec and not isinstance(workload.model, CapturedGraph):
+        try:
+            return load_workload(spec, mesh_shape, batch=micro, seq=workload.record["seq"],
+                                 layers=layers or workload.record.get("layers")), layers is not None
+        except WorkloadError as e:
+            raise PipelineError(f"microbatch of {spec!r}: {e}") from None
+    if isinstance(workload.model, CapturedGraph):
+        raise PipelineError("pipeline planning traces the step at the microbatch size: give the module, not a "
+                            "captured graph")
+
+    def cut(x: Any) -> Any:
+        return x[:micro] if hasattr(x, "shape") and len(x.shape) >= 1 and x.shape[0] == batch else x
+
+    return replace(workload, mesh_shape=tuple(mesh_shape), sample_inputs=tuple(cut(x) for x in workload.sample_inputs),
+                   targets=None if workload.targets is None else tuple(cut(x) for x in workload.targets),
+                   kwargs=None if workload.kwargs is None else {k: cut(v) for k, v in workload.kwargs.items()},
+                   record={**workload.record, "batch": micro} if workload.record else {}), False
+
+
+def _stage_options(options: PlanOptions, mesh_shape: Sequence[int], axis: int, degree: int) -> PlanOptions:
+    """``options`` for the stage mesh: mesh-axis options renumbered; the collective model on the
+    stage mesh's real rank strides (when they are not row-major over its own shape); priced
+    serially: the schedule's timeline adds up each unit's forward and backward (stage_costs), so
+    a stage plan's overlap is not modelled yet."""
+    if options.input_placements is not None or options.output_placements is not None:
+        raise PipelineError("input_placements / output_placements name mesh axes of the full mesh; they cannot be "
+                            "combined with a pipeline axis yet")
+    sub, strides = stage_mesh(mesh_shape, axis, degree)
+    kept = [i for i in range(len(mesh_shape)) if i != axis or mesh_shape[axis] // degree > 1]
+    changes: dict[str, Any] = {"replicate_axes": tuple(kept.index(a) for a in options.replicate_axes if a in kept),
+                               "overlap": False}
+    row_major = tuple(math.prod(sub[i + 1:]) for i in range(len(sub)))
+    if strides != row_major and options.comm_model is None:
+        spec = costmodels.device(options.device) if isinstance(options.device, str) else options.device
+        topo = costmodels.Topology(sub, spec, options.gpus_per_node, strides=strides, **options.topology)
+        changes["comm_model"] = costmodels.NCCLCollectives(topo)
+    return options.replace(**changes)
+
+
+def plan_pipeline(
+    workload: Workload,
+    options: PlanOptions,
+    pp: PipelineOptions,
+    plan_spmd: PlanSpmd,
+    *,
+    replay: "Plan | None" = None,
+    progress: Callable[[str], None] = logger.info,
+) -> tuple["Plan", PipelineChoice]:
+    """Price every allowed degree and choose one (see the module docstring). Returns the chosen
+    degree's SPMD plan (on its stage mesh, at the microbatch size; degree 1: the full mesh and
+    batch) with ``plan.pipeline`` set, and the choice. ``replay``: a plan with a recorded pipeline
+    (its axis, degree, microbatches, schedule and split are kept instead of ``pp``'s; its placements
+    are forced by the caller's ``plan_spmd``)."""
+    start = time.perf_counter()
+    mesh = tuple(workload.mesh_shape)
+    batch = batch_of(workload)
+    fixed_stages, fixed_layers = None, None
+    if replay is not None and replay.pipeline:  # the recorded degree, split and schedule; the stage plan replayed
+        recorded = PipelineChoice.from_json(replay.pipeline, "replayed plan")
+        if tuple(recorded.mesh) != mesh:
+            raise PipelineError(f"the replayed plan's pipeline was made for mesh {tuple(recorded.mesh)}, got {mesh}")
+        pp = PipelineOptions(pp_axis=recorded.axis, pp_degrees=(recorded.degree,), microbatches=recorded.microbatches,
+                             pp_schedule=recorded.schedule)
+        fixed_stages, fixed_layers = recorded.chosen.stages or None, recorded.chosen.stage_plan_layers
+    degrees, m = pp.resolve(mesh, batch)
+    full_topo = costmodels.Topology(mesh, costmodels.device(options.device) if isinstance(options.device, str)
+                                    else options.device, options.gpus_per_node, **options.topology)
+    record = {"comm_model": options.to_record()["comm_model"], "memory_limit_bytes": options.memory_limit_bytes,
+              "replicate_axes": list(options.replicate_axes)}
+    plans: dict[int, "Plan"] = {}
+    priced: list[DegreePrice] = []
+    n_layers = layer_count(workload)
+    v = schedules.stages_per_rank(pp.pp_schedule)
+    for d in degrees:  # before any planning: each stage needs a layer
+        if d > 1 and d * v > n_layers:
+            raise PipelineError(f"pipeline degree {d} ({pp.pp_schedule}, {d * v} stages): more stages than the model's "
+                                f"{n_layers} repeated layers; each stage needs at least one layer (allow smaller "
+                                f"degrees with pp_degrees / --pp-degrees)")
+    for d in degrees:
+        sub, _ = stage_mesh(mesh, pp.pp_axis, d)
+        sub_options = _stage_options(options, mesh, pp.pp_axis, d)
+        if d == 1:
+            progress(f"pipeline degree 1 (no pipelining): the full mesh {mesh}, batch {batch}")
+            plan = plan_spmd(workload, sub_options.replace(memory_limit_bytes=math.inf), record)
+            pmodel = _placement_model(plan)
+            limit = search.memory_limit_bytes(options, pmodel)
+            fits: bool | None = None if limit is None else True
+            try:
+                plan = search.fit_in_memory(pmodel, plan, limit, functools.partial(
+                    search.solve_model, pmodel, options, timings=plan.timings, workload=plan.workload))
+            except OutOfMemory as e:
+                fits = False
+                logger.info("pipeline degree 1: %s", e)
+            peak = plan.memory.get("peak_bytes")
+            priced.append(DegreePrice(1, plan.objective_us, peak, fits, tuple(sub), stage_us=(plan.objective_us,),
+                                      note="" if fits is not False else "no plan fits"))
+            plans[1] = plan
+            continue
+        k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
+        progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.pp_schedule}; "
+                 f"stage plan of {k_layers} layers")
+        micro, cut = microbatch_workload(workload, sub, m, k_layers)
+        plan = plan_spmd(micro, sub_options.replace(memory_limit_bytes=math.inf), record)
+        pmodel = _placement_model(plan)
+        units = step_units(pmodel, plan.node_strategy)
+        if cut or len(units.layers) != n_layers:
+            units = units.with_layers(n_layers)
+
+        def transfer(k: int, nbytes: float, d: int = d) -> float:
+            src = stage_rank(mesh, pp.pp_axis, d, k % d)
+            dst = stage_rank(mesh, pp.pp_axis, d, (k + 1) % d)
+            return send_recv_us(nbytes, peer_link(full_topo, src, dst))
+
+        priced.append(price_degree(units, d, pp.pp_schedule, m, transfer, stage_mesh_shape=sub,
+                                   memory_limit_bytes=search.memory_limit_bytes(options, pmodel), stages=fixed_stages,
+                                   stage_plan_layers=k_layers if cut else None))
+        plans[d] = plan
+    best = choose(priced)
+    choice = PipelineChoice(axis=pp.pp_axis, mesh=mesh, schedule=pp.pp_schedule, microbatches=m, chosen=best,
+                            alternatives=priced, planning_s=time.perf_counter() - start)
+    plan = plans[best.degree]
+    plan.pipeline = choice.to_json()
+    return plan, choice
+
+
+def _placement_model(plan: "Plan") -> Any:
+    """The placement model a plan was solved on (``plan_spmd`` returns plans that keep it)."""
+    if plan.model is None:
+        raise PipelineError("pipeline planning needs the SPMD plan's placement model (plan.model)")
+    return plan.model

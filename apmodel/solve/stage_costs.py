@@ -1,0 +1,275 @@
+"""A solved plan read per pipeline unit: what each repeated layer, the part before the layers (the
+embedding) and the part after them (final norm, output projection, loss) cost per step, forward and
+backward, and what each holds in memory; and what crosses each boundary between layers.
+
+A pipeline stage is a contiguous run of layers (the first stage also runs the part before, the last
+the part after), so the price of any stage split is a sum of these units. The units come from one
+SPMD plan of the whole model on the stage mesh (:mod:`apmodel.solve.pipeline`): identical layers are
+planned alike there (one decision variable per repeated layer), which is what one plan per stage
+would give inside the stages.
+
+How nodes are assigned:
+
+* a node inside a repeated layer (its module stack names ``layers.N``, after the model's layer
+  pattern, :func:`apmodel.graph.conventions.layer_pattern_from_names`) belongs to layer ``N``;
+* another forward node belongs to the part after the layers when it reads (through any chain of
+  forward nodes) a layer's output, else to the part before; another backward node belongs to the
+  part before when it reads (through backward nodes) a layer's backward, else to the part after
+  (the loss's backward runs first, the embedding's last);
+* a parameter belongs to its layer by name, else to the unit of the nodes that read it; a graph
+  input to the unit that reads it.
+
+Prices are those of :func:`apmodel.result.plans.price` (the sum over units is the plan's objective):
+compute by node, redistributions by the edge's consumer (a gradient's reduction by its
+parameter), ``weight_comm_us`` the part of them that gathers parameters or reduces their
+gradients. Memory is :class:`apmodel.problem.memory.MemoryModel`'s per unit: parameter, gradient and
+optimizer bytes; activations saved for the backward of one step (one microbatch).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from apmodel.graph.conventions import ModelConventions, layer_pattern_from_names
+from apmodel.problem.clustering import local_signature
+from apmodel.problem.memory import OPTIMIZER_STATE_COPIES
+from apmodel.result.cost_labels import node_labels
+from apmodel.result.plans import planned_edges
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from apmodel.candidates.strategies import Strategy
+    from apmodel.problem.placement_model import PlacementModel
+
+#: Unit labels of the parts outside the repeated layers.
+PRE, POST = "pre", "post"
+
+
+class NoRepeatedLayers(ValueError):
+    """The model has no repeated layers (``layers.N``-style parameter names) to cut into stages."""
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit of a pipeline: µs per step (of the plan's batch) and bytes per device."""
+
+    name: str
+    forward_us: float
+    backward_us: float
+    weight_comm_us: float
+    """parameter gathers and gradient reductions (included in forward_us / backward_us)"""
+    state_bytes: float
+    """parameters, gradients and optimizer state"""
+    activation_bytes: float
+    """forward values the backward reads"""
+
+    @property
+    def total_us(self) -> float:
+        return self.forward_us + self.backward_us
+
+
+@dataclass(frozen=True)
+class StepUnits:
+    """Every unit of one plan, in pipeline order, and what crosses between layers."""
+
+    pre: UnitCost
+    layers: tuple[UnitCost, ...]
+    post: UnitCost
+    boundary_bytes: tuple[float, ...]
+    """``boundary_bytes[i]``: bytes per device of the input-dependent forward values made at or
+    before layer ``i`` and read after it (the activation a stage ending at layer ``i`` sends; the
+    last entry, after the last layer, is what the head reads)"""
+    transient_bytes: float
+    """the plan's largest transient (peak less the linear terms), bytes per device"""
+
+    def stage(self, first: int, last: int, *, with_pre: bool, with_post: bool) -> UnitCost:
+        """The sum of layers ``first .. last`` (inclusive), with the part before / after."""
+        units = list(self.layers[first:last + 1]) + ([self.pre] if with_pre else []) + ([self.post] if with_post else [])
+        return UnitCost(f"layers {first}-{last}", *(sum(getattr(u, f) for u in units) for f in
+                                                    ("forward_us", "backward_us", "weight_comm_us", "state_bytes",
+                                                     "activation_bytes")))
+
+    @property
+    def total_us(self) -> float:
+        return self.pre.total_us + self.post.total_us + sum(u.total_us for u in self.layers)
+
+    def with_layers(self, n_layers: int) -> "StepUnits":
+        """The units of the same model with ``n_layers`` repeated layers, read off this plan of
+        fewer: layer ``i`` costs what this plan's layer ``min(i, L - 1)`` does (the layers share
+        one placement; the last one here stands for every layer it lacks), and so do boundaries."""
+        k = len(self.layers)
+        return replace(self, layers=tuple(self.layers[min(i, k - 1)] for i in range(n_layers)),
+                       boundary_bytes=tuple(self.boundary_bytes[min(i, k - 1)] for i in range(n_layers)))
+
+
+def count_layers(fqns: Iterable[str]) -> int:
+    """How many repeated layers parameters named ``fqns`` hold (0 without a layer pattern)."""
+    fqns = list(fqns)
+    pattern = layer_pattern_from_names(fqns)
+    if pattern is None:
+        return 0
+    conv = ModelConventions(layer_pattern=pattern)
+    return len({i for f in fqns if (i := conv.layer_index(f)) is not None})
+
+
+def _layer_of_stack(conv: ModelConventions, node: "fx.Node") -> int | None:
+    for key in ("nn_module_stack", "fwd_nn_module_stack"):
+        stack = node.meta.get(key)
+        if stack:
+            for path, _ in reversed(list(stack.values())):
+                index = conv.layer_index(str(path))
+                if index is not None:
+                    return index
+            return None
+    return None
+
+
+def assign_units(pmodel: "PlacementModel") -> tuple[dict[str, int], int]:
+    """Node name -> unit index (-1 the part before the layers, 0..L-1 a layer, L the part after)
+    and the number of layers L (see the module docstring)."""
+    cap = pmodel.captured
+    fqns = list(cap.param_fqn.values())
+    pattern = layer_pattern_from_names(fqns)
+    if pattern is None:
+        raise NoRepeatedLayers("the model has no repeated layers (parameters named like layers.N.*) to split into "
+                               "pipeline stages")
+    conv = ModelConventions(layer_pattern=pattern)
+    indices = sorted({i for f in fqns if (i := conv.layer_index(f)) is not None})
+    if indices != list(range(len(indices))):
+        raise NoRepeatedLayers(f"the repeated layers are numbered {indices[:8]}...: expected 0, 1, 2, ... in order")
+    n_layers = len(indices)
+    is_bwd = cap.is_backward
+    labels = node_labels(pmodel.nodes, is_bwd)  # the plan's per-layer booking
+    unit: dict[str, int] = {}
+    after_fwd: set[str] = set()   # forward nodes downstream of a layer
+    after_bwd: set[str] = set()   # backward nodes downstream of a layer's backward
+    post_labels: set[str] = set()
+    fwd_labels: set[str] = set()
+    rest: list["fx.Node"] = []
+    for n in pmodel.nodes:
+        if n.op == "placeholder":
+            continue
+        layer = _layer_of_stack(conv, n)
+        if layer is None:
+            layer = conv.layer_index(labels[n.name])
+        backward = bool(is_bwd.get(n.name))
+        downstream = any(a.name in (after_bwd if backward else after_fwd) for a in n.all_input_nodes)
+        if layer is not None:
+            unit[n.name] = layer
+            (after_bwd if backward else after_fwd).add(n.name)
+            continue
+        if downstream:
+            (after_bwd if backward else after_fwd).add(n.name)
+        if not backward:
+            fwd_labels.add(labels[n.name])
+            if downstream:
+                post_labels.add(labels[n.name])
+        rest.append(n)
+    for n in rest:  # outside the layers: the part after them if its label's forward follows a layer
+        label = labels[n.name]
+        if label in fwd_labels:
+            unit[n.name] = n_layers if label in post_labels else -1
+        else:  # a backward op of no forward label: after the layers' backward is the embedding's side
+            unit[n.name] = -1 if n.name in after_bwd else n_layers
+    for n in pmodel.nodes:  # placeholders: parameters by name, others with their first reader
+        if n.op != "placeholder":
+            continue
+        fqn = cap.param_fqn.get(n.name)
+        index = None if fqn is None else conv.layer_index(fqn)
+        if index is None:
+            readers = [unit[u.name] for u in n.users if u.name in unit]
+            index = readers[0] if readers else (n_layers if is_bwd.get(n.name) else -1)
+        unit[n.name] = index
+    return unit, n_layers
+
+
+def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]) -> StepUnits:
+    """The per-unit costs and bytes of the plan ``node_strategy`` of ``pmodel``."""
+    unit, n_layers = assign_units(pmodel)
+    cap, cost = pmodel.captured, pmodel.cost
+    is_bwd = cap.is_backward
+    fwd: dict[int, float] = defaultdict(float)
+    bwd: dict[int, float] = defaultdict(float)
+    weight: dict[int, float] = defaultdict(float)
+    memo: dict[Any, float] = {}
+    for n in pmodel.nodes:
+        s = node_strategy[n.name]
+        key = (local_signature(n, None, False), s)
+        c = memo.get(key)
+        if c is None:
+            c = memo[key] = float(cost.compute_vector(n, [s])[0])
+        (bwd if is_bwd.get(n.name) else fwd)[unit[n.name]] += c
+    for e, val, src, dst in planned_edges(pmodel, node_strategy):
+        gradient = pmodel.is_param_gradient(e)
+        weights = pmodel.is_bucketed(e)  # a parameter's gather or its gradient's reduction
+        us = sum(step[3] for step in cost.redistribution_steps(tuple(val.shape), val.dtype, src, dst, gradient=gradient,
+                                                               bucketed=weights))
+        if not us:
+            continue
+        backward = bool(is_bwd.get(e.producer) or is_bwd.get(e.consumer))
+        u = unit[e.consumer]
+        (bwd if backward else fwd)[u] += us
+        if weights:
+            weight[u] += us
+    for name, want in pmodel.boundary_outputs.items():
+        val = pmodel.node_by_name[name].meta["val"]
+        have = pmodel.output_strs(node_strategy[name], 0)
+        if have is not None:
+            fwd[unit[name]] += sum(step[3] for step in cost.redistribution_steps(tuple(val.shape), val.dtype, have, want))
+
+    mem = pmodel.memory
+    copies = OPTIMIZER_STATE_COPIES[mem.optimizer]
+    state: dict[int, float] = defaultdict(float)
+    for node in cap.param_fqn:
+        b = mem.local_bytes(pmodel.node_by_name[node], node_strategy[node].outputs[0], state=True)
+        state[unit[node]] += b * (1 + (1 + copies if node in cap.param_grad else 0))
+    acts: dict[int, float] = defaultdict(float)
+    for n in mem.saved:
+        acts[unit[n.name]] += mem.local_bytes(n, node_strategy[n.name].outputs[0])
+
+    def make(u: int, name: str) -> UnitCost:
+        return UnitCost(name, fwd[u], bwd[u], weight[u], state[u], acts[u])
+
+    estimate = mem.estimate(node_strategy)
+    transient = estimate.peak_bytes - (estimate.params_bytes + estimate.grads_bytes + estimate.optimizer_bytes
+                                       + estimate.activations_bytes)
+    return StepUnits(
+        pre=make(-1, PRE),
+        layers=tuple(make(i, f"layer {i}") for i in range(n_layers)),
+        post=make(n_layers, POST),
+        boundary_bytes=_boundary_bytes(pmodel, node_strategy, unit, n_layers),
+        transient_bytes=max(0.0, transient),
+    )
+
+
+def _boundary_bytes(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"], unit: Mapping[str, int],
+                    n_layers: int) -> tuple[float, ...]:
+    """Per boundary after layer ``i``: local bytes of the forward values that depend on a graph
+    input, are made in a unit up to ``i`` and read in a unit after it (``i = L - 1``: by the head)."""
+    cap = pmodel.captured
+    is_bwd = cap.is_backward
+    data: set[str] = {name for name, role in cap.roles.items() if role == "input"}
+    crossing: list[set[tuple[str, int]]] = [set() for _ in range(n_layers)]
+    for n in pmodel.nodes:
+        if is_bwd.get(n.name) or n.op == "placeholder":
+            continue
+        if any(a.name in data for a in n.all_input_nodes):
+            data.add(n.name)
+    for e in pmodel.edges:
+        if e.slot < 0 or e.producer not in data or is_bwd.get(e.consumer):
+            continue
+        lo, hi = unit[e.producer], unit[e.consumer]
+        for i in range(max(lo, 0), min(hi, n_layers)):
+            crossing[i].add((e.producer, e.out_index))
+    out = []
+    for values in crossing:
+        total = 0.0
+        for name, k in values:
+            node = pmodel.node_by_name[name]
+            total += pmodel.memory.local_bytes(node, node_strategy[name].outputs[k] if k < len(node_strategy[name].outputs)
+                                               else None, k)
+        out.append(total)
+    return tuple(out)
