@@ -387,9 +387,8 @@ class PlanOptions:
 
     def seed_radius_for(self, n_axes: int) -> int:
         """The Hamming radius of the seeded search on a mesh of ``n_axes`` axes: ``seed_radius``,
-        else the paper's 2 on 3 axes and ``n_axes - 1`` beyond. Measured on LLaMA-3 8B, mesh
-        (2,2,2,4), seq 2048, batch 8: radius 2 stops 2.5% above the unseeded optimum (214.1K vs
-        209.0K µs), radius 3 reaches it in 55 s end to end, against 140 s for the whole space (2 cores)."""
+        else the paper's 2 on 3 axes and ``n_axes - 1`` beyond: on 4 axes radius 2 stops above the
+        unseeded optimum and radius 3 reaches it (the README's seeding table, *Benchmarks*)."""
         return self.seed_radius if self.seed_radius is not None else max(DEFAULT_SEED_RADIUS, n_axes - 1)
 
     def check_available(self, label: Callable[[str], str] = str) -> None:
