@@ -61,8 +61,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     tokens, targets = fixed_tokens()
     ref = tiny_llama("cpu")
     full = full_weights(ref)
+    # priced for H100s: a plan with parameter gathers and gradient reductions whose dtypes are
+    # checked (one priced for these gloo processes may, by their timings, replicate everything)
     model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens.to("meta"), targets.to("meta")),
-                                mixed_precision=("bf16", "fp32"), bucket_mb=0)  # one collective per move
+                                mixed_precision=("bf16", "fp32"), bucket_mb=0, device="h100")  # one collective per move
     model.to_empty(device="cpu")
     load_full_state_dict(model, full)
     prog = model._apmodel_program
