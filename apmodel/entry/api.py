@@ -557,11 +557,8 @@ def _plan_on_mesh(captured: CapturedGraph, mesh: DeviceMesh, opts: PlanOptions, 
 def _replanner(mesh: DeviceMesh, opts: PlanOptions) -> Callable[[CapturedGraph, Sequence[Any]], Plan]:
     """What the lowered module calls for a step traced in other module modes (eval): a plan made
     like this one, around the stored parameters (``pins``)."""
-    from apmodel import lowering as lowering_stage
-
     def replan(other: CapturedGraph, pins: Sequence[Any]) -> Plan:
-        return lowering_stage.plan_on_one_rank(
-            lambda: plan_workload(Workload(other, tuple(mesh.shape)), opts, constraints=pins).plan, mesh)
+        return _plan_on_mesh(other, mesh, opts, pins, None)
 
     return replan
 

@@ -82,12 +82,18 @@ def tensor_vals(node: fx.Node) -> list:
     return [v]
 
 
+def shard_ways(pl: Placements, mesh_shape: Sequence[int], dim: int) -> int:
+    """Into how many shards ``pl`` splits tensor dimension ``dim`` on a mesh of ``mesh_shape``."""
+    ways = 1
+    for axis, p in enumerate(pl):
+        if isinstance(p, Shard) and p.dim == dim:
+            ways *= mesh_shape[axis]
+    return ways
+
+
 def check_even(name: str, shape: Sequence[int], pl: Placements, mesh_shape: Sequence[int]) -> None:
     for d, size in enumerate(shape):
-        ways = 1
-        for axis, p in enumerate(pl):
-            if isinstance(p, Shard) and p.dim == d:
-                ways *= mesh_shape[axis]
+        ways = shard_ways(pl, mesh_shape, d)
         if ways > 1 and int(size) % ways:
             raise ValueError(
                 f"plan shards node {name!r} dim {d} (size {size}) {ways} ways ({format_placements(pl)} on mesh "

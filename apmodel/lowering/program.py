@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from apmodel._torch_private import OpOverload, has_sharding_rule, tracing_graph
@@ -33,6 +33,7 @@ from apmodel.lowering.graph import (
     format_placements,
     node_strategy_of,
     placement_tokens,
+    shard_ways,
     tensor_leaves,
     tensor_vals,
     unflatten_args,
@@ -490,8 +491,7 @@ class LoweredProgram:
         mesh_shape = tuple(self.mesh.shape)
         for i, (node, x) in enumerate(zip(self.inputs, inputs, strict=True)):
             for d, size in enumerate(x.shape):
-                ways = math.prod(mesh_shape[a] for a, p in enumerate(self.storage[node])
-                                 if isinstance(p, Shard) and p.dim == d)
+                ways = shard_ways(self.storage[node], mesh_shape, d)
                 if size % ways:
                     name = self.signature.name(i)
                     raise ValueError(
