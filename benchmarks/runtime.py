@@ -226,6 +226,7 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
     tokens, targets = _batch(name, "cpu")
     made = []
     failed: list[dict[str, Any]] = []
+    programs: dict[str, str] = {}  # a program's strategies and run options -> the first label that made it
     for label, how in RANKED_PLANS:
         options = dict(here) if how["for"] == "here" else {"device": how["for"]}
         options.update({k: v for k, v in how.items() if k in RANKED_OPTIONS})
@@ -244,6 +245,13 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
                            "error": str(e).splitlines()[0]})
             continue
         run_options = {k: options[k] for k in ("inflight_mb", "bucket_mb", "ac") if k in options}
+        program = repr((sorted((k, str(v)) for k, v in keep[0].node_strategy.items()), sorted(run_options.items())))
+        if program in programs:  # the same program twice would rank noise against itself
+            logger.warning("ranking: %s is the program of %s; left out", label, programs[program])
+            failed.append({"model": name, "world": torch.distributed.get_world_size(), "plan": label,
+                           "same_as": programs[program]})
+            continue
+        programs[program] = label
         # the price of the program that runs, on this machine: the plan replayed under this machine's costs
         priced = apmodel.plan(_build(name, "meta"), tuple(mesh.shape), (tokens.to("meta"),),
                               targets=(targets.to("meta"),), loss_fn=_loss, replay=keep[0],
@@ -412,7 +420,7 @@ def ranking_summary(ranked: list[dict[str, Any]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for world in sorted({r["world"] for r in ranked}):
-        rows = [r for r in ranked if r["world"] == world and "error" not in r]
+        rows = [r for r in ranked if r["world"] == world and "measured_ms" in r]
         ratios = [r["measured_ms"] / r["predicted_ms"] for r in rows]
         out[str(world)] = {"plans": len(rows), "spearman": float(spearmanr([r["predicted_ms"] for r in rows],
                                                                                [r["measured_ms"] for r in rows]).statistic),
@@ -508,11 +516,14 @@ def main(argv: list[str] | None = None) -> int:
                             "forward + backward")
         for col in ("model", "processes", "plan", "predicted ms", "serial ms", "measured ms", "measured / predicted"):
             table.add_column(col, justify="left" if col in ("model", "plan") else "right")
-        for r in (r for r in ranked if "error" not in r):
+        for r in (r for r in ranked if "measured_ms" in r):
             table.add_row(r["model"], str(r["world"]), r["plan"], f"{r['predicted_ms']:.2f}",
                           f"{r['serial_predicted_ms']:.2f}", f"{r['measured_ms']:.2f}",
                           f"{r['measured_ms'] / r['predicted_ms']:.2f}")
         console.print(table)
+        for r in (r for r in ranked if "measured_ms" not in r):
+            console.print(f"{r['plan']} ({r['world']} processes): " + (
+                f"the program of {r['same_as']}" if "same_as" in r else f"did not run: {r['error']}"))
         for world, s in ranks.items():
             console.print(f"ranking on {world} processes: Spearman {s['spearman']:.2f}, measured / predicted "
                           f"{s['measured_over_predicted_min']:.2f} to {s['measured_over_predicted_max']:.2f}")
