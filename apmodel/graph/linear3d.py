@@ -187,7 +187,26 @@ def _unflattened(node: Any) -> fx.Node | None:
     return src  # type: ignore[return-value]
 
 
-def _rewrite_mm_nd(graph: fx.Graph, mm: fx.Node) -> bool:
+def _unflattened_shared(graph: fx.Graph, flat: fx.Node, shared: dict[fx.Node, fx.Node]) -> fx.Node:
+    """What a rewritten op reads in place of the flattening ``flat``: its N-D source, or, where
+    ``flat`` has several readers (a gradient read by the weight- and the input-gradient matmul,
+    an activation by the forward and the weight gradient), one N-D identity view of the source
+    that they all read: the plan then redistributes the value once for all of them, as it did
+    the flattened one (a redistribution is priced per edge)."""
+    src = _unflattened(flat)
+    assert src is not None
+    if len(flat.users) <= 1:
+        return src
+    if flat not in shared:
+        with graph.inserting_after(flat):
+            node = graph.create_node("call_function", aten.view.default, (src, list(_val(src).shape)),  # type: ignore[union-attr]
+                                     name=f"{flat.name}_nd")
+        node.meta = {**flat.meta, "val": _val(src)}
+        shared[flat] = node
+    return shared[flat]
+
+
+def _rewrite_mm_nd(graph: fx.Graph, mm: fx.Node, shared: dict[fx.Node, fx.Node]) -> bool:
     """``view(mm(view(a, [M, K]), b), [*lead, N])`` -> ``mm_nd(a, b)``; every user of the ``mm``
     must view it back to ``a``'s leading dims."""
     a2, b = mm.args[0], mm.args[1]
@@ -202,6 +221,7 @@ def _rewrite_mm_nd(graph: fx.Graph, mm: fx.Node) -> bool:
         if u.op != "call_function" or u.target not in _FLATTEN_OPS or uval is None \
                 or tuple(uval.shape) != (*lead, out.shape[-1]):
             return False
+    a = _unflattened_shared(graph, a2, shared)  # type: ignore[arg-type]
     with graph.inserting_before(mm):
         new = graph.create_node("call_function", MM_ND, (a, b), name="mm_nd")
     new.meta = {**mm.meta, "val": _val(users[0])}
@@ -212,7 +232,7 @@ def _rewrite_mm_nd(graph: fx.Graph, mm: fx.Node) -> bool:
     return True
 
 
-def _rewrite_wgrad(graph: fx.Graph, mm: fx.Node) -> bool:
+def _rewrite_wgrad(graph: fx.Graph, mm: fx.Node, shared: dict[fx.Node, fx.Node]) -> bool:
     """``mm(t(view(g, [M, N])), view(x, [M, K]))`` -> ``mm_nd_wgrad(g, x)`` (same leading dims)."""
     tg, x2 = mm.args[0], mm.args[1]
     if not isinstance(tg, fx.Node) or tg.op != "call_function" or tg.target is not aten.t.default:
@@ -220,6 +240,7 @@ def _rewrite_wgrad(graph: fx.Graph, mm: fx.Node) -> bool:
     g, x = _unflattened(tg.args[0]), _unflattened(x2)
     if g is None or x is None or tuple(_val(g).shape[:-1]) != tuple(_val(x).shape[:-1]):  # type: ignore[union-attr]
         return False
+    g, x = _unflattened_shared(graph, tg.args[0], shared), _unflattened_shared(graph, x2, shared)  # type: ignore[arg-type]
     with graph.inserting_before(mm):
         new = graph.create_node("call_function", MM_ND_WGRAD, (g, x), name="mm_nd_wgrad")
     new.meta = dict(mm.meta)
@@ -235,10 +256,11 @@ def rewrite_linears(gm: fx.GraphModule) -> int:
     metadata (module stack, stack trace), so layers, stamping and cost labels read them alike."""
     graph = gm.graph
     done = 0
+    shared: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.mm.default:
             continue
-        if _rewrite_mm_nd(graph, node) or _rewrite_wgrad(graph, node):
+        if _rewrite_mm_nd(graph, node, shared) or _rewrite_wgrad(graph, node, shared):
             done += 1
     if done:
         graph.eliminate_dead_code()
