@@ -92,7 +92,7 @@ def test_joint_graph_computes_the_eager_step_on_one_device():
         else:
             values.append(flat[captured.input_index[node.name]] if role == "input" else torch.ones(()))
     out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
-    got = {a.name: v for a, v in zip(out_node.args[0], captured.gm(*values)) if a is not None}
+    got = {a.name: v for a, v in zip(out_node.args[0], captured.gm(*values), strict=True) if a is not None}
     loss = case.loss_fn(model(*args), *targets)
     loss.backward()
     loss_node = next(k for k, r in captured.roles.items() if r == "output")

@@ -19,6 +19,7 @@ raises :class:`~apmodel.problem.placement_model.ConstraintConflict` naming the c
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
 
@@ -90,6 +91,10 @@ class Linear:
         model.add_linear(self.name, self.terms, self.sense, self.rhs)
 
 
+def _placed(model: "PlacementModel", want: tuple[str, ...], s: Any) -> bool:
+    return model.output_strs(s) == want
+
+
 def _matches_module(path: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, "*." + pattern)
 
@@ -132,7 +137,7 @@ class FixOutput:
             if any(d >= ndim for d in dims):
                 raise ValueError(f"{label}: the output of module {path!r} (node {node!r}) has {ndim} dims; "
                                  f"placement {self.placement!r} shards dim {max(dims)}")
-            model.restrict(node, lambda s, want=want: model.output_strs(s) == want, f"{label} on {path}")
+            model.restrict(node, functools.partial(_placed, model, want), f"{label} on {path}")
 
 
 def fix_output(pattern: str, placement: str, *, name: str = "") -> FixOutput:
