@@ -160,6 +160,16 @@ def _ffn_redistributions(model: nn.Module, captured_nodes: dict[str, Any]) -> li
             if in_ffn(r.consumer) and in_ffn(r.producer) and len(r.global_shape) == 3]
 
 
+def _ffn_gradients_s0s1(model: Any) -> None:
+    """The FFN's backward keeps ``(S(0), S(1))`` too: every 3-D gradient computed in it."""
+    for node in model.nodes:
+        stack = node.meta.get("fwd_nn_module_stack") or {}
+        val = node.meta.get("val")
+        if (model.captured.is_backward.get(node.name) and node.op == "call_function" and getattr(val, "ndim", 0) == 3
+                and any(".feed_forward" in str(p) for p, _ in stack.values())):
+            model.restrict(node.name, lambda s: model.output_strs(s) == ("S(0)", "S(1)"), "test: FFN gradients S0,S1")
+
+
 def _train(model: nn.Module, call) -> dict[str, Any]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses, grads = [], {}
@@ -198,7 +208,7 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
 
     model = llama()
     out["llama"] = _train(model, lambda m: m(tokens, targets))
-    model = llama(constraints=[apmodel.fix_output(m, "S0,S1") for m in ("ffn_norm", *FFN)])
+    model = llama(constraints=[*(apmodel.fix_output(m, "S0,S1") for m in ("ffn_norm", *FFN)), _ffn_gradients_s0s1])
     out["llama-ffn-s0s1"] = _train(model, lambda m: m(tokens, targets))
     captured = model._apmodel_program.captured
     out["ffn-redistributions"] = [(r.producer, r.consumer, r.src, r.dst)
