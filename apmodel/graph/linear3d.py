@@ -24,6 +24,7 @@ ATen ops). A graph whose matmuls are not in that shape is left as it is.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -32,6 +33,8 @@ import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from apmodel._torch_private import register_einsum_rule
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +127,23 @@ def mm_nd_wgrad_rule(g: Any, x: Any) -> Rows:
     return rows + _linearity_rows()
 
 
+def einsum_equation(ranks: tuple[int, ...], *, wgrad: bool) -> str:
+    """The einsum of ``mm_nd`` (``"aby,yz->abz"`` for a 3-D activation) or of ``mm_nd_wgrad``
+    (``"abz,aby->zy"``), by the ranks of its tensor arguments."""
+    lead = "abcdefghijklmnop"[: ranks[0] - 1]
+    return f"{lead}z,{lead}y->zy" if wgrad else f"{lead}y,yz->{lead}z"
+
+
 def _register_rules() -> None:
+    """DTensor's own single-dim einsum rule where torch has it (the rule ``mm`` has: split-dimension
+    seeding restricts it like ``mm``'s), else :func:`mm_nd_rule` / :func:`mm_nd_wgrad_rule`
+    through ``register_sharding`` (the same rows per mesh axis, expanded over the mesh by DTensor)."""
     from torch.distributed.tensor.experimental import register_sharding
 
-    register_sharding(MM_ND)(mm_nd_rule)
-    register_sharding(MM_ND_WGRAD)(mm_nd_wgrad_rule)
+    if not register_einsum_rule(MM_ND, functools.partial(einsum_equation, wgrad=False)):
+        register_sharding(MM_ND)(mm_nd_rule)
+    if not register_einsum_rule(MM_ND_WGRAD, functools.partial(einsum_equation, wgrad=True)):
+        register_sharding(MM_ND_WGRAD)(mm_nd_wgrad_rule)
 
 
 _register_rules()
