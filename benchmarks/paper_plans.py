@@ -79,6 +79,20 @@ def _held(plan: Any, fixes: dict[str, tuple]) -> bool:
     return True
 
 
+def _notation(placements: tuple) -> str:
+    """``(Shard(0), Partial())`` -> ``"S0,P"`` (the table's notation)."""
+    return ",".join(pl.to_str(p).replace("(", "").replace(")", "") for p in placements)
+
+
+def solved_outputs(plan: Any) -> dict[str, str]:
+    """The table's projections as the solved plan places them (the first layer's, first module's)."""
+    out = {}
+    for proj, globs in PROJECTIONS.items():
+        nodes = module_output_nodes(plan.model, globs[0])
+        out[proj] = _notation(plan.node_strategy[next(iter(nodes.values()))].outputs[0])
+    return out
+
+
 def _by_collective(plan: Any) -> dict[str, float]:
     sums = dict.fromkeys(COLLECTIVES, 0.0)
     for key, us in plan.comm_by_collective.items():
@@ -104,6 +118,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "plan": name, "objective_us": plan.objective_us, "compute_us": plan.compute_us, "comm_us": plan.comm_us,
             "comm_by_collective_us": _by_collective(plan), "peak_bytes": plan.memory.get("peak_bytes"),
             "fixes_held": _held(plan, fixes), "fixed": {g: "".join(w) for g, w in fixes.items()},
+            "outputs": solved_outputs(plan),
             "status": plan.solver.get("status"), "seconds": time.perf_counter() - start,
         })
         logger.info("%s: %.1f µs in %.1f s", name, plan.objective_us, rows[-1]["seconds"])
@@ -120,7 +135,9 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         t.add_row(r["plan"], f"{r['objective_us']:,.1f}", f"{r['compute_us']:,.1f}", f"{r['comm_us']:,.1f}",
                   *(f"{r['comm_by_collective_us'].get(k, 0.0):,.1f}" for k in COLLECTIVES),
                   "-" if peak is None else f"{peak / 2**30:.2f}", "yes" if r["fixes_held"] else "NO")
-    Console(width=170).print(t)
+    console = Console(width=170)
+    console.print(t)
+    console.print("p00 as solved: " + ", ".join(f"{k} {v}" for k, v in rows[0]["outputs"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:

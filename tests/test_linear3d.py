@@ -269,3 +269,34 @@ def test_sequence_and_batch_sharded_ffn_trains_like_one_device_without_redistrib
 @pytest.mark.slow
 def test_zoo_model_on_2x2_trains_like_one_device(gloo):
     _assert_trains_like(gloo["tied_lm"], _eager_zoo(), "tied_lm")
+
+
+# ------------------------------------------------------------------------- the paper's plans
+def test_paper_plans_are_eleven_distinct_constraint_sets():
+    import json
+
+    from _helpers import ROOT, benchmark_script
+
+    paper = benchmark_script("paper_plans")
+    table = json.loads((ROOT / "benchmarks" / "data" / "paper_table6_plans.json").read_text())
+    assert "Table 6" in table["source"]
+    for differing in (False, True):
+        sets = paper.constraint_sets(table["plans"], 2, differing)
+        assert list(sets) == [f"p{i:02d}" for i in range(11)] and sets["p00"] == {}
+        assert len({frozenset(f.items()) for f in sets.values()}) == 11
+    sets = paper.constraint_sets(table["plans"], 2, True)  # the pairs the flattened graph could not tell apart
+    assert sets["p01"] != sets["p03"] and sets["p02"] != sets["p04"]
+    assert sets["p01"]["layers.*.feed_forward.w2"] == ("P", "S(1)")
+
+
+@pytest.mark.slow
+def test_paper_plans_solve_with_every_fixed_output_held(tmp_path):
+    import json
+
+    from _helpers import benchmark_script
+
+    out = tmp_path / "plans.json"
+    assert benchmark_script("paper_plans").main(["--seq", "128", "--layers", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["plan"] for r in rows] == [f"p{i:02d}" for i in range(11)]
+    assert all(r["fixes_held"] and r["objective_us"] > 0 for r in rows)
