@@ -20,9 +20,9 @@ has a layout of its own to choose (the solver prices redistributions into and ou
 node), the memory model needs no notion of "recomputed" (it keeps counting what backward reads),
 and the lowering needs no recomputation scheduler (it runs backward nodes in order; each copy
 sits right before its first reader, inside the layer's backward, where ``torch.utils.checkpoint``
-recomputes too). The price is graph size: for LLaMA-3 8B about 40 more nodes per layer under
-``selective`` (7,351 -> 8,631) and 69 under ``full`` (9,559), which clustering folds into 70 and
-111 more decision variables (435 -> 505 / 546 groups).
+recomputes too). The price is graph size: for LLaMA-3 8B about 34 more nodes per layer under
+``selective`` (6,676 -> 7,764) and 62 under ``full`` (8,660), which clustering folds into 60 and
+106 more decision variables (436 -> 496 / 542 groups).
 
 A lowered module replaying its plan at other input shapes traces the step again
 (:meth:`apmodel.lowering.LoweredProgram.for_inputs`) and rewrites it with the plan's policy
