@@ -300,3 +300,60 @@ def test_paper_plans_solve_with_every_fixed_output_held(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["plan"] for r in rows] == [f"p{i:02d}" for i in range(11)]
     assert all(r["fixes_held"] and r["objective_us"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------------- strategies, enumerated
+def _enumerated(target: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...], **kw: Any) -> list[Any]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from apmodel.candidates.strategies import StrategyCache, enumerate_strategies
+
+    gm = make_fx(target)(*[torch.empty(s, device="meta") for s in shapes])
+    out = enumerate_strategies(gm, mesh, progress=False, cache=StrategyCache(), **kw)
+    return out[next(n.name for n in gm.graph.nodes if n.target == target)]
+
+
+def _local(x: torch.Tensor, placements: Any, coord: tuple[int, ...], mesh: tuple[int, ...]) -> torch.Tensor:
+    """Rank ``coord``'s shard of ``x``: chunks for S(d); a partial sum held whole by rank 0 of its axis."""
+    from torch.distributed.tensor import Partial, Shard
+
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            x = x.chunk(mesh[axis], dim=p.dim)[coord[axis]]
+        elif isinstance(p, Partial):
+            x = x if coord[axis] == 0 else torch.zeros_like(x)
+    return x
+
+
+def _global(locals_: dict, placements: Any, mesh: tuple[int, ...]) -> torch.Tensor:
+    """The value per-rank outputs placed as ``placements`` hold (innermost axis first)."""
+    from torch.distributed.tensor import Partial, Shard
+
+    cur = dict(locals_)
+    for axis in reversed(range(len(mesh))):
+        nxt = {}
+        for c in {k[:axis] + k[axis + 1:] for k in cur}:
+            parts = [cur[c[:axis] + (i,) + c[axis:]] for i in range(mesh[axis])]
+            p = placements[axis]
+            nxt[c] = torch.cat(parts, p.dim) if isinstance(p, Shard) else sum(parts) if isinstance(p, Partial) else parts[0]
+        cur = nxt
+    return cur[()]
+
+
+@pytest.mark.parametrize("target, shapes", [(MM_ND, [(4, 4, 8), (8, 4)]), (MM_ND_WGRAD, [(4, 4, 4), (4, 4, 8)])])
+def test_every_enumerated_strategy_computes_the_op(target, shapes):
+    """On a 2x2 mesh: the counts of DTensor's mm rule (R, each free dim, the contraction, per axis;
+    here 5 per axis without partial inputs), and every strategy run on local shards gives the op's value."""
+    import itertools
+
+    mesh = (2, 2)
+    strategies = _enumerated(target, shapes, mesh, partial_inputs=False)
+    assert len(strategies) == len(set(strategies)) == 25
+    assert len(_enumerated(target, shapes, mesh)) > 25  # with partial inputs: the linearity rows
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    want = target(*inputs)
+    for s in strategies:
+        coords = list(itertools.product(*map(range, mesh)))
+        outs = {c: target(*[_local(x, p, c, mesh) for x, p in zip(inputs, s.inputs, strict=True)]) for c in coords}
+        torch.testing.assert_close(_global(outs, s.outputs[0], mesh), want, msg=lambda m, s=s: f"{s}: {m}")
