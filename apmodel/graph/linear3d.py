@@ -27,7 +27,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx
@@ -82,7 +83,8 @@ def _mm_nd_wgrad_fake(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 MM_ND = torch.ops.apmodel_linear.mm_nd.default
 MM_ND_WGRAD = torch.ops.apmodel_linear.mm_nd_wgrad.default
 #: the ops of this module, by target (their native-program implementations)
-LOCAL_IMPLS = {MM_ND: mm_nd_local, MM_ND_WGRAD: mm_nd_wgrad_local}
+LOCAL_IMPLS: Mapping[Any, Callable[..., torch.Tensor]] = MappingProxyType({MM_ND: mm_nd_local,
+                                                                          MM_ND_WGRAD: mm_nd_wgrad_local})
 
 
 # ---------------------------------------------------------------------------------------------
