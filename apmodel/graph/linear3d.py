@@ -13,13 +13,16 @@ needs. :func:`rewrite_linears` replaces each such ``mm`` (with the views around 
 * ``apmodel_linear::mm_nd_wgrad(g, x)``: ``g [..., N]``, ``x [..., K]`` contracted over every
   leading dim -> ``[N, K]`` (the weight gradient),
 
-each registered with a DTensor sharding rule (``register_sharding``; per mesh axis, like
-DTensor's rule for ``mm``, see :func:`mm_nd_rule` and :func:`mm_nd_wgrad_rule`), so every
-combination of batch, sequence and feature sharding across mesh axes is a placement of the op and
-enumeration needs no special case. Pricing asks the compute model about the ``mm`` the op
-replaces, at the same local sizes and layouts (:func:`as_mm_call`); the native program calls
-:func:`mm_nd_local` / :func:`mm_nd_wgrad_local` (a reshape and ``torch.mm``: Inductor sees plain
-ATen ops). A graph whose matmuls are not in that shape is left as it is.
+each given DTensor's own single-dim einsum rule, the one ``mm`` has (``"aby,yz->abz"`` and
+``"abz,aby->zy"`` for a 3-D activation; :func:`mm_nd_rule` / :func:`mm_nd_wgrad_rule` through
+``register_sharding`` on a torch without it), so every combination of batch, sequence and feature
+sharding across mesh axes is a placement of the op and enumeration needs no special case. A
+flattening read by several matmuls becomes one N-D identity view they share (see
+:func:`rewrite_linears`). Pricing asks the compute model about the ``mm`` the op replaces, at the
+same local sizes and layouts (:func:`as_mm_call`); the native program calls :func:`mm_nd_local` /
+:func:`mm_nd_wgrad_local` (a reshape and ``torch.mm``: Inductor sees plain ATen ops). A graph
+whose matmuls are not in that shape (2-D activations, a bias fused as ``addmm``) is left as it is.
+See docs/design.md, *Linear layers kept N-D*.
 """
 
 from __future__ import annotations
@@ -270,7 +273,10 @@ def rewrite_linears(gm: fx.GraphModule) -> int:
     """Rewrite every flattened N-D matmul of ``gm`` (forward, input gradient, weight gradient)
     into :data:`MM_ND` / :data:`MM_ND_WGRAD` in place (views left without readers removed);
     returns how many ``mm`` nodes were rewritten. The new nodes carry the replaced ``mm``'s
-    metadata (module stack, stack trace), so layers, stamping and cost labels read them alike."""
+    metadata (module stack, stack trace), so layers, stamping and cost labels read them alike; a
+    flattening that several of them read becomes one shared N-D identity view (``<view>_nd``),
+    so that the plan redistributes that value once for all its readers, as it did the flattened
+    one (a redistribution is priced per edge)."""
     graph = gm.graph
     done = 0
     shared: dict[fx.Node, fx.Node] = {}
