@@ -29,6 +29,7 @@ Surface:
 - :func:`library_sees_tracing` – context in which ``torch.compiler.is_compiling()`` says a trace is running.
 - :func:`without_redistribute_costs` – context in which torch's own redistribution pricing
   (unused by apmodel, 85% of enumeration time) is skipped.
+- :func:`register_einsum_rule` – DTensor's single-dim einsum rule (``mm``'s) for a custom op.
 - :func:`grouped_mm_runs` / :func:`grouped_mm` – ``torch._grouped_mm`` (one grouped GEMM over
   row groups, the routed experts' kernel) and whether it runs on given operands.
 
@@ -379,6 +380,26 @@ def rule_kind(op: object) -> str | None:
     if op in p.op_strategy_funcs:
         return "op_strategy"
     return None
+
+
+def register_einsum_rule(op: OpOverload, equation_of: Callable[[tuple[int, ...]], str]) -> bool:
+    """Give ``op`` DTensor's single-dim einsum rule, the one ``mm`` has (per mesh axis: a free dim
+    sharded, a contracted dim sharded on both inputs -> partial, one input partial -> partial), its
+    equation ``equation_of(ranks of the tensor arguments)``. A single-dim rule is what the
+    split-dimension seeding restricts and what apmodel expands on integer codes. False where this
+    torch has no such rule generator (the caller falls back to ``register_sharding``)."""
+    try:
+        from torch.distributed.tensor._ops._matrix_ops import gen_single_dim_einsum_strategies
+        from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
+    except ImportError:
+        return False
+
+    def rule(op: Any, args_schema: Any, kwargs_schema: Any) -> Any:
+        ranks = tuple(len(a.shape) for a in args_schema if hasattr(a, "shape"))
+        return gen_single_dim_einsum_strategies(equation_of(ranks))
+
+    register_single_dim_strategy(op, allow_unbacked_sharding=True)(rule)
+    return True
 
 
 def has_sharding_rule(op: object) -> bool:

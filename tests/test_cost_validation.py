@@ -61,8 +61,10 @@ class BadCollective:
 @pytest.mark.parametrize("value, shown", [(-1.5, r"a negative time \(-1\.5 µs\)"), (math.nan, "NaN"),
                                           (math.inf, "inf µs")])
 def test_bad_compute_time_is_named(tiny, value, shown):
+    # linears on [batch, seq, feature] are N-D ops priced as the mm they replace (apmodel/graph/linear3d.py)
     with pytest.raises(CostModelError, match=rf"compute model BadMatmul returned {shown} for aten\.mm\.default "
-                                             rf"at node 'mm(_\d+)?' \(strategy .*per-device input shapes \[\(\d+, \d+\)"):
+                                             rf"\(as apmodel_linear\.mm_nd(_wgrad)?\.default\) at node 'mm_nd(_wgrad)?(_\d+)?' "
+                                             rf"\(strategy .*per-device input shapes \[\(\d+, \d+, \d+\)"):
         apmodel.plan(tiny, MESH, compute_model=BadMatmul(value))
 
 

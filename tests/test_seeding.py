@@ -17,6 +17,7 @@ from apmodel import _torch_private as tp
 from apmodel.candidates.strategies import Ball, Strategy, project
 from apmodel.entry.api import build_model, cost_context, solve_model
 from apmodel.graph.capture import capture
+from apmodel.graph.linear3d import MM_ND
 from apmodel.models import build, config, sample_inputs
 from apmodel.problem import seeding
 
@@ -201,7 +202,7 @@ def test_constraints_outside_the_balls_fall_back_to_the_full_enumeration(capture
     full_pm, _ = full
     seeds = seeding.seed(captured, MESH, cost=cost)
     balls = seeding.balls(seeds, captured, MESH, radius=1)
-    mm = next(n.name for n in captured.gm.graph.nodes if n.target == aten.mm.default)
+    mm = next(n.name for n in captured.gm.graph.nodes if n.target in (aten.mm.default, MM_ND))  # linears are N-D
     far = next(s for s in full_pm.strategies[mm] if not balls[mm].contains(s))
 
     def force(m):

@@ -149,6 +149,31 @@ def to_strs(given: str | Sequence[Placement | str], ndim: int, what: str) -> tup
     return strs
 
 
+_NOTATION_TOKEN = re.compile(r"S(\d+)")
+
+
+def parse_notation(text: str, ndim: int | None) -> tuple[str, ...]:
+    """A placement written in the paper's notation or apmodel's, as one string per mesh axis:
+    ``"S0,S1"``, ``"P,S2"``, ``"(S(0), S(1))"``, ``"S(0)S(1)"`` and, for every axis at once,
+    ``"R"``. ``ndim`` None checks the syntax only (``"R"`` stays one entry). Raises ValueError
+    naming ``text`` for a malformed one or a wrong number of axes."""
+    if not isinstance(text, str):
+        raise TypeError(f"placement must be a string, got {type(text).__name__}: {text!r}")
+    body = text.strip().replace(" ", "")
+    if len(body) > 1 and body[0] + body[-1] in ("()", "[]") and "," in body:
+        body = body[1:-1]
+    tokens = [_NOTATION_TOKEN.sub(r"S(\1)", t) if _NOTATION_TOKEN.fullmatch(t) else t for t in body.split(",")]
+    if tokens == ["R"] and ndim is not None:
+        tokens = ["R"] * ndim
+    joined = "".join(tokens)
+    if ndim is None:
+        try:
+            return tuple(to_str(p) for p in parse(joined))
+        except ValueError as e:
+            raise ValueError(f"placement {text!r}: bad placement {joined!r}: {e}") from None
+    return to_strs(joined, ndim, f"placement {text!r}")
+
+
 def _as_placements(placements: Sequence[Placement] | str) -> tuple[Placement, ...]:
     return parse(placements) if isinstance(placements, str) else tuple(placements)
 

@@ -33,6 +33,9 @@ constraints::
     placement = "RR"
     on = "output"                 # or "input:J"
     [[constraints]]
+    output = "feed_forward.w2"    # a module's N-D output (glob over module paths)
+    placement = "P,S1"            # the paper's notation, or "PS(1)"
+    [[constraints]]
     linear = "few_replicated_norms"
     terms = [["layers.*.ffn_norm.weight", "RR", 1.0]]
     sense = "<="
@@ -104,6 +107,7 @@ _CONSTRAINT_KEYS = {
     "fix": {"fix", "placement", "on", "name"},
     "forbid": {"forbid", "placement", "on", "name"},
     "linear": {"linear", "terms", "sense", "rhs"},
+    "output": {"output", "placement", "name"},
 }
 
 
@@ -147,17 +151,35 @@ def _check_mesh(src: str, text: str) -> None:
         raise ConfigError(f"{src}: {e}") from None
 
 
-def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Linear:
+def _parse_output(src: str, where: str, entry: dict) -> C.FixOutput:
+    """``output = "layers.*.attention.wo"``, ``placement = "S0,S1"``: a module's N-D output."""
+    pattern = _check_type(src, f"{where}.output", entry["output"], (str,), "a glob over module paths")
+    if "placement" not in entry:
+        raise ConfigError(f"{src}: {where}.placement is missing (e.g. placement = \"S0,S1\")")
+    placement = _check_type(src, f"{where}.placement", entry["placement"], (str,), 'a placement like "S0,S1"')
+    try:  # syntax only: the number of mesh axes is known once the mesh is
+        pl.parse_notation(placement, None)
+    except ValueError as e:
+        raise ConfigError(f"{src}: key {where}.placement: {e}") from None
+    name = _check_type(src, f"{where}.name", entry.get("name", f"config {where}: output {pattern} {placement}"),
+                       (str,), "a string")
+    return C.fix_output(pattern, placement, name=name)
+
+
+def _parse_constraint(src: str, i: int, entry: Any) -> C.Fix | C.Forbid | C.Linear | C.FixOutput:
     where = f"constraints[{i}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{src}: {where} must be a table, got {entry!r}")
     kinds = [k for k in _CONSTRAINT_KEYS if k in entry]
     if len(kinds) != 1:
-        raise ConfigError(f"{src}: {where} needs exactly one of the keys 'fix', 'forbid', 'linear', got {sorted(entry)}")
+        raise ConfigError(f"{src}: {where} needs exactly one of the keys 'fix', 'forbid', 'linear', 'output', "
+                          f"got {sorted(entry)}")
     kind = kinds[0]
     unknown = sorted(set(entry) - _CONSTRAINT_KEYS[kind])
     if unknown:
         raise ConfigError(f"{src}: unknown key {where}.{unknown[0]!r} (a {kind!r} constraint takes {sorted(_CONSTRAINT_KEYS[kind])})")
+    if kind == "output":
+        return _parse_output(src, where, entry)
     if kind in ("fix", "forbid"):
         pattern = _check_type(src, f"{where}.{kind}", entry[kind], (str,), "a glob over parameter FQNs or node names")
         if "placement" not in entry:

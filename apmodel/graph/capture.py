@@ -17,7 +17,8 @@ after checking that every layer's forward calls the same ops on the same kinds o
 
 After tracing, ``aten.detach`` nodes (no-ops on values, inserted by autograd around saved tensors)
 are bypassed and dead code is removed; view ops are kept as they are, so the graph reads like the
-model.
+model, except around linear layers on N-D activations: their ``view -> mm -> view`` (and the
+backward's two ``mm``) become one N-D op each (``apmodel/graph/linear3d.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from torch import fx, nn
 
 from apmodel._torch_private import OpOverload, op_schema, overload_name
+from apmodel.graph.linear3d import rewrite_linears
 from apmodel.graph.stamping import trace_step
 from apmodel.graph.tracing import TracedStep, simplify, user_fqn
 
@@ -652,6 +654,7 @@ def capture(
 
     _check_step_output(gm, out_spec, loss_fn)
     gm, removed = simplify(gm)
+    rewrite_linears(gm)  # linear layers kept N-D (apmodel/graph/linear3d.py)
     tied = _merge_tied_parameters(gm, module)
     labels = _label(gm)
     is_backward = _backward_flags(gm, labels["roles"])

@@ -20,9 +20,9 @@ has a layout of its own to choose (the solver prices redistributions into and ou
 node), the memory model needs no notion of "recomputed" (it keeps counting what backward reads),
 and the lowering needs no recomputation scheduler (it runs backward nodes in order; each copy
 sits right before its first reader, inside the layer's backward, where ``torch.utils.checkpoint``
-recomputes too). The price is graph size: for LLaMA-3 8B about 40 more nodes per layer under
-``selective`` (7,351 -> 8,631) and 69 under ``full`` (9,559), which clustering folds into 70 and
-111 more decision variables (435 -> 505 / 546 groups).
+recomputes too). The price is graph size: for LLaMA-3 8B about 34 more nodes per layer under
+``selective`` (6,676 -> 7,764) and 62 under ``full`` (8,660), which clustering folds into 60 and
+106 more decision variables (436 -> 496 / 542 groups).
 
 A lowered module replaying its plan at other input shapes traces the step again
 (:meth:`apmodel.lowering.LoweredProgram.for_inputs`) and rewrites it with the plan's policy
@@ -37,7 +37,7 @@ are saved, as ``torch.utils.checkpoint`` saves a checkpointed function's inputs.
 
 * ``"none"``: the graph as traced.
 * ``"selective"``: inside a region, the outputs of matmuls (:data:`SAVED_OPS`: ``mm``, ``bmm``,
-  ``addmm``), of the fused attention ops (output and logsumexp) and of ``local_map`` regions
+  ``addmm``, the N-D linears' ``mm_nd``), of the fused attention ops (output and logsumexp) and of ``local_map`` regions
   (:mod:`apmodel.graph.regions`) are saved; everything else
   (norms, activations, elementwise ops, RoPE) is recomputed from them (the per-op policy of
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` as torchtitan uses it).
@@ -74,6 +74,7 @@ from apmodel._torch_private import OpOverload, lazy_graph_module, op_schema
 from apmodel.core.options import AC_POLICIES
 from apmodel.graph.capture import CapturedGraph, aliases_first_input, graph_fingerprint
 from apmodel.graph.conventions import layer_pattern_from_names
+from apmodel.graph.linear3d import MM_ND, MM_ND_WGRAD
 from apmodel.graph.regions import region_of
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ def _resolve_ops(names: tuple[str, ...]) -> frozenset[Any]:
     return frozenset(ops)
 
 
-SAVED_OPS: frozenset[Any] = _resolve_ops(SAVED_OP_NAMES)
+#: ... and the N-D linears' matmuls (``apmodel/graph/linear3d.py``), the ``mm`` they replace.
+SAVED_OPS: frozenset[Any] = _resolve_ops(SAVED_OP_NAMES) | {MM_ND, MM_ND_WGRAD}
 #: Fused attention ops tagged random because of their dropout; deterministic when ``dropout_p`` is 0.
 _ATTENTION_OPS: frozenset[Any] = _resolve_ops(ATTENTION_OP_NAMES)
 

@@ -67,7 +67,7 @@ ROUTER_NAMES = frozenset({"router", "gate"})
 #: ATen ops that only relabel a tensor (followed when looking for the op that computes with it).
 _VIEW_OPS = frozenset({"t", "transpose", "view", "_unsafe_view", "reshape", "permute", "expand", "alias",
                        "_to_copy", "detach", "clone", "contiguous", "unsqueeze", "squeeze"})
-_MATMUL_OPS = frozenset({"mm", "addmm", "matmul", "linear", "bmm", "baddbmm"})
+_MATMUL_OPS = frozenset({"mm", "addmm", "matmul", "linear", "bmm", "baddbmm", "mm_nd"})
 _NORM_OPS = frozenset({"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "native_group_norm",
                        "group_norm", "native_batch_norm", "batch_norm", "_native_batch_norm_legit",
                        "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"})
@@ -384,7 +384,7 @@ def derive(captured: "CapturedGraph") -> ModelConventions:
             elif op == "embedding" and slots == [0]:
                 embeddings.add(fqn)
             elif op in _MATMUL_OPS and ndim == 2 and fqn not in linears:
-                weight_slot = {"mm": 1, "matmul": 1, "addmm": 2, "linear": 1}.get(op)
+                weight_slot = {"mm": 1, "mm_nd": 1, "matmul": 1, "addmm": 2, "linear": 1}.get(op)
                 if weight_slot is None or slots != [weight_slot]:
                     continue  # not x @ W.T (W [out, in]) nor x @ W (W [in, out])
                 acts = [n for j, a in enumerate(user.args) if j != weight_slot and (n := _graph_node(a)) is not None

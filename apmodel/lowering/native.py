@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
+from apmodel.graph.linear3d import LOCAL_IMPLS
 from apmodel.lowering.graph import flatten_args, unflatten_args
 from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
@@ -344,6 +345,7 @@ _TORCH_FUNCTIONS = {
     aten.transpose.int: torch.transpose, aten.permute.default: torch.permute, aten.sum.dim_IntList: torch.sum,
     aten.mean.dim: torch.mean, aten.pow.Tensor_Scalar: torch.pow, aten.clone.default: torch.clone,
     aten.cat.default: torch.cat, aten.exp.default: torch.exp,
+    **LOCAL_IMPLS,  # the N-D linears as a reshape and torch.mm: Inductor sees plain ATen ops
 }
 
 

@@ -9,6 +9,7 @@ glob, and fix or forbid placements, or add a linear row over placement indicator
         apmodel.forbid("output.weight", "RR"),
         lambda m: m.fix("layers.0.feed_forward.w2.weight", "S(1)S(0)"),
         apmodel.region_as("routed_experts_*", "data_parallel", "expert_parallel"),
+        apmodel.fix_output("layers.*.attention.wo", "S0,S1"),  # a module's output, paper notation
     ])
 
 Every constraint carries a name; a set of constraints that leaves some node without a strategy
@@ -17,8 +18,12 @@ raises :class:`~apmodel.problem.placement_model.ConstraintConflict` naming the c
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
+
+from apmodel.core import placements as pl
 
 if TYPE_CHECKING:
     from apmodel.problem.placement_model import PlacementModel
@@ -84,6 +89,61 @@ class Linear:
 
     def apply(self, model: "PlacementModel") -> None:
         model.add_linear(self.name, self.terms, self.sense, self.rhs)
+
+
+def _placed(model: "PlacementModel", want: tuple[str, ...], s: Any) -> bool:
+    return model.output_strs(s) == want
+
+
+def _matches_module(path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, "*." + pattern)
+
+
+def module_output_nodes(model: "PlacementModel", pattern: str) -> dict[str, str]:
+    """Module path -> the forward node that computes its output (the last forward op run inside
+    it), for every module whose path matches ``pattern`` (a glob over module paths such as
+    ``"layers.*.attention.wo"``, or over their tails: ``"wo"``, ``"feed_forward.w*"``)."""
+    is_backward = model.captured.is_backward
+    last: dict[str, str] = {}
+    for node in model.nodes:
+        if node.op != "call_function" or is_backward.get(node.name, False) or node.name not in model.strategies:
+            continue
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            if _matches_module(str(path), pattern):
+                last[str(path)] = node.name
+    if not last:
+        raise KeyError(f"output constraint: pattern {pattern!r} matches no module of the graph "
+                       f"(module paths look like 'layers.0.attention.wo')")
+    return last
+
+
+@dataclass(frozen=True)
+class FixOutput:
+    """Force the output of every module matching ``pattern`` (see :func:`module_output_nodes`)
+    to ``placement`` on its N-D activation, in apmodel's notation (``"S(0)S(1)"``) or the
+    paper's (``"S0,S1"``, ``"P,S2"``, ``"R"`` for all axes)."""
+
+    pattern: str
+    placement: str
+    name: str = ""
+
+    def apply(self, model: "PlacementModel") -> None:
+        label = self.name or f"output({self.pattern!r}, {self.placement!r})"
+        want = pl.parse_notation(self.placement, len(model.mesh_shape))
+        for path, node in module_output_nodes(model, self.pattern).items():
+            val = model.node_by_name[node].meta.get("val")
+            ndim = getattr(val, "ndim", 0)
+            dims = [int(p[2:-1]) for p in want if p.startswith("S(")]
+            if any(d >= ndim for d in dims):
+                raise ValueError(f"{label}: the output of module {path!r} (node {node!r}) has {ndim} dims; "
+                                 f"placement {self.placement!r} shards dim {max(dims)}")
+            model.restrict(node, functools.partial(_placed, model, want), f"{label} on {path}")
+
+
+def fix_output(pattern: str, placement: str, *, name: str = "") -> FixOutput:
+    """``fix_output("wo", "S0,S1")``: the output of every module named like ``wo`` placed
+    ``(S(0), S(1))`` (batch on mesh axis 0, sequence on axis 1)."""
+    return FixOutput(pattern, placement, name)
 
 
 def fix(pattern: str, placement: Any, *, on: str = "output", name: str = "") -> Fix:

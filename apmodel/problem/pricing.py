@@ -23,6 +23,7 @@ from apmodel._torch_private import tree_flatten, tree_unflatten
 from apmodel.candidates.strategies import Strategy
 from apmodel.core import placements as pl
 from apmodel.core.options import PRICING_DTYPES, PlanOptions, torch_dtype
+from apmodel.graph.linear3d import as_mm_call
 from apmodel.graph.regions import is_backward, region_of
 from costmodels.overlap import GLOO_MAX_INFLIGHT
 
@@ -270,9 +271,13 @@ class CostContext:
                 result[si] = us
                 continue
             call_args, call_kwargs, out, inputs, outs = self._local_call(node, s)
+            asked = str(node.target)  # what the compute model was asked to price
             if region is not None:  # a local_map region: the ops it runs, at these local shapes
                 assert modes is not None  # read off the region above
                 value = region.time_us(self, call_args, modes=modes, backward=backward)
+            elif (mm := as_mm_call(node.target, call_args)) is not None:  # an N-D linear: the mm it replaces
+                asked = f"{mm[0]} (as {node.target})"
+                value = self.compute.time_us(mm[0], mm[1], {}, mm[2], dtype=self.dtype)
             else:
                 value = self.compute.time_us(node.target, call_args, call_kwargs, out, dtype=self.dtype)
             try:
@@ -282,7 +287,7 @@ class CostContext:
             if not 0.0 <= us < math.inf:  # False for NaN too
                 raise CostModelError(
                     f"compute model {describe_model(self.compute)} returned {_bad_time(value) or repr(value)} for "
-                    f"{node.target} at node {node.name!r} (strategy {s}; per-device input shapes "
+                    f"{asked} at node {node.name!r} (strategy {s}; per-device input shapes "
                     f"{_shapes(inputs)}, output shapes {_shapes(outs)}); "
                     f"compute times must be finite and >= 0 µs"
                 )

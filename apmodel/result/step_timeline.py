@@ -38,7 +38,7 @@ VIEW_OPS = frozenset({
 #: ops heavy enough that a collective issued before one has likely finished after it (see
 #: costmodels.overlap.issue_order): matmuls, convolutions, attention
 HEAVY_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_grouped_mm",
-                       "linear", "matmul", "einsum"})
+                       "linear", "matmul", "einsum", "mm_nd", "mm_nd_wgrad"})
 
 
 def op_name(target: Any) -> str:
