@@ -65,6 +65,11 @@ class BlockFigure:
     heading: str
 
 
+def _wrapped(pattern: str) -> str:
+    """``pattern`` with each space matching any run of white space (the README's prose wraps)."""
+    return pattern.replace(" ", r"\s+")
+
+
 _AC = {"none": MAIN_JOB, **{p: (*MAIN_JOB, "--ac", p) for p in ("selective", "full")}}  # none: the default
 
 FIGURES: tuple[ProseFigure | BlockFigure, ...] = (
@@ -87,9 +92,9 @@ FIGURES: tuple[ProseFigure | BlockFigure, ...] = (
         "mixed-precision",
         {"default": MAIN_JOB, "mixed": (*MAIN_JOB, "--mixed-precision"),
          "mixed+selective": (*MAIN_JOB, "--mixed-precision", "--ac", "selective")},
-        r"runs, (\S+) nodes instead of (\S+), objective (\S+) µs \(\+(\S+)%\), saved activations (\S+) GB\s+"
-        r"instead of (\S+) \(the fp32 loss on the 128K-vocabulary logits\); with `--ac selective` (\S+)\s+"
-        r"µs, activations (\S+) GB, peak (\S+) GB",
+        _wrapped(r"runs, (\S+) nodes instead of (\S+), objective \(the step, with overlap\) (\S+) µs \(\+(\S+)%\), saved "
+                 r"activations (\S+) GB instead of (\S+) \([^)]*\); with `--ac selective` (\S+) µs, activations (\S+) GB, "
+                 r"peak (\S+) GB"),
         lambda j: [
             f"{j['mixed']['nodes']:,}", f"{j['default']['nodes']:,}", f"{j['mixed']['objective_us']:,.1f}",
             _pct(j["mixed"]["objective_us"], j["default"]["objective_us"]),
