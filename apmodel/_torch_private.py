@@ -98,6 +98,7 @@ __all__ = [
     "TangentAOTInput",
     "composite_autograd_on_meta",
     "fused_attention_on_meta",
+    "flex_attention_routed",
     "library_sees_tracing",
     "causal_mask_detection_off",
     "with_children",
@@ -1084,3 +1085,47 @@ def _to_pairs(op, strat, n_inputs):
             ins = tuple(tuple(s.placements) for s in spec.input_specs)
         result.append((outs, ins))
     return result
+
+
+@contextlib.contextmanager
+def flex_attention_routed(route: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """While inside, ``torch.nn.attention.flex_attention.flex_attention`` (however a model
+    imported it) checks its arguments as usual, then returns ``route(query, key, value,
+    score_mod=, mask_mod=, mask_shape=(B, H, q_len, kv_len), scale=)`` instead of running its
+    higher-order op: ``score_mod`` None for none, ``mask_mod`` None for none, ``B``/``H`` the block
+    mask's batch and head sizes (1 where it broadcasts).
+
+    Three module globals of ``torch.nn.attention.flex_attention`` are swapped, restored on exit:
+    ``_validate_device`` (it refuses meta tensors, and CPU tensors that need a gradient: ``route``
+    brings its own kernels), ``flex_attention_hop`` (the higher-order op the function calls last),
+    and ``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` (else the op is called through ``torch.compile``).
+    A logsumexp asked for (``return_lse``, ``return_aux``) comes back None. Not thread-safe."""
+    import torch.nn.attention.flex_attention as flex
+
+    names = ("_validate_device", "flex_attention_hop", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "_identity")
+    missing = [n for n in names if not hasattr(flex, n)]
+    if missing:
+        raise MissingTorchFeature(f"torch {torch.__version__}: torch.nn.attention.flex_attention has no "
+                                  f"{', '.join(missing)} (what apmodel swaps to capture flex_attention)")
+    identity = flex._identity
+
+    def hop(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Any, block_mask: tuple,
+            scale: float, kernel_options: Any, *rest: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # block_mask is BlockMask.as_tuple(): (q_len, kv_len, kv_num_blocks [B, H, ...], ..., mask_mod)
+        q_len, kv_len, kv_num_blocks, mask_mod = block_mask[0], block_mask[1], block_mask[2], block_mask[-1]
+        noop = getattr(flex, "noop_mask", None)
+        out = route(query, key, value, score_mod=None if score_mod is identity else score_mod,
+                    mask_mod=None if mask_mod is noop else mask_mod,
+                    mask_shape=(int(kv_num_blocks.shape[0]), int(kv_num_blocks.shape[1]), int(q_len), int(kv_len)),
+                    scale=float(scale))
+        return out, out.new_empty(0), out.new_empty(0)
+
+    saved = {n: getattr(flex, n) for n in names[:3]}
+    flex._validate_device = lambda *args: None
+    flex.flex_attention_hop = hop
+    flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(flex, name, value)

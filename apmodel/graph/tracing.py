@@ -109,6 +109,7 @@ def trace(
         is_data_dependent_error,
         library_sees_tracing,
     )
+    from apmodel.graph.flex import flex_attention_captured
     from apmodel.graph.python_constants import PythonDataAsFactories
 
     modules = ModuleStack(module)
@@ -118,6 +119,7 @@ def trace(
             stack.enter_context(fused_attention_on_meta())
             stack.enter_context(library_sees_tracing())  # libraries skip value-dependent checks, as under export
             stack.enter_context(causal_mask_detection_off())  # nn.Transformer*'s mask comparison reads values
+            stack.enter_context(flex_attention_captured())  # flex_attention as a local_map region
             stack.enter_context(PythonDataAsFactories())  # torch.tensor(3.0) in forward: a graph node with its value
             return export_joint(stack, module, inputs, functionalize=functionalize)
     except Exception as e:
