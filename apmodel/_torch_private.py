@@ -1121,9 +1121,11 @@ def flex_attention_routed(route: Callable[..., torch.Tensor]) -> Iterator[None]:
         return out, out.new_empty(0), out.new_empty(0)
 
     saved = {n: getattr(flex, n) for n in names[:3]}
-    flex._validate_device = lambda *args: None
-    flex.flex_attention_hop = hop
-    flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    swapped: dict[str, Any] = {"_validate_device": lambda *args: None,
+                               "flex_attention_hop": hop,  # a plain function where torch has its op object
+                               "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG": True}
+    for name, value in swapped.items():
+        setattr(flex, name, value)
     try:
         yield
     finally:

@@ -132,7 +132,3 @@ def flex_attention_captured() -> Iterator[None]:
     with flex_attention_routed(_route):
         yield
 
-
-def is_flex_region(region: Any) -> bool:
-    """Whether a ``local_map`` region is a captured ``flex_attention`` call."""
-    return isinstance(getattr(region, "fn", None), FlexAttention)

@@ -1,0 +1,168 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``) in users' own models: captured as one
+region per call (causal and document block masks built in ``forward``), planned with batch or
+head sharding, and run on a 2x2 gloo mesh equal to one device (forward-only against torch's own
+flex_attention; training against the same model on SDPA with the mask written out, since
+flex_attention has no CPU backward in torch 2.13)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _flex_models import FlexLM, lm_loss, tokens
+
+from _dist_utils import run_distributed
+
+MESH = (2, 2)
+RTOL = 1e-5
+
+
+def _flex_nodes(plan: Any) -> dict[str, str]:
+    return {n: str(s) for n, s in plan.node_strategy.items() if n.startswith("flex_attention")}
+
+
+@pytest.mark.parametrize("mask, kv_heads", [("causal", 16), ("document", 8)])
+def test_flex_attention_is_planned_batch_or_head_sharded(mask, kv_heads):
+    import apmodel
+
+    with torch.device("meta"):
+        model = FlexLM(vocab=1024, dim=1024, heads=16, kv_heads=kv_heads, mask=mask)
+    x, y = tokens(16, 2048, vocab=1024)
+    plan = apmodel.plan(model, MESH, (x,), loss_fn=lm_loss, targets=(y,), device="h100")
+    nodes = _flex_nodes(plan)
+    assert len(nodes) == 4, nodes  # two layers, forward and backward each one node
+    forward = [s for n, s in nodes.items() if not n.endswith(("_backward", "_backward_1"))]
+    # every forward call sharded on the batch (S(0)) or the heads (S(1)) on some mesh axis
+    assert all(s.split(" <- ")[0] != "RR" and set(s.split(" <- ")[0]) - set("R") for s in forward), nodes
+    # a document mask differs per batch row: it travels sharded with the batch, a causal one whole
+    mask_flag = "b" if mask == "document" else ""
+    assert all(n.split("_")[2].startswith("m" + mask_flag) for n in nodes), nodes
+
+
+@pytest.mark.parametrize("mask, kv_heads", [("causal", 4), ("document", 2)])
+def test_region_function_equals_torch_flex_attention(mask, kv_heads):
+    """The region's kernel (SDPA on the dense mask) against torch's flex_attention on one CPU,
+    forward (flex_attention has no CPU backward): with grouped-query heads, and the document mask."""
+    torch.manual_seed(0)
+    flex = FlexLM(mask=mask, kv_heads=kv_heads)
+    x, _ = tokens(4, 128)
+    from apmodel.graph.flex import flex_attention_captured
+
+    with torch.no_grad():
+        want = flex(x)
+        with flex_attention_captured():  # the same call routed to the region, run eagerly on CPU
+            got = flex(x)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-5)
+
+
+def test_fully_masked_query_gives_zeros_as_flex_attention_does():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from apmodel.graph.flex import flex_attention_captured
+
+    def nothing_for_first_row(b, h, q, kv):
+        return (q >= kv) & (q > 0)
+
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    block_mask = create_block_mask(nothing_for_first_row, None, None, 128, 128, device="cpu")
+    with torch.no_grad():
+        want = flex_attention(q, k, v, block_mask=block_mask)
+        with flex_attention_captured():
+            got = flex_attention(q, k, v, block_mask=block_mask)
+    assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-5)
+
+
+def test_score_mod_is_refused_by_name():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from apmodel.graph.capture import capture
+    from apmodel.graph.flex import FlexAttentionError
+
+    def relative_bias(score, b, h, q, kv):
+        return score + (q - kv)
+
+    class Biased(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 48)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.proj(x).view(2, 64, 3, 1, 16).permute(2, 0, 3, 1, 4)
+            return flex_attention(q, k, v, score_mod=relative_bias).sum()
+
+    with torch.device("meta"):
+        model = Biased()
+    with pytest.raises(FlexAttentionError, match="score_mod 'relative_bias'"):
+        capture(model, (torch.empty(2, 64, 16, device="meta"),), None)
+
+
+def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
+    """Per mask: the parallelized model's eval-mode ``no_grad`` loss beside one device's with
+    torch's flex_attention, then three SGD steps beside the SDPA twin's."""
+    import torch.distributed as dist
+
+    import apmodel
+    from apmodel.lowering import load_full_state_dict
+
+    mesh = dist.init_device_mesh("cpu", MESH)
+    out: dict[str, Any] = {}
+    for mask, kv_heads in (("causal", 4), ("document", 2)):
+        torch.manual_seed(0)
+        ref = FlexLM(mask=mask, kv_heads=kv_heads)
+        dense = FlexLM(mask=mask, kv_heads=kv_heads, dense=True)
+        dense.load_state_dict(ref.state_dict())
+        x, y = tokens(8, 128)
+        with torch.device("meta"):
+            model = FlexLM(mask=mask, kv_heads=kv_heads)
+        # the heads on one axis, the batch on the other: both alternatives run
+        model = apmodel.parallelize(model, mesh, (x,), loss_fn=lm_loss, targets=(y,), device="h100",
+                                    constraints=[apmodel.region_as("flex_attention_*", "batch", "heads")])
+        model.to_empty(device="cpu")
+        load_full_state_dict(model, {k: v.detach().clone() for k, v in ref.state_dict().items()})
+        model.eval()
+        ref.eval()
+        with torch.no_grad():
+            got, want = model(x, y), lm_loss(ref(x), y)
+        r: dict[str, Any] = {"forward": (_value(got), want.item())}
+        model.train()
+        opt, dense_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(dense.parameters(), lr=0.5)
+        r["train"] = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            dense_opt.zero_grad()
+            want = lm_loss(dense(x), y)
+            want.backward()
+            dense_opt.step()
+            r["train"].append((_value(loss), want.item()))
+        out[mask] = r
+    return out
+
+
+def _value(x: Any) -> float:
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict[str, Any]:
+    return run_distributed(_gloo_worker, 4, timeout_s=900)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_forward_only_on_gloo_equals_torch_flex_attention(gloo_runs, mask):
+    got, want = gloo_runs[mask]["forward"]
+    assert got == pytest.approx(want, rel=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_training_on_gloo_equals_the_sdpa_twin(gloo_runs, mask):
+    losses = gloo_runs[mask]["train"]
+    assert losses[-1][1] < losses[0][1]  # the twin learns: the comparison is not of constants
+    for got, want in losses:
+        assert got == pytest.approx(want, rel=RTOL)
