@@ -99,6 +99,7 @@ __all__ = [
     "composite_autograd_on_meta",
     "fused_attention_on_meta",
     "flex_attention_routed",
+    "aliases_first_input",
     "library_sees_tracing",
     "causal_mask_detection_off",
     "with_children",
@@ -323,6 +324,17 @@ def op_schema(target: object) -> Any:
     """The ``torch._C.FunctionSchema`` of an operator (an OpOverload, a higher-order op), None
     for a plain Python callable."""
     return getattr(target, "_schema", None)
+
+
+def aliases_first_input(node: torch.fx.Node) -> bool:
+    """A view of its first input (``t``, ``view``, ``transpose``, ``_unsafe_view``...), by the
+    alias annotation of the op's schema."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
+        return True
+    schema = op_schema(node.target)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def overload_packet(op: Any) -> Any:

@@ -166,3 +166,47 @@ def test_training_on_gloo_equals_the_sdpa_twin(gloo_runs, mask):
     assert losses[-1][1] < losses[0][1]  # the twin learns: the comparison is not of constants
     for got, want in losses:
         assert got == pytest.approx(want, rel=RTOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_check.sh runs it)")
+@pytest.mark.parametrize("mask, kv_heads", [("causal", 4), ("document", 2)])
+def test_cuda_training_equals_torch_flex_attention(mask, kv_heads):
+    """On one GPU (a 1-device mesh), three SGD steps of the parallelized model beside the same
+    model training through torch's own flex_attention (which has a CUDA backward), fp32."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    import apmodel
+    from apmodel.lowering import load_full_state_dict
+
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl" if dist.is_nccl_available() else "gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = dist.init_device_mesh("cuda", (1,))
+        torch.manual_seed(0)
+        ref = FlexLM(mask=mask, kv_heads=kv_heads).cuda()
+        x, y = (t.cuda() for t in tokens(8, 128))
+        with torch.device("meta"):
+            model = FlexLM(mask=mask, kv_heads=kv_heads)
+        model = apmodel.parallelize(model, mesh, (x,), loss_fn=lm_loss, targets=(y,), device="h100")
+        model.to_empty(device="cuda")
+        load_full_state_dict(model, {k: v.detach().clone() for k, v in ref.state_dict().items()})
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            ref_opt.zero_grad()
+            want = lm_loss(ref(x), y)
+            want.backward()
+            ref_opt.step()
+            losses.append((_value(loss), want.item()))
+    finally:
+        dist.destroy_process_group()
+    assert losses[-1][1] < losses[0][1]
+    for got, want in losses:
+        assert got == pytest.approx(want, rel=1e-4)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from apmodel._torch_private import OpOverload, op_schema, overload_name
+from apmodel._torch_private import OpOverload, aliases_first_input, op_schema, overload_name
 from apmodel.graph.stamping import trace_step
 from apmodel.graph.tracing import TracedStep, simplify, user_fqn
 
@@ -267,16 +267,6 @@ def _progress(message: str) -> contextlib.AbstractContextManager:
 
 
 
-
-
-def aliases_first_input(node: fx.Node) -> bool:
-    """A view of its first input (``t``, ``view``, ``transpose``, ``_unsafe_view``...)."""
-    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
-        return True
-    schema = op_schema(node.target)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _is_view(node: fx.Node) -> bool:

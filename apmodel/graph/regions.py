@@ -50,8 +50,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from apmodel._torch_private import OpOverload, overload_packet
-from apmodel.graph.capture import aliases_first_input
+from apmodel._torch_private import OpOverload, aliases_first_input, overload_packet
 
 NAMESPACE = "apmodel_region"
 _ATTR = "_apmodel_region"  # where the LocalRegion hangs on its operator packet
