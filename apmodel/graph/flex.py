@@ -92,12 +92,18 @@ class FlexAttention:
         return out * rows
 
     def _priced(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """On meta: the causal flash kernel at these shapes (what the compute model prices)."""
+        """On meta: the causal flash kernel at these shapes (what the compute model prices); query/key
+        and value head dims that differ are both priced at the wider."""
         repeat = q.shape[1] // k.shape[1]
         if repeat > 1:
             b, h, s, d = k.shape
             k, v = (t[:, :, None].expand(b, h, repeat, s, d).reshape(b, h * repeat, s, d) for t in (k, v))
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=self.scale)[0]
+        width, value_width = q.shape[-1], v.shape[-1]
+        if width != value_width:  # the flash kernel takes one head dim: pad to the wider (MLA's values)
+            wide = max(width, value_width)
+            q, k, v = (F.pad(t, (0, wide - t.shape[-1])) for t in (q, k, v))
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=self.scale)[0]
+        return out[..., :value_width] if out.shape[-1] != value_width else out
 
 
 def _route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, score_mod: Callable | None,
