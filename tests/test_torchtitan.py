@@ -117,3 +117,55 @@ def test_llama3_training_on_gloo_equals_the_sdpa_model(gloo_runs):
     assert losses[-1][1] < losses[0][1]
     for got, want in losses:
         assert got == pytest.approx(want, rel=RTOL)
+
+
+def _trainer_worker(rank: int, world: int) -> list[tuple[float, float]]:
+    """The hook called as torchtitan's trainer calls it (a ParallelDims with data parallelism
+    only, its training config), then three steps the way the trainer takes them: each rank its
+    own rows, ``get_attention_masks``, the loss summed over its rows over the global token count,
+    ``backward``, the optimizer. Beside the SDPA twin on the whole batch (one document a row)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from apmodel.entry import torchtitan as T
+
+    mesh = dist.init_device_mesh("cpu", MESH)
+    dims = SimpleNamespace(world_mesh=mesh, tp_enabled=False, pp_enabled=False, cp_enabled=False, ep_enabled=False)
+    training = SimpleNamespace(local_batch_size=2, seq_len=128)
+    module = T.parallelize_fn(T.build_model("llama3", "debugmodel"), parallel_dims=dims, training=training,
+                              parallelism=None, compile_config=SimpleNamespace(enable=False), ac_config=None,
+                              dump_folder="")
+    module.to_empty(device="cpu")
+    torch.manual_seed(rank)  # ranks seeded apart: init_weights takes rank 0's values
+    module.init_weights(buffer_device=torch.device("cpu"))
+    torch.manual_seed(0)
+    twin = _sdpa_twin(T.build_model("llama3", "debugmodel", device="cpu"))
+    tokens, positions, labels = T.sample_batch(twin, 2 * world, 128, documents=1)
+    mine = slice(2 * rank, 2 * rank + 2)
+    opt, twin_opt = torch.optim.SGD(module.parameters(), lr=0.5), torch.optim.SGD(twin.parameters(), lr=0.5)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        masks = module.get_attention_masks(positions[mine])
+        pred = module(tokens[mine], positions=positions[mine], attention_masks=masks)
+        loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels[mine].flatten(),
+                                                 reduction="sum") / labels.numel()
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        twin_opt.zero_grad()
+        want = T.cross_entropy(twin(tokens, positions), labels)
+        want.backward()
+        twin_opt.step()
+        losses.append((total.item(), want.item()))
+    return losses
+
+
+@pytest.mark.slow
+def test_parallelize_fn_trains_as_torchtitans_trainer_calls_it():
+    losses = run_distributed(_trainer_worker, 4, timeout_s=900)[0]
+    assert losses[-1][1] < losses[0][1]
+    for got, want in losses:
+        assert got == pytest.approx(want, rel=RTOL)
