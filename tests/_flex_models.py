@@ -49,7 +49,8 @@ class FlexLM(nn.Module):
             keep = keep[None] & (docs[:, :, None] == docs[:, None, :])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep.reshape(-1, 1, seq, seq), enable_gqa=gqa)
 
-    def _block_mask(self, tokens: torch.Tensor):
+    def block_mask(self, tokens: torch.Tensor):
+        """The flex block mask of ``tokens`` (what ``forward`` builds when it is given none)."""
         batch, seq = tokens.shape
         if self.mask == "causal":
             def causal(b, h, q, kv):
@@ -61,9 +62,10 @@ class FlexLM(nn.Module):
             return (q >= kv) & (docs[b, q] == docs[b, kv])
         return create_block_mask(document, batch, None, seq, seq, device=tokens.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, block_mask=None) -> torch.Tensor:
         batch, seq = tokens.shape
-        block_mask = None if self.dense else self._block_mask(tokens)
+        if block_mask is None and not self.dense:
+            block_mask = self.block_mask(tokens)
         x = self.embed(tokens)
         for i in range(len(self.q)):
             h = self.norms[2 * i](x)

@@ -16,6 +16,9 @@ from _dist_utils import run_distributed
 
 MESH = (2, 2)
 RTOL = 1e-5
+#: gloo cases: (mask, key/value heads of 4, the BlockMask passed as an input rather than built in forward)
+CASES = {"causal": ("causal", 4, False), "document": ("document", 2, False),
+         "document_input": ("document", 2, True)}
 
 
 def _flex_nodes(plan: Any) -> dict[str, str]:
@@ -38,6 +41,31 @@ def test_flex_attention_is_planned_batch_or_head_sharded(mask, kv_heads):
     # a document mask differs per batch row: it travels sharded with the batch, a causal one whole
     mask_flag = "b" if mask == "document" else ""
     assert all(n.split("_")[2].startswith("m" + mask_flag) for n in nodes), nodes
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_block_mask_passed_in_is_a_dense_graph_input(how):
+    """A BlockMask sample input (made on the CPU, its mask_mod reading CPU document ids) becomes
+    one boolean graph input of its dense mask, batch-sharded with the attention that reads it."""
+    import apmodel
+    from apmodel.graph.capture import capture
+
+    with torch.device("meta"):
+        model = FlexLM(vocab=1024, dim=1024, heads=16, kv_heads=8, mask="document")
+    x, y = tokens(16, 2048, vocab=1024)
+    block_mask = FlexLM(mask="document").block_mask(x)
+    call = dict(sample_inputs=(x, block_mask)) if how == "positional" else dict(sample_inputs=(x,),
+                                                                                 kwargs={"block_mask": block_mask})
+    meta = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in call["sample_inputs"])
+    captured = capture(model, meta, lm_loss, kwargs=call.get("kwargs"), targets=(y.to("meta"),))
+    masks = [n for n in captured.gm.graph.nodes if captured.roles.get(n.name) == "input"
+             and n.meta["val"].dtype == torch.bool]
+    assert len(masks) == 1 and tuple(masks[0].meta["val"].shape) == (16, 1, 2048, 2048), masks
+    plan = apmodel.plan(model, MESH, call["sample_inputs"], kwargs=call.get("kwargs"), loss_fn=lm_loss,
+                        targets=(y,), device="h100")
+    forward = [str(s) for n, s in plan.node_strategy.items() if n.startswith("flex_attention") and "_backward" not in n]
+    assert forward and all(s.split(" <- ")[1][1:-1].split(", ")[3] == s.split(" <- ")[0] == "S(0)S(0)"
+                           for s in forward), forward
 
 
 @pytest.mark.parametrize("mask, kv_heads", [("causal", 4), ("document", 2)])
@@ -108,30 +136,31 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
 
     mesh = dist.init_device_mesh("cpu", MESH)
     out: dict[str, Any] = {}
-    for mask, kv_heads in (("causal", 4), ("document", 2)):
+    for case, (mask, kv_heads, given) in CASES.items():
         torch.manual_seed(0)
         ref = FlexLM(mask=mask, kv_heads=kv_heads)
         dense = FlexLM(mask=mask, kv_heads=kv_heads, dense=True)
         dense.load_state_dict(ref.state_dict())
         x, y = tokens(8, 128)
+        inputs = (x, ref.block_mask(x)) if given else (x,)  # the BlockMask an input, or built in forward
         with torch.device("meta"):
             model = FlexLM(mask=mask, kv_heads=kv_heads)
         # the heads on one axis, the batch on the other: both alternatives run
-        model = apmodel.parallelize(model, mesh, (x,), loss_fn=lm_loss, targets=(y,), device="h100",
+        model = apmodel.parallelize(model, mesh, inputs, loss_fn=lm_loss, targets=(y,), device="h100",
                                     constraints=[apmodel.region_as("flex_attention_*", "batch", "heads")])
         model.to_empty(device="cpu")
         load_full_state_dict(model, {k: v.detach().clone() for k, v in ref.state_dict().items()})
         model.eval()
         ref.eval()
         with torch.no_grad():
-            got, want = model(x, y), lm_loss(ref(x), y)
+            got, want = model(*inputs, y), lm_loss(ref(*inputs), y)
         r: dict[str, Any] = {"forward": (_value(got), want.item())}
         model.train()
         opt, dense_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(dense.parameters(), lr=0.5)
         r["train"] = []
         for _ in range(3):
             opt.zero_grad()
-            loss = model(x, y)
+            loss = model(*inputs, y)
             loss.backward()
             opt.step()
             dense_opt.zero_grad()
@@ -139,7 +168,7 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
             want.backward()
             dense_opt.step()
             r["train"].append((_value(loss), want.item()))
-        out[mask] = r
+        out[case] = r
     return out
 
 
@@ -153,16 +182,16 @@ def gloo_runs() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mask", ["causal", "document"])
-def test_forward_only_on_gloo_equals_torch_flex_attention(gloo_runs, mask):
-    got, want = gloo_runs[mask]["forward"]
+@pytest.mark.parametrize("case", CASES)
+def test_forward_only_on_gloo_equals_torch_flex_attention(gloo_runs, case):
+    got, want = gloo_runs[case]["forward"]
     assert got == pytest.approx(want, rel=RTOL)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mask", ["causal", "document"])
-def test_training_on_gloo_equals_the_sdpa_twin(gloo_runs, mask):
-    losses = gloo_runs[mask]["train"]
+@pytest.mark.parametrize("case", CASES)
+def test_training_on_gloo_equals_the_sdpa_twin(gloo_runs, case):
+    losses = gloo_runs[case]["train"]
     assert losses[-1][1] < losses[0][1]  # the twin learns: the comparison is not of constants
     for got, want in losses:
         assert got == pytest.approx(want, rel=RTOL)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -116,10 +116,14 @@ def _route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, score
                                  "apmodel captures block masks (mask_mod) only; express it as a mask_mod, or "
                                  "wrap the attention in apmodel.local_map")
     batch, heads, q_len, kv_len = mask_shape
+    if isinstance(mask_mod, DenseMaskMod):  # a BlockMask the user passed in: its dense mask is a graph input
+        batch, heads = int(mask_mod.mask.shape[0]), int(mask_mod.mask.shape[1])
     fn = FlexAttention(scale=scale, gqa=query.shape[1] != key.shape[1], masked=mask_mod is not None,
                        mask_batch=mask_mod is not None and batch > 1, mask_heads=mask_mod is not None and heads > 1)
     if mask_mod is None:
         return fn.region()(query, key, value)
+    if isinstance(mask_mod, DenseMaskMod):
+        return fn.region()(query, key, value, mask_mod.mask)
     try:
         mask = create_mask(mask_mod, batch, heads, q_len, kv_len, device=query.device)
     except RuntimeError as e:
@@ -138,3 +142,55 @@ def flex_attention_captured() -> Iterator[None]:
     with flex_attention_routed(_route):
         yield
 
+
+
+# ---------------------------------------------------------------------------------------------
+# BlockMask inputs: carried through the graph as their dense masks
+# ---------------------------------------------------------------------------------------------
+
+BLOCK = 128  # tokens a side of the stand-in's blocks (create_block_mask's default); none is skipped
+
+
+@dataclass(frozen=True, eq=False)
+class DenseMaskMod:
+    """A ``mask_mod`` reading a dense boolean mask ``[B, H, q_len, kv_len]`` (B, H may be 1): the
+    one of the stand-in block mask a traced step receives where the user passed a BlockMask."""
+
+    mask: torch.Tensor
+
+    def __call__(self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        batch, heads = self.mask.shape[0], self.mask.shape[1]
+        return self.mask[b if batch > 1 else 0, h if heads > 1 else 0, q, kv]
+
+
+def is_block_mask(value: object) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(value, BlockMask)
+
+
+def dense_mask(block_mask: Any) -> torch.Tensor:
+    """The boolean ``[B, H, q_len, kv_len]`` mask of a BlockMask (B, H its own: 1 where it
+    broadcasts), on its device: its ``mask_mod`` evaluated everywhere (``create_mask``)."""
+    from torch.nn.attention.flex_attention import create_mask, noop_mask
+
+    mod = block_mask.mask_mod
+    if isinstance(mod, DenseMaskMod):
+        return mod.mask
+    batch, heads = int(block_mask.kv_num_blocks.shape[0]), int(block_mask.kv_num_blocks.shape[1])
+    q_len, kv_len = block_mask.seq_lengths
+    return create_mask(mod if mod is not None else noop_mask, batch, heads, q_len, kv_len,
+                       device=block_mask.kv_num_blocks.device)
+
+
+def block_mask_of(mask: torch.Tensor) -> Any:
+    """A BlockMask standing for the dense ``mask`` inside a traced step: every block partial, its
+    ``mask_mod`` a :class:`DenseMaskMod` (which the captured call reads directly)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, heads, q_len, kv_len = mask.shape
+    q_blocks, kv_blocks = -(-q_len // BLOCK), -(-kv_len // BLOCK)
+    counts = torch.full((batch, heads, q_blocks), kv_blocks, dtype=torch.int32, device=mask.device)
+    indices = torch.arange(kv_blocks, dtype=torch.int32, device=mask.device).expand(batch, heads, q_blocks, kv_blocks)
+    return BlockMask.from_kv_blocks(counts, indices.contiguous(), BLOCK_SIZE=BLOCK, mask_mod=DenseMaskMod(mask),
+                                    seq_lengths=(q_len, kv_len))
