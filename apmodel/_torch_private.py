@@ -99,6 +99,7 @@ __all__ = [
     "composite_autograd_on_meta",
     "fused_attention_on_meta",
     "flex_attention_routed",
+    "autocast_skips_meta",
     "aliases_first_input",
     "library_sees_tracing",
     "causal_mask_detection_off",
@@ -1143,3 +1144,31 @@ def flex_attention_routed(route: Callable[..., torch.Tensor]) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(flex, name, value)
+
+
+@contextlib.contextmanager
+def autocast_skips_meta() -> Iterator[None]:
+    """While inside, ``torch.autocast(device_type="meta", ...)`` is a context that does nothing
+    instead of an error (``unsupported autocast device_type 'meta'``): models that open autocast on
+    their tensors' device (torchtitan's MoE router, in fp32) trace on meta, their ops at the dtypes
+    of their tensors. Other device types autocast as before; code that bound ``torch.autocast``
+    under another name at import is not reached. Restored on exit. Not thread-safe."""
+    autocast = torch.autocast
+
+    class MetaAutocast(autocast):  # type: ignore[misc, valid-type]  # torch.autocast is a class
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            self._meta = device_type == "meta"
+            if not self._meta:
+                super().__init__(device_type, *args, **kwargs)
+
+        def __enter__(self) -> Any:
+            return None if self._meta else super().__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return None if self._meta else super().__exit__(*exc)
+
+    torch.autocast = MetaAutocast  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.autocast = autocast  # type: ignore[misc]

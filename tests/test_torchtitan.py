@@ -33,6 +33,18 @@ def test_llama3_debug_model_is_planned_with_sharded_flex_attention():
     assert all(str(s).split(" <- ")[0] != "RR" for s in forward.values()), forward
 
 
+def test_deepseek_v3_debug_model_is_planned():
+    """Its MoE router opens torch.autocast on the tensors' device: a no-op on meta while traced."""
+    from apmodel.entry import torchtitan as T
+
+    model = T.build_model("deepseek_v3", "debugmodel")
+    plan = T.plan(model, MESH, 8, 256, device="h100")
+    forward = {n: str(s) for n, s in plan.node_strategy.items()
+               if n.startswith("flex_attention") and "_backward" not in n}
+    assert forward and all(n.startswith("flex_attention_mb") for n in forward), forward
+    assert any(n.startswith("_grouped_mm") for n in plan.node_strategy)  # the routed experts
+
+
 def test_parallelize_fn_takes_the_train_spec_hook_arguments():
     from torchtitan.models.llama3 import model_registry
 
@@ -93,6 +105,47 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
         want.backward()
         twin_opt.step()
         out["train"].append((_value(loss), want.item()))
+    out["deepseek_v3"] = _deepseek_worker(mesh)
+    return out
+
+
+def _deepseek_worker(mesh: Any) -> dict[str, Any]:
+    """DeepSeek-V3's debug model (MLA attention, routed experts): forward-only against torchtitan
+    on one CPU, training against its SDPA twin (one document a row)."""
+    from apmodel.entry import torchtitan as T
+    from apmodel.lowering import load_full_state_dict
+
+    torch.manual_seed(0)
+    ref = T.build_model("deepseek_v3", "debugmodel", device="cpu")
+    weights = {k: v.detach().clone() for k, v in
+               list(T.TorchtitanStep(ref).named_parameters()) + list(T.TorchtitanStep(ref).named_buffers())}
+    out: dict[str, Any] = {}
+    for documents in (2, 1):
+        tokens, positions, labels = T.sample_batch(ref, 4, 128, documents=documents)
+        model = T.parallelize(T.build_model("deepseek_v3", "debugmodel"), mesh, tokens, positions, labels,
+                              device="h100")
+        model.to_empty(device="cpu")
+        load_full_state_dict(model, weights)
+        if documents == 2:
+            model.eval()
+            with torch.no_grad():
+                got = model(tokens, positions, labels)
+                want = T.cross_entropy(T.TorchtitanStep(ref.eval())(tokens, positions), labels)
+            out["forward"] = (_value(got), want.item())
+            continue
+        twin = _sdpa_twin(ref.train())
+        opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+        out["train"] = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(tokens, positions, labels)
+            loss.backward()
+            opt.step()
+            twin_opt.zero_grad()
+            want = T.cross_entropy(twin(tokens, positions), labels)
+            want.backward()
+            twin_opt.step()
+            out["train"].append((_value(loss), want.item()))
     return out
 
 
@@ -166,6 +219,20 @@ def _trainer_worker(rank: int, world: int) -> list[tuple[float, float]]:
 @pytest.mark.slow
 def test_parallelize_fn_trains_as_torchtitans_trainer_calls_it():
     losses = run_distributed(_trainer_worker, 4, timeout_s=900)[0]
+    assert losses[-1][1] < losses[0][1]
+    for got, want in losses:
+        assert got == pytest.approx(want, rel=RTOL)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_forward_on_gloo_equals_torchtitan_on_one_cpu(gloo_runs):
+    got, want = gloo_runs["deepseek_v3"]["forward"]
+    assert got == pytest.approx(want, rel=RTOL)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_training_on_gloo_equals_the_sdpa_model(gloo_runs):
+    losses = gloo_runs["deepseek_v3"]["train"]
     assert losses[-1][1] < losses[0][1]
     for got, want in losses:
         assert got == pytest.approx(want, rel=RTOL)

@@ -15,9 +15,9 @@ those calls (:mod:`apmodel.graph.flex`); this module supplies the rest:
 * :func:`parallelize_fn`: the hook a torchtitan ``ModelSpec`` takes (``parallelize_fn=``), with the
   signature of torchtitan's own ``parallelize_llama``.
 
-Tested with torchtitan 0.3.0 (:data:`TESTED_VERSION`) on torch 2.13. DeepSeek-V3's MoE opens
-``torch.autocast(device_type=x.device.type)``, which refuses the meta device capture traces on
-(``RuntimeError: User specified an unsupported autocast device_type 'meta'``): it is not planned.
+Tested with torchtitan 0.3.0 (:data:`TESTED_VERSION`) on torch 2.13: Llama 3 and DeepSeek-V3
+(whose MoE router opens ``torch.autocast`` on its tensors' device, a no-op on meta while capture
+traces: :func:`apmodel._torch_private.autocast_skips_meta`).
 """
 
 from __future__ import annotations
