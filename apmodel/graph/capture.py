@@ -35,7 +35,7 @@ import torch
 from torch import fx, nn
 
 from apmodel._torch_private import OpOverload, aliases_first_input, op_schema, overload_name
-from apmodel.graph.flex import block_mask_of, dense_mask, is_block_mask
+from apmodel.graph.flex import block_mask_of, dense_block_masks, dense_mask, is_block_mask
 from apmodel.graph.stamping import trace_step
 from apmodel.graph.tracing import TracedStep, simplify, user_fqn
 
@@ -226,17 +226,6 @@ def _as_tensor_tuple(values: Any, what: str, block_masks: bool = False) -> tuple
     return tuple(values)
 
 
-def _dense_block_masks(flat: tuple[Any, ...], model: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """BlockMasks among the flat inputs replaced by their dense masks, on the device the step is
-    traced on (the model's); and their positions."""
-    at = tuple(i for i, x in enumerate(flat) if is_block_mask(x))
-    if not at:
-        return flat, ()
-    device = next((p.device for p in model.parameters()), None)
-    dense = tuple(dense_mask(x).to(device or x.kv_num_blocks.device) if i in at else x for i, x in enumerate(flat))
-    return dense, at
-
-
 def _validate(
     model: Any, sample_inputs: Any, loss_fn: Any, kwargs: Any, targets: Any
 ) -> tuple[InputSignature, tuple[torch.Tensor, ...]]:
@@ -262,7 +251,7 @@ def _validate(
         if loss_fn is None:
             raise ValueError("capture: targets are passed to loss_fn; give loss_fn too")
         targets = _as_tensor_tuple(targets, "targets")
-    flat, block_masks = _dense_block_masks(args + tuple(tensor_kwargs.values()) + (targets or ()), model)
+    flat, block_masks = dense_block_masks(args + tuple(tensor_kwargs.values()) + (targets or ()), model)
     signature = InputSignature(
         n_args=len(args),
         kwarg_names=tuple(tensor_kwargs),

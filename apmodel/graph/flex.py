@@ -194,3 +194,14 @@ def block_mask_of(mask: torch.Tensor) -> Any:
     indices = torch.arange(kv_blocks, dtype=torch.int32, device=mask.device).expand(batch, heads, q_blocks, kv_blocks)
     return BlockMask.from_kv_blocks(counts, indices.contiguous(), BLOCK_SIZE=BLOCK, mask_mod=DenseMaskMod(mask),
                                     seq_lengths=(q_len, kv_len))
+
+
+def dense_block_masks(flat: tuple[Any, ...], model: torch.nn.Module) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """BlockMasks among a call's flat inputs replaced by their dense masks, on the device the step
+    is traced on (the model's parameters'); and their positions."""
+    at = tuple(i for i, x in enumerate(flat) if is_block_mask(x))
+    if not at:
+        return flat, ()
+    device = next((p.device for p in model.parameters()), None)
+    dense = tuple(dense_mask(x).to(device or x.kv_num_blocks.device) if i in at else x for i, x in enumerate(flat))
+    return dense, at
