@@ -30,6 +30,11 @@ mask, a query that the mask leaves no key giving zeros (flex_attention's convent
 CPU backward, so CPU processes train it. On a GPU the dense mask costs ``B·H·q_len·kv_len`` bytes
 and the fused kernel's block skipping is not used. ``score_mod`` is refused; a logsumexp asked for
 (``return_lse``) comes back None.
+
+A BlockMask the user passes in (a sample input or keyword argument) is carried as a graph input
+holding its dense mask (:func:`dense_mask`, evaluated on the host every call by
+``InputSignature.flatten``); the traced model receives a stand-in (:func:`block_mask_of`) whose
+``mask_mod`` (:class:`DenseMaskMod`) the route recognises and reads directly.
 """
 
 from __future__ import annotations
