@@ -239,3 +239,21 @@ def test_cuda_training_equals_torch_flex_attention(mask, kv_heads):
     assert losses[-1][1] < losses[0][1]
     for got, want in losses:
         assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_flex_regions_leave_bucketing_and_overlap_on():
+    """A captured flex_attention call issues no collectives of its own (communicates=False): the
+    plan's collectives are still priced bucketed and overlapped, as the native program runs them."""
+    from apmodel.core.options import PlanOptions
+    from apmodel.graph.capture import capture
+    from apmodel.graph.regions import region_of
+    from apmodel.problem.pricing import build_cost_context
+
+    with torch.device("meta"):
+        model = FlexLM()
+    x, y = tokens(4, 128)
+    captured = capture(model, (x.to("meta"),), lm_loss, targets=(y.to("meta"),))
+    regions = {region_of(n.target) for n in captured.gm.graph.nodes if n.op == "call_function"} - {None}
+    assert regions and not any(r.communicates for r in regions)
+    cost = build_cost_context(MESH, PlanOptions(device="h100"), captured)
+    assert cost.bucket_bytes > 0 and cost.overlap
