@@ -12,7 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("torchtitan")
+try:  # the extra absent, or broken by a missing dependency (triton)
+    import torchtitan  # noqa: F401
+except ImportError as e:
+    pytest.skip(f"torchtitan is not importable ({e}): pip install -e '.[torchtitan]'", allow_module_level=True)
 
 from _dist_utils import run_distributed  # noqa: E402
 
