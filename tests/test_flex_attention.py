@@ -154,7 +154,9 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
         ref.eval()
         with torch.no_grad():
             got, want = model(*inputs, y), lm_loss(ref(*inputs), y)
-        r: dict[str, Any] = {"forward": (_value(got), want.item())}
+            half = (x[:4], ref.block_mask(x[:4])) if given else (x[:4],)  # another batch size: its own program
+            got_half, want_half = model(*half, y[:4]), lm_loss(ref(*half), y[:4])
+        r: dict[str, Any] = {"forward": (_value(got), want.item()), "half": (_value(got_half), want_half.item())}
         model.train()
         opt, dense_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(dense.parameters(), lr=0.5)
         r["train"] = []
@@ -185,6 +187,13 @@ def gloo_runs() -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES)
 def test_forward_only_on_gloo_equals_torch_flex_attention(gloo_runs, case):
     got, want = gloo_runs[case]["forward"]
+    assert got == pytest.approx(want, rel=RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_forward_only_at_half_the_batch_equals_torch_flex_attention(gloo_runs, case):
+    got, want = gloo_runs[case]["half"]
     assert got == pytest.approx(want, rel=RTOL)
 
 
