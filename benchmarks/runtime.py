@@ -17,11 +17,12 @@ them alike. Variants:
 * ``--world`` processes (default 2): DDP; FSDP2 (``fully_shard`` per block and at the root); apmodel
   on mesh (world,) native eager with its own plan and with the DDP and FSDP recipes' plans (the
   same communication as the baselines: the runtime compared alone), native compiled, interpreter;
-  the plan for this machine (below) runs with overlap and, the same plan, without
-  (``parallelize(..., overlap=False)``).
+  the plan for this machine (below) and the FSDP recipe's plan for this machine (weight traffic
+  that can hide) each run with overlap and, the same plan, without (``parallelize(...,
+  overlap=False)``).
 
 ``--ranking``: every plan of :data:`RANKED_PLANS` (the planner's for this machine and for other
-devices, recipes, other bucket and in-flight sizes) run with overlap, forward and backward only,
+devices, with activation checkpointing, recipes, other bucket sizes) run with overlap, forward and backward only,
 its step predicted for this machine (the plan replayed under this machine's costs) against the
 measured median; Spearman's rank correlation and measured / predicted per process count
 (``--ranking-worlds 4``: also on a 2x2 mesh).
@@ -151,7 +152,6 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
     device = mesh.device_type
     import apmodel
     from apmodel.lowering import load_full_state_dict
-    from apmodel.reading import recipes
 
     tokens, targets = _batch(name, device)
     ref = _build(name, device)
@@ -159,8 +159,7 @@ def _apmodel_variant(name: str, mesh: Any, lowering: str, compiled: bool, recipe
     del ref
     extra: dict[str, Any] = dict(planned_for or {})
     if recipe is not None:  # the same parallelism as the hand-written baseline, to compare runtimes alone
-        r = recipes.get(recipe)
-        extra.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
+        extra.update(_recipe_options(recipe, tuple(mesh.shape)))
     if plan is not None:
         extra = {"plan": plan}
     if overlap is not None:
@@ -181,11 +180,15 @@ H100: dict[str, Any] = {"device": "h100"}
 
 #: The ranking's plans of the model on --world processes, each (label, how it is made): made for
 #: this machine (``"here"``) or another device, a recipe's constraints (those that need two mesh
-#: axes are left out on one), planning options (bucket and in-flight sizes change the program too).
+#: axes are left out on one, except tensor parallelism, which one axis takes alone), planning
+#: options (activation checkpointing and bucket sizes change the program too). Every entry is a
+#: different program: the same plan with another in-flight limit, or the serial optimum where it
+#: equals the overlapped one, is priced the same to the µs and would rank noise (the serial optimum
+#: is compared in the variants and in tests/test_overlap.py instead).
 RANKED_PLANS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("planner, this machine", {"for": "here"}),
-    ("planner, this machine, serial optimum", {"for": "here", "overlap": False}),  # planned serially, run overlapped
-    ("planner, this machine, 1 MB in flight", {"for": "here", "inflight_mb": 1.0}),
+    ("planner, this machine, selective AC", {"for": "here", "ac": "selective"}),
+    ("planner, this machine, full AC", {"for": "here", "ac": "full"}),
     ("planner, this machine, unbucketed", {"for": "here", "bucket_mb": 0.0}),
     ("planner, H100", {"for": "h100"}),
     ("planner, A100", {"for": "a100"}),
@@ -195,6 +198,23 @@ RANKED_PLANS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("Megatron TP recipe", {"for": "here", "recipe": "megatron_tp"}),
     ("Megatron TP+SP recipe", {"for": "here", "recipe": "megatron_tp_sp"}),
 )
+#: Options of RANKED_PLANS passed to the planner as they are.
+RANKED_OPTIONS = ("overlap", "inflight_mb", "bucket_mb", "ac")
+
+
+def _recipe_options(name: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
+    """A recipe's constraints and storage policy on ``mesh_shape``; on one axis a tensor-parallel
+    recipe is tensor parallelism alone (its rules with no data-parallel axis)."""
+    from apmodel.reading import recipes
+
+    r = recipes.get(name)
+    try:
+        constraints = r.constraints(mesh_shape)
+    except recipes.NotApplicable:
+        if not (r.tensor_parallel and len(mesh_shape) == 1):
+            raise
+        constraints = r.make(mesh_shape)
+    return {"constraints": constraints, "param_policy": r.param_policy}
 
 
 def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int) -> list[dict[str, Any]]:
@@ -206,14 +226,14 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
     tokens, targets = _batch(name, "cpu")
     made = []
     failed: list[dict[str, Any]] = []
+    programs: dict[str, str] = {}  # a program's strategies and run options -> the first label that made it
     for label, how in RANKED_PLANS:
         options = dict(here) if how["for"] == "here" else {"device": how["for"]}
-        options.update({k: v for k, v in how.items() if k in ("overlap", "inflight_mb", "bucket_mb")})
+        options.update({k: v for k, v in how.items() if k in RANKED_OPTIONS})
         if "recipe" in how:
-            r = recipes.get(how["recipe"])
             try:
-                options.update(constraints=r.constraints(tuple(mesh.shape)), param_policy=r.param_policy)
-            except recipes.NotApplicable:  # tensor parallel recipes need a second mesh axis
+                options.update(_recipe_options(how["recipe"], tuple(mesh.shape)))
+            except recipes.NotApplicable:  # a recipe the mesh cannot take
                 continue
         keep: list[Any] = []
         try:
@@ -224,7 +244,14 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
             failed.append({"model": name, "world": torch.distributed.get_world_size(), "plan": label,
                            "error": str(e).splitlines()[0]})
             continue
-        run_options = {k: options[k] for k in ("inflight_mb", "bucket_mb") if k in options}
+        run_options = {k: options[k] for k in ("inflight_mb", "bucket_mb", "ac") if k in options}
+        program = repr((sorted((k, str(v)) for k, v in keep[0].node_strategy.items()), sorted(run_options.items())))
+        if program in programs:  # the same program twice would rank noise against itself
+            logger.warning("ranking: %s is the program of %s; left out", label, programs[program])
+            failed.append({"model": name, "world": torch.distributed.get_world_size(), "plan": label,
+                           "same_as": programs[program]})
+            continue
+        programs[program] = label
         # the price of the program that runs, on this machine: the plan replayed under this machine's costs
         priced = apmodel.plan(_build(name, "meta"), tuple(mesh.shape), (tokens.to("meta"),),
                               targets=(targets.to("meta"),), loss_fn=_loss, replay=keep[0],
@@ -325,6 +352,13 @@ def _variants(name: str, mesh: Any, world: int, device: str, compile_: bool, thi
                          lambda: _apmodel_variant(name, mesh, "native", False, planned_for=this_machine, keep=kept)))
         variants.append(("apmodel native, plan for this machine, overlap off",  # the same plan, run serially
                          lambda: _apmodel_variant(name, mesh, "native", False, plan=kept[0], overlap=False)))
+        # a plan whose weight traffic can hide: FSDP's gathers and reductions, priced for this machine
+        fsdp_kept: list[Any] = []
+        variants.append(("apmodel native, FSDP plan for this machine",
+                         lambda: _apmodel_variant(name, mesh, "native", False, "fsdp", planned_for=this_machine,
+                                                  keep=fsdp_kept)))
+        variants.append(("apmodel native, FSDP plan for this machine, overlap off",
+                         lambda: _apmodel_variant(name, mesh, "native", False, plan=fsdp_kept[0], overlap=False)))
     if world > 1:
         variants.append(("apmodel native, DDP plan",
                          lambda: _apmodel_variant(name, mesh, "native", False, "ddp", planned_for=H100)))
@@ -386,7 +420,7 @@ def ranking_summary(ranked: list[dict[str, Any]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for world in sorted({r["world"] for r in ranked}):
-        rows = [r for r in ranked if r["world"] == world and "error" not in r]
+        rows = [r for r in ranked if r["world"] == world and "measured_ms" in r]
         ratios = [r["measured_ms"] / r["predicted_ms"] for r in rows]
         out[str(world)] = {"plans": len(rows), "spearman": float(spearmanr([r["predicted_ms"] for r in rows],
                                                                                [r["measured_ms"] for r in rows]).statistic),
@@ -420,6 +454,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             hand = by.get((m, w, "apmodel native, plan for this machine"))
             if m == name and v == "apmodel native, device auto" and hand:
                 s[f"device auto / plan for this machine ({w} processes)"] = r["step_ms"] / hand["step_ms"]
+            serial = by.get((m, w, v + ", overlap off"))  # the same plan with and without overlap
+            if m == name and serial:
+                s[f"{v}: overlap on / off ({w} processes)"] = r["step_ms"] / serial["step_ms"]
         out[name] = s
     return out
 
@@ -479,11 +516,14 @@ def main(argv: list[str] | None = None) -> int:
                             "forward + backward")
         for col in ("model", "processes", "plan", "predicted ms", "serial ms", "measured ms", "measured / predicted"):
             table.add_column(col, justify="left" if col in ("model", "plan") else "right")
-        for r in (r for r in ranked if "error" not in r):
+        for r in (r for r in ranked if "measured_ms" in r):
             table.add_row(r["model"], str(r["world"]), r["plan"], f"{r['predicted_ms']:.2f}",
                           f"{r['serial_predicted_ms']:.2f}", f"{r['measured_ms']:.2f}",
                           f"{r['measured_ms'] / r['predicted_ms']:.2f}")
         console.print(table)
+        for r in (r for r in ranked if "measured_ms" not in r):
+            console.print(f"{r['plan']} ({r['world']} processes): " + (
+                f"the program of {r['same_as']}" if "same_as" in r else f"did not run: {r['error']}"))
         for world, s in ranks.items():
             console.print(f"ranking on {world} processes: Spearman {s['spearman']:.2f}, measured / predicted "
                           f"{s['measured_over_predicted_min']:.2f} to {s['measured_over_predicted_max']:.2f}")

@@ -13,6 +13,7 @@ from .calibration import (
 )
 from .collectives import KINDS, MeasuredNccl, NCCLCollectives, bus_bandwidth_factor
 from .compute import RooflineCompute
+from .fresh_pages import FreshPageCollectives
 from .hardware import BUILTIN_DEVICES, DeviceRegistry, DeviceSpec, FabricSpec, device, load_devices
 from .measured import (
     BUILTIN_PROFILES,
@@ -29,7 +30,7 @@ from .redistribution import redistribution_matrix, redistribution_steps, redistr
 from .topology import AxisLink, Topology
 
 __all__ = [
-    "AxisLink", "BUCKETED_KINDS", "BucketedCollectives", "BUILTIN_DEVICES", "MeasuredNccl", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
+    "AxisLink", "FreshPageCollectives", "BUCKETED_KINDS", "BucketedCollectives", "BUILTIN_DEVICES", "MeasuredNccl", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
     "ProfileError", "builtin_profile", "compute_model", "load_profile", "Calibration", "CalibratedCollectives", "CalibrationMismatch",
     "CommModel", "ComputeModel", "CorrectionCurve", "DeviceRegistry", "DeviceSpec", "FabricSpec", "KINDS",
     "NCCLCollectives", "NcclTestsLog", "RooflineCompute", "Topology", "bus_bandwidth_factor",

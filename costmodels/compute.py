@@ -162,9 +162,11 @@ class RooflineCompute:
             rate = self._vector_flops
         compute_us = flops / rate * 1e6
         memory_us = nbytes / self._bw * 1e6
-        total = max(compute_us, memory_us) + self._floor
+        # a host allocator's fresh pages for large outputs (DeviceSpec.fresh_pages_from_bytes)
+        fresh_us = sum(self.device.fresh_pages_us(self._nbytes(t, dtype)) for t in outs)
+        total = max(compute_us, memory_us) + self._floor + fresh_us
         return {"flops": flops, "bytes": nbytes, "compute_us": compute_us,
-                "memory_us": memory_us, "total_us": total}
+                "memory_us": memory_us, "fresh_pages_us": fresh_us, "total_us": total}
 
     def _tensor_core_rate(self, ins: list[torch.Tensor], dtype: torch.dtype | None) -> float:
         dts = [t.dtype for t in ins if t.is_floating_point()]
@@ -177,13 +179,18 @@ class RooflineCompute:
     def _bytes(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                dtype: torch.dtype | None) -> int:
         def size(t: torch.Tensor) -> int:
-            isz = dtype.itemsize if (dtype is not None and t.is_floating_point()) else t.element_size()
-            return t.numel() * isz
+            return self._nbytes(t, dtype)
         out_b = sum(size(t) for t in outs)
         if name in GATHER_OPS and ins:
             # read the gathered rows (= output size) and the indices, write the output
             return sum(size(t) for t in ins[1:]) + 2 * out_b
         return sum(size(t) for t in ins) + out_b
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+        """Bytes of ``t`` priced at ``dtype`` (floating tensors) or its own element size."""
+        isz = dtype.itemsize if (dtype is not None and t.is_floating_point()) else t.element_size()
+        return t.numel() * isz
 
     def cache_info(self) -> int:
         return len(self._cache)

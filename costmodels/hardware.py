@@ -57,6 +57,18 @@ GPU_OVERLAP_SLOWDOWN = 0.05
 #: and 4 gloo processes hid 0.26-0.38 of their serial time (serial 24.3-51.7 ms, overlapped
 #: 20.5-47.3 ms, computation alone 12.6-34.8 ms a round): taken as 0.65.
 CPU_OVERLAP_SLOWDOWN = 0.65
+#: Host blocks at least this large (bytes) are fresh pages on every allocation with glibc's malloc,
+#: PyTorch's CPU allocator underneath: blocks from the mmap threshold up are mmapped and unmapped on
+#: free, and the dynamic threshold stops rising at DEFAULT_MMAP_THRESHOLD_MAX, 4 * 1024 * 1024 *
+#: sizeof(long) = 32 MiB on 64-bit (glibc malloc/malloc.c; mallopt(3), M_MMAP_THRESHOLD). Below it a
+#: training loop's blocks come from the heap after its first step (costmodels.kernel_timing.
+#: HOST_ALLOCATOR_WARM_BYTES warms the measurements the same way).
+GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20
+#: Rate (GB/s) at which the kernel hands a CPU process fresh zeroed pages on first touch. Measured
+#: on the 2-core development host (torch 2.13, one thread): torch.zeros of 32 and 64 MiB took 11.67
+#: and 23.59 ms against 0.36 ms for 16 MiB (heap blocks), and 0.82 / 1.69 ms with MALLOC_MMAP_MAX_=0
+#: (no mmapped blocks): ~10.9 ms per 32 MiB of page faults, 3.1 GB/s.
+CPU_FRESH_PAGES_GBPS = 3.1
 
 #: Ring (Simple protocol) bus bandwidth as a fraction of the NVLink line rate.
 #: H100: nccl-tests reach ~370 GB/s bus bandwidth on 450 GB/s NVLink 4 (docs/design.md,
@@ -118,6 +130,18 @@ class DeviceSpec:
     #: fraction of a collective's time that the computation still loses while the collective
     #: runs behind it (see costmodels.overlap.simulate)
     overlap_slowdown: float = GPU_OVERLAP_SLOWDOWN
+    #: outputs of at least this many bytes get fresh pages on every allocation (a host allocator
+    #: that maps and unmaps large blocks); None: a caching allocator, as PyTorch's CUDA one
+    fresh_pages_from_bytes: int | None = None
+    #: rate of those fresh pages' first touch, GB/s (used when ``fresh_pages_from_bytes`` is set)
+    fresh_pages_GBps: float = CPU_FRESH_PAGES_GBPS
+
+    def fresh_pages_us(self, nbytes: float) -> float:
+        """Time (µs) the first touch of a freshly allocated block of ``nbytes`` costs: 0 below
+        ``fresh_pages_from_bytes`` (or without it), else ``nbytes`` at ``fresh_pages_GBps``."""
+        if self.fresh_pages_from_bytes is None or nbytes < self.fresh_pages_from_bytes:
+            return 0.0
+        return nbytes / (self.fresh_pages_GBps * 1e3)
 
     def __post_init__(self) -> None:
         if not self.peak_tflops:
@@ -130,6 +154,8 @@ class DeviceSpec:
                 raise ValueError(f"device {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         if not 0 <= self.overlap_slowdown <= 1:
             raise ValueError(f"device {self.name!r}: overlap_slowdown must lie in [0, 1], got {self.overlap_slowdown}")
+        if not self.fresh_pages_GBps > 0:
+            raise ValueError(f"device {self.name!r}: fresh_pages_GBps must be > 0, got {self.fresh_pages_GBps}")
         if not (0 < self.matmul_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
             raise ValueError(f"device {self.name!r}: efficiencies must lie in (0, 1]")
         # freeze the mapping so that a DeviceSpec cannot be mutated through it
@@ -228,7 +254,7 @@ _CPU = DeviceSpec(
                       ring_efficiency=0.8, extra_latency_us=5.0),
     nic_GBps=10e9 / 8 / 1e9, nic_latency_us=20.0,
     launch_floor_us=CPU_LAUNCH_FLOOR_US, matmul_efficiency=0.6, memory_efficiency=0.7,
-    arch="cpu", overlap_slowdown=CPU_OVERLAP_SLOWDOWN,
+    arch="cpu", overlap_slowdown=CPU_OVERLAP_SLOWDOWN, fresh_pages_from_bytes=GLIBC_MMAP_THRESHOLD_MAX_BYTES,
 )
 
 #: Read-only table of built-in devices, by canonical name.

@@ -359,7 +359,15 @@ class MeasuredCompute:
 
     # --- pricing -----------------------------------------------------------------------
     def price(self, op: Any, args: tuple, kwargs: dict, out: Any, dtype: torch.dtype | None) -> Price:
-        """CPU and GPU time of ``op`` (uncached)."""
+        """CPU and GPU time of ``op`` (uncached); on a device whose host allocator maps large blocks
+        afresh (``DeviceSpec.fresh_pages_from_bytes``), the first touch of each large output too."""
+        p = self._kernel_price(op, args, kwargs, out, dtype)
+        if p.kind in ("view", "alloc") or self.device.fresh_pages_from_bytes is None:
+            return p
+        fresh = sum(self.device.fresh_pages_us(_nbytes(t, dtype)) for t in tensors_in(out))
+        return p._replace(gpu_us=p.gpu_us + fresh) if fresh else p
+
+    def _kernel_price(self, op: Any, args: tuple, kwargs: dict, out: Any, dtype: torch.dtype | None) -> Price:
         if op is operator.getitem:
             return _FREE
         name = op_name(op)

@@ -128,6 +128,9 @@ def _plain_partials(x: DTensor) -> DTensor:
             if p.mask_buffer.data is None:
                 raise RuntimeError("masked partial value without its mask (already reduced?)")
             p.mask_buffer.apply_mask(local)
+            # consumed, as DTensor's own reduction would release it: a mask left behind stays in
+            # DTensor's cached strategy and breaks the next trace ("Mixing fake modes NYI")
+            p.mask_buffer.release_mask()
             new.append(Partial(p.reduce_op))
         else:
             new.append(p)

@@ -461,6 +461,8 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
     comm = _cost_model(options.comm_model, costmodels.NCCLCollectives, topo)
     if options.calibration is not None:
         comm = costmodels.CalibratedCollectives(comm, costmodels.Calibration.load(options.calibration))
+    if spec.fresh_pages_from_bytes is not None:  # a host allocator: large outputs fault their pages in
+        comm = costmodels.FreshPageCollectives(comm, spec, mesh_shape)
     dtype = pricing_dtype(options.dtype)
     mixed = options.mixed_precision
     if mixed is None:
