@@ -99,6 +99,9 @@ __all__ = [
     "TangentAOTInput",
     "composite_autograd_on_meta",
     "fused_attention_on_meta",
+    "flex_attention_routed",
+    "autocast_skips_meta",
+    "aliases_first_input",
     "library_sees_tracing",
     "causal_mask_detection_off",
     "with_children",
@@ -323,6 +326,17 @@ def op_schema(target: object) -> Any:
     """The ``torch._C.FunctionSchema`` of an operator (an OpOverload, a higher-order op), None
     for a plain Python callable."""
     return getattr(target, "_schema", None)
+
+
+def aliases_first_input(node: torch.fx.Node) -> bool:
+    """A view of its first input (``t``, ``view``, ``transpose``, ``_unsafe_view``...), by the
+    alias annotation of the op's schema."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
+        return True
+    schema = op_schema(node.target)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def overload_packet(op: Any) -> Any:
@@ -1105,3 +1119,77 @@ def _to_pairs(op, strat, n_inputs):
             ins = tuple(tuple(s.placements) for s in spec.input_specs)
         result.append((outs, ins))
     return result
+
+
+@contextlib.contextmanager
+def flex_attention_routed(route: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """While inside, ``torch.nn.attention.flex_attention.flex_attention`` (however a model
+    imported it) checks its arguments as usual, then returns ``route(query, key, value,
+    score_mod=, mask_mod=, mask_shape=(B, H, q_len, kv_len), scale=)`` instead of running its
+    higher-order op: ``score_mod`` None for none, ``mask_mod`` None for none, ``B``/``H`` the block
+    mask's batch and head sizes (1 where it broadcasts).
+
+    Three module globals of ``torch.nn.attention.flex_attention`` are swapped, restored on exit:
+    ``_validate_device`` (it refuses meta tensors, and CPU tensors that need a gradient: ``route``
+    brings its own kernels), ``flex_attention_hop`` (the higher-order op the function calls last),
+    and ``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` (else the op is called through ``torch.compile``).
+    A logsumexp asked for (``return_lse``, ``return_aux``) comes back None. Not thread-safe."""
+    import torch.nn.attention.flex_attention as flex
+
+    names = ("_validate_device", "flex_attention_hop", "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "_identity")
+    missing = [n for n in names if not hasattr(flex, n)]
+    if missing:
+        raise MissingTorchFeature(f"torch {torch.__version__}: torch.nn.attention.flex_attention has no "
+                                  f"{', '.join(missing)} (what apmodel swaps to capture flex_attention)")
+    identity = flex._identity
+
+    def hop(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Any, block_mask: tuple,
+            scale: float, kernel_options: Any, *rest: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # block_mask is BlockMask.as_tuple(): (q_len, kv_len, kv_num_blocks [B, H, ...], ..., mask_mod)
+        q_len, kv_len, kv_num_blocks, mask_mod = block_mask[0], block_mask[1], block_mask[2], block_mask[-1]
+        noop = getattr(flex, "noop_mask", None)
+        out = route(query, key, value, score_mod=None if score_mod is identity else score_mod,
+                    mask_mod=None if mask_mod is noop else mask_mod,
+                    mask_shape=(int(kv_num_blocks.shape[0]), int(kv_num_blocks.shape[1]), int(q_len), int(kv_len)),
+                    scale=float(scale))
+        return out, out.new_empty(0), out.new_empty(0)
+
+    saved = {n: getattr(flex, n) for n in names[:3]}
+    swapped: dict[str, Any] = {"_validate_device": lambda *args: None,
+                               "flex_attention_hop": hop,  # a plain function where torch has its op object
+                               "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG": True}
+    for name, value in swapped.items():
+        setattr(flex, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(flex, name, value)
+
+
+@contextlib.contextmanager
+def autocast_skips_meta() -> Iterator[None]:
+    """While inside, ``torch.autocast(device_type="meta", ...)`` is a context that does nothing
+    instead of an error (``unsupported autocast device_type 'meta'``): models that open autocast on
+    their tensors' device (torchtitan's MoE router, in fp32) trace on meta, their ops at the dtypes
+    of their tensors. Other device types autocast as before; code that bound ``torch.autocast``
+    under another name at import is not reached. Restored on exit. Not thread-safe."""
+    autocast = torch.autocast
+
+    class MetaAutocast(autocast):  # type: ignore[misc, valid-type]  # torch.autocast is a class
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            self._meta = device_type == "meta"
+            if not self._meta:
+                super().__init__(device_type, *args, **kwargs)
+
+        def __enter__(self) -> Any:
+            return None if self._meta else super().__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            return None if self._meta else super().__exit__(*exc)
+
+    torch.autocast = MetaAutocast  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.autocast = autocast  # type: ignore[misc]

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from apmodel._torch_private import OpOverload, op_schema, overload_name
+from apmodel._torch_private import OpOverload, aliases_first_input, op_schema, overload_name
+from apmodel.graph.flex import block_mask_of, dense_block_masks, dense_mask, is_block_mask
 from apmodel.graph.linear3d import rewrite_linears
 from apmodel.graph.stamping import trace_step
 from apmodel.graph.tracing import TracedStep, simplify, user_fqn
@@ -147,6 +148,10 @@ class InputSignature:
     constant_kwargs: tuple[tuple[str, Any], ...] = ()
     n_targets: int | None = None
     """None: no separate targets (the loss gets the model's positional arguments)"""
+    block_masks: tuple[int, ...] = ()
+    """flat inputs that the user passes as FlexAttention BlockMasks: graph inputs holding their
+    dense boolean masks (:func:`apmodel.graph.flex.dense_mask`), handed to the model as stand-in
+    BlockMasks that read them"""
 
     @property
     def n_inputs(self) -> int:
@@ -180,11 +185,20 @@ class InputSignature:
         for k, v in self.constant_kwargs:
             if not (kwargs[k] is v or (type(kwargs[k]) is type(v) and kwargs[k] == v)):
                 raise ValueError(f"{where}: keyword argument {k!r} is {kwargs[k]!r}; it was traced as the constant {v!r}")
-        return list(args[: self.n_args]) + [kwargs[k] for k in self.kwarg_names] + list(args[self.n_args:])
+        flat = list(args[: self.n_args]) + [kwargs[k] for k in self.kwarg_names] + list(args[self.n_args:])
+        for i in self.block_masks:
+            if is_block_mask(flat[i]):
+                flat[i] = dense_mask(flat[i])
+            elif not isinstance(flat[i], torch.Tensor) or flat[i].dtype != torch.bool:
+                raise ValueError(f"{where}: {self.name(i)} was traced as a FlexAttention BlockMask, got "
+                                 f"{type(flat[i]).__name__}")
+        return flat
 
     def split(self, flat: Sequence[Any]) -> tuple[tuple, dict[str, Any], tuple | None]:
         """Flat inputs -> ``(args, kwargs, targets)`` of the traced call (constants included in
         ``kwargs``; ``targets`` is None when the loss reads the model's arguments)."""
+        if self.block_masks:
+            flat = [block_mask_of(x) if i in self.block_masks else x for i, x in enumerate(flat)]
         n_kw = len(self.kwarg_names)
         kwargs = dict(zip(self.kwarg_names, flat[self.n_args:self.n_args + n_kw], strict=False))
         kwargs.update(self.constant_kwargs)
@@ -202,14 +216,15 @@ def has_dtensor_rule(op: Any) -> bool:
     return has_sharding_rule(op)
 
 
-def _as_tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
+def _as_tensor_tuple(values: Any, what: str, block_masks: bool = False) -> tuple[Any, ...]:
     if isinstance(values, torch.Tensor):
         values = (values,)
     if not isinstance(values, (tuple, list)):
         raise ValueError(f"capture: {what} must be a tuple of tensors, got {type(values).__name__}")
     for i, x in enumerate(values):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"capture: {what}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+        if not isinstance(x, torch.Tensor) and not (block_masks and is_block_mask(x)):
+            raise ValueError(f"capture: {what}[{i}] must be a torch.Tensor"
+                             f"{' or a FlexAttention BlockMask' if block_masks else ''}, got {type(x).__name__}")
     return tuple(values)
 
 
@@ -219,15 +234,15 @@ def _validate(
     """Check the call and return its signature and flat tensor inputs."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"capture: model must be a torch.nn.Module, got {type(model).__name__}")
-    args = _as_tensor_tuple(sample_inputs, "sample_inputs")
+    args = _as_tensor_tuple(sample_inputs, "sample_inputs", block_masks=True)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"capture: loss_fn must be callable or None, got {type(loss_fn).__name__}")
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise ValueError(f"capture: kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    tensor_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    constants = tuple((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))
+    tensor_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) or is_block_mask(v)}
+    constants = tuple((k, v) for k, v in kwargs.items() if k not in tensor_kwargs)
     for k, v in constants:
         if not isinstance(v, (bool, int, float, str, type(None))):
             raise ValueError(
@@ -238,13 +253,14 @@ def _validate(
         if loss_fn is None:
             raise ValueError("capture: targets are passed to loss_fn; give loss_fn too")
         targets = _as_tensor_tuple(targets, "targets")
+    flat, block_masks = dense_block_masks(args + tuple(tensor_kwargs.values()) + (targets or ()), model)
     signature = InputSignature(
         n_args=len(args),
         kwarg_names=tuple(tensor_kwargs),
         constant_kwargs=constants,
         n_targets=None if targets is None else len(targets),
+        block_masks=block_masks,
     )
-    flat = args + tuple(tensor_kwargs.values()) + (targets or ())
     devices = {p.device.type for p in model.parameters()} | {x.device.type for x in flat}
     if devices - {"meta"}:
         logger.warning(
@@ -269,16 +285,6 @@ def _progress(message: str) -> contextlib.AbstractContextManager:
 
 
 
-
-
-def aliases_first_input(node: fx.Node) -> bool:
-    """A view of its first input (``t``, ``view``, ``transpose``, ``_unsafe_view``...)."""
-    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    if node.target is torch.ops.aten._unsafe_view.default:  # a view that does not say so in its schema
-        return True
-    schema = op_schema(node.target)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _is_view(node: fx.Node) -> bool:

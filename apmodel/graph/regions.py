@@ -50,8 +50,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from apmodel._torch_private import OpOverload, overload_packet
-from apmodel.graph.capture import aliases_first_input
+from apmodel._torch_private import OpOverload, aliases_first_input, overload_packet
 
 NAMESPACE = "apmodel_region"
 _ATTR = "_apmodel_region"  # where the LocalRegion hangs on its operator packet
@@ -255,6 +254,7 @@ class LocalRegion:
     fn: Callable[..., Any]
     alternatives: tuple[Alternative, ...]
     cost_us: Callable[..., float] | None = None
+    communicates: bool = True  # the function may issue collectives through region_comm
     _priced: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -522,6 +522,7 @@ def local_map(
     out_placements: Sequence[str | Placement] | None = None,
     alternatives: Mapping[str, tuple[Sequence[str | Placement], Sequence[str | Placement]]] | None = None,
     cost_us: Callable[..., float] | None = None,
+    communicates: bool = True,
 ) -> LocalRegion:
     """Declare ``fn`` a parallel region the planner plans around.
 
@@ -539,6 +540,9 @@ def local_map(
         alternatives: instead, several: name -> (input placements, output placements); the
             planner picks one (or all-replicated) per mesh axis. Their input placements differ.
         cost_us: ``cost_us(*local_tensors, backward=bool) -> µs`` replacing the traced price.
+        communicates: False promises that ``fn`` issues no collectives (never calls
+            :func:`region_comm`'s ``all_gather`` / ``all_to_all``): the native program then buckets
+            and overlaps the plan's own collectives around the region, as it does without regions.
     """
     if not callable(fn):
         raise TypeError(f"local_map: fn must be a function or a callable object run on local shards, "
@@ -555,10 +559,11 @@ def local_map(
     namespace = getattr(torch.ops, NAMESPACE)
     existing = getattr(getattr(namespace, name, None), _ATTR, None) if hasattr(namespace, name) else None
     if existing is not None:
-        if (existing.fn is fn or existing.fn == fn) and existing.alternatives == alts:
+        if (existing.fn is fn or existing.fn == fn) and existing.alternatives == alts \
+                and existing.communicates == communicates:
             return existing
         raise RegionError(f"local_map name {name!r} is already used by another region in this process")
-    region = LocalRegion(name, fn, alts, cost_us)
+    region = LocalRegion(name, fn, alts, cost_us, communicates)
     _register(region)
     return region
 

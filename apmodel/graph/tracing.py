@@ -102,6 +102,7 @@ def trace(
     module: nn.Module, inputs: tuple[torch.Tensor, ...], functionalize: bool
 ) -> tuple[fx.GraphModule, Any]:
     from apmodel._torch_private import (
+        autocast_skips_meta,
         causal_mask_detection_off,
         composite_autograd_on_meta,
         export_joint,
@@ -109,6 +110,7 @@ def trace(
         is_data_dependent_error,
         library_sees_tracing,
     )
+    from apmodel.graph.flex import flex_attention_captured
     from apmodel.graph.python_constants import PythonDataAsFactories
 
     modules = ModuleStack(module)
@@ -118,6 +120,8 @@ def trace(
             stack.enter_context(fused_attention_on_meta())
             stack.enter_context(library_sees_tracing())  # libraries skip value-dependent checks, as under export
             stack.enter_context(causal_mask_detection_off())  # nn.Transformer*'s mask comparison reads values
+            stack.enter_context(flex_attention_captured())  # flex_attention as a local_map region
+            stack.enter_context(autocast_skips_meta())  # torch.autocast(device_type="meta") a no-op
             stack.enter_context(PythonDataAsFactories())  # torch.tensor(3.0) in forward: a graph node with its value
             return export_joint(stack, module, inputs, functionalize=functionalize)
     except Exception as e:

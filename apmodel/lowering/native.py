@@ -41,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
 from apmodel.graph.linear3d import LOCAL_IMPLS
+from apmodel.graph.regions import region_of
 from apmodel.lowering.graph import flatten_args, unflatten_args
 from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
@@ -244,13 +245,14 @@ class NativeProgram:
         _drop_aliases(gm.graph)
         gm.graph.eliminate_dead_code()
         region_ops = {target for target, _, _ in self._regions}
+        talking = any(getattr(region_of(target), "communicates", True) for target in region_ops)
         # a region's function issues blocking collectives of its own (on other process groups, from
         # its backward's own thread): its graph keeps the traced order, each collective waited
         # right after it is issued, as the interpreter runs it
-        if self.bucket_mb and not region_ops:
+        if self.bucket_mb and not talking:
             gm = _bucketed(gm, self.bucket_mb, phase)
         # a region's own collectives are blocking: its graph keeps every collective waited as issued
-        order_collectives(gm, None if region_ops else self.inflight_mb, static,
+        order_collectives(gm, None if talking else self.inflight_mb, static,
                           GLOO_MAX_INFLIGHT if self.mesh.device_type == "cpu" else None)
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in region_ops]
         if len(nodes) != len(self._regions):

@@ -450,8 +450,8 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
     has a profile, else the roofline). Communication: ``options.comm_model``, else the NCCL model
     of the topology (with ``options.topology`` overrides), corrected by ``options.calibration``;
     parameter gathers and gradient reductions priced in buckets of ``options.bucket_mb`` (at most
-    ``captured``'s parameters; each alone where the graph has a ``local_map`` region, which the
-    native program runs unbucketed).
+    ``captured``'s parameters; each alone where the graph has a ``local_map`` region that
+    communicates, which the native program runs unbucketed).
     Mixed precision (default on for bf16/fp16): gradient reductions and master state in fp32;
     run as well as priced (``options.run_precision``) and ``captured`` traced at the param dtype
     (as :func:`apmodel.entry.api.plan` traces it then): tensors are priced in their traced dtypes.
@@ -481,7 +481,7 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
     if captured is not None:
         nodes = captured.gm.graph.nodes
         param_elements = sum(n.meta["val"].numel() for n in nodes if captured.roles.get(n.name) == "param")
-        if any(n.op == "call_function" and region_of(n.target) is not None for n in nodes):
+        if any(n.op == "call_function" and getattr(region_of(n.target), "communicates", False) for n in nodes):
             # a local_map region issues blocking collectives of its own: the native program then
             # keeps every collective in traced order, unmerged and waited as issued (apmodel.lowering.native)
             bucket_bytes = 0.0
