@@ -46,7 +46,7 @@ from apmodel.frontend.workloads import Workload, WorkloadError, load_workload
 from apmodel.problem.memory import OutOfMemory
 from apmodel.result.pipeline_record import DegreePrice, PipelineChoice, PipelineError
 from apmodel.solve import search
-from apmodel.solve.stage_costs import StepUnits, count_layers, step_units
+from apmodel.solve.stage_costs import StepUnits, UnitCost, count_layers, step_units
 from costmodels.p2p import peer_link, send_recv_us
 
 if TYPE_CHECKING:
@@ -140,6 +140,43 @@ def stage_rank(mesh_shape: Sequence[int], axis: int, degree: int, rank: int) -> 
     return rank * (mesh_shape[axis] // degree) * strides[axis]
 
 
+@dataclass(frozen=True)
+class StageWork:
+    """One stage under one weight synchronisation (:data:`apmodel.core.schedules.WEIGHT_SYNCS`):
+    µs per microbatch, µs once per step, and the bytes per device it adds to the stage's state and
+    activations (parameters kept gathered, gradients accumulated before their reduction)."""
+
+    sync: str
+    forward_us: float
+    backward_us: float
+    setup_us: float
+    flush_us: float
+    extra_bytes: float
+
+
+def stage_work(unit: UnitCost, sync: str) -> StageWork:
+    """``unit`` (one stage, its costs of one microbatch) under weight synchronisation ``sync``. Kept
+    gathered, the backward's gathers go too (they gather to what the forward's did)."""
+    if sync == "microbatch":
+        return StageWork(sync, unit.forward_us, unit.backward_us, 0.0, 0.0, 0.0)
+    if sync == "reduce_once":
+        return StageWork(sync, unit.forward_us, unit.backward_us - unit.reduce_us, 0.0, unit.reduce_us,
+                         unit.unreduced_grad_bytes)
+    if sync == "gather_once":
+        backward_gathers = unit.gather_us - unit.gather_once_us
+        return StageWork(sync, unit.forward_us - unit.gather_once_us,
+                         unit.backward_us - backward_gathers - unit.reduce_us, unit.gather_once_us, unit.reduce_us,
+                         unit.unreduced_grad_bytes + unit.gathered_bytes)
+    raise PipelineError(f"weight sync {sync!r}: expected one of {', '.join(schedules.WEIGHT_SYNCS)}")
+
+
+def _balancing_us(unit: UnitCost, microbatches: int) -> float:
+    """A layer's share of the step, per microbatch, kept gathered: its work without the weights'
+    traffic, plus that traffic (once per step) spread over the microbatches."""
+    work = stage_work(unit, "gather_once")
+    return work.forward_us + work.backward_us + (work.setup_us + work.flush_us) / microbatches
+
+
 def price_degree(
     units: StepUnits,
     degree: int,
@@ -151,15 +188,19 @@ def price_degree(
     memory_limit_bytes: float | None,
     stages: Sequence[tuple[int, int]] | None = None,
     stage_plan_layers: int | None = None,
+    weight_sync: Sequence[str] | None = None,
 ) -> DegreePrice:
     """Split, schedule and price one degree (> 1) from the per-unit costs of a microbatch.
 
     ``transfer_us(k, nbytes)``: moving ``nbytes`` per device across boundary ``k`` (stage ``k`` to
-    ``k + 1``). ``stages``: a split to price instead of the balanced one (a replayed plan)."""
+    ``k + 1``). ``stages``: a split to price instead of the balanced one (a replayed plan);
+    ``weight_sync``: each stage's weight synchronisation to price (a replayed plan) instead of the
+    cheapest that fits: every stage starts kept gathered, and while a rank is over the memory limit
+    its stage with the most extra bytes steps back (:func:`_less_memory`); the time of a stage only
+    grows as it steps back, so no cheaper fitting choice is left out stage by stage."""
     v = schedules.stages_per_rank(schedule)
     n_stages = degree * v
-    layer_us = [u.total_us for u in units.layers]
-    n_layers = len(layer_us)
+    n_layers = len(units.layers)
     limit = memory_limit_bytes
 
     def stage_bytes(k: int, first: int, last: int, in_flight: float) -> float:
@@ -171,33 +212,55 @@ def price_degree(
         def fits(k: int, i: int, j: int) -> bool:  # 1F1B: stage k holds min(m, d - k) microbatches
             return stage_bytes(k, i, j, min(microbatches, degree - k)) <= limit
     if stages is None:
+        layer_us = [_balancing_us(u, microbatches) for u in units.layers]
+        first_us, last_us = _balancing_us(units.pre, microbatches), _balancing_us(units.post, microbatches)
         try:
-            split = schedules.balanced_split(layer_us, n_stages, first_us=units.pre.total_us,
-                                             last_us=units.post.total_us, fits=fits)
+            split = schedules.balanced_split(layer_us, n_stages, first_us=first_us, last_us=last_us, fits=fits)
         except schedules.ScheduleError as e:
             if n_stages > n_layers:
                 raise PipelineError(f"pipeline degree {degree} ({schedule}, {n_stages} stages): {e}") from None
-            split = schedules.balanced_split(layer_us, n_stages, first_us=units.pre.total_us,
-                                             last_us=units.post.total_us)
+            split = schedules.balanced_split(layer_us, n_stages, first_us=first_us, last_us=last_us)
     else:
         split = tuple((int(a), int(b)) for a, b in stages)
         _check_split(split, n_stages, n_layers)
     parts = [units.stage(a, b, with_pre=k == 0, with_post=k == n_stages - 1) for k, (a, b) in enumerate(split)]
     transfers = [transfer_us(k, units.boundary_bytes[b]) for k, (_, b) in enumerate(split[:-1])]
-    timeline = schedules.simulate(schedule, degree, microbatches, [p.forward_us for p in parts],
-                                  [p.backward_us for p in parts], transfers, [p.activation_bytes for p in parts])
-    per_rank = []
-    for r in range(degree):
-        mine = [parts[k] for k in range(r, n_stages, degree)]
-        per_rank.append(sum(p.state_bytes for p in mine) + timeline.held_bytes[r] + units.transient_bytes)
+    if weight_sync is not None and len(weight_sync) != n_stages:
+        raise PipelineError(f"weight sync {list(weight_sync)}: expected one per stage ({n_stages})")
+    syncs = list(weight_sync) if weight_sync is not None else [schedules.WEIGHT_SYNCS[-1]] * n_stages
+    while True:
+        work = [stage_work(p, s) for p, s in zip(parts, syncs, strict=True)]
+        timeline = schedules.simulate(schedule, degree, microbatches, [w.forward_us for w in work],
+                                      [w.backward_us for w in work], transfers, [p.activation_bytes for p in parts],
+                                      [w.setup_us for w in work], [w.flush_us for w in work])
+        per_rank = [sum(parts[k].state_bytes + work[k].extra_bytes for k in range(r, n_stages, degree))
+                    + timeline.held_bytes[r] + units.transient_bytes for r in range(degree)]
+        over = [r for r in range(degree) if limit is not None and per_rank[r] > limit]
+        if weight_sync is not None or not over or not _less_memory(syncs, work, over, degree):
+            break
     peak = max(per_rank)
     ok = None if limit is None else peak <= limit
     return DegreePrice(
         degree=degree, objective_us=timeline.step_us, peak_bytes=peak, fits=ok, stage_mesh=tuple(stage_mesh_shape),
         stages=split, bubble_us=timeline.bubble_us, p2p_us=2 * sum(transfers),
-        stage_us=tuple(p.total_us for p in parts), stage_plan_layers=stage_plan_layers,
+        stage_us=tuple(w.forward_us + w.backward_us for w in work), stage_plan_layers=stage_plan_layers,
+        weight_sync=tuple(syncs), gather_step_us=tuple(w.setup_us for w in work),
+        reduce_step_us=tuple(w.flush_us for w in work),
         note="" if ok is not False else f"rank {per_rank.index(peak)} needs {peak / 1e9:.2f} GB",
     )
+
+
+def _less_memory(syncs: list[str], work: Sequence[StageWork], over: Sequence[int], degree: int) -> bool:
+    """Step back (in place) the weight sync of the stage holding the most extra bytes on each rank
+    in ``over`` (gather_once -> reduce_once -> microbatch); False when none of them can."""
+    changed = False
+    for r in over:
+        mine = [k for k in range(r, len(syncs), degree) if syncs[k] != schedules.WEIGHT_SYNCS[0]]
+        if mine:
+            k = max(mine, key=lambda k: work[k].extra_bytes)
+            syncs[k] = schedules.WEIGHT_SYNCS[schedules.WEIGHT_SYNCS.index(syncs[k]) - 1]
+            changed = True
+    return changed
 
 
 def _check_split(split: Sequence[tuple[int, int]], n_stages: int, n_layers: int) -> None:
@@ -322,7 +385,7 @@ def plan_pipeline(
     start = time.perf_counter()
     mesh = tuple(workload.mesh_shape)
     batch = batch_of(workload)
-    fixed_stages, fixed_layers = None, None
+    fixed_stages, fixed_layers, fixed_sync = None, None, None
     if replay is not None and replay.pipeline:  # the recorded degree, split and schedule; the stage plan replayed
         recorded = PipelineChoice.from_json(replay.pipeline, "replayed plan")
         if tuple(recorded.mesh) != mesh:
@@ -330,6 +393,8 @@ def plan_pipeline(
         pp = PipelineOptions(pp_axis=recorded.axis, pp_degrees=(recorded.degree,), microbatches=recorded.microbatches,
                              pp_schedule=recorded.schedule)
         fixed_stages, fixed_layers = recorded.chosen.stages or None, recorded.chosen.stage_plan_layers
+        # a plan recorded before weight sync was priced synchronised every stage per microbatch
+        fixed_sync = recorded.chosen.weight_sync or (schedules.WEIGHT_SYNCS[0],) * len(recorded.chosen.stages)
     degrees, m = pp.resolve(mesh, batch)
     full_topo = costmodels.Topology(mesh, costmodels.device(options.device) if isinstance(options.device, str)
                                     else options.device, options.gpus_per_node, **options.topology)
@@ -368,7 +433,8 @@ def plan_pipeline(
         progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.pp_schedule}; "
                  f"stage plan of {k_layers} layers")
         micro, cut = microbatch_workload(workload, sub, m, k_layers)
-        plan = plan_spmd(micro, sub_options.replace(memory_limit_bytes=math.inf), record)
+        # the stage plan sees its weights' traffic as one step of m microbatches pays it
+        plan = plan_spmd(micro, sub_options.replace(memory_limit_bytes=math.inf, weight_microbatches=m), record)
         pmodel = _placement_model(plan)
         units = step_units(pmodel, plan.node_strategy)
         if cut or len(units.layers) != n_layers:
@@ -381,7 +447,7 @@ def plan_pipeline(
 
         priced.append(price_degree(units, d, pp.pp_schedule, m, transfer, stage_mesh_shape=sub,
                                    memory_limit_bytes=search.memory_limit_bytes(options, pmodel), stages=fixed_stages,
-                                   stage_plan_layers=k_layers if cut else None))
+                                   stage_plan_layers=k_layers if cut else None, weight_sync=fixed_sync))
         plans[d] = plan
     best = choose(priced)
     choice = PipelineChoice(axis=pp.pp_axis, mesh=mesh, schedule=pp.pp_schedule, microbatches=m, chosen=best,
