@@ -17,10 +17,11 @@ fixed order, the order ``torch.distributed.pipelining``'s schedules run them:
 :func:`simulate` runs the orders against per-stage forward and backward times and a transfer
 time per stage boundary: an action starts when its rank is free and its input has arrived (the
 previous stage's forward, or the next stage's backward, plus the transfer). A stage may also have
-work once per step: ``setup_us`` before its first forward (gathering parameters it keeps for every
+work once per step: ``setup_us`` at the step's start (gathering parameters it keeps for every
 microbatch) and ``flush_us`` after its last backward (reducing the gradients it accumulated, where
-``torch.distributed.pipelining`` runs its ``REDUCE_GRAD`` action); both hold the rank. The timeline
-is exact for the orders and times given (no overlap of a transfer with anything but other ranks' work).
+``torch.distributed.pipelining`` runs its ``REDUCE_GRAD`` action, the backward's gradient already
+sent on); both hold the rank. The timeline is exact for the orders and times given (no overlap of
+a transfer with anything but other ranks' work).
 With equal stages and no transfer time it gives the textbook figures: 1F1B takes
 ``(m + d - 1)·(f + b)``, the interleaved schedule ``m·(f + b) + (d - 1)·(f + b)/v`` (``f``, ``b``:
 one microbatch's forward and backward through the whole model divided by ``d``).
@@ -160,8 +161,8 @@ def simulate(
     stage ``k``; ``transfer_us[k]``: moving one microbatch's activation from stage ``k`` to
     ``k + 1`` (and its gradient back), default 0; ``activation_bytes[k]``: what stage ``k`` keeps
     from a forward until its backward (per device), for :attr:`Timeline.held_bytes`;
-    ``setup_us[k]`` / ``flush_us[k]``: stage ``k``'s work once per step, before its first forward
-    and after its last backward (default 0)."""
+    ``setup_us[k]`` / ``flush_us[k]``: stage ``k``'s work once per step, at the step's start and
+    after its last backward (default 0)."""
     n_stages = degree * stages_per_rank(schedule)
     if len(forward_us) != n_stages or len(backward_us) != n_stages:
         raise ScheduleError(f"{schedule} on degree {degree} has {n_stages} stages; got times for "
@@ -179,9 +180,10 @@ def simulate(
     held = [0.0] * degree
     most_held = [0.0] * degree
     done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * degree
+    # each rank gathers what its stages keep at the step's start, before its first action
+    free = [sum(setup[k] for k in range(r, n_stages, degree)) for r in range(degree)]
     pos = [0] * degree
-    busy = [0.0] * degree
+    busy = list(free)
     live = [0] * n_stages
     most = [0] * n_stages
     left = sum(len(r) for r in ranks)
@@ -193,16 +195,18 @@ def simulate(
                 if a.kind == "F":
                     dep = None if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
                     wait = 0.0 if dep is None else transfer[a.stage - 1]
-                    own = forward_us[a.stage] + (setup[a.stage] if a.microbatch == 0 else 0.0)
+                    own = forward_us[a.stage]
                 else:
                     dep = ("F", a.stage, a.microbatch) if a.stage == n_stages - 1 else ("B", a.stage + 1, a.microbatch)
                     wait = 0.0 if a.stage == n_stages - 1 else transfer[a.stage]
-                    own = backward_us[a.stage] + (flush[a.stage] if a.microbatch == microbatches - 1 else 0.0)
+                    own = backward_us[a.stage]
+                after = flush[a.stage] if a.kind == "B" and a.microbatch == microbatches - 1 else 0.0
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], 0.0 if dep is None else done[dep] + wait)
-                free[r] = done[(a.kind, a.stage, a.microbatch)] = start + own
-                busy[r] += own
+                done[(a.kind, a.stage, a.microbatch)] = start + own  # its gradient leaves before the reduction
+                free[r] = start + own + after
+                busy[r] += own + after
                 live[a.stage] += 1 if a.kind == "F" else -1
                 most[a.stage] = max(most[a.stage], live[a.stage])
                 held[r] += act[a.stage] if a.kind == "F" else -act[a.stage]

@@ -105,14 +105,25 @@ class NativeProgram:
     planned step, as a plan made with ``bucket_mb=0`` was priced). ``inflight_mb``: collectives
     issued as soon as their inputs exist and waited just before their first reader, parameters'
     gathers prefetched, at most this many MB in flight (:func:`order_collectives`); None: each
-    waited right after it is issued."""
+    waited right after it is issued. ``defer_grad_reduction``: the backward graph leaves the
+    parameters' gradients unreduced (as their placement before the reduction); each backward adds
+    them into :attr:`pending_grads` and :meth:`reduce_gradients` reduces the sum once, in a graph
+    of its own (a pipeline stage's step of several microbatches: the reduction is linear, so one
+    reduction of the sum equals the sum of one per microbatch)."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
                  inputs: Sequence[torch.Tensor], device: torch.device, bucket_mb: float | None = None,
-                 inflight_mb: float | None = None) -> None:
+                 inflight_mb: float | None = None, *, defer_grad_reduction: bool = False) -> None:
         self.prog = prog
         self.bucket_mb = bucket_mb
         self.inflight_mb = inflight_mb
+        self.defer_grad_reduction = defer_grad_reduction
+        self._grad_layouts: list[_Layout | None] = []  # deferred: per gradient, its placement before the reduction
+        self.pending_grads: list[torch.Tensor] | None = None
+        """deferred: the unreduced gradients summed over the backwards since the last reduction"""
+        self.gradient_graph: fx.GraphModule | None = None
+        """deferred: the graph that reduces :attr:`pending_grads` to the parameters' placements"""
+        self.gradient_redistributions: list[Any] = []
         self.device = device
         self.mesh = prog.mesh
         start = time.perf_counter()
@@ -144,6 +155,8 @@ class NativeProgram:
             self._saved_static)
         self.backward_redistributions = list(prog.redistributions)
         prog.redistributions = []
+        if defer_grad_reduction:
+            self._trace_gradient_graph(mode, out_vals_of(self.backward_graph)[:sum(self.param_has_grad)])
         self.trace_s = time.perf_counter() - start
         logger.info("native program: forward %d nodes, backward %d nodes, %d collectives, traced in %.2f s",
                     len(self.forward_graph.graph.nodes), len(self.backward_graph.graph.nodes),
@@ -219,6 +232,13 @@ class NativeProgram:
             self.param_has_grad.append(g is not None)
             if g is None:
                 continue
+            if self.defer_grad_reduction:  # left unreduced, in the dtype it will be reduced in (summed until then)
+                v = env[g]
+                self._grad_layouts.append(_Layout.of(v))
+                local = v.to_local() if isinstance(v, DTensor) else v
+                grads.append(local.to(prog.reduce_dtype) if prog.reduce_dtype is not None and local.is_floating_point()
+                             else local)
+                continue
             v = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
                                    "backward", gradient=True)
             # mixed precision: the gradient of the fp32 master (DTensor.to gives a DTensor; torch's stub says Tensor)
@@ -233,6 +253,49 @@ class NativeProgram:
                                    "backward")
             grads.append(v.full_tensor() if isinstance(v, DTensor) else v)  # the input was the global tensor
         return tuple(grads)
+
+    def _trace_gradient_graph(self, mode: Any, unreduced: Sequence[fx.Node]) -> None:
+        """Trace the deferred reduction: unreduced gradients in (shaped as the backward graph's
+        outputs ``unreduced``), the parameters' gradients at their storage placements out."""
+        prog = self.prog
+        with mode:
+            fake = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype,
+                                        device=self.device) for n in unreduced]
+        prog.redistributions = []
+        self._regions = []
+        traced = make_fx(lambda g: self._reduce(g), tracing_mode="fake")(fake)
+        self.gradient_graph = self._finish(traced, "gradient reduction", [False] * len(fake))
+        self.gradient_redistributions = list(prog.redistributions)
+        prog.redistributions = []
+
+    def _reduce(self, unreduced: list) -> tuple:
+        prog = self.prog
+        with_grad = [(p, m) for p, m, has in zip(prog.params, self.master_dtypes, self.param_has_grad, strict=True) if has]
+        out = []
+        for (p, master), local, layout in zip(with_grad, unreduced, self._grad_layouts, strict=True):
+            g = prog.param_grad[p]
+            v = local if layout is None else layout.wrap(local, self.mesh)
+            v = prog._redistribute(v, prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
+                                   "backward", gradient=True)
+            out.append(v.to(master).to_local())  # type: ignore[attr-defined]  # DTensor.to gives a DTensor
+        return tuple(out)
+
+    def accumulate(self, unreduced: Sequence[torch.Tensor]) -> None:
+        """Add one backward's unreduced gradients into :attr:`pending_grads` (no communication)."""
+        if self.pending_grads is None:
+            self.pending_grads = [g.clone() for g in unreduced]
+        else:
+            for acc, g in zip(self.pending_grads, unreduced, strict=True):
+                acc.add_(g)
+
+    def reduce_gradients(self) -> list[torch.Tensor] | None:
+        """The pending gradients reduced (local tensors at the parameters' placements, one per
+        parameter with a gradient), the pending sum cleared; None when no backward ran since."""
+        if self.pending_grads is None or self.gradient_graph is None:
+            return None
+        grads = self.run(self.gradient_graph, list(self.pending_grads))
+        self.pending_grads = None
+        return list(grads)
 
     def _finish(self, gm: fx.GraphModule, phase: str, static: Sequence[bool]) -> fx.GraphModule:
         """The traced graph made lean (no-op aliases dropped, collectives bucketed and ordered,
@@ -277,7 +340,7 @@ class NativeProgram:
     def collective_counts(self) -> dict[str, int]:
         """``_c10d_functional`` collectives in both graphs, by op name (``wait_tensor`` excluded)."""
         counts: dict[str, int] = {}
-        for gm in (self.forward_graph, self.backward_graph):
+        for gm in (self.forward_graph, self.backward_graph, *([self.gradient_graph] if self.gradient_graph else [])):
             for name, n in _count_collectives(gm).items():
                 counts[name] = counts.get(name, 0) + n
         return counts
@@ -315,6 +378,11 @@ class NativeProgram:
 #: input's (DTensor's from_local/to_local and its sharding propagation leave many such views).
 _ALIASING_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
                            aten.detach.default, aten.alias.default, aten.slice.Tensor})
+
+
+def out_vals_of(gm: fx.GraphModule) -> list[fx.Node]:
+    """The values a graph returns, in order."""
+    return list(gm.graph.find_nodes(op="output")[0].args[0])
 
 
 def _drop_aliases(graph: fx.Graph) -> None:
@@ -502,7 +570,10 @@ class NativeStep(torch.autograd.Function):
         it = iter(grads_in)
         result: list[Any] = [None, None]
         params = ctx.params
-        for i, has in enumerate(native.param_has_grad):
+        if native.defer_grad_reduction:  # the parameters' gradients wait in the program for the step's reduction
+            native.accumulate([next(it) for has in native.param_has_grad if has])
+            result += [None] * len(native.param_has_grad)
+        for i, has in enumerate([] if native.defer_grad_reduction else native.param_has_grad):
             g = next(it) if has else None
             result.append(g if g is None or params is None else dtensor_like(params[i], g))
         result += [None] * len(native.prog.buffers)
