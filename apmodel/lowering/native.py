@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
+from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, grads_accumulate_into, overload_packet
 from apmodel.lowering.graph import flatten_args, unflatten_args
 from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
@@ -236,8 +236,9 @@ class NativeProgram:
                 v = env[g]
                 self._grad_layouts.append(_Layout.of(v))
                 local = v.to_local() if isinstance(v, DTensor) else v
-                grads.append(local.to(prog.reduce_dtype) if prog.reduce_dtype is not None and local.is_floating_point()
-                             else local)
+                if prog.reduce_dtype is not None and local.is_floating_point():
+                    local = local.to(prog.reduce_dtype)
+                grads.append(local.contiguous())  # the reduction graph is traced for contiguous sums
                 continue
             v = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
                                    "backward", gradient=True)
@@ -259,8 +260,7 @@ class NativeProgram:
         outputs ``unreduced``), the parameters' gradients at their storage placements out."""
         prog = self.prog
         with mode:
-            fake = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype,
-                                        device=self.device) for n in unreduced]
+            fake = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device=self.device) for n in unreduced]
         prog.redistributions = []
         self._regions = []
         traced = make_fx(lambda g: self._reduce(g), tracing_mode="fake")(fake)
@@ -283,7 +283,7 @@ class NativeProgram:
     def accumulate(self, unreduced: Sequence[torch.Tensor]) -> None:
         """Add one backward's unreduced gradients into :attr:`pending_grads` (no communication)."""
         if self.pending_grads is None:
-            self.pending_grads = [g.clone() for g in unreduced]
+            self.pending_grads = [g.clone(memory_format=torch.contiguous_format) for g in unreduced]
         else:
             for acc, g in zip(self.pending_grads, unreduced, strict=True):
                 acc.add_(g)
@@ -571,7 +571,9 @@ class NativeStep(torch.autograd.Function):
         result: list[Any] = [None, None]
         params = ctx.params
         if native.defer_grad_reduction:  # the parameters' gradients wait in the program for the step's reduction
-            native.accumulate([next(it) for has in native.param_has_grad if has])
+            unreduced = [next(it) for has in native.param_has_grad if has]
+            if params is None or grads_accumulate_into(params):  # not for autograd.grad of the inputs alone
+                native.accumulate(unreduced)
             result += [None] * len(native.param_has_grad)
         for i, has in enumerate([] if native.defer_grad_reduction else native.param_has_grad):
             g = next(it) if has else None
