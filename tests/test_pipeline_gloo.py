@@ -122,9 +122,6 @@ def test_gradients_reduced_per_microbatch_when_priced_so():
     per_rank = run_distributed(_worker, 4, "1f1b", STAGES, "microbatch", timeout_s=900)
     for r in per_rank[2:]:
         assert r["losses"] == pytest.approx(_reference_losses(), rel=1e-5)
-    for r in per_rank:  # two stages per rank: each reduces once per step (REDUCE_GRAD after its last backward)
-        for step in r["per_step"]:
-            assert step["windows"] == sorted(r["planned"]) and all(step["distinct"])
     for r in per_rank:
         (planned,) = r["planned"]
         for step in r["per_step"]:

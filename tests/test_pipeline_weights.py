@@ -98,3 +98,84 @@ def test_llama3_70b_step_falls_with_more_microbatches():
         assert pp["degree"] == 4 and all(s != "microbatch" for s in pp["weight_sync"])
         steps[m] = pp["objective_us"]
     assert steps[16] < steps[8]
+
+
+# ------------------------------------------------------------------------------ one objective
+_CLI = ("plan", "--model", "llama3-debug", "--layers", "2", "--mesh", "2x2", "--seq", "64", "--batch", "8",
+        "--pp-axis", "0", "--pp-degrees", "2", "--microbatches", "2")
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from apmodel.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """A forced degree-2 plan: its --json and its plan file."""
+    import json
+
+    path = tmp_path_factory.mktemp("pp") / "pp.json"
+    res = _cli(*_CLI, "--json", "--out", str(path))
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout), path
+
+
+def test_a_pipelined_plans_objective_is_the_step(pipelined):
+    from apmodel.reading import report
+    from apmodel.result.plans import Plan
+
+    data, path = pipelined
+    pp = data["pipeline"]
+    assert pp["degree"] == 2
+    assert data["objective_us"] == data["step_us"] == pp["objective_us"]
+    chosen = next(a for a in pp["alternatives"] if a["degree"] == 2)
+    assert data["objective_us"] == chosen["objective_us"]
+    stage = pp["stage_plan"]  # one stage's microbatch, priced alone: less than the step of 2 microbatches
+    assert 0 < stage["objective_us"] < data["objective_us"]
+    assert stage["compute_us"] > 0 and data["compute_us"] is None and data["lower_bound_us"] is None
+    plan = Plan.load(path)
+    assert plan.step_objective_us == pytest.approx(pp["objective_us"])
+    assert plan.objective_us == pytest.approx(stage["objective_us"])  # the file keeps the stage plan's own
+    page = report.plan_page(plan)
+    assert f"Objective <b>{pp['objective_us']:,.1f} µs</b> per step: a pipeline of degree 2" in page
+    assert f"per microbatch: {stage['objective_us']:,.1f} µs, compute" in page
+
+
+def test_diff_compares_the_steps(pipelined, tmp_path):
+    from apmodel.result.plans import Plan
+
+    data, path = pipelined
+    res = _cli("diff", str(path), str(path))
+    assert res.exit_code == 0, res.output
+    assert "pipeline step" in res.output and "+0.0 µs" in res.output
+    assert Plan.load(path).step_objective_us != Plan.load(path).objective_us
+
+
+def test_a_plan_file_from_before_weight_sync_loads_and_replays(pipelined, tmp_path):
+    """A version-3 file written before each stage's weight sync was recorded: it loads, and
+    replays with every stage synchronised per microbatch, as it was priced then."""
+    import json
+
+    from apmodel.result.pipeline_record import PipelineChoice
+    from apmodel.result.plans import Plan
+
+    data, path = pipelined
+    old = json.loads(path.read_text())
+    assert old["version"] == 3
+    for record in (old["pipeline"], *old["pipeline"]["alternatives"]):
+        for key in ("weight_sync", "gather_step_us", "reduce_step_us"):
+            record.pop(key, None)
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(old))
+    plan = Plan.load(old_path)
+    assert PipelineChoice.from_json(plan.pipeline).chosen.weight_sync == ()
+    workload = load_workload("llama3-debug", (2, 2), batch=8, seq=64, layers=2)
+    again = api.plan_pipelined(workload, PlanOptions(), PipelineOptions(pp_axis=0), replay=old_path)
+    assert again.plan.pipeline["weight_sync"] == ["microbatch", "microbatch"]
+    assert again.plan.pipeline["reduce_step_us"] == [0.0, 0.0]
+    fresh = api.plan_pipelined(workload, PlanOptions(), PipelineOptions(pp_axis=0), replay=path)
+    assert fresh.plan.pipeline["weight_sync"] == data["pipeline"]["weight_sync"]

@@ -83,6 +83,8 @@ def plan_json(result, cfg) -> dict[str, Any]:
     }
     if plan.pipeline:  # the chosen degree, split, price and every degree priced (apmodel.result.pipeline_record)
         data["pipeline"] = dict(plan.pipeline)
+        if plan.pipeline["degree"] > 1:
+            _pipelined_objective(data)
     if result.recipes is not None:
         data["recipes"] = {r.name: r.objective_us for r in result.recipes}
         data["recipes_detail"] = {
@@ -97,6 +99,25 @@ def plan_json(result, cfg) -> dict[str, Any]:
         }
         data["free_policy_objective_us"] = result.free_plan.objective_us
     return data
+
+
+#: Top-level ``--json`` figures of one stage plan's microbatch: under ``pipeline.stage_plan`` for a
+#: pipelined plan, whose top-level objective is the step.
+STAGE_PLAN_KEYS = ("objective_us", "lower_bound_us", "compute_us", "comm_us", "comm_by_collective", "step_us",
+                   "exposed_comm_us", "hidden_comm_us", "serial_objective_us", "serial_solve_us",
+                   "serial_lower_bound_us")
+
+
+def _pipelined_objective(data: dict[str, Any]) -> None:
+    """A pipelined plan's ``--json``: ``objective_us`` and ``step_us`` the pipeline's step, the
+    stage plan's per-microbatch figures moved under ``pipeline.stage_plan`` (None at the top: a
+    step on the schedule's timeline is no sum of them)."""
+    pp = data["pipeline"]
+    pp["stage_plan"] = {k: data[k] for k in STAGE_PLAN_KEYS}
+    for k in STAGE_PLAN_KEYS:
+        data[k] = None
+    data["comm_by_collective"] = {}
+    data["objective_us"] = data["step_us"] = pp["objective_us"]
 
 
 def print_plan(result, cfg, console: Console) -> None:
@@ -127,7 +148,10 @@ def print_plan(result, cfg, console: Console) -> None:
               f"{tm.get('trace_s', 0):.2f} / {tm.get('build_s', 0):.2f} / {tm.get('solve_s', 0):.2f} / {tm.get('total_s', 0):.2f}")
     lb = plan.solver.get("lower_bound_us")
     t.add_row("backend / status", f"{plan.solver.get('backend')} / {plan.solver.get('status')}")
-    t.add_row("objective (µs)", _fmt_us(plan.objective_us) + (" (step, with overlap)" if overlapped(plan) else ""))
+    if pp and pp["degree"] > 1:
+        t.add_row("step (µs)", f"{_fmt_us(plan.step_objective_us)} (the pipeline's)")
+    t.add_row("objective (µs)", _fmt_us(plan.objective_us) + (" (step, with overlap)" if overlapped(plan) else "")
+              + (" per microbatch of the stage" if pp and pp["degree"] > 1 else ""))
     if overlapped(plan):
         t.add_row("serial objective (µs)", _fmt_us(plan.overlap["serial_us"]))
     if lb is not None and math.isfinite(lb):

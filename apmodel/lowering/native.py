@@ -39,7 +39,13 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, grads_accumulate_into, overload_packet
+from apmodel._torch_private import (
+    bucket_collectives,
+    dtensor_like,
+    fake_tensor_mode,
+    grads_accumulate_into,
+    overload_packet,
+)
 from apmodel.lowering.graph import flatten_args, unflatten_args
 from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order

@@ -242,19 +242,19 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         (bwd if backward else fwd)[u] += us
         if not weights:
             continue
-        node = pmodel.node_by_name[e.producer]
+        producer = pmodel.node_by_name[e.producer]
         if gradient:
             reduce[u] += us
-            if (key := (e.producer, e.out_index, src)) not in seen:
-                seen.add(key)
-                unreduced[u] += pmodel.memory.local_bytes(node, src, e.out_index)
+            if (e.producer, e.out_index, src) not in seen:
+                seen.add((e.producer, e.out_index, src))
+                unreduced[u] += pmodel.memory.local_bytes(producer, src, e.out_index)
             continue
         gather[u] += us
         if not backward:
             gather_once[u] += us
-            if (key := (e.producer, e.out_index, dst)) not in seen:
-                seen.add(key)
-                gathered[u] += pmodel.memory.local_bytes(node, dst, e.out_index)
+            if (e.producer, e.out_index, dst) not in seen:
+                seen.add((e.producer, e.out_index, dst))
+                gathered[u] += pmodel.memory.local_bytes(producer, dst, e.out_index)
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
         have = pmodel.output_strs(node_strategy[name], 0)
