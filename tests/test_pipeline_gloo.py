@@ -31,6 +31,13 @@ def _reference_losses() -> list[float]:
 REDUCING = ("reduce_scatter", "all_reduce")
 
 
+class _Recorder(CollectiveRecorder):
+    """Also the out= variants the native program's buckets use."""
+
+    KINDS = {**CollectiveRecorder.KINDS, "all_gather_into_tensor_out": "all_gather",
+             "reduce_scatter_tensor_out": "reduce_scatter", "all_reduce_out": "all_reduce"}
+
+
 def _worker(rank: int, world: int, schedule: str, stages: tuple, weight_sync: str = "reduce_once") -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -39,7 +46,7 @@ def _worker(rank: int, world: int, schedule: str, stages: tuple, weight_sync: st
     from apmodel.lowering import pipeline as lowered
     from apmodel.models.loss import cross_entropy_loss
 
-    recorder = CollectiveRecorder()
+    recorder = _Recorder()
     windows: list[tuple[int, int]] = []  # the calls each step's gradient reduction issued
     reduce = lowered.reduce_gradients
 
@@ -72,6 +79,7 @@ def _worker(rank: int, world: int, schedule: str, stages: tuple, weight_sync: st
         inside = [recorder.calls[a:b] for a, b in windows]  # per reduction: (kind, group, dtype) per collective
         per_step.append({"windows": sorted(sorted(c[0] for c in calls) for calls in inside),
                          "distinct": [len(set(calls)) == len(calls) for calls in inside],
+                         "all_gathers": sum(1 for c in recorder.calls if c[0] == "all_gather"),
                          "outside_reducing": sum(1 for c in recorder.calls if c[0] in REDUCING) - sum(
                              1 for calls in inside for c in calls if c[0] in REDUCING)})
         opt.step()
@@ -127,6 +135,24 @@ def test_gradients_reduced_per_microbatch_when_priced_so():
         for step in r["per_step"]:
             assert step["windows"] == []
             assert step["outside_reducing"] >= MICROBATCHES * sum(k in REDUCING for k in planned)
+
+
+@pytest.mark.slow
+def test_kept_parameters_are_gathered_once_per_step():
+    """weight_sync "gather_once": each stage gathers its parameters on its first microbatch and
+    keeps them: per step, m - 1 fewer of each parameter gather than gathering per microbatch (the
+    same losses; gradients still reduced once per step)."""
+    kept = run_distributed(_worker, 4, "1f1b", STAGES, "gather_once", timeout_s=900)
+    each = run_distributed(_worker, 4, "1f1b", STAGES, "reduce_once", timeout_s=900)
+    reference = _reference_losses()
+    for r in kept[2:] + each[2:]:
+        assert r["losses"] == pytest.approx(reference, rel=1e-5)
+    for a, b in zip(kept, each, strict=True):
+        # after the first step, whose extra passes (pipelining infers its stages' shapes) differ
+        for step_kept, step_each in zip(a["per_step"][1:], b["per_step"][1:], strict=True):
+            fewer = step_each["all_gathers"] - step_kept["all_gathers"]
+            assert fewer > 0 and fewer % (MICROBATCHES - 1) == 0, (step_each, step_kept)
+            assert step_kept["windows"] == step_each["windows"] == [a["planned"][0]]
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ from apmodel.lowering.module import (
     lower,
     plan_on_one_rank,
     reduce_gradients,
+    release_kept,
 )
 from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import (
@@ -65,4 +66,5 @@ __all__ = [
     "load_full_state_dict",
     "defer_gradient_reduction",
     "reduce_gradients",
+    "release_kept",
 ]

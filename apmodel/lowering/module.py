@@ -57,21 +57,31 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
         buffers = [_global(model.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
         inputs = [n.meta["val"] for n in prog.inputs]
         prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_mb,
-                                    prog.inflight_mb, defer_grad_reduction=prog.defer_grad_reduction)
+                                    prog.inflight_mb, defer_grad_reduction=prog.defer_grad_reduction,
+                                    keep_gathered=prog.keep_gathered)
     return prog.native
 
 
-def defer_gradient_reduction(model: nn.Module) -> None:
-    """Make the parallel ``model`` (native lowering, before its first step) leave its parameters'
-    gradients unreduced in each backward and sum them, until :func:`reduce_gradients` reduces the
-    sum once (gradient accumulation over a pipeline's microbatches)."""
+def defer_gradient_reduction(model: nn.Module, *, keep_gathered: bool = False) -> None:
+    """Make the parallel ``model`` (native lowering) leave its parameters' gradients unreduced in
+    each backward and sum them, until :func:`reduce_gradients` reduces the sum once (gradient
+    accumulation over a pipeline's microbatches). ``keep_gathered``: also gather the parameters
+    once and keep them until :func:`release_kept` (which :func:`reduce_gradients` calls)."""
     prog: LoweredProgram | None = getattr(model, "_apmodel_program", None)
     if prog is None or prog.lowering != "native":
         raise ValueError(f"{type(model).__name__}: deferring gradient reduction needs a module lowered natively "
                          f"(apmodel.parallelize(..., lowering='native'))")
-    if prog.native is not None and not prog.native.defer_grad_reduction:
-        prog.native = None  # traced before: traced again, with the reduction apart
+    prog.native = None  # traced again (if it was), with the reduction apart
     prog.defer_grad_reduction = True
+    prog.keep_gathered = keep_gathered
+
+
+def release_kept(model: nn.Module) -> None:
+    """Forget the parameter values ``model`` keeps gathered (:func:`defer_gradient_reduction`)."""
+    prog: LoweredProgram = model._apmodel_program  # type: ignore[assignment]  # torch's stub: Module attributes are Tensor | Module
+    for program in (prog, *prog.variants.values()):
+        if program.native is not None:
+            program.native.release_kept()
 
 
 def reduce_gradients(model: nn.Module) -> int:
@@ -91,6 +101,7 @@ def reduce_gradients(model: nn.Module) -> int:
             g = dtensor_like(param, local)
             param.grad = g if param.grad is None else param.grad + g
             count += 1
+    release_kept(model)  # the step's backwards are done: what they kept gathered goes
     return count
 
 

@@ -47,6 +47,7 @@ from apmodel._torch_private import (
     overload_packet,
 )
 from apmodel.lowering.graph import flatten_args, unflatten_args
+from apmodel.lowering.static_split import StaticSplit, split_static
 from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
 
@@ -115,11 +116,15 @@ class NativeProgram:
     parameters' gradients unreduced (as their placement before the reduction); each backward adds
     them into :attr:`pending_grads` and :meth:`reduce_gradients` reduces the sum once, in a graph
     of its own (a pipeline stage's step of several microbatches: the reduction is linear, so one
-    reduction of the sum equals the sum of one per microbatch)."""
+    reduction of the sum equals the sum of one per microbatch). ``keep_gathered`` (with
+    ``defer_grad_reduction``): what the graphs compute from the parameters alone (their gathers
+    and casts; :mod:`apmodel.lowering.static_split`) runs on the first call after
+    :meth:`release_kept` and is kept for the calls after it (a pipeline stage's microbatches)."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
                  inputs: Sequence[torch.Tensor], device: torch.device, bucket_mb: float | None = None,
-                 inflight_mb: float | None = None, *, defer_grad_reduction: bool = False) -> None:
+                 inflight_mb: float | None = None, *, defer_grad_reduction: bool = False,
+                 keep_gathered: bool = False) -> None:
         self.prog = prog
         self.bucket_mb = bucket_mb
         self.inflight_mb = inflight_mb
@@ -130,6 +135,8 @@ class NativeProgram:
         self.gradient_graph: fx.GraphModule | None = None
         """deferred: the graph that reduces :attr:`pending_grads` to the parameters' placements"""
         self.gradient_redistributions: list[Any] = []
+        self._splits: dict[str, StaticSplit | None] = {}  # keep_gathered: per graph, its parameters-only prologue
+        self._kept: dict[str, list[torch.Tensor]] = {}  # keep_gathered: each prologue's values since release_kept
         self.device = device
         self.mesh = prog.mesh
         start = time.perf_counter()
@@ -163,6 +170,10 @@ class NativeProgram:
         prog.redistributions = []
         if defer_grad_reduction:
             self._trace_gradient_graph(mode, out_vals_of(self.backward_graph)[:sum(self.param_has_grad)])
+        if keep_gathered:  # the parameters (not the buffers: BatchNorm's change per call) and what is saved of them
+            n_p, n_in = len(param_locals), len(buffers) + len(inputs)
+            self._splits["forward"] = split_static(self.forward_graph, [True] * n_p + [False] * n_in)
+            self._splits["backward"] = split_static(self.backward_graph, self._saved_static + [False] * n_out)
         self.trace_s = time.perf_counter() - start
         logger.info("native program: forward %d nodes, backward %d nodes, %d collectives, traced in %.2f s",
                     len(self.forward_graph.graph.nodes), len(self.backward_graph.graph.nodes),
@@ -330,6 +341,31 @@ class NativeProgram:
         _bind_python_calls(gm.graph)
         gm.recompile()
         return gm
+
+    def run_step(self, phase: str, *groups: Sequence[Any]) -> Any:
+        """The ``phase`` ("forward" or "backward") graph on its argument groups; kept gathered, its
+        prologue's values computed on the first call since :meth:`release_kept` and reused."""
+        graph = self.forward_graph if phase == "forward" else self.backward_graph
+        split = self._splits.get(phase)
+        if split is None:
+            return self.run(graph, *[list(g) for g in groups])
+        flat = [x for g in groups for x in g]
+        flags = self._static_flags(phase, len(flat))
+        static = [x for x, f in zip(flat, flags, strict=True) if f]
+        rest = [x for x, f in zip(flat, flags, strict=True) if not f]
+        kept = self._kept.get(phase)
+        if kept is None:
+            kept = self._kept[phase] = list(self.run(split.prologue, *static))
+        return self.run(split.main, *kept, *rest)
+
+    def _static_flags(self, phase: str, n: int) -> list[bool]:
+        if phase == "forward":
+            return [True] * len(self.master_dtypes) + [False] * (n - len(self.master_dtypes))
+        return self._saved_static + [False] * (n - len(self._saved_static))
+
+    def release_kept(self) -> None:
+        """Forget the kept parameter values (the parameters change at the optimizer step)."""
+        self._kept.clear()
 
     def run(self, graph: fx.GraphModule, *args: Any) -> Any:
         """``graph(*args)``; a failure inside it is re-raised naming the joint-graph node whose
@@ -559,7 +595,7 @@ class NativeStep(torch.autograd.Function):
         n_p, n_b = len(native.prog.params), len(native.prog.buffers)
         params = values[:n_p]
         locals_ = [cast(DTensor, p).to_local() for p in params] if as_dtensors else list(params)  # no grad here: no autograd node
-        outs = native.run(native.forward_graph, locals_, list(values[n_p:n_p + n_b]), list(values[n_p + n_b:]))
+        outs = native.run_step("forward", locals_, values[n_p:n_p + n_b], values[n_p + n_b:])
         n_out, n_saved = native.n_outputs, native.n_saved
         ctx.native = native
         ctx.params = params if as_dtensors else None
@@ -572,7 +608,7 @@ class NativeStep(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         native: NativeProgram = ctx.native
         n_out = native.n_outputs
-        grads_in = native.run(native.backward_graph, list(ctx.saved_tensors), list(grads[:n_out]))
+        grads_in = native.run_step("backward", ctx.saved_tensors, grads[:n_out])
         it = iter(grads_in)
         result: list[Any] = [None, None]
         params = ctx.params

@@ -30,7 +30,9 @@ reduction (:func:`apmodel.lowering.defer_gradient_reduction`: the unreduced grad
 locally) and reduces the sum when the schedule says the stage's backwards are done
 (``perform_reduce_grad``, the ``REDUCE_GRAD`` action after its last backward, where torchtitan's
 FSDP reduces too): one collective per bucket per step. A stage priced as keeping its gathered
-parameters (``gather_once``) is lowered the same way, its parameters still gathered per microbatch.
+parameters (``gather_once``) also runs what its graphs compute from the parameters alone (their
+gathers and casts, :mod:`apmodel.lowering.static_split`) on its first microbatch and keeps it
+for the others, until that reduction.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from apmodel.core.schedules import WEIGHT_SYNCS
 from apmodel.graph import conventions
-from apmodel.lowering.module import defer_gradient_reduction, reduce_gradients
+from apmodel.lowering.module import defer_gradient_reduction, reduce_gradients, release_kept
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +163,9 @@ class PipelinedModel:
         the last stage (None elsewhere)."""
         last = max(self.stage_indices) == self.n_stages - 1
         losses: list[torch.Tensor] = []
+        for module in self.stages:  # gathered parameters kept from a step that did not finish are stale
+            if getattr(getattr(module, "_apmodel_program", None), "lowering", None) == "native":
+                release_kept(module)
         self.schedule.step(*(inputs if 0 in self.stage_indices else ()), target=target if last else None,
                            losses=losses if last else None)
         return torch.stack([loss.detach() for loss in losses]).mean() if last else None
@@ -237,7 +242,7 @@ def build(
         plan = plan_on_group(solve, sub_group, ranks[0])
         lowered = lower_stage(module, sub_mesh, inputs, plan)
         if syncs[k] != "microbatch":
-            defer_gradient_reduction(lowered)
+            defer_gradient_reduction(lowered, keep_gathered=syncs[k] == "gather_once")
         mine.append(lowered)
         indices.append(k)
     pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else PipelineStage)(
