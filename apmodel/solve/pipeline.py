@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import costmodels
+import solvers
 from apmodel.core import schedules
 from apmodel.core.options import OptionsError, PlanOptions
 from apmodel.frontend.workloads import Workload, WorkloadError, load_workload
@@ -432,29 +433,112 @@ def plan_pipeline(
         k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
         progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.pp_schedule}; "
                  f"stage plan of {k_layers} layers")
-        micro, cut = microbatch_workload(workload, sub, m, k_layers)
-        # the stage plan sees its weights' traffic as one step of m microbatches pays it
-        plan = plan_spmd(micro, sub_options.replace(memory_limit_bytes=math.inf, weight_microbatches=m), record)
-        pmodel = _placement_model(plan)
-        units = step_units(pmodel, plan.node_strategy)
-        if cut or len(units.layers) != n_layers:
-            units = units.with_layers(n_layers)
 
         def transfer(k: int, nbytes: float, d: int = d) -> float:
             src = stage_rank(mesh, pp.pp_axis, d, k % d)
             dst = stage_rank(mesh, pp.pp_axis, d, (k + 1) % d)
             return send_recv_us(nbytes, peer_link(full_topo, src, dst))
 
-        priced.append(price_degree(units, d, pp.pp_schedule, m, transfer, stage_mesh_shape=sub,
-                                   memory_limit_bytes=search.memory_limit_bytes(options, pmodel), stages=fixed_stages,
-                                   stage_plan_layers=k_layers if cut else None, weight_sync=fixed_sync))
-        plans[d] = plan
+        job = _StageJob(d, pp.pp_schedule, m, n_layers, k_layers, tuple(sub), transfer, fixed_stages, fixed_sync)
+        plans[d], price = _plan_degree(job, workload, options, sub_options, record, plan_spmd, progress)
+        priced.append(price)
     best = choose(priced)
     choice = PipelineChoice(axis=pp.pp_axis, mesh=mesh, schedule=pp.pp_schedule, microbatches=m, chosen=best,
                             alternatives=priced, planning_s=time.perf_counter() - start)
     plan = plans[best.degree]
     plan.pipeline = choice.to_json()
     return plan, choice
+
+
+@dataclass(frozen=True)
+class _StageJob:
+    """One degree (> 1) to plan and price: its schedule, microbatches, layers and transfers, and a
+    replayed plan's split and weight syncs (None: chosen here)."""
+
+    degree: int
+    schedule: str
+    microbatches: int
+    n_layers: int
+    stage_layers: int
+    stage_mesh: tuple[int, ...]
+    transfer_us: Callable[[int, float], float]
+    stages: Sequence[tuple[int, int]] | None
+    weight_sync: Sequence[str] | None
+
+
+def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_options: PlanOptions,
+                 record: Mapping[str, Any], plan_spmd: PlanSpmd,
+                 progress: Callable[[str], None]) -> tuple["Plan", DegreePrice]:
+    """The stage plan of one degree and its price. The stage plan is solved with its weights'
+    traffic shared by the microbatches; if its split does not fit the memory limit, two more
+    before the degree is reported as not fitting, the cheapest that fits kept: the stage plan
+    solved with that traffic paid per microbatch (it prefers sharded weights: less memory), and
+    the first one solved again with a memory row on the stage mesh (:func:`_under_memory_row`)."""
+    m = job.microbatches
+    micro, cut = microbatch_workload(workload, job.stage_mesh, m, job.stage_layers)
+    # the stage plan sees its weights' traffic as one step of m microbatches pays it
+    stage_options = sub_options.replace(memory_limit_bytes=math.inf, weight_microbatches=m)
+    plan = plan_spmd(micro, stage_options, record)
+    limit = search.memory_limit_bytes(options, _placement_model(plan))
+
+    def price(stage_plan: "Plan") -> DegreePrice:
+        units = step_units(_placement_model(stage_plan), stage_plan.node_strategy)
+        if cut or len(units.layers) != job.n_layers:
+            units = units.with_layers(job.n_layers)
+        return price_degree(units, job.degree, job.schedule, m, job.transfer_us, stage_mesh_shape=job.stage_mesh,
+                            memory_limit_bytes=limit, stages=job.stages,
+                            stage_plan_layers=job.stage_layers if cut else None, weight_sync=job.weight_sync)
+
+    tried = [(plan, price(plan))]
+    if tried[0][1].fits is not False or job.stages is not None or limit is None:
+        return tried[0]
+    progress(f"pipeline degree {job.degree}: a rank needs {(tried[0][1].peak_bytes or 0) / 1e9:.2f} GB; the stage "
+             f"plan solved again, its weights' traffic per microbatch, and under a memory row")
+    if m > 1:
+        plain = plan_spmd(micro, stage_options.replace(weight_microbatches=1), record)
+        tried.append((plain, replace(price(plain), note="stage plan solved with weight traffic per microbatch")))
+    tried.extend(_under_memory_row(plan, job, stage_options, limit, price))
+    fitting = [t for t in tried if t[1].fits is not False]
+    if fitting:
+        return min(fitting, key=lambda t: t[1].objective_us)
+    return min(tried, key=lambda t: t[1].peak_bytes or math.inf)
+
+
+def _under_memory_row(plan: "Plan", job: _StageJob, stage_options: PlanOptions, limit: float,
+                      price: Callable[["Plan"], DegreePrice]) -> list[tuple["Plan", DegreePrice]]:
+    """``plan`` solved again with a memory row on its stage mesh, its activations counted as many
+    times as a rank holds microbatches of them on average (:func:`_activation_copies`), the row
+    lowered by what the fullest rank is still over, for at most
+    :data:`apmodel.solve.search.MEMORY_ROUNDS` solves; each solve's plan and price."""
+    pmodel = _placement_model(plan)
+    row, copies = limit, _activation_copies(job)
+    out: list[tuple["Plan", DegreePrice]] = []
+    for _ in range(search.MEMORY_ROUNDS):
+        pmodel.add_memory_limit(row, reserved_bytes=step_units(pmodel, plan.node_strategy).transient_bytes,
+                                activation_copies=copies)
+        try:
+            plan = search.solve_model(pmodel, stage_options, timings=plan.timings, workload=plan.workload)
+        except solvers.Infeasible:
+            logger.info("pipeline degree %d: no stage plan fits a memory row of %.2f GB", job.degree, row / 1e9)
+            break
+        again = price(plan)
+        out.append((plan, replace(again, note="; ".join(x for x in (again.note, "stage plan solved under a memory row")
+                                                         if x))))
+        if again.fits is not False:
+            break
+        row -= (again.peak_bytes or 0.0) - limit  # still over: the row lower by as much
+    return out
+
+
+def _activation_copies(job: _StageJob) -> float:
+    """Microbatches of a stage's activations a rank holds at once, on average over the ranks (the
+    memory-aware split gives the ranks that hold more fewer layers): the schedule's timeline with
+    every stage holding one unit per microbatch, a rank's layers split in ``v`` chunks."""
+    v = schedules.stages_per_rank(job.schedule)
+    n = job.degree * v
+    timeline = schedules.simulate(job.schedule, job.degree, job.microbatches, [1.0] * n, [1.0] * n,
+                                  activation_bytes=[1.0 / v] * n)
+    return sum(timeline.held_bytes) / job.degree
 
 
 def _placement_model(plan: "Plan") -> Any:
