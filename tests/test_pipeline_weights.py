@@ -179,3 +179,18 @@ def test_a_plan_file_from_before_weight_sync_loads_and_replays(pipelined, tmp_pa
     assert again.plan.pipeline["reduce_step_us"] == [0.0, 0.0]
     fresh = api.plan_pipelined(workload, PlanOptions(), PipelineOptions(pp_axis=0), replay=path)
     assert fresh.plan.pipeline["weight_sync"] == data["pipeline"]["weight_sync"]
+
+
+# ------------------------------------------------------------------------------ memory
+@pytest.mark.slow
+def test_a_degree_over_the_limit_is_solved_again():
+    """LLaMA-3 405B, degree 2 on 4x8x8 H100 (limit 72 GiB): the stage plan solved with its weights'
+    traffic shared by 8 microbatches needs 104 GB on its fullest rank; solved again (under a memory
+    row on the stage mesh, activations counted per microbatch in flight) it fits."""
+    workload = load_workload("llama3-405b", (4, 8, 8), batch=64, seq=4096)
+    result = api.plan_pipelined(workload, PlanOptions(device="h100", gpus_per_node=8),
+                                PipelineOptions(pp_axis=0, pp_degrees=(2,), microbatches=8))
+    pp = result.plan.pipeline
+    limit = 72 * 2**30
+    assert pp["degree"] == 2 and pp["peak_bytes"] <= limit
+    assert "stage plan solved" in pp["alternatives"][0]["note"]
