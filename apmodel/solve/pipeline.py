@@ -470,10 +470,12 @@ def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_o
                  record: Mapping[str, Any], plan_spmd: PlanSpmd,
                  progress: Callable[[str], None]) -> tuple["Plan", DegreePrice]:
     """The stage plan of one degree and its price. The stage plan is solved with its weights'
-    traffic shared by the microbatches; if its split does not fit the memory limit, two more
-    before the degree is reported as not fitting, the cheapest that fits kept: the stage plan
-    solved with that traffic paid per microbatch (it prefers sharded weights: less memory), and
-    the first one solved again with a memory row on the stage mesh (:func:`_under_memory_row`)."""
+    traffic shared by the microbatches; if its split does not fit the memory limit, or fits only
+    with some stage's weights synchronised per microbatch, two more are tried before the degree is
+    reported as not fitting, the cheapest that fits kept: the stage plan
+    solved with that traffic paid per microbatch (it prefers sharded weights: less memory), and,
+    if that does not fit either, the first one solved again with a memory row on the stage mesh
+    (:func:`_under_memory_row`)."""
     m = job.microbatches
     micro, cut = microbatch_workload(workload, job.stage_mesh, m, job.stage_layers)
     # the stage plan sees its weights' traffic as one step of m microbatches pays it
@@ -490,14 +492,18 @@ def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_o
                             stage_plan_layers=job.stage_layers if cut else None, weight_sync=job.weight_sync)
 
     tried = [(plan, price(plan))]
-    if tried[0][1].fits is not False or job.stages is not None or limit is None:
-        return tried[0]
-    progress(f"pipeline degree {job.degree}: a rank needs {(tried[0][1].peak_bytes or 0) / 1e9:.2f} GB; the stage "
-             f"plan solved again, its weights' traffic per microbatch, and under a memory row")
+    first = tried[0][1]
+    # kept within the limit only by synchronising some stage's weights per microbatch, or not at all
+    squeezed = first.fits is False or schedules.WEIGHT_SYNCS[0] in first.weight_sync
+    if not squeezed or job.stages is not None or limit is None:
+        return plan, first
+    progress(f"pipeline degree {job.degree}: a rank needs {(first.peak_bytes or 0) / 1e9:.2f} GB with weight syncs "
+             f"{', '.join(first.weight_sync)}; the stage plan solved again, its weights' traffic per microbatch")
     if m > 1:
         plain = plan_spmd(micro, stage_options.replace(weight_microbatches=1), record)
         tried.append((plain, replace(price(plain), note="stage plan solved with weight traffic per microbatch")))
-    tried.extend(_under_memory_row(plan, job, stage_options, limit, price))
+    if all(t[1].fits is False for t in tried):  # the memory row's solves only where nothing fits yet
+        tried.extend(_under_memory_row(plan, job, stage_options, limit, price))
     fitting = [t for t in tried if t[1].fits is not False]
     if fitting:
         return min(fitting, key=lambda t: t[1].objective_us)
