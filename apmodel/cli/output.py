@@ -275,8 +275,9 @@ def _print_pipeline(pp: dict[str, Any], limit: float | None, console: Console) -
     title = (f"Pipeline degrees on mesh axis {pp['axis']} ({pp['schedule']}, {pp['microbatches']} microbatches; "
              f"µs per training step, bytes on the fullest device)")
     t = Table(title=title, title_justify="left")
-    for col in ("degree", "stage mesh", "stages (layers)", "step µs", "bubble", "p2p µs", "peak memory", "vs chosen"):
-        t.add_column(col, justify="left" if col in ("degree", "stage mesh", "stages (layers)") else "right")
+    for col in ("degree", "stage mesh", "stages (layers)", "step µs", "bubble", "p2p µs", "weights", "peak memory",
+                "vs chosen"):
+        t.add_column(col, justify="left" if col in ("degree", "stage mesh", "stages (layers)", "weights") else "right")
     best = pp["objective_us"]
     for a in pp["alternatives"]:
         stages = ", ".join(f"{s[0]}-{s[1]}" for s in a["stages"]) if a["stages"] else "no pipelining"
@@ -287,10 +288,18 @@ def _print_pipeline(pp: dict[str, Any], limit: float | None, console: Console) -
                     style="red" if a["fits"] is False else "")
         chosen = a["degree"] == pp["degree"]
         t.add_row(f"[bold]{a['degree']}[/]" if chosen else str(a["degree"]), "x".join(map(str, a["stage_mesh"])),
-                  stages, _fmt_us(a["objective_us"]), bubble, _fmt_us(a["p2p_us"]), peak,
+                  stages, _fmt_us(a["objective_us"]), bubble, _fmt_us(a["p2p_us"]), _weights(a.get("weight_sync", [])), peak,
                   f"{100 * (a['objective_us'] - best) / best:+.1f}%" if best else "")
     console.print(t)
-    note = "the tables above are the chosen degree's stage plan (one microbatch on the stage mesh)"
+    note = ("the tables above are the chosen degree's stage plan (one microbatch on the stage mesh); weights per "
+            "stage: g gathered once per step and kept, r gathered per microbatch, gradients reduced once per step, "
+            "m both per microbatch")
     if limit is not None:
         note += f"; peak memory against the limit of {_fmt_bytes(limit)} ((over): does not fit)"
     console.print(note, style="dim", highlight=False)
+
+
+def _weights(syncs: list[str]) -> str:
+    """Each stage's weight sync, one letter each (``gather_once`` g, ``reduce_once`` r, ``microbatch`` m)."""
+    letters = "".join({"gather_once": "g", "reduce_once": "r", "microbatch": "m"}.get(x, "?") for x in syncs)
+    return letters if len(letters) <= 8 else letters[:7] + "…"
