@@ -8,26 +8,32 @@ axis size ``P``; 1 means no pipelining):
   part of the axis' coordinate; the outer part is the stage). Its axes keep their rank strides in
   the full mesh, so the collective model sees which of them cross nodes;
 * **one SPMD plan** of the whole model on the stage mesh, at the microbatch size (batch /
-  ``microbatches``), solved without a memory limit (each rank holds one stage, not the model): the
+  ``microbatches``), solved without a memory limit (each rank holds one stage, not the model) and
+  with its parameters' gathers and gradients' reductions priced as their share of the step's
+  microbatches (``weight_microbatches``: a stage synchronises its weights once per step): the
   repeated layers share one decision variable, so this is the plan every stage would get, and it
   is solved once per degree instead of once per stage. :mod:`apmodel.solve.stage_costs` reads it per unit
-  (part before the layers, each layer, part after; forward and backward µs; bytes);
+  (part before the layers, each layer, part after; forward and backward µs, the weights' traffic
+  apart; bytes);
 * **the split**: contiguous layers per stage minimising the slowest stage (the embedding on the
   first, head and loss on the last; :func:`apmodel.core.schedules.balanced_split`), under the memory
   limit for 1F1B (a stage's parameters, gradients and optimizer state, plus its activations times
   the microbatches in flight there, plus the plan's largest transient);
+* **the weights**: per stage the cheapest weight sync that fits
+  (:data:`apmodel.core.schedules.WEIGHT_SYNCS`: parameters gathered once per step and kept, or per
+  microbatch, gradients reduced once after the stage's last backward; or both per microbatch);
 * **the price**: the schedule's timeline (:func:`apmodel.core.schedules.simulate`) over per-microbatch
-  stage times, with the point-to-point transfer of each boundary's activation (and its gradient) on
-  the pipeline axis priced by :mod:`costmodels.p2p`. The step's objective is the timeline's length;
-  the bubble is its idle part on the busiest rank.
+  stage times and each stage's once-per-step work, with the point-to-point transfer of each
+  boundary's activation (and its gradient) on the pipeline axis priced by :mod:`costmodels.p2p`.
+  The step's objective is the timeline's length; the bubble is its idle part on the busiest rank.
+  A degree over the memory limit is solved again before it is reported so (:func:`_plan_degree`).
 
 Degree 1 is the ordinary plan of the full mesh and batch (memory-fitted as usual). The cheapest
 degree whose every rank fits the memory limit wins; every degree is kept as an alternative.
 
-What the price leaves out (see the README's *Pipeline parallelism*): transfers do not overlap their
-own rank's compute; every microbatch's step gathers its stage's parameters and reduces their
-gradients again (as the lowering runs it: :mod:`apmodel.lowering.pipeline` lowers each stage's
-step as one SPMD step per microbatch); the optimizer step is not priced (as in every plan).
+What the price leaves out (see the README's *Pipeline stages*): transfers do not overlap their
+own rank's compute; a stage's once-per-step gathers and reduction hold its rank (as
+:mod:`apmodel.lowering.pipeline` runs them); the optimizer step is not priced (as in every plan).
 """
 
 from __future__ import annotations
