@@ -194,3 +194,15 @@ def test_a_degree_over_the_limit_is_solved_again():
     limit = 72 * 2**30
     assert pp["degree"] == 2 and pp["peak_bytes"] <= limit
     assert "stage plan solved" in pp["alternatives"][0]["note"]
+
+
+def test_shared_collectives_price_a_share():
+    """A stage plan prices its weights' collectives as 1 / M of what they cost (M microbatches share them)."""
+    import costmodels
+
+    base = costmodels.NCCLCollectives(costmodels.Topology((8,), costmodels.device("h100"), 8))
+    shared = costmodels.SharedCollectives(base, 4)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert shared.time_us(kind, 2**26, 0) == pytest.approx(base.time_us(kind, 2**26, 0) / 4)
+    with pytest.raises(ValueError, match="shares must be a finite number >= 1"):
+        costmodels.SharedCollectives(base, 0.5)
