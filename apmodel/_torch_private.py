@@ -27,6 +27,7 @@ Surface:
   every CompositeImplicitAutograd op (``F.cross_entropy``, dropout, ``var``) as eager PyTorch does.
 - :func:`fused_attention_on_meta` – context in which SDPA traces on meta as the fused flash op.
 - :func:`library_sees_tracing` – context in which ``torch.compiler.is_compiling()`` says a trace is running.
+- :func:`grads_accumulate_into` – whether the running backward accumulates into given leaves.
 - :func:`without_redistribute_costs` – context in which torch's own redistribution pricing
   (unused by apmodel, 85% of enumeration time) is skipped.
 - :func:`register_einsum_rule` – DTensor's single-dim einsum rule (``mm``'s) for a custom op.
@@ -194,6 +195,16 @@ def dtensor_like(reference: DTensor, local: torch.Tensor) -> DTensor:
     dtype (a parameter's gradient), made without ``from_local``'s checks and autograd node: the
     native step returns one per parameter per step."""
     return DTensor(local, reference._spec, requires_grad=False)
+
+
+def grads_accumulate_into(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the backward now running accumulates into any of the leaves ``tensors`` (their
+    ``AccumulateGrad`` nodes belong to the engine's graph task, ``torch._C._will_engine_execute_node``):
+    False under ``torch.autograd.grad`` for other inputs, as ``torch.distributed.pipelining``
+    infers its stages' input gradients on the first step. Call it from a ``backward``."""
+    from torch.autograd.graph import get_gradient_edge
+
+    return any(torch._C._will_engine_execute_node(get_gradient_edge(t).node) for t in tensors if t.requires_grad)
 
 
 def bucket_collectives(gm: torch.fx.GraphModule, cap_mb: float) -> None:

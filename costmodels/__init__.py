@@ -1,7 +1,7 @@
 """Hardware specs and cost models for apmodel: measured and roofline compute, NCCL-like collectives,
 redistribution costs and calibration against nccl-tests. Times are in µs, sizes in bytes."""
 
-from .bucketing import BUCKETED_KINDS, BucketedCollectives
+from .bucketing import BUCKETED_KINDS, BucketedCollectives, SharedCollectives
 from .calibration import (
     CalibratedCollectives,
     Calibration,
@@ -30,7 +30,8 @@ from .redistribution import redistribution_matrix, redistribution_steps, redistr
 from .topology import AxisLink, Topology
 
 __all__ = [
-    "AxisLink", "FreshPageCollectives", "BUCKETED_KINDS", "BucketedCollectives", "BUILTIN_DEVICES", "MeasuredNccl", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
+    "AxisLink", "BUCKETED_KINDS", "BucketedCollectives", "FreshPageCollectives", "SharedCollectives", "BUILTIN_DEVICES",
+    "MeasuredNccl", "BUILTIN_PROFILES", "ComputeProfile", "EXECUTIONS", "MeasuredCompute",
     "ProfileError", "builtin_profile", "compute_model", "load_profile", "Calibration", "CalibratedCollectives", "CalibrationMismatch",
     "CommModel", "ComputeModel", "CorrectionCurve", "DeviceRegistry", "DeviceSpec", "FabricSpec", "KINDS",
     "NCCLCollectives", "NcclTestsLog", "RooflineCompute", "Topology", "bus_bandwidth_factor",

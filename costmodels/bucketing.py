@@ -16,6 +16,9 @@ time (it fills buckets by itself). The share assumes the bucket fills: the calle
 bucket size the program reaches, e.g. the smaller of the program's cap and the bytes that kind of
 collective moves in a step (all of a model's parameters, for FSDP's gathers of a small model).
 Times are in µs, sizes in bytes.
+
+:class:`SharedCollectives` prices collectives that serve several units of work at once (a pipeline
+stage's weights, gathered and reduced once per step of ``shares`` microbatches) per unit.
 """
 
 from __future__ import annotations
@@ -58,3 +61,31 @@ class BucketedCollectives:
 
     def __repr__(self) -> str:
         return f"BucketedCollectives({self.base!r}, bucket_bytes={self.bucket_bytes:.0f})"
+
+
+class SharedCollectives:
+    """A CommModel pricing every collective as its share of work it serves ``shares`` times: a
+    pipeline stage gathers its parameters and reduces their gradients once per step, for all of
+    its ``shares`` microbatches, so a plan of one microbatch prices them divided by ``shares``.
+
+    Args:
+        base: the CommModel of one collective (``time_us(kind, nbytes, axis)``).
+        shares: how many units of work each collective serves; >= 1.
+    """
+
+    def __init__(self, base: Any, shares: float) -> None:
+        if not (shares >= 1 and math.isfinite(shares)):
+            raise ValueError(f"SharedCollectives: shares must be a finite number >= 1, got {shares!r}")
+        self.base = base
+        self.shares = float(shares)
+        self.mesh_shape: tuple[int, ...] = tuple(base.mesh_shape)
+        self.topo = getattr(base, "topo", None)
+        self.redistribution_cache = None  # these prices are not the base's: caches of their own
+        self.redistribution_matrix_cache = None
+
+    def time_us(self, kind: str, nbytes: float, axis: int) -> float:
+        """Time (µs) of one ``kind`` collective of ``nbytes`` bytes on mesh ``axis``, per share."""
+        return self.base.time_us(kind, nbytes, axis) / self.shares
+
+    def __repr__(self) -> str:
+        return f"SharedCollectives({self.base!r}, shares={self.shares:g})"

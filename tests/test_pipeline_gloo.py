@@ -1,6 +1,7 @@
 """Pipeline stages on a real gloo mesh: a tiny LLaMA on (2 pipeline × 2) CPU processes, 1F1B (and
 the interleaved schedule) over 4 microbatches, each stage's step lowered with its own SPMD plan on
-the stage mesh, trains 3 AdamW steps with the losses of one device."""
+the stage mesh, trains 3 AdamW steps with the losses of one device; each stage reduces its
+gradients once per step, one collective per bucket (counted at dispatch)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from _dist_utils import run_distributed
+from _dist_utils import CollectiveRecorder, run_distributed
 from _helpers import train
 from _tiny import fixed_tokens, tiny_llama
 
@@ -26,33 +27,82 @@ def _reference_losses() -> list[float]:
     return train(model, lambda m: m(tokens, targets), STEPS)
 
 
-def _worker(rank: int, world: int, schedule: str, stages: tuple) -> dict[str, Any]:
+#: Collectives that reduce (a gradient's reduction is one of these).
+REDUCING = ("reduce_scatter", "all_reduce")
+
+
+class _Recorder(CollectiveRecorder):
+    """Also the out= variants the native program's buckets use."""
+
+    KINDS = {**CollectiveRecorder.KINDS, "all_gather_into_tensor_out": "all_gather",
+             "reduce_scatter_tensor_out": "reduce_scatter", "all_reduce_out": "all_reduce"}
+
+
+def _worker(rank: int, world: int, schedule: str, stages: tuple, weight_sync: str = "reduce_once") -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import apmodel
-    from apmodel.lowering import load_full_state_dict
+    from apmodel.lowering import load_full_state_dict, planned_redistributions
+    from apmodel.lowering import pipeline as lowered
     from apmodel.models.loss import cross_entropy_loss
+
+    recorder = _Recorder()
+    windows: list[tuple[int, int]] = []  # the calls each step's gradient reduction issued
+    reduce = lowered.reduce_gradients
+
+    def counted(module: Any) -> int:
+        before = len(recorder.calls)
+        n = reduce(module)
+        if n:
+            windows.append((before, len(recorder.calls)))
+        return n
+
+    lowered.reduce_gradients = counted  # type: ignore[assignment]  # what the stages call once per step
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     tokens, targets = fixed_tokens()
     pipelined = apmodel.parallelize_pipeline(
         lambda: tiny_llama("meta", n_layers=LAYERS), mesh, (tokens,), loss_fn=cross_entropy_loss, pp_axis=0,
-        stages=stages, microbatches=MICROBATCHES, pp_schedule=schedule)
+        stages=stages, microbatches=MICROBATCHES, pp_schedule=schedule, weight_sync=[weight_sync] * len(stages))
     reference = tiny_llama("cpu", n_layers=LAYERS)
     full = {**reference.state_dict(), **dict(reference.named_buffers())}  # RoPE tables are not persistent
     for module in pipelined.stages:
         module.to_empty(device="cpu")
         load_full_state_dict(module, full)
     opt = torch.optim.AdamW(pipelined.parameters(), lr=1e-2)
-    losses = []
+    losses, per_step = [], []
     for _ in range(STEPS):
-        loss = pipelined.step(tokens, target=targets)
+        recorder.calls.clear()
+        windows.clear()
+        with recorder:
+            loss = pipelined.step(tokens, target=targets)
+        inside = [recorder.calls[a:b] for a, b in windows]  # per reduction: (kind, group, dtype) per collective
+        per_step.append({"windows": sorted(sorted(c[0] for c in calls) for calls in inside),
+                         "distinct": [len(set(calls)) == len(calls) for calls in inside],
+                         "all_gathers": sum(1 for c in recorder.calls if c[0] == "all_gather"),
+                         "outside_reducing": sum(1 for c in recorder.calls if c[0] in REDUCING) - sum(
+                             1 for calls in inside for c in calls if c[0] in REDUCING)})
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else float(loss))
     layers = [sorted({int(n.split(".")[1]) for n, _ in m.named_parameters() if n.startswith("layers.")})
               for m in pipelined.stages]
-    return {"losses": losses, "stages": pipelined.stage_indices, "layers": layers}
+    # what the stage plans reduce: the gradients' planned redistributions, by collective kind
+    planned = []
+    for module in pipelined.stages:
+        prog = module._apmodel_program
+        planned.append(sorted({step[0] for r in planned_redistributions(prog.plan, prog.captured)
+                               if r.gradient and r.bucketed for step in _steps(r)}))
+    return {"losses": losses, "stages": pipelined.stage_indices, "layers": layers, "per_step": per_step,
+            "planned": planned}
+
+
+def _steps(r: Any) -> list:
+    import costmodels
+
+    comm = costmodels.NCCLCollectives(costmodels.Topology((2,), costmodels.device("h100"), 8))
+    itemsize = torch.empty((), dtype=r.dtype).element_size()
+    return list(costmodels.redistribution_steps(comm, r.global_shape, itemsize, r.src, r.dst))
 
 
 @pytest.mark.slow
@@ -65,6 +115,44 @@ def test_1f1b_pipeline_of_spmd_stages_trains_like_one_device():
     for r in per_rank[2:]:
         assert r["losses"] == pytest.approx(reference, rel=1e-5)
     assert per_rank[0]["losses"] == [None] * STEPS
+    for r in per_rank:  # one stage per rank: its gradients reduced once per step, one collective per bucket
+        (planned,) = r["planned"]
+        assert planned, "the stage plan reduces no gradient: nothing to count"
+        for step in r["per_step"]:
+            # every parameter's gradient fits one 25 MB bucket: one collective per kind the plan reduces with
+            assert step["windows"] == [planned] and all(step["distinct"])
+
+
+@pytest.mark.slow
+def test_gradients_reduced_per_microbatch_when_priced_so():
+    """weight_sync "microbatch": no reduction at the step's end; each microbatch's backward
+    reduces (the same losses)."""
+    per_rank = run_distributed(_worker, 4, "1f1b", STAGES, "microbatch", timeout_s=900)
+    for r in per_rank[2:]:
+        assert r["losses"] == pytest.approx(_reference_losses(), rel=1e-5)
+    for r in per_rank:
+        (planned,) = r["planned"]
+        for step in r["per_step"]:
+            assert step["windows"] == []
+            assert step["outside_reducing"] >= MICROBATCHES * sum(k in REDUCING for k in planned)
+
+
+@pytest.mark.slow
+def test_kept_parameters_are_gathered_once_per_step():
+    """weight_sync "gather_once": each stage gathers its parameters on its first microbatch and
+    keeps them: per step, m - 1 fewer of each parameter gather than gathering per microbatch (the
+    same losses; gradients still reduced once per step)."""
+    kept = run_distributed(_worker, 4, "1f1b", STAGES, "gather_once", timeout_s=900)
+    each = run_distributed(_worker, 4, "1f1b", STAGES, "reduce_once", timeout_s=900)
+    reference = _reference_losses()
+    for r in kept[2:] + each[2:]:
+        assert r["losses"] == pytest.approx(reference, rel=1e-5)
+    for a, b in zip(kept, each, strict=True):
+        # after the first step, whose extra passes (pipelining infers its stages' shapes) differ
+        for step_kept, step_each in zip(a["per_step"][1:], b["per_step"][1:], strict=True):
+            fewer = step_each["all_gathers"] - step_kept["all_gathers"]
+            assert fewer > 0 and fewer % (MICROBATCHES - 1) == 0, (step_each, step_kept)
+            assert step_kept["windows"] == step_each["windows"] == [a["planned"][0]]
 
 
 @pytest.mark.slow
@@ -75,3 +163,6 @@ def test_interleaved_pipeline_trains_like_one_device():
     assert [r["layers"] for r in per_rank[1:3]] == [[[0], [2]], [[1], [3]]]
     for r in per_rank[2:]:
         assert r["losses"] == pytest.approx(_reference_losses(), rel=1e-5)
+    for r in per_rank:  # two stages per rank: each reduces once per step (REDUCE_GRAD after its last backward)
+        for step in r["per_step"]:
+            assert step["windows"] == sorted(r["planned"]) and all(step["distinct"])

@@ -83,6 +83,8 @@ def plan_json(result, cfg) -> dict[str, Any]:
     }
     if plan.pipeline:  # the chosen degree, split, price and every degree priced (apmodel.result.pipeline_record)
         data["pipeline"] = dict(plan.pipeline)
+        if plan.pipeline["degree"] > 1:
+            _pipelined_objective(data)
     if result.recipes is not None:
         data["recipes"] = {r.name: r.objective_us for r in result.recipes}
         data["recipes_detail"] = {
@@ -97,6 +99,25 @@ def plan_json(result, cfg) -> dict[str, Any]:
         }
         data["free_policy_objective_us"] = result.free_plan.objective_us
     return data
+
+
+#: Top-level ``--json`` figures of one stage plan's microbatch: under ``pipeline.stage_plan`` for a
+#: pipelined plan, whose top-level objective is the step.
+STAGE_PLAN_KEYS = ("objective_us", "lower_bound_us", "compute_us", "comm_us", "comm_by_collective", "step_us",
+                   "exposed_comm_us", "hidden_comm_us", "serial_objective_us", "serial_solve_us",
+                   "serial_lower_bound_us")
+
+
+def _pipelined_objective(data: dict[str, Any]) -> None:
+    """A pipelined plan's ``--json``: ``objective_us`` and ``step_us`` the pipeline's step, the
+    stage plan's per-microbatch figures moved under ``pipeline.stage_plan`` (None at the top: a
+    step on the schedule's timeline is no sum of them)."""
+    pp = data["pipeline"]
+    pp["stage_plan"] = {k: data[k] for k in STAGE_PLAN_KEYS}
+    for k in STAGE_PLAN_KEYS:
+        data[k] = None
+    data["comm_by_collective"] = {}
+    data["objective_us"] = data["step_us"] = pp["objective_us"]
 
 
 def print_plan(result, cfg, console: Console) -> None:
@@ -127,7 +148,10 @@ def print_plan(result, cfg, console: Console) -> None:
               f"{tm.get('trace_s', 0):.2f} / {tm.get('build_s', 0):.2f} / {tm.get('solve_s', 0):.2f} / {tm.get('total_s', 0):.2f}")
     lb = plan.solver.get("lower_bound_us")
     t.add_row("backend / status", f"{plan.solver.get('backend')} / {plan.solver.get('status')}")
-    t.add_row("objective (µs)", _fmt_us(plan.objective_us) + (" (step, with overlap)" if overlapped(plan) else ""))
+    if pp and pp["degree"] > 1:
+        t.add_row("step (µs)", f"{_fmt_us(plan.step_objective_us)} (the pipeline's)")
+    t.add_row("objective (µs)", _fmt_us(plan.objective_us) + (" (step, with overlap)" if overlapped(plan) else "")
+              + (" per microbatch of the stage" if pp and pp["degree"] > 1 else ""))
     if overlapped(plan):
         t.add_row("serial objective (µs)", _fmt_us(plan.overlap["serial_us"]))
     if lb is not None and math.isfinite(lb):
@@ -251,8 +275,9 @@ def _print_pipeline(pp: dict[str, Any], limit: float | None, console: Console) -
     title = (f"Pipeline degrees on mesh axis {pp['axis']} ({pp['schedule']}, {pp['microbatches']} microbatches; "
              f"µs per training step, bytes on the fullest device)")
     t = Table(title=title, title_justify="left")
-    for col in ("degree", "stage mesh", "stages (layers)", "step µs", "bubble", "p2p µs", "peak memory", "vs chosen"):
-        t.add_column(col, justify="left" if col in ("degree", "stage mesh", "stages (layers)") else "right")
+    for col in ("degree", "stage mesh", "stages (layers)", "step µs", "bubble", "p2p µs", "weights", "peak memory",
+                "vs chosen"):
+        t.add_column(col, justify="left" if col in ("degree", "stage mesh", "stages (layers)", "weights") else "right")
     best = pp["objective_us"]
     for a in pp["alternatives"]:
         stages = ", ".join(f"{s[0]}-{s[1]}" for s in a["stages"]) if a["stages"] else "no pipelining"
@@ -263,10 +288,18 @@ def _print_pipeline(pp: dict[str, Any], limit: float | None, console: Console) -
                     style="red" if a["fits"] is False else "")
         chosen = a["degree"] == pp["degree"]
         t.add_row(f"[bold]{a['degree']}[/]" if chosen else str(a["degree"]), "x".join(map(str, a["stage_mesh"])),
-                  stages, _fmt_us(a["objective_us"]), bubble, _fmt_us(a["p2p_us"]), peak,
+                  stages, _fmt_us(a["objective_us"]), bubble, _fmt_us(a["p2p_us"]), _weights(a.get("weight_sync", [])), peak,
                   f"{100 * (a['objective_us'] - best) / best:+.1f}%" if best else "")
     console.print(t)
-    note = "the tables above are the chosen degree's stage plan (one microbatch on the stage mesh)"
+    note = ("the tables above are the chosen degree's stage plan (one microbatch on the stage mesh); weights per "
+            "stage: g gathered once per step and kept, r gathered per microbatch, gradients reduced once per step, "
+            "m both per microbatch")
     if limit is not None:
         note += f"; peak memory against the limit of {_fmt_bytes(limit)} ((over): does not fit)"
     console.print(note, style="dim", highlight=False)
+
+
+def _weights(syncs: list[str]) -> str:
+    """Each stage's weight sync, one letter each (``gather_once`` g, ``reduce_once`` r, ``microbatch`` m)."""
+    letters = "".join({"gather_once": "g", "reduce_once": "r", "microbatch": "m"}.get(x, "?") for x in syncs)
+    return letters if len(letters) <= 8 else letters[:7] + "…"

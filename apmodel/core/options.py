@@ -244,6 +244,10 @@ class PlanOptions:
                    "gradient's reductions are priced as their share of one bucket, and parallelize runs "
                    "them so (0: each alone, as the interpreter runs them).", kind="float", range="[0, inf)",
         unit="MB, 2^20 bytes")
+    weight_microbatches: int = option(
+        1, help="Microbatches that share each parameter gather and gradient reduction: those collectives are "
+                "priced divided by this (a pipeline stage's plan, whose weights are synchronised once per step; "
+                "the pipeline sets it to its microbatches).", kind="int", range="[1, inf)")
     overlap: bool = option(
         True, help="Price the step as the native program runs it: each collective issued as soon as its input "
                    "exists and waited just before its first reader, parameter gathers prefetched, so "

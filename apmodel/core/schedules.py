@@ -16,8 +16,12 @@ fixed order, the order ``torch.distributed.pipelining``'s schedules run them:
 
 :func:`simulate` runs the orders against per-stage forward and backward times and a transfer
 time per stage boundary: an action starts when its rank is free and its input has arrived (the
-previous stage's forward, or the next stage's backward, plus the transfer). The timeline is exact
-for the orders and times given (no overlap of a transfer with anything but other ranks' work).
+previous stage's forward, or the next stage's backward, plus the transfer). A stage may also have
+work once per step: ``setup_us`` at the step's start (gathering parameters it keeps for every
+microbatch) and ``flush_us`` after its last backward (reducing the gradients it accumulated, where
+``torch.distributed.pipelining`` runs its ``REDUCE_GRAD`` action, the backward's gradient already
+sent on); both hold the rank. The timeline is exact for the orders and times given (no overlap of
+a transfer with anything but other ranks' work).
 With equal stages and no transfer time it gives the textbook figures: 1F1B takes
 ``(m + d - 1)·(f + b)``, the interleaved schedule ``m·(f + b) + (d - 1)·(f + b)/v`` (``f``, ``b``:
 one microbatch's forward and backward through the whole model divided by ``d``).
@@ -38,6 +42,13 @@ from typing import Callable, Literal, Sequence, get_args
 Schedule = Literal["1f1b", "interleaved"]
 #: The schedules, declared once (the option ``pp_schedule`` takes these).
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+#: How a pipeline stage synchronises its weights (parameters sharded over the stage mesh):
+#: ``"microbatch"``: gathers its parameters and reduces their gradients on every microbatch;
+#: ``"reduce_once"``: gathers per microbatch (FSDP's reshard after each use), accumulates the
+#: gradients locally and reduces them once per step, after its last backward; ``"gather_once"``:
+#: also gathers the parameters once per step, before its first forward, and keeps them gathered for
+#: every microbatch (torchtitan's FSDP + pipeline without reshard). Cheapest last; most memory last.
+WEIGHT_SYNCS: tuple[str, ...] = ("microbatch", "reduce_once", "gather_once")
 #: Stages per rank of the interleaved schedule (``v``): Megatron-LM's and torchtitan's examples use 2.
 INTERLEAVED_STAGES_PER_RANK = 2
 
@@ -143,11 +154,15 @@ def simulate(
     backward_us: Sequence[float],
     transfer_us: Sequence[float] = (),
     activation_bytes: Sequence[float] = (),
+    setup_us: Sequence[float] = (),
+    flush_us: Sequence[float] = (),
 ) -> Timeline:
     """The timeline of one step. ``forward_us[k]`` / ``backward_us[k]``: one microbatch through
     stage ``k``; ``transfer_us[k]``: moving one microbatch's activation from stage ``k`` to
     ``k + 1`` (and its gradient back), default 0; ``activation_bytes[k]``: what stage ``k`` keeps
-    from a forward until its backward (per device), for :attr:`Timeline.held_bytes`."""
+    from a forward until its backward (per device), for :attr:`Timeline.held_bytes`;
+    ``setup_us[k]`` / ``flush_us[k]``: stage ``k``'s work once per step, at the step's start and
+    after its last backward (default 0)."""
     n_stages = degree * stages_per_rank(schedule)
     if len(forward_us) != n_stages or len(backward_us) != n_stages:
         raise ScheduleError(f"{schedule} on degree {degree} has {n_stages} stages; got times for "
@@ -156,13 +171,19 @@ def simulate(
     if len(transfer) != n_stages - 1:
         raise ScheduleError(f"{n_stages} stages have {n_stages - 1} boundaries; got {len(transfer)} transfer times")
     act = list(activation_bytes) or [0.0] * n_stages
+    setup = list(setup_us) or [0.0] * n_stages
+    flush = list(flush_us) or [0.0] * n_stages
+    if len(act) != n_stages or len(setup) != n_stages or len(flush) != n_stages:
+        raise ScheduleError(f"{n_stages} stages: got {len(act)} activation sizes, {len(setup)} setup and "
+                            f"{len(flush)} flush times")
     ranks = orders(schedule, degree, microbatches)
     held = [0.0] * degree
     most_held = [0.0] * degree
     done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * degree
+    # each rank gathers what its stages keep at the step's start, before its first action
+    free = [sum(setup[k] for k in range(r, n_stages, degree)) for r in range(degree)]
     pos = [0] * degree
-    busy = [0.0] * degree
+    busy = list(free)
     live = [0] * n_stages
     most = [0] * n_stages
     left = sum(len(r) for r in ranks)
@@ -179,11 +200,13 @@ def simulate(
                     dep = ("F", a.stage, a.microbatch) if a.stage == n_stages - 1 else ("B", a.stage + 1, a.microbatch)
                     wait = 0.0 if a.stage == n_stages - 1 else transfer[a.stage]
                     own = backward_us[a.stage]
+                after = flush[a.stage] if a.kind == "B" and a.microbatch == microbatches - 1 else 0.0
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], 0.0 if dep is None else done[dep] + wait)
-                free[r] = done[(a.kind, a.stage, a.microbatch)] = start + own
-                busy[r] += own
+                done[(a.kind, a.stage, a.microbatch)] = start + own  # its gradient leaves before the reduction
+                free[r] = start + own + after
+                busy[r] += own + after
                 live[a.stage] += 1 if a.kind == "F" else -1
                 most[a.stage] = max(most[a.stage], live[a.stage])
                 held[r] += act[a.stage] if a.kind == "F" else -act[a.stage]

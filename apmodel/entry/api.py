@@ -573,6 +573,7 @@ def parallelize_pipeline(
     stages: Sequence[Sequence[int]] | None = None,
     microbatches: int | None = None,
     pp_schedule: str | None = None,
+    weight_sync: Sequence[str] | None = None,
     plan: Plan | None = None,
     lowering: str = "native",
     options: PlanOptions | None = None,
@@ -589,7 +590,9 @@ def parallelize_pipeline(
     target)`` on the last stage). ``stages`` (``[first, last]`` layers per stage), ``microbatches``
     and ``pp_schedule`` (``"1f1b"``, ``"interleaved"``; ``schedule=``, its old name, is read with a
     DeprecationWarning): as planned, or read from ``plan.pipeline`` (a plan made with a pipeline
-    axis). Options: as for :func:`parallelize`, for every stage plan."""
+    axis). ``weight_sync``: per stage, how it synchronises its weights
+    (:data:`apmodel.core.schedules.WEIGHT_SYNCS`), as planned (default: each stage reduces its
+    gradients once per step). Options: as for :func:`parallelize`, for every stage plan."""
     from apmodel import lowering as lowering_stage
     from apmodel.lowering import pipeline as lowered_pipeline
 
@@ -607,6 +610,7 @@ def parallelize_pipeline(
         stages = stages or [tuple(s) for s in record["stages"]]
         microbatches = microbatches or record["microbatches"]
         pp_schedule = pp_schedule or record["schedule"]
+        weight_sync = weight_sync or record.get("weight_sync") or None
     if not stages or microbatches is None:
         raise TypeError("apmodel.parallelize_pipeline: give stages and microbatches (or a plan with a pipeline)")
     opts = make_options(options, **option_values)
@@ -620,7 +624,7 @@ def parallelize_pipeline(
 
     return lowered_pipeline.build(make_model, mesh, pp_axis, [(int(a), int(b)) for a, b in stages], microbatches,
                                   sample_inputs, loss_fn=loss_fn, plan_stage=plan_stage, lower_stage=lower_stage,
-                                  schedule=pp_schedule or "1f1b")
+                                  schedule=pp_schedule or "1f1b", weight_sync=weight_sync)
 
 
 def plan_pipelined(

@@ -40,9 +40,12 @@ no all-to-all).
 from apmodel.lowering.module import (
     LOWERINGS,
     capture_on_meta,
+    defer_gradient_reduction,
     load_full_state_dict,
     lower,
     plan_on_one_rank,
+    reduce_gradients,
+    release_kept,
 )
 from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import (
@@ -61,4 +64,7 @@ __all__ = [
     "planned_redistributions",
     "issued_redistributions",
     "load_full_state_dict",
+    "defer_gradient_reduction",
+    "reduce_gradients",
+    "release_kept",
 ]

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from apmodel._torch_private import dtensor_like
 from apmodel.core.kernels import local_kernels as default_local_kernels
 from apmodel.core.options import default_of, renamed_keywords
 from apmodel.lowering.autograd import FromGlobal, JointStep
@@ -56,8 +57,52 @@ def _native_program(prog: LoweredProgram, model: nn.Module) -> NativeProgram:
         buffers = [_global(model.get_buffer(prog.captured.buffer_fqn[n.name])) for n in prog.buffers]
         inputs = [n.meta["val"] for n in prog.inputs]
         prog.native = NativeProgram(prog, params, buffers, inputs, trace_device(prog.mesh), prog.bucket_mb,
-                                    prog.inflight_mb)
+                                    prog.inflight_mb, defer_grad_reduction=prog.defer_grad_reduction,
+                                    keep_gathered=prog.keep_gathered)
     return prog.native
+
+
+def defer_gradient_reduction(model: nn.Module, *, keep_gathered: bool = False) -> None:
+    """Make the parallel ``model`` (native lowering) leave its parameters' gradients unreduced in
+    each backward and sum them, until :func:`reduce_gradients` reduces the sum once (gradient
+    accumulation over a pipeline's microbatches). ``keep_gathered``: also gather the parameters
+    once and keep them until :func:`release_kept` (which :func:`reduce_gradients` calls)."""
+    prog: LoweredProgram | None = getattr(model, "_apmodel_program", None)
+    if prog is None or prog.lowering != "native":
+        raise ValueError(f"{type(model).__name__}: deferring gradient reduction needs a module lowered natively "
+                         f"(apmodel.parallelize(..., lowering='native'))")
+    prog.native = None  # traced again (if it was), with the reduction apart
+    prog.defer_grad_reduction = True
+    prog.keep_gathered = keep_gathered
+
+
+def release_kept(model: nn.Module) -> None:
+    """Forget the parameter values ``model`` keeps gathered (:func:`defer_gradient_reduction`)."""
+    prog: LoweredProgram = model._apmodel_program  # type: ignore[assignment]  # torch's stub: Module attributes are Tensor | Module
+    for program in (prog, *prog.variants.values()):
+        if program.native is not None:
+            program.native.release_kept()
+
+
+def reduce_gradients(model: nn.Module) -> int:
+    """Reduce the gradients ``model`` summed since the last call (:func:`defer_gradient_reduction`)
+    and add them to its parameters' ``.grad``; returns how many parameters got one."""
+    prog: LoweredProgram = model._apmodel_program  # type: ignore[assignment]  # torch's stub: Module attributes are Tensor | Module
+    count = 0
+    for program in (prog, *prog.variants.values()):
+        native = program.native
+        reduced = None if native is None else native.reduce_gradients()
+        if reduced is None:
+            continue
+        param_owners, _ = _owners(model, program)
+        with_grad = [o for o, has in zip(param_owners, native.param_has_grad, strict=True) if has]
+        for (owner, leaf), local in zip(with_grad, reduced, strict=True):
+            param = getattr(owner, leaf)
+            g = dtensor_like(param, local)
+            param.grad = g if param.grad is None else param.grad + g
+            count += 1
+    release_kept(model)  # the step's backwards are done: what they kept gathered goes
+    return count
 
 
 def _owners(model: nn.Module, prog: LoweredProgram) -> tuple[list[tuple[nn.Module, str]], dict[Any, tuple[nn.Module, str]]]:

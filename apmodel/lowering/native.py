@@ -39,10 +39,17 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apmodel._torch_private import bucket_collectives, dtensor_like, fake_tensor_mode, overload_packet
+from apmodel._torch_private import (
+    bucket_collectives,
+    dtensor_like,
+    fake_tensor_mode,
+    grads_accumulate_into,
+    overload_packet,
+)
 from apmodel.graph.linear3d import LOCAL_IMPLS
 from apmodel.graph.regions import region_of
 from apmodel.lowering.graph import flatten_args, unflatten_args
+from apmodel.lowering.static_split import StaticSplit, split_static
 from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
 
@@ -107,14 +114,31 @@ class NativeProgram:
     planned step, as a plan made with ``bucket_mb=0`` was priced). ``inflight_mb``: collectives
     issued as soon as their inputs exist and waited just before their first reader, parameters'
     gathers prefetched, at most this many MB in flight (:func:`order_collectives`); None: each
-    waited right after it is issued."""
+    waited right after it is issued. ``defer_grad_reduction``: the backward graph leaves the
+    parameters' gradients unreduced (as their placement before the reduction); each backward adds
+    them into :attr:`pending_grads` and :meth:`reduce_gradients` reduces the sum once, in a graph
+    of its own (a pipeline stage's step of several microbatches: the reduction is linear, so one
+    reduction of the sum equals the sum of one per microbatch). ``keep_gathered`` (with
+    ``defer_grad_reduction``): what the graphs compute from the parameters alone (their gathers
+    and casts; :mod:`apmodel.lowering.static_split`) runs on the first call after
+    :meth:`release_kept` and is kept for the calls after it (a pipeline stage's microbatches)."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
                  inputs: Sequence[torch.Tensor], device: torch.device, bucket_mb: float | None = None,
-                 inflight_mb: float | None = None) -> None:
+                 inflight_mb: float | None = None, *, defer_grad_reduction: bool = False,
+                 keep_gathered: bool = False) -> None:
         self.prog = prog
         self.bucket_mb = bucket_mb
         self.inflight_mb = inflight_mb
+        self.defer_grad_reduction = defer_grad_reduction
+        self._grad_layouts: list[_Layout | None] = []  # deferred: per gradient, its placement before the reduction
+        self.pending_grads: list[torch.Tensor] | None = None
+        """deferred: the unreduced gradients summed over the backwards since the last reduction"""
+        self.gradient_graph: fx.GraphModule | None = None
+        """deferred: the graph that reduces :attr:`pending_grads` to the parameters' placements"""
+        self.gradient_redistributions: list[Any] = []
+        self._splits: dict[str, StaticSplit | None] = {}  # keep_gathered: per graph, its parameters-only prologue
+        self._kept: dict[str, list[torch.Tensor]] = {}  # keep_gathered: each prologue's values since release_kept
         self.device = device
         self.mesh = prog.mesh
         start = time.perf_counter()
@@ -146,6 +170,12 @@ class NativeProgram:
             self._saved_static)
         self.backward_redistributions = list(prog.redistributions)
         prog.redistributions = []
+        if defer_grad_reduction:
+            self._trace_gradient_graph(mode, out_vals_of(self.backward_graph)[:sum(self.param_has_grad)])
+        if keep_gathered:  # the parameters (not the buffers: BatchNorm's change per call) and what is saved of them
+            n_p, n_in = len(param_locals), len(buffers) + len(inputs)
+            self._splits["forward"] = split_static(self.forward_graph, [True] * n_p + [False] * n_in)
+            self._splits["backward"] = split_static(self.backward_graph, self._saved_static + [False] * n_out)
         self.trace_s = time.perf_counter() - start
         logger.info("native program: forward %d nodes, backward %d nodes, %d collectives, traced in %.2f s",
                     len(self.forward_graph.graph.nodes), len(self.backward_graph.graph.nodes),
@@ -221,6 +251,14 @@ class NativeProgram:
             self.param_has_grad.append(g is not None)
             if g is None:
                 continue
+            if self.defer_grad_reduction:  # left unreduced, in the dtype it will be reduced in (summed until then)
+                v = env[g]
+                self._grad_layouts.append(_Layout.of(v))
+                local = v.to_local() if isinstance(v, DTensor) else v
+                if prog.reduce_dtype is not None and local.is_floating_point():
+                    local = local.to(prog.reduce_dtype)
+                grads.append(local.contiguous())  # the reduction graph is traced for contiguous sums
+                continue
             v = prog._redistribute(env[g], prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
                                    "backward", gradient=True)
             # mixed precision: the gradient of the fp32 master (DTensor.to gives a DTensor; torch's stub says Tensor)
@@ -235,6 +273,48 @@ class NativeProgram:
                                    "backward")
             grads.append(v.full_tensor() if isinstance(v, DTensor) else v)  # the input was the global tensor
         return tuple(grads)
+
+    def _trace_gradient_graph(self, mode: Any, unreduced: Sequence[fx.Node]) -> None:
+        """Trace the deferred reduction: unreduced gradients in (shaped as the backward graph's
+        outputs ``unreduced``), the parameters' gradients at their storage placements out."""
+        prog = self.prog
+        with mode:
+            fake = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device=self.device) for n in unreduced]
+        prog.redistributions = []
+        self._regions = []
+        traced = make_fx(lambda g: self._reduce(g), tracing_mode="fake")(fake)
+        self.gradient_graph = self._finish(traced, "gradient reduction", [False] * len(fake))
+        self.gradient_redistributions = list(prog.redistributions)
+        prog.redistributions = []
+
+    def _reduce(self, unreduced: list) -> tuple:
+        prog = self.prog
+        with_grad = [(p, m) for p, m, has in zip(prog.params, self.master_dtypes, self.param_has_grad, strict=True) if has]
+        out = []
+        for (p, master), local, layout in zip(with_grad, unreduced, self._grad_layouts, strict=True):
+            g = prog.param_grad[p]
+            v = local if layout is None else layout.wrap(local, self.mesh)
+            v = prog._redistribute(v, prog.storage[p], f"grad:{prog.captured.param_fqn[p.name]}", g.name, 0,
+                                   "backward", gradient=True)
+            out.append(v.to(master).to_local())  # type: ignore[attr-defined]  # DTensor.to gives a DTensor
+        return tuple(out)
+
+    def accumulate(self, unreduced: Sequence[torch.Tensor]) -> None:
+        """Add one backward's unreduced gradients into :attr:`pending_grads` (no communication)."""
+        if self.pending_grads is None:
+            self.pending_grads = [g.clone(memory_format=torch.contiguous_format) for g in unreduced]
+        else:
+            for acc, g in zip(self.pending_grads, unreduced, strict=True):
+                acc.add_(g)
+
+    def reduce_gradients(self) -> list[torch.Tensor] | None:
+        """The pending gradients reduced (local tensors at the parameters' placements, one per
+        parameter with a gradient), the pending sum cleared; None when no backward ran since."""
+        if self.pending_grads is None or self.gradient_graph is None:
+            return None
+        grads = self.run(self.gradient_graph, list(self.pending_grads))
+        self.pending_grads = None
+        return list(grads)
 
     def _finish(self, gm: fx.GraphModule, phase: str, static: Sequence[bool]) -> fx.GraphModule:
         """The traced graph made lean (no-op aliases dropped, collectives bucketed and ordered,
@@ -265,6 +345,31 @@ class NativeProgram:
         gm.recompile()
         return gm
 
+    def run_step(self, phase: str, *groups: Sequence[Any]) -> Any:
+        """The ``phase`` ("forward" or "backward") graph on its argument groups; kept gathered, its
+        prologue's values computed on the first call since :meth:`release_kept` and reused."""
+        graph = self.forward_graph if phase == "forward" else self.backward_graph
+        split = self._splits.get(phase)
+        if split is None:
+            return self.run(graph, *[list(g) for g in groups])
+        flat = [x for g in groups for x in g]
+        flags = self._static_flags(phase, len(flat))
+        static = [x for x, f in zip(flat, flags, strict=True) if f]
+        rest = [x for x, f in zip(flat, flags, strict=True) if not f]
+        kept = self._kept.get(phase)
+        if kept is None:
+            kept = self._kept[phase] = list(self.run(split.prologue, *static))
+        return self.run(split.main, *kept, *rest)
+
+    def _static_flags(self, phase: str, n: int) -> list[bool]:
+        if phase == "forward":
+            return [True] * len(self.master_dtypes) + [False] * (n - len(self.master_dtypes))
+        return self._saved_static + [False] * (n - len(self._saved_static))
+
+    def release_kept(self) -> None:
+        """Forget the kept parameter values (the parameters change at the optimizer step)."""
+        self._kept.clear()
+
     def run(self, graph: fx.GraphModule, *args: Any) -> Any:
         """``graph(*args)``; a failure inside it is re-raised naming the joint-graph node whose
         kernels failed (read off the generated code's line in the traceback)."""
@@ -280,7 +385,7 @@ class NativeProgram:
     def collective_counts(self) -> dict[str, int]:
         """``_c10d_functional`` collectives in both graphs, by op name (``wait_tensor`` excluded)."""
         counts: dict[str, int] = {}
-        for gm in (self.forward_graph, self.backward_graph):
+        for gm in (self.forward_graph, self.backward_graph, *([self.gradient_graph] if self.gradient_graph else [])):
             for name, n in _count_collectives(gm).items():
                 counts[name] = counts.get(name, 0) + n
         return counts
@@ -318,6 +423,11 @@ class NativeProgram:
 #: input's (DTensor's from_local/to_local and its sharding propagation leave many such views).
 _ALIASING_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
                            aten.detach.default, aten.alias.default, aten.slice.Tensor})
+
+
+def out_vals_of(gm: fx.GraphModule) -> list[fx.Node]:
+    """The values a graph returns, in order."""
+    return list(gm.graph.find_nodes(op="output")[0].args[0])
 
 
 def _drop_aliases(graph: fx.Graph) -> None:
@@ -489,7 +599,7 @@ class NativeStep(torch.autograd.Function):
         n_p, n_b = len(native.prog.params), len(native.prog.buffers)
         params = values[:n_p]
         locals_ = [cast(DTensor, p).to_local() for p in params] if as_dtensors else list(params)  # no grad here: no autograd node
-        outs = native.run(native.forward_graph, locals_, list(values[n_p:n_p + n_b]), list(values[n_p + n_b:]))
+        outs = native.run_step("forward", locals_, values[n_p:n_p + n_b], values[n_p + n_b:])
         n_out, n_saved = native.n_outputs, native.n_saved
         ctx.native = native
         ctx.params = params if as_dtensors else None
@@ -502,11 +612,16 @@ class NativeStep(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         native: NativeProgram = ctx.native
         n_out = native.n_outputs
-        grads_in = native.run(native.backward_graph, list(ctx.saved_tensors), list(grads[:n_out]))
+        grads_in = native.run_step("backward", ctx.saved_tensors, grads[:n_out])
         it = iter(grads_in)
         result: list[Any] = [None, None]
         params = ctx.params
-        for i, has in enumerate(native.param_has_grad):
+        if native.defer_grad_reduction:  # the parameters' gradients wait in the program for the step's reduction
+            unreduced = [next(it) for has in native.param_has_grad if has]
+            if params is None or grads_accumulate_into(params):  # not for autograd.grad of the inputs alone
+                native.accumulate(unreduced)
+            result += [None] * len(native.param_has_grad)
+        for i, has in enumerate([] if native.defer_grad_reduction else native.param_has_grad):
             g = next(it) if has else None
             result.append(g if g is None or params is None else dtensor_like(params[i], g))
         result += [None] * len(native.prog.buffers)

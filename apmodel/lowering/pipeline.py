@@ -23,6 +23,16 @@ coordinate form one stage mesh. Each rank:
 The schedule's ``step(inputs, target=..., losses=...)`` runs one training step; gradients are
 accumulated over the microbatches and divided by their number (the schedule's ``scale_grads``), so
 with a mean loss the step equals one step on the whole batch.
+
+Weights are synchronised as priced (:data:`apmodel.core.schedules.WEIGHT_SYNCS`, one per stage): a
+stage that reduces its gradients once per step runs each microbatch's backward without the
+reduction (:func:`apmodel.lowering.defer_gradient_reduction`: the unreduced gradients are summed
+locally) and reduces the sum when the schedule says the stage's backwards are done
+(``perform_reduce_grad``, the ``REDUCE_GRAD`` action after its last backward, where torchtitan's
+FSDP reduces too): one collective per bucket per step. A stage priced as keeping its gathered
+parameters (``gather_once``) also runs what its graphs compute from the parameters alone (their
+gathers and casts, :mod:`apmodel.lowering.static_split`) on its first microbatch and keeps it
+for the others, until that reduction.
 """
 
 from __future__ import annotations
@@ -38,7 +48,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
+from apmodel.core.schedules import WEIGHT_SYNCS
 from apmodel.graph import conventions
+from apmodel.lowering.module import defer_gradient_reduction, reduce_gradients, release_kept
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +112,24 @@ class StageModule(nn.Module):
         return out.full_tensor() if isinstance(out, DTensor) else out
 
 
+class StepReducingStage(PipelineStage):
+    """A ``PipelineStage`` whose module's gradients wait, unreduced, for the step's reduction: run
+    when the schedule finishes the stage's backwards (``perform_reduce_grad``; or ``scale_grads``,
+    which schedules without that action call after the last backward), before their scaling."""
+
+    def _reduce(self) -> None:
+        module = self.submod.inner if isinstance(self.submod, StageModule) else self.submod
+        reduce_gradients(module)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        self._reduce()
+        super().perform_reduce_grad(grad_scale_factor)
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        self._reduce()  # nothing left to reduce when perform_reduce_grad came first
+        super().scale_grads(grad_scale_factor)
+
+
 def plan_on_group(solve: Callable[[], Any], group: dist.ProcessGroup | None, src: int) -> Any:
     """``solve()`` on global rank ``src`` only; its plan (as JSON) sent to every rank of ``group``."""
     from apmodel.result.plans import Plan
@@ -133,6 +163,9 @@ class PipelinedModel:
         the last stage (None elsewhere)."""
         last = max(self.stage_indices) == self.n_stages - 1
         losses: list[torch.Tensor] = []
+        for module in self.stages:  # gathered parameters kept from a step that did not finish are stale
+            if getattr(getattr(module, "_apmodel_program", None), "lowering", None) == "native":
+                release_kept(module)
         self.schedule.step(*(inputs if 0 in self.stage_indices else ()), target=target if last else None,
                            losses=losses if last else None)
         return torch.stack([loss.detach() for loss in losses]).mean() if last else None
@@ -159,6 +192,7 @@ def build(
     plan_stage: Callable[[nn.Module, tuple[int, ...], tuple[torch.Tensor, ...]], Any],
     lower_stage: Callable[[nn.Module, DeviceMesh, tuple[torch.Tensor, ...], Any], nn.Module],
     schedule: str = "1f1b",
+    weight_sync: Sequence[str] | None = None,
 ) -> PipelinedModel:
     """Cut, plan, lower and schedule this rank's stages (see the module docstring).
 
@@ -167,9 +201,15 @@ def build(
     ``[first, last]`` layers of every stage (``degree × v`` for the interleaved schedule; stage
     ``k`` on pipeline rank ``k mod degree``). ``sample_inputs``: the model's inputs for the whole
     batch (meta tensors will do): shapes only. ``plan_stage(module, stage mesh shape, inputs)``
-    plans one stage's step; ``lower_stage(module, stage mesh, inputs, plan)`` lowers it."""
+    plans one stage's step; ``lower_stage(module, stage mesh, inputs, plan)`` lowers it.
+    ``weight_sync``: per stage, as priced (:data:`apmodel.core.schedules.WEIGHT_SYNCS`); None:
+    every stage reduces its gradients once per step."""
     if schedule not in SCHEDULE_CLASSES:
         raise PipelineLoweringError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CLASSES)}")
+    syncs = list(weight_sync) if weight_sync else ["reduce_once"] * len(stages)
+    if len(syncs) != len(stages) or any(x not in WEIGHT_SYNCS for x in syncs):
+        raise PipelineLoweringError(f"weight_sync {list(syncs)}: expected one of {', '.join(WEIGHT_SYNCS)} for each "
+                                    f"of the {len(stages)} stages")
     degree = mesh.shape[pp_dim]
     if len(stages) % degree:
         raise PipelineLoweringError(f"{len(stages)} stages on a pipeline of degree {degree}: expected a multiple")
@@ -200,15 +240,18 @@ def build(
             return plan_stage(module, tuple(sub_mesh.shape), inputs)
 
         plan = plan_on_group(solve, sub_group, ranks[0])
-        mine.append(lower_stage(module, sub_mesh, inputs, plan))
+        lowered = lower_stage(module, sub_mesh, inputs, plan)
+        if syncs[k] != "microbatch":
+            defer_gradient_reduction(lowered, keep_gathered=syncs[k] == "gather_once")
+        mine.append(lowered)
         indices.append(k)
-    pipeline_stages = [PipelineStage(StageModule(m), k, n_stages, device, group=pp_group)
-                       for m, k in zip(mine, indices, strict=True)]
+    pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else PipelineStage)(
+        StageModule(m), k, n_stages, device, group=pp_group) for m, k in zip(mine, indices, strict=True)]
     cls = SCHEDULE_CLASSES[schedule]
     sched = (cls(pipeline_stages[0], microbatches, loss_fn=loss_fn) if schedule == "1f1b"
              else cls(pipeline_stages, microbatches, loss_fn=loss_fn))
-    logger.info("pipeline rank %d: stages %s of %d, layers %s, %s over %d microbatches", rank, indices, n_stages,
-                [stages[k] for k in indices], schedule, microbatches)
+    logger.info("pipeline rank %d: stages %s of %d, layers %s, %s over %d microbatches, weights %s", rank, indices,
+                n_stages, [stages[k] for k in indices], schedule, microbatches, [syncs[k] for k in indices])
     return PipelinedModel(stages=mine, stage_indices=indices, n_stages=n_stages, schedule=sched)
 
 

@@ -191,6 +191,12 @@ class LoweredProgram:
         self.inflight_mb = inflight_mb
         """native: collectives overlapped with computation, at most this many MB in flight; None: each
         waited as it is issued (see :func:`apmodel.lowering.lower`)"""
+        self.defer_grad_reduction = False
+        """native: gradients left unreduced by each backward, summed, and reduced once by
+        :func:`apmodel.lowering.reduce_gradients` (a pipeline stage; see :class:`apmodel.lowering.native.NativeProgram`)"""
+        self.keep_gathered = False
+        """native, with ``defer_grad_reduction``: the parameters' gathers run once until
+        :func:`apmodel.lowering.release_kept` (see :class:`apmodel.lowering.native.NativeProgram`)"""
         self.owners: Any = None
         """(module, attribute) of each parameter and buffer in the user's module, once looked up"""
         self.native: Any = None
@@ -486,6 +492,8 @@ class LoweredProgram:
         except ValueError as e:
             raise ValueError(f"the plan cannot run at {where}: {e}") from None
         variant.training_modes = modes
+        variant.defer_grad_reduction = self.defer_grad_reduction
+        variant.keep_gathered = self.keep_gathered
         logger.info("replayed the plan at %s", where)
         return variant
 

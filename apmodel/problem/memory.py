@@ -182,16 +182,17 @@ class MemoryModel:
         cap = self.captured
         return {node: (self._state_bytes(node, state=True), node in cap.param_grad) for node in cap.param_fqn}
 
-    def row(self) -> list[tuple[str, int, float]]:
+    def row(self, activation_copies: float = 1.0) -> list[tuple[str, int, float]]:
         """The linear memory row: (node, state index, bytes) for parameters, their gradients and
-        optimizer state, and saved activations (everything but the transient)."""
+        optimizer state, and saved activations (everything but the transient), these
+        ``activation_copies`` times (a pipeline stage holds several microbatches' at once)."""
         copies = OPTIMIZER_STATE_COPIES[self.optimizer]
         terms: list[tuple[str, int, float]] = []
         for node, (vec, trainable) in self.param_vectors().items():
             scale = 1 + (1 + copies if trainable else 0)
             terms.extend((node, i, float(b) * scale) for i, b in enumerate(vec) if b)
         for n in self.saved:
-            terms.extend((n.name, i, float(b)) for i, b in enumerate(self._state_bytes(n.name)) if b)
+            terms.extend((n.name, i, float(b) * activation_copies) for i, b in enumerate(self._state_bytes(n.name)) if b)
         return terms
 
     # ------------------------------------------------------------------ one plan

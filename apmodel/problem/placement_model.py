@@ -368,12 +368,13 @@ class PlacementModel:
         self.linear_rows.append(("param_budget_ratio" if per_tensor else "param_memory_budget", terms, "<=",
                                  fraction * total))
 
-    def add_memory_limit(self, limit_bytes: float, *, reserved_bytes: float = 0.0) -> None:
+    def add_memory_limit(self, limit_bytes: float, *, reserved_bytes: float = 0.0, activation_copies: float = 1.0) -> None:
         """Per-device memory row: parameters, gradients, optimizer state and saved activations
         (see :mod:`apmodel.problem.memory`) ≤ ``limit_bytes - reserved_bytes`` (``reserved_bytes``: what the
-        row cannot see, e.g. the step's largest transient). Replaces an earlier memory row."""
+        row cannot see, e.g. the step's largest transient; ``activation_copies``: microbatches whose
+        activations are held at once, a pipeline stage's). Replaces an earlier memory row."""
         self.linear_rows = [r for r in self.linear_rows if r[0] != "memory"]
-        self.linear_rows.append(("memory", self.memory.row(), "<=", float(limit_bytes - reserved_bytes)))
+        self.linear_rows.append(("memory", self.memory.row(activation_copies), "<=", float(limit_bytes - reserved_bytes)))
         self._compiled = None
 
     # ------------------------------------------------------------------ user constraints

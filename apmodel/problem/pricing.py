@@ -180,6 +180,9 @@ class CostContext:
     master_dtype: torch.dtype | None = None
     """mixed precision: parameters, their gradients and optimizer state are stored in this dtype
     (fp32 master weights); None: the pricing dtype"""
+    weight_microbatches: int = 1
+    """microbatches that share each parameter gather and gradient reduction (a pipeline stage's
+    plan): those collectives are priced divided by this (:class:`costmodels.SharedCollectives`)"""
     bucket_bytes: float = 0.0
     """cap (bytes) of the buckets the program merges parameter collectives into; 0: each priced alone"""
     param_elements: int = 0
@@ -327,13 +330,18 @@ class CostContext:
         """The comm model of one edge: ``bucketed`` (a parameter's gather or its gradient's
         reduction, which the native program merges with the others of its kind) prices each
         collective as its share of a bucket of ``bucket_bytes`` (at most the model's parameters
-        at ``itemsize``; :class:`costmodels.BucketedCollectives`)."""
-        if not bucketed or self.bucket_bytes <= 0:
+        at ``itemsize``; :class:`costmodels.BucketedCollectives`), shared by
+        ``weight_microbatches`` microbatches."""
+        if not bucketed:
             return self.comm
         comm = self._bucketed_comms.get(itemsize)
         if comm is None:
-            fill = self.param_elements * itemsize if self.param_elements > 0 else math.inf
-            comm = costmodels.BucketedCollectives(self.comm, min(self.bucket_bytes, fill))
+            comm = self.comm
+            if self.bucket_bytes > 0:
+                fill = self.param_elements * itemsize if self.param_elements > 0 else math.inf
+                comm = costmodels.BucketedCollectives(comm, min(self.bucket_bytes, fill))
+            if self.weight_microbatches > 1:
+                comm = costmodels.SharedCollectives(comm, self.weight_microbatches)
             self._bucketed_comms[itemsize] = comm
         return comm
 
@@ -488,7 +496,7 @@ def build_cost_context(mesh_shape: Sequence[int], options: PlanOptions, captured
             overlap = False
     return CostContext(
         mesh_shape=mesh_shape, compute=compute, comm=comm, dtype=dtype, hbm_bytes=spec.hbm_GiB * 2**30,
-        reduce_dtype=full, master_dtype=full, bucket_bytes=bucket_bytes, param_elements=param_elements,
+        reduce_dtype=full, master_dtype=full, weight_microbatches=options.weight_microbatches, bucket_bytes=bucket_bytes, param_elements=param_elements,
         overlap=overlap, inflight_bytes=options.inflight_mb * 2**20, overlap_slowdown=spec.overlap_slowdown,
         max_inflight=GLOO_MAX_INFLIGHT if spec.arch == "cpu" else None,
     )

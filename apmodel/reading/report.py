@@ -178,6 +178,21 @@ def _summary_section(plan: "Plan", param_note: str) -> str:
             + ("" if plan.model is not None else f'<p class="note">{esc(param_note)}</p>') + "</section>")
 
 
+def _objective_lead(plan: "Plan") -> str:
+    """The headline's objective: the step (a pipeline's, with one stage's microbatch after it)."""
+    split = (f"compute {esc(fmt_us(plan.compute_us))} µs ({pct(plan.compute_us, plan.objective_us)}), communication "
+             f"{esc(fmt_us(plan.comm_us))} µs ({pct(plan.comm_us, plan.objective_us)})")
+    pp = plan.pipeline
+    if pp and pp.get("degree", 1) > 1:  # the step is the pipeline's; the rest of the report is one stage's microbatch
+        lead = (f"Objective <b>{esc(fmt_us(plan.step_objective_us))} µs</b> per step: a pipeline of degree "
+                f"{pp['degree']} ({esc(pp['schedule'])}, {pp['microbatches']} microbatches, bubble "
+                f"{esc(fmt_us(pp['bubble_us']))} µs); the stage plan below, per microbatch: "
+                f"{esc(fmt_us(plan.objective_us))} µs, {split}")
+    else:
+        lead = f"Objective <b>{esc(fmt_us(plan.objective_us))} µs</b> per step: {split}"
+    return lead
+
+
 def plan_page(plan: "Plan", *, recipes: Sequence[Any] | None = None, free_plan: "Plan | None" = None,
               warnings: Sequence[str] | None = None, source: str | None = None,
               notes: Sequence[str] = ()) -> str:
@@ -197,9 +212,7 @@ def plan_page(plan: "Plan", *, recipes: Sequence[Any] | None = None, free_plan: 
                   "`apmodel plan --out` to see uses).")
     warnings = list(plan.warnings if warnings is None else warnings)
     mem = plan.memory
-    lead = (f"Objective <b>{esc(fmt_us(plan.objective_us))} µs</b> per step: compute {esc(fmt_us(plan.compute_us))} µs "
-            f"({pct(plan.compute_us, plan.objective_us)}), communication {esc(fmt_us(plan.comm_us))} µs "
-            f"({pct(plan.comm_us, plan.objective_us)})")
+    lead = _objective_lead(plan)
     hidden = plan.overlap.get("hidden_comm_us", 0.0) if plan.overlap.get("enabled") else 0.0
     if plan.overlap.get("enabled"):
         lead += (f", of which {esc(fmt_us(hidden))} µs hidden behind computation (serial sum "

@@ -33,12 +33,19 @@ class DegreePrice:
     stage_plan_layers: int | None = None
     """repeated layers of the model the stage plan was solved for (None: the model's own)"""
     note: str = ""
+    weight_sync: tuple[str, ...] = ()
+    """per stage: how it synchronises its weights (:data:`apmodel.core.schedules.WEIGHT_SYNCS`)"""
+    gather_step_us: tuple[float, ...] = ()
+    """per stage: gathering its parameters once per step (0 unless kept gathered)"""
+    reduce_step_us: tuple[float, ...] = ()
+    """per stage: reducing its accumulated gradients once per step (0 if reduced per microbatch)"""
 
     def to_json(self) -> dict[str, Any]:
         return {"degree": self.degree, "objective_us": self.objective_us, "peak_bytes": self.peak_bytes,
                 "fits": self.fits, "stage_mesh": list(self.stage_mesh), "stages": [list(s) for s in self.stages],
                 "bubble_us": self.bubble_us, "p2p_us": self.p2p_us, "stage_us": list(self.stage_us),
-                "stage_plan_layers": self.stage_plan_layers, "note": self.note}
+                "stage_plan_layers": self.stage_plan_layers, "note": self.note, "weight_sync": list(self.weight_sync),
+                "gather_step_us": list(self.gather_step_us), "reduce_step_us": list(self.reduce_step_us)}
 
 
 @dataclass
@@ -65,6 +72,8 @@ class PipelineChoice:
                 "microbatches": self.microbatches, "stage_mesh": list(c.stage_mesh),
                 "stages": [list(s) for s in c.stages], "objective_us": c.objective_us, "bubble_us": c.bubble_us,
                 "p2p_us": c.p2p_us, "peak_bytes": c.peak_bytes, "stage_us": list(c.stage_us),
+                "weight_sync": list(c.weight_sync), "gather_step_us": list(c.gather_step_us),
+                "reduce_step_us": list(c.reduce_step_us),
                 "alternatives": [a.to_json() for a in self.alternatives], "planning_s": self.planning_s}
 
     @classmethod
@@ -99,8 +108,12 @@ class PipelineChoice:
             stages = d.get("stages", [])
             if not isinstance(stages, list) or not all(isinstance(s, list) and len(s) == 2 for s in stages):
                 raise bad(where("stages"), "a list of [first_layer, last_layer] pairs", stages)
-            if not isinstance(d.get("stage_us", []), list):
-                raise bad(where("stage_us"), "a list of µs per stage", d.get("stage_us"))
+            for key in ("stage_us", "gather_step_us", "reduce_step_us"):
+                if not isinstance(d.get(key, []), list):
+                    raise bad(where(key), "a list of µs per stage", d.get(key))
+            syncs = d.get("weight_sync", [])  # absent before weight sync was priced: every stage per microbatch
+            if not isinstance(syncs, list) or any(x not in schedules.WEIGHT_SYNCS for x in syncs):
+                raise bad(where("weight_sync"), f"a list of {', '.join(schedules.WEIGHT_SYNCS)}", syncs)
             fits = d.get("fits")
             if fits is not None and not isinstance(fits, bool):
                 raise bad(where("fits"), "true, false or null", fits)
@@ -115,7 +128,9 @@ class PipelineChoice:
                 stage_us=tuple(number(x, where("stage_us")) or 0.0 for x in d.get("stage_us", [])),
                 stage_plan_layers=None if d.get("stage_plan_layers") is None
                 else integer(d.get("stage_plan_layers"), where("stage_plan_layers")),
-                note=str(d.get("note", "")),
+                note=str(d.get("note", "")), weight_sync=tuple(syncs),
+                gather_step_us=tuple(number(x, where("gather_step_us")) or 0.0 for x in d.get("gather_step_us", [])),
+                reduce_step_us=tuple(number(x, where("reduce_step_us")) or 0.0 for x in d.get("reduce_step_us", [])),
             )
 
         if not isinstance(data, dict):

@@ -161,6 +161,14 @@ class Plan:
         return plan
 
     @property
+    def step_objective_us(self) -> float:
+        """The training step's objective, µs: a pipeline's step (``pipeline.objective_us``) when this
+        is the plan of one stage of it (degree > 1, priced per microbatch), else ``objective_us``."""
+        if self.pipeline and self.pipeline.get("degree", 1) > 1:
+            return float(self.pipeline["objective_us"])
+        return self.objective_us
+
+    @property
     def captured(self) -> "CapturedGraph | None":
         return None if self.model is None else self.model.captured
 

@@ -8,26 +8,32 @@ axis size ``P``; 1 means no pipelining):
   part of the axis' coordinate; the outer part is the stage). Its axes keep their rank strides in
   the full mesh, so the collective model sees which of them cross nodes;
 * **one SPMD plan** of the whole model on the stage mesh, at the microbatch size (batch /
-  ``microbatches``), solved without a memory limit (each rank holds one stage, not the model): the
+  ``microbatches``), solved without a memory limit (each rank holds one stage, not the model) and
+  with its parameters' gathers and gradients' reductions priced as their share of the step's
+  microbatches (``weight_microbatches``: a stage synchronises its weights once per step): the
   repeated layers share one decision variable, so this is the plan every stage would get, and it
   is solved once per degree instead of once per stage. :mod:`apmodel.solve.stage_costs` reads it per unit
-  (part before the layers, each layer, part after; forward and backward µs; bytes);
+  (part before the layers, each layer, part after; forward and backward µs, the weights' traffic
+  apart; bytes);
 * **the split**: contiguous layers per stage minimising the slowest stage (the embedding on the
   first, head and loss on the last; :func:`apmodel.core.schedules.balanced_split`), under the memory
   limit for 1F1B (a stage's parameters, gradients and optimizer state, plus its activations times
   the microbatches in flight there, plus the plan's largest transient);
+* **the weights**: per stage the cheapest weight sync that fits
+  (:data:`apmodel.core.schedules.WEIGHT_SYNCS`: parameters gathered once per step and kept, or per
+  microbatch, gradients reduced once after the stage's last backward; or both per microbatch);
 * **the price**: the schedule's timeline (:func:`apmodel.core.schedules.simulate`) over per-microbatch
-  stage times, with the point-to-point transfer of each boundary's activation (and its gradient) on
-  the pipeline axis priced by :mod:`costmodels.p2p`. The step's objective is the timeline's length;
-  the bubble is its idle part on the busiest rank.
+  stage times and each stage's once-per-step work, with the point-to-point transfer of each
+  boundary's activation (and its gradient) on the pipeline axis priced by :mod:`costmodels.p2p`.
+  The step's objective is the timeline's length; the bubble is its idle part on the busiest rank.
+  A degree over the memory limit is solved again before it is reported so (:func:`_plan_degree`).
 
 Degree 1 is the ordinary plan of the full mesh and batch (memory-fitted as usual). The cheapest
 degree whose every rank fits the memory limit wins; every degree is kept as an alternative.
 
-What the price leaves out (see the README's *Pipeline parallelism*): transfers do not overlap their
-own rank's compute; every microbatch's step gathers its stage's parameters and reduces their
-gradients again (as the lowering runs it: :mod:`apmodel.lowering.pipeline` lowers each stage's
-step as one SPMD step per microbatch); the optimizer step is not priced (as in every plan).
+What the price leaves out (see the README's *Pipeline stages*): transfers do not overlap their
+own rank's compute; a stage's once-per-step gathers and reduction hold its rank (as
+:mod:`apmodel.lowering.pipeline` runs them); the optimizer step is not priced (as in every plan).
 """
 
 from __future__ import annotations
@@ -40,13 +46,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import costmodels
+import solvers
 from apmodel.core import schedules
 from apmodel.core.options import OptionsError, PlanOptions
 from apmodel.frontend.workloads import Workload, WorkloadError, load_workload
 from apmodel.problem.memory import OutOfMemory
 from apmodel.result.pipeline_record import DegreePrice, PipelineChoice, PipelineError
 from apmodel.solve import search
-from apmodel.solve.stage_costs import StepUnits, count_layers, step_units
+from apmodel.solve.stage_costs import StepUnits, UnitCost, count_layers, step_units
 from costmodels.p2p import peer_link, send_recv_us
 
 if TYPE_CHECKING:
@@ -140,6 +147,43 @@ def stage_rank(mesh_shape: Sequence[int], axis: int, degree: int, rank: int) -> 
     return rank * (mesh_shape[axis] // degree) * strides[axis]
 
 
+@dataclass(frozen=True)
+class StageWork:
+    """One stage under one weight synchronisation (:data:`apmodel.core.schedules.WEIGHT_SYNCS`):
+    µs per microbatch, µs once per step, and the bytes per device it adds to the stage's state and
+    activations (parameters kept gathered, gradients accumulated before their reduction)."""
+
+    sync: str
+    forward_us: float
+    backward_us: float
+    setup_us: float
+    flush_us: float
+    extra_bytes: float
+
+
+def stage_work(unit: UnitCost, sync: str) -> StageWork:
+    """``unit`` (one stage, its costs of one microbatch) under weight synchronisation ``sync``. Kept
+    gathered, the backward's gathers go too (they gather to what the forward's did)."""
+    if sync == "microbatch":
+        return StageWork(sync, unit.forward_us, unit.backward_us, 0.0, 0.0, 0.0)
+    if sync == "reduce_once":
+        return StageWork(sync, unit.forward_us, unit.backward_us - unit.reduce_us, 0.0, unit.reduce_us,
+                         unit.unreduced_grad_bytes)
+    if sync == "gather_once":
+        backward_gathers = unit.gather_us - unit.gather_once_us
+        return StageWork(sync, unit.forward_us - unit.gather_once_us,
+                         unit.backward_us - backward_gathers - unit.reduce_us, unit.gather_once_us, unit.reduce_us,
+                         unit.unreduced_grad_bytes + unit.gathered_bytes)
+    raise PipelineError(f"weight sync {sync!r}: expected one of {', '.join(schedules.WEIGHT_SYNCS)}")
+
+
+def _balancing_us(unit: UnitCost, microbatches: int) -> float:
+    """A layer's share of the step, per microbatch, kept gathered: its work without the weights'
+    traffic, plus that traffic (once per step) spread over the microbatches."""
+    work = stage_work(unit, "gather_once")
+    return work.forward_us + work.backward_us + (work.setup_us + work.flush_us) / microbatches
+
+
 def price_degree(
     units: StepUnits,
     degree: int,
@@ -151,15 +195,19 @@ def price_degree(
     memory_limit_bytes: float | None,
     stages: Sequence[tuple[int, int]] | None = None,
     stage_plan_layers: int | None = None,
+    weight_sync: Sequence[str] | None = None,
 ) -> DegreePrice:
     """Split, schedule and price one degree (> 1) from the per-unit costs of a microbatch.
 
     ``transfer_us(k, nbytes)``: moving ``nbytes`` per device across boundary ``k`` (stage ``k`` to
-    ``k + 1``). ``stages``: a split to price instead of the balanced one (a replayed plan)."""
+    ``k + 1``). ``stages``: a split to price instead of the balanced one (a replayed plan);
+    ``weight_sync``: each stage's weight synchronisation to price (a replayed plan) instead of the
+    cheapest that fits: every stage starts kept gathered, and while a rank is over the memory limit
+    its stage with the most extra bytes steps back (:func:`_less_memory`); the time of a stage only
+    grows as it steps back, so no cheaper fitting choice is left out stage by stage."""
     v = schedules.stages_per_rank(schedule)
     n_stages = degree * v
-    layer_us = [u.total_us for u in units.layers]
-    n_layers = len(layer_us)
+    n_layers = len(units.layers)
     limit = memory_limit_bytes
 
     def stage_bytes(k: int, first: int, last: int, in_flight: float) -> float:
@@ -171,33 +219,55 @@ def price_degree(
         def fits(k: int, i: int, j: int) -> bool:  # 1F1B: stage k holds min(m, d - k) microbatches
             return stage_bytes(k, i, j, min(microbatches, degree - k)) <= limit
     if stages is None:
+        layer_us = [_balancing_us(u, microbatches) for u in units.layers]
+        first_us, last_us = _balancing_us(units.pre, microbatches), _balancing_us(units.post, microbatches)
         try:
-            split = schedules.balanced_split(layer_us, n_stages, first_us=units.pre.total_us,
-                                             last_us=units.post.total_us, fits=fits)
+            split = schedules.balanced_split(layer_us, n_stages, first_us=first_us, last_us=last_us, fits=fits)
         except schedules.ScheduleError as e:
             if n_stages > n_layers:
                 raise PipelineError(f"pipeline degree {degree} ({schedule}, {n_stages} stages): {e}") from None
-            split = schedules.balanced_split(layer_us, n_stages, first_us=units.pre.total_us,
-                                             last_us=units.post.total_us)
+            split = schedules.balanced_split(layer_us, n_stages, first_us=first_us, last_us=last_us)
     else:
         split = tuple((int(a), int(b)) for a, b in stages)
         _check_split(split, n_stages, n_layers)
     parts = [units.stage(a, b, with_pre=k == 0, with_post=k == n_stages - 1) for k, (a, b) in enumerate(split)]
     transfers = [transfer_us(k, units.boundary_bytes[b]) for k, (_, b) in enumerate(split[:-1])]
-    timeline = schedules.simulate(schedule, degree, microbatches, [p.forward_us for p in parts],
-                                  [p.backward_us for p in parts], transfers, [p.activation_bytes for p in parts])
-    per_rank = []
-    for r in range(degree):
-        mine = [parts[k] for k in range(r, n_stages, degree)]
-        per_rank.append(sum(p.state_bytes for p in mine) + timeline.held_bytes[r] + units.transient_bytes)
+    if weight_sync is not None and len(weight_sync) != n_stages:
+        raise PipelineError(f"weight sync {list(weight_sync)}: expected one per stage ({n_stages})")
+    syncs = list(weight_sync) if weight_sync is not None else [schedules.WEIGHT_SYNCS[-1]] * n_stages
+    while True:
+        work = [stage_work(p, s) for p, s in zip(parts, syncs, strict=True)]
+        timeline = schedules.simulate(schedule, degree, microbatches, [w.forward_us for w in work],
+                                      [w.backward_us for w in work], transfers, [p.activation_bytes for p in parts],
+                                      [w.setup_us for w in work], [w.flush_us for w in work])
+        per_rank = [sum(parts[k].state_bytes + work[k].extra_bytes for k in range(r, n_stages, degree))
+                    + timeline.held_bytes[r] + units.transient_bytes for r in range(degree)]
+        over = [r for r in range(degree) if limit is not None and per_rank[r] > limit]
+        if weight_sync is not None or not over or not _less_memory(syncs, work, over, degree):
+            break
     peak = max(per_rank)
     ok = None if limit is None else peak <= limit
     return DegreePrice(
         degree=degree, objective_us=timeline.step_us, peak_bytes=peak, fits=ok, stage_mesh=tuple(stage_mesh_shape),
         stages=split, bubble_us=timeline.bubble_us, p2p_us=2 * sum(transfers),
-        stage_us=tuple(p.total_us for p in parts), stage_plan_layers=stage_plan_layers,
+        stage_us=tuple(w.forward_us + w.backward_us for w in work), stage_plan_layers=stage_plan_layers,
+        weight_sync=tuple(syncs), gather_step_us=tuple(w.setup_us for w in work),
+        reduce_step_us=tuple(w.flush_us for w in work),
         note="" if ok is not False else f"rank {per_rank.index(peak)} needs {peak / 1e9:.2f} GB",
     )
+
+
+def _less_memory(syncs: list[str], work: Sequence[StageWork], over: Sequence[int], degree: int) -> bool:
+    """Step back (in place) the weight sync of the stage holding the most extra bytes on each rank
+    in ``over`` (gather_once -> reduce_once -> microbatch); False when none of them can."""
+    changed = False
+    for r in over:
+        mine = [k for k in range(r, len(syncs), degree) if syncs[k] != schedules.WEIGHT_SYNCS[0]]
+        if mine:
+            k = max(mine, key=lambda k: work[k].extra_bytes)
+            syncs[k] = schedules.WEIGHT_SYNCS[schedules.WEIGHT_SYNCS.index(syncs[k]) - 1]
+            changed = True
+    return changed
 
 
 def _check_split(split: Sequence[tuple[int, int]], n_stages: int, n_layers: int) -> None:
@@ -322,7 +392,7 @@ def plan_pipeline(
     start = time.perf_counter()
     mesh = tuple(workload.mesh_shape)
     batch = batch_of(workload)
-    fixed_stages, fixed_layers = None, None
+    fixed_stages, fixed_layers, fixed_sync = None, None, None
     if replay is not None and replay.pipeline:  # the recorded degree, split and schedule; the stage plan replayed
         recorded = PipelineChoice.from_json(replay.pipeline, "replayed plan")
         if tuple(recorded.mesh) != mesh:
@@ -330,6 +400,8 @@ def plan_pipeline(
         pp = PipelineOptions(pp_axis=recorded.axis, pp_degrees=(recorded.degree,), microbatches=recorded.microbatches,
                              pp_schedule=recorded.schedule)
         fixed_stages, fixed_layers = recorded.chosen.stages or None, recorded.chosen.stage_plan_layers
+        # a plan recorded before weight sync was priced synchronised every stage per microbatch
+        fixed_sync = recorded.chosen.weight_sync or (schedules.WEIGHT_SYNCS[0],) * len(recorded.chosen.stages)
     degrees, m = pp.resolve(mesh, batch)
     full_topo = costmodels.Topology(mesh, costmodels.device(options.device) if isinstance(options.device, str)
                                     else options.device, options.gpus_per_node, **options.topology)
@@ -367,28 +439,118 @@ def plan_pipeline(
         k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
         progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.pp_schedule}; "
                  f"stage plan of {k_layers} layers")
-        micro, cut = microbatch_workload(workload, sub, m, k_layers)
-        plan = plan_spmd(micro, sub_options.replace(memory_limit_bytes=math.inf), record)
-        pmodel = _placement_model(plan)
-        units = step_units(pmodel, plan.node_strategy)
-        if cut or len(units.layers) != n_layers:
-            units = units.with_layers(n_layers)
 
         def transfer(k: int, nbytes: float, d: int = d) -> float:
             src = stage_rank(mesh, pp.pp_axis, d, k % d)
             dst = stage_rank(mesh, pp.pp_axis, d, (k + 1) % d)
             return send_recv_us(nbytes, peer_link(full_topo, src, dst))
 
-        priced.append(price_degree(units, d, pp.pp_schedule, m, transfer, stage_mesh_shape=sub,
-                                   memory_limit_bytes=search.memory_limit_bytes(options, pmodel), stages=fixed_stages,
-                                   stage_plan_layers=k_layers if cut else None))
-        plans[d] = plan
+        job = _StageJob(d, pp.pp_schedule, m, n_layers, k_layers, tuple(sub), transfer, fixed_stages, fixed_sync)
+        plans[d], price = _plan_degree(job, workload, options, sub_options, record, plan_spmd, progress)
+        priced.append(price)
     best = choose(priced)
     choice = PipelineChoice(axis=pp.pp_axis, mesh=mesh, schedule=pp.pp_schedule, microbatches=m, chosen=best,
                             alternatives=priced, planning_s=time.perf_counter() - start)
     plan = plans[best.degree]
     plan.pipeline = choice.to_json()
     return plan, choice
+
+
+@dataclass(frozen=True)
+class _StageJob:
+    """One degree (> 1) to plan and price: its schedule, microbatches, layers and transfers, and a
+    replayed plan's split and weight syncs (None: chosen here)."""
+
+    degree: int
+    schedule: str
+    microbatches: int
+    n_layers: int
+    stage_layers: int
+    stage_mesh: tuple[int, ...]
+    transfer_us: Callable[[int, float], float]
+    stages: Sequence[tuple[int, int]] | None
+    weight_sync: Sequence[str] | None
+
+
+def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_options: PlanOptions,
+                 record: Mapping[str, Any], plan_spmd: PlanSpmd,
+                 progress: Callable[[str], None]) -> tuple["Plan", DegreePrice]:
+    """The stage plan of one degree and its price. The stage plan is solved with its weights'
+    traffic shared by the microbatches; if its split does not fit the memory limit, or fits only
+    with some stage's weights synchronised per microbatch, two more are tried before the degree is
+    reported as not fitting, the cheapest that fits kept: the stage plan
+    solved with that traffic paid per microbatch (it prefers sharded weights: less memory), and,
+    if that does not fit either, the first one solved again with a memory row on the stage mesh
+    (:func:`_under_memory_row`)."""
+    m = job.microbatches
+    micro, cut = microbatch_workload(workload, job.stage_mesh, m, job.stage_layers)
+    # the stage plan sees its weights' traffic as one step of m microbatches pays it
+    stage_options = sub_options.replace(memory_limit_bytes=math.inf, weight_microbatches=m)
+    plan = plan_spmd(micro, stage_options, record)
+    limit = search.memory_limit_bytes(options, _placement_model(plan))
+
+    def price(stage_plan: "Plan") -> DegreePrice:
+        units = step_units(_placement_model(stage_plan), stage_plan.node_strategy)
+        if cut or len(units.layers) != job.n_layers:
+            units = units.with_layers(job.n_layers)
+        return price_degree(units, job.degree, job.schedule, m, job.transfer_us, stage_mesh_shape=job.stage_mesh,
+                            memory_limit_bytes=limit, stages=job.stages,
+                            stage_plan_layers=job.stage_layers if cut else None, weight_sync=job.weight_sync)
+
+    tried = [(plan, price(plan))]
+    first = tried[0][1]
+    # kept within the limit only by synchronising some stage's weights per microbatch, or not at all
+    squeezed = first.fits is False or schedules.WEIGHT_SYNCS[0] in first.weight_sync
+    if not squeezed or job.stages is not None or limit is None:
+        return plan, first
+    progress(f"pipeline degree {job.degree}: a rank needs {(first.peak_bytes or 0) / 1e9:.2f} GB with weight syncs "
+             f"{', '.join(first.weight_sync)}; the stage plan solved again, its weights' traffic per microbatch")
+    if m > 1:
+        plain = plan_spmd(micro, stage_options.replace(weight_microbatches=1), record)
+        tried.append((plain, replace(price(plain), note="stage plan solved with weight traffic per microbatch")))
+    if all(t[1].fits is False for t in tried):  # the memory row's solves only where nothing fits yet
+        tried.extend(_under_memory_row(plan, job, stage_options, limit, price))
+    fitting = [t for t in tried if t[1].fits is not False]
+    if fitting:
+        return min(fitting, key=lambda t: t[1].objective_us)
+    return min(tried, key=lambda t: t[1].peak_bytes or math.inf)
+
+
+def _under_memory_row(plan: "Plan", job: _StageJob, stage_options: PlanOptions, limit: float,
+                      price: Callable[["Plan"], DegreePrice]) -> list[tuple["Plan", DegreePrice]]:
+    """``plan`` solved again with a memory row on its stage mesh, its activations counted as many
+    times as a rank holds microbatches of them on average (:func:`_activation_copies`), the row
+    lowered by what the fullest rank is still over, for at most
+    :data:`apmodel.solve.search.MEMORY_ROUNDS` solves; each solve's plan and price."""
+    pmodel = _placement_model(plan)
+    row, copies = limit, _activation_copies(job)
+    out: list[tuple["Plan", DegreePrice]] = []
+    for _ in range(search.MEMORY_ROUNDS):
+        pmodel.add_memory_limit(row, reserved_bytes=step_units(pmodel, plan.node_strategy).transient_bytes,
+                                activation_copies=copies)
+        try:
+            plan = search.solve_model(pmodel, stage_options, timings=plan.timings, workload=plan.workload)
+        except solvers.Infeasible:
+            logger.info("pipeline degree %d: no stage plan fits a memory row of %.2f GB", job.degree, row / 1e9)
+            break
+        again = price(plan)
+        out.append((plan, replace(again, note="; ".join(x for x in (again.note, "stage plan solved under a memory row")
+                                                         if x))))
+        if again.fits is not False:
+            break
+        row -= (again.peak_bytes or 0.0) - limit  # still over: the row lower by as much
+    return out
+
+
+def _activation_copies(job: _StageJob) -> float:
+    """Microbatches of a stage's activations a rank holds at once, on average over the ranks (the
+    memory-aware split gives the ranks that hold more fewer layers): the schedule's timeline with
+    every stage holding one unit per microbatch, a rank's layers split in ``v`` chunks."""
+    v = schedules.stages_per_rank(job.schedule)
+    n = job.degree * v
+    timeline = schedules.simulate(job.schedule, job.degree, job.microbatches, [1.0] * n, [1.0] * n,
+                                  activation_bytes=[1.0 / v] * n)
+    return sum(timeline.held_bytes) / job.degree
 
 
 def _placement_model(plan: "Plan") -> Any:

@@ -21,9 +21,16 @@ How nodes are assigned:
 
 Prices are those of :func:`apmodel.result.plans.price` (the sum over units is the plan's objective):
 compute by node, redistributions by the edge's consumer (a gradient's reduction by its
-parameter), ``weight_comm_us`` the part of them that gathers parameters or reduces their
-gradients. Memory is :class:`apmodel.problem.memory.MemoryModel`'s per unit: parameter, gradient and
-optimizer bytes; activations saved for the backward of one step (one microbatch).
+parameter). The weights' traffic is kept apart from the rest, since a pipeline pays it per step
+rather than per microbatch (:mod:`apmodel.solve.pipeline`): ``gather_us`` the parameters' gathers
+(forward and backward, out of a parameter or a view or cast of it), ``gather_once_us`` the
+forward's gathers alone (what gathering once and keeping the result costs), ``reduce_us`` the
+gradients' reductions (:meth:`apmodel.problem.placement_model.PlacementModel.is_bucketed` tells
+them from activations' collectives). Memory is :class:`apmodel.problem.memory.MemoryModel`'s per
+unit: parameter, gradient and optimizer bytes; activations saved for the backward of one step (one
+microbatch); ``gathered_bytes`` the parameters as the forward's gathers leave them (what keeping
+them gathered holds); ``unreduced_grad_bytes`` the gradients before their reduction (what
+accumulating them over microbatches holds).
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ if TYPE_CHECKING:
 
 #: Unit labels of the parts outside the repeated layers.
 PRE, POST = "pre", "post"
+#: The fields of :class:`UnitCost` a stage sums over its units.
+_SUMMED = ("forward_us", "backward_us", "gather_us", "reduce_us", "state_bytes", "activation_bytes", "gather_once_us",
+           "gathered_bytes", "unreduced_grad_bytes")
 
 
 class NoRepeatedLayers(ValueError):
@@ -59,16 +69,29 @@ class UnitCost:
     name: str
     forward_us: float
     backward_us: float
-    weight_comm_us: float
-    """parameter gathers and gradient reductions (included in forward_us / backward_us)"""
+    gather_us: float
+    """parameter gathers, forward and backward (included in forward_us / backward_us)"""
+    reduce_us: float
+    """gradient reductions (included in backward_us)"""
     state_bytes: float
     """parameters, gradients and optimizer state"""
     activation_bytes: float
     """forward values the backward reads"""
+    gather_once_us: float = 0.0
+    """the forward's parameter gathers alone: gathering once and keeping the result"""
+    gathered_bytes: float = 0.0
+    """the parameters as gathered for the forward, per device"""
+    unreduced_grad_bytes: float = 0.0
+    """the gradients before their reduction, per device"""
 
     @property
     def total_us(self) -> float:
         return self.forward_us + self.backward_us
+
+    @property
+    def weight_comm_us(self) -> float:
+        """parameter gathers and gradient reductions"""
+        return self.gather_us + self.reduce_us
 
 
 @dataclass(frozen=True)
@@ -88,9 +111,7 @@ class StepUnits:
     def stage(self, first: int, last: int, *, with_pre: bool, with_post: bool) -> UnitCost:
         """The sum of layers ``first .. last`` (inclusive), with the part before / after."""
         units = list(self.layers[first:last + 1]) + ([self.pre] if with_pre else []) + ([self.post] if with_post else [])
-        return UnitCost(f"layers {first}-{last}", *(sum(getattr(u, f) for u in units) for f in
-                                                    ("forward_us", "backward_us", "weight_comm_us", "state_bytes",
-                                                     "activation_bytes")))
+        return UnitCost(f"layers {first}-{last}", **{f: sum(getattr(u, f) for u in units) for f in _SUMMED})
 
     @property
     def total_us(self) -> float:
@@ -193,7 +214,12 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
     is_bwd = cap.is_backward
     fwd: dict[int, float] = defaultdict(float)
     bwd: dict[int, float] = defaultdict(float)
-    weight: dict[int, float] = defaultdict(float)
+    gather: dict[int, float] = defaultdict(float)
+    gather_once: dict[int, float] = defaultdict(float)
+    reduce: dict[int, float] = defaultdict(float)
+    gathered: dict[int, float] = defaultdict(float)
+    unreduced: dict[int, float] = defaultdict(float)
+    seen: set[Any] = set()  # (value, placement) of gathered parameters and unreduced gradients, counted once
     memo: dict[Any, float] = {}
     for n in pmodel.nodes:
         s = node_strategy[n.name]
@@ -207,13 +233,28 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         weights = pmodel.is_bucketed(e)  # a parameter's gather or its gradient's reduction
         us = sum(step[3] for step in cost.redistribution_steps(tuple(val.shape), val.dtype, src, dst, gradient=gradient,
                                                                bucketed=weights))
+        if weights:  # each time it runs, not its share of a step (CostContext.weight_microbatches)
+            us *= cost.weight_microbatches
         if not us:
             continue
         backward = bool(is_bwd.get(e.producer) or is_bwd.get(e.consumer))
         u = unit[e.consumer]
         (bwd if backward else fwd)[u] += us
-        if weights:
-            weight[u] += us
+        if not weights:
+            continue
+        producer = pmodel.node_by_name[e.producer]
+        if gradient:
+            reduce[u] += us
+            if (e.producer, e.out_index, src) not in seen:
+                seen.add((e.producer, e.out_index, src))
+                unreduced[u] += pmodel.memory.local_bytes(producer, src, e.out_index)
+            continue
+        gather[u] += us
+        if not backward:
+            gather_once[u] += us
+            if (e.producer, e.out_index, dst) not in seen:
+                seen.add((e.producer, e.out_index, dst))
+                gathered[u] += pmodel.memory.local_bytes(producer, dst, e.out_index)
     for name, want in pmodel.boundary_outputs.items():
         val = pmodel.node_by_name[name].meta["val"]
         have = pmodel.output_strs(node_strategy[name], 0)
@@ -231,7 +272,8 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         acts[unit[n.name]] += mem.local_bytes(n, node_strategy[n.name].outputs[0])
 
     def make(u: int, name: str) -> UnitCost:
-        return UnitCost(name, fwd[u], bwd[u], weight[u], state[u], acts[u])
+        return UnitCost(name, fwd[u], bwd[u], gather[u], reduce[u], state[u], acts[u], gather_once[u], gathered[u],
+                        unreduced[u])
 
     estimate = mem.estimate(node_strategy)
     transient = estimate.peak_bytes - (estimate.params_bytes + estimate.grads_bytes + estimate.optimizer_bytes
