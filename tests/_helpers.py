@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -51,6 +51,40 @@ class SavedStorages:
         return sum(self._bytes.values())
 
 
+def assert_same_training(got: dict[str, Any], want: dict[str, Any], name: str, rtol: float) -> None:
+    """``got`` and ``want`` ({"losses": [...], "grads": {name: full tensor}}) agree: losses to
+    ``rtol``, every gradient to ``rtol`` of its largest entry (1e-7 absolute below that)."""
+    import pytest
+
+    assert got["losses"] == pytest.approx(want["losses"], rel=rtol), name
+    assert got["grads"].keys() == want["grads"].keys() and want["grads"], name
+    for k, g in want["grads"].items():
+        scale = max(float(g.abs().max()), 1e-12)
+        assert float((got["grads"][k] - g).abs().max()) <= rtol * scale + 1e-7, (name, k)
+
+
+def losses_and_first_grads(model: nn.Module, call: Callable[[nn.Module], torch.Tensor], steps: int) -> dict[str, Any]:
+    """Losses of ``steps`` AdamW steps (lr 1e-2) on ``call(model)``, and the whole gradient of every
+    parameter after the first (DTensors read whole)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = call(model)
+        loss.backward()
+        if step == 0:
+            grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for k, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(whole_value(loss.detach()))
+    return {"losses": losses, "grads": grads}
+
+
+def whole_value(x: Any) -> float:
+    """A scalar loss as a float, read whole where it is a DTensor."""
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
+
+
 def train(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor], steps: int,
           optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> list[float]:
     """The losses of ``steps`` optimizer steps on ``loss_of(model)`` (AdamW, lr 1e-2, unless
@@ -62,5 +96,5 @@ def train(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor], steps:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
+        losses.append(whole_value(loss.detach()))
     return losses

@@ -13,6 +13,7 @@ import torch
 from _flex_models import FlexLM, lm_loss, tokens
 
 from _dist_utils import run_distributed
+from _helpers import whole_value
 
 MESH = (2, 2)
 RTOL = 1e-5
@@ -156,7 +157,7 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
             got, want = model(*inputs, y), lm_loss(ref(*inputs), y)
             half = (x[:4], ref.block_mask(x[:4])) if given else (x[:4],)  # another batch size: its own program
             got_half, want_half = model(*half, y[:4]), lm_loss(ref(*half), y[:4])
-        r: dict[str, Any] = {"forward": (_value(got), want.item()), "half": (_value(got_half), want_half.item())}
+        r: dict[str, Any] = {"forward": (whole_value(got), want.item()), "half": (whole_value(got_half), want_half.item())}
         model.train()
         opt, dense_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(dense.parameters(), lr=0.5)
         r["train"] = []
@@ -169,13 +170,9 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
             want = lm_loss(dense(x), y)
             want.backward()
             dense_opt.step()
-            r["train"].append((_value(loss), want.item()))
+            r["train"].append((whole_value(loss), want.item()))
         out[case] = r
     return out
-
-
-def _value(x: Any) -> float:
-    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +239,7 @@ def test_cuda_training_equals_torch_flex_attention(mask, kv_heads):
             want = lm_loss(ref(x), y)
             want.backward()
             ref_opt.step()
-            losses.append((_value(loss), want.item()))
+            losses.append((whole_value(loss), want.item()))
     finally:
         dist.destroy_process_group()
     assert losses[-1][1] < losses[0][1]

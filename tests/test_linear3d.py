@@ -22,7 +22,7 @@ from apmodel.graph.linear3d import MM_ND, MM_ND_WGRAD, as_mm_call, mm_nd_rule, m
 from apmodel.lowering import capture_on_meta
 
 from _dist_utils import run_distributed
-from _helpers import full_weights
+from _helpers import assert_same_training, full_weights, losses_and_first_grads
 from _tiny import fixed_tokens, tiny_llama
 from zoo_models import ZOO
 
@@ -171,18 +171,7 @@ def _ffn_gradients_s0s1(model: Any) -> None:
 
 
 def _train(model: nn.Module, call) -> dict[str, Any]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = call(model)
-        loss.backward()
-        if step == 0:
-            grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                     for k, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
-    return {"losses": losses, "grads": grads}
+    return losses_and_first_grads(model, call, STEPS)
 
 
 def _meta(x: Any) -> Any:
@@ -246,11 +235,7 @@ def gloo() -> dict[str, Any]:
 
 
 def _assert_trains_like(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
-    assert got["losses"] == pytest.approx(want["losses"], rel=RTOL), name
-    assert got["grads"].keys() == want["grads"].keys() and want["grads"], name
-    for k, g in want["grads"].items():
-        scale = max(float(g.abs().max()), 1e-12)
-        assert float((got["grads"][k] - g).abs().max()) <= RTOL * scale + 1e-7, (name, k)
+    assert_same_training(got, want, name, RTOL)
 
 
 @pytest.mark.slow

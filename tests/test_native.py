@@ -21,7 +21,7 @@ import apmodel
 from apmodel.result.plans import Plan
 
 from _dist_utils import run_distributed
-from _helpers import full_weights, train
+from _helpers import assert_same_training, full_weights, losses_and_first_grads, train
 from _tiny import fixed_tokens, tiny_llama
 from zoo_models import ZOO
 
@@ -53,17 +53,7 @@ def _lower(build, full: dict, mesh, args: tuple, loss_fn, *, kwargs=None, target
 
 def _grads_and_losses(model, call) -> dict[str, Any]:
     """Losses of STEPS AdamW steps, and the full gradient of every parameter after the first."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = call(model)
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.full_tensor() for k, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor()))
-    return {"losses": losses, "grads": grads}
+    return losses_and_first_grads(model, call, STEPS)
 
 
 def _both_lowerings(make) -> dict[str, Any]:
@@ -126,12 +116,7 @@ def equality(tmp_path_factory) -> dict[str, Any]:
 
 
 def _assert_same(r: dict[str, Any], name: str, native: str = "native") -> None:
-    native, interpreted = r[native], r["interpret"]
-    assert native["losses"] == pytest.approx(interpreted["losses"], rel=RTOL), name
-    assert native["grads"].keys() == interpreted["grads"].keys() and native["grads"], name
-    for k, g in interpreted["grads"].items():
-        scale = max(float(g.abs().max()), 1e-12)
-        assert float((native["grads"][k] - g).abs().max()) <= RTOL * scale + 1e-7, (name, k)
+    assert_same_training(r[native], r["interpret"], name, RTOL)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ except ImportError as e:
     pytest.skip(f"torchtitan is not importable ({e}): pip install -e '.[torchtitan]'", allow_module_level=True)
 
 from _dist_utils import run_distributed  # noqa: E402
+from _helpers import whole_value  # noqa: E402
 
 MESH = (2, 2)
 RTOL = 1e-5
@@ -89,25 +90,14 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         got = model(tokens, positions, labels)
         want = T.cross_entropy(T.TorchtitanStep(ref)(tokens, positions), labels)
-    out["forward"] = (_value(got), want.item())
+    out["forward"] = (whole_value(got), want.item())
     # training, one document a row: the SDPA twin is the truth
     tokens, positions, labels = T.sample_batch(ref, 8, 128, documents=1)
     model = T.parallelize(T.build_model("llama3", "debugmodel"), mesh, tokens, positions, labels, device="h100")
     model.to_empty(device="cpu")
     load_full_state_dict(model, weights)
     twin = _sdpa_twin(ref)
-    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(twin.parameters(), lr=0.5)
-    out["train"] = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = model(tokens, positions, labels)
-        loss.backward()
-        opt.step()
-        twin_opt.zero_grad()
-        want = T.cross_entropy(twin(tokens, positions), labels)
-        want.backward()
-        twin_opt.step()
-        out["train"].append((_value(loss), want.item()))
+    out["train"] = _side_by_side(model, twin, (tokens, positions, labels), lr=0.5, steps=3)
     out["deepseek_v3"] = _deepseek_worker(mesh)
     return out
 
@@ -134,26 +124,32 @@ def _deepseek_worker(mesh: Any) -> dict[str, Any]:
             with torch.no_grad():
                 got = model(tokens, positions, labels)
                 want = T.cross_entropy(T.TorchtitanStep(ref.eval())(tokens, positions), labels)
-            out["forward"] = (_value(got), want.item())
+            out["forward"] = (whole_value(got), want.item())
             continue
         twin = _sdpa_twin(ref.train())
-        opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
-        out["train"] = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = model(tokens, positions, labels)
-            loss.backward()
-            opt.step()
-            twin_opt.zero_grad()
-            want = T.cross_entropy(twin(tokens, positions), labels)
-            want.backward()
-            twin_opt.step()
-            out["train"].append((_value(loss), want.item()))
+        out["train"] = _side_by_side(model, twin, (tokens, positions, labels), lr=0.1, steps=2)
     return out
 
 
-def _value(x: Any) -> float:
-    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
+def _side_by_side(model: torch.nn.Module, twin: torch.nn.Module, batch: tuple, *, lr: float,
+                  steps: int) -> list[tuple[float, float]]:
+    """(apmodel's loss, the SDPA twin's loss) of ``steps`` SGD steps of each on ``batch``."""
+    from apmodel.entry import torchtitan as T
+
+    tokens, positions, labels = batch
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(twin.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(tokens, positions, labels)
+        loss.backward()
+        opt.step()
+        twin_opt.zero_grad()
+        want = T.cross_entropy(twin(tokens, positions), labels)
+        want.backward()
+        twin_opt.step()
+        losses.append((whole_value(loss), want.item()))
+    return losses
 
 
 @pytest.fixture(scope="module")
