@@ -162,8 +162,7 @@ class RooflineCompute:
             rate = self._vector_flops
         compute_us = flops / rate * 1e6
         memory_us = nbytes / self._bw * 1e6
-        # a host allocator's fresh pages for large outputs (DeviceSpec.fresh_pages_from_bytes)
-        fresh_us = sum(self.device.fresh_pages_us(self._nbytes(t, dtype)) for t in outs)
+        fresh_us = fresh_pages_us(self.device, outs, dtype)
         total = max(compute_us, memory_us) + self._floor + fresh_us
         return {"flops": flops, "bytes": nbytes, "compute_us": compute_us,
                 "memory_us": memory_us, "fresh_pages_us": fresh_us, "total_us": total}
@@ -179,21 +178,31 @@ class RooflineCompute:
     def _bytes(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                dtype: torch.dtype | None) -> int:
         def size(t: torch.Tensor) -> int:
-            return self._nbytes(t, dtype)
+            return priced_nbytes(t, dtype)
         out_b = sum(size(t) for t in outs)
         if name in GATHER_OPS and ins:
             # read the gathered rows (= output size) and the indices, write the output
             return sum(size(t) for t in ins[1:]) + 2 * out_b
         return sum(size(t) for t in ins) + out_b
 
-    @staticmethod
-    def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-        """Bytes of ``t`` priced at ``dtype`` (floating tensors) or its own element size."""
-        isz = dtype.itemsize if (dtype is not None and t.is_floating_point()) else t.element_size()
-        return t.numel() * isz
-
     def cache_info(self) -> int:
         return len(self._cache)
+
+
+def priced_itemsize(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes per element of ``t`` priced at ``dtype`` (floating tensors) or its own element size."""
+    return dtype.itemsize if (dtype is not None and t.is_floating_point()) else t.element_size()
+
+
+def priced_nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Bytes of ``t`` priced at ``dtype`` (see :func:`priced_itemsize`)."""
+    return t.numel() * priced_itemsize(t, dtype)
+
+
+def fresh_pages_us(device: DeviceSpec, outs: list[torch.Tensor], dtype: torch.dtype | None) -> float:
+    """Time (µs) the first touch of ``outs``' fresh pages costs on ``device`` (a host allocator that
+    maps large blocks afresh: ``DeviceSpec.fresh_pages_from_bytes``; 0 elsewhere)."""
+    return sum(device.fresh_pages_us(priced_nbytes(t, dtype)) for t in outs)
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:

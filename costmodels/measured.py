@@ -63,12 +63,15 @@ from .compute import (
     VIEW_OPS,
     RooflineCompute,
     call_key,
+    fresh_pages_us,
     grouped_mm_dims,
     memoized_time_us,
     op_name,
     tensors_in,
 )
 from .compute import GATHER_OPS as _ROOFLINE_GATHER_OPS
+from .compute import priced_itemsize as _itemsize
+from .compute import priced_nbytes as _nbytes
 from .compute_profile import (
     ALIGN_CLASSES,
     BUILTIN_PROFILES,
@@ -364,7 +367,7 @@ class MeasuredCompute:
         p = self._kernel_price(op, args, kwargs, out, dtype)
         if p.kind in ("view", "alloc") or self.device.fresh_pages_from_bytes is None:
             return p
-        fresh = sum(self.device.fresh_pages_us(_nbytes(t, dtype)) for t in tensors_in(out))
+        fresh = fresh_pages_us(self.device, tensors_in(out), dtype)
         return p._replace(gpu_us=p.gpu_us + fresh) if fresh else p
 
     def _kernel_price(self, op: Any, args: tuple, kwargs: dict, out: Any, dtype: torch.dtype | None) -> Price:
@@ -565,7 +568,7 @@ class MeasuredCompute:
                        ins: list[torch.Tensor], outs: list[torch.Tensor], dtype: torch.dtype) -> Price:
         """An op that runs in fp32 under autocast, priced in 16 bits: the op on fp32 tensors plus
         the dtype conversion at its boundary (:data:`FP32_INTERNAL_OPS`)."""
-        inner = self.price(op, args, kwargs, out, torch.float32)
+        inner = self._kernel_price(op, args, kwargs, out, torch.float32)  # price() adds the fresh pages once
         boundary = FP32_INTERNAL_OPS[name]
         gpu, cpu, nbytes = inner.gpu_us, inner.cpu_us, inner.bytes
         conv_src = (ins[:1] if boundary == "input" else outs[:1] if boundary == "output" else [])
@@ -580,16 +583,6 @@ class MeasuredCompute:
 # ----------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------
-def _itemsize(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-    if dtype is not None and t.is_floating_point():
-        return dtype.itemsize
-    return t.element_size()
-
-
-def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-    return t.numel() * _itemsize(t, dtype)
-
-
 def _lowbit(x: int) -> int:
     return x & -x
 

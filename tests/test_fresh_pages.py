@@ -73,3 +73,17 @@ def test_collective_outputs():
 def test_cost_context_wraps_host_devices_only():
     assert "FreshPageCollectives" in repr(build_cost_context((2,), PlanOptions(device="cpu")).comm)
     assert "FreshPageCollectives" not in repr(build_cost_context((2,), PlanOptions(device="h100")).comm)
+
+
+def test_fp32_internal_op_charged_once():
+    # log_softmax priced in bf16 runs in fp32 inside (the measured model's FP32_INTERNAL_OPS): its
+    # bf16 output's fresh pages are charged once, at the priced dtype
+    h100 = costmodels.device("h100")
+    host_like = dataclasses.replace(h100, fresh_pages_from_bytes=16 * MIB)
+    profile = costmodels.builtin_profile("h100")
+    x = torch.empty(1024, 8192, device="meta", dtype=torch.bfloat16)  # 16 MiB in bf16
+    args = (x, 1, False)
+    plain = costmodels.compute_model(h100).time_us(LOG_SOFTMAX, args, {}, x, dtype=torch.bfloat16)
+    fresh = costmodels.compute_model(host_like, profile=profile).time_us(LOG_SOFTMAX, args, {}, x,
+                                                                          dtype=torch.bfloat16)
+    assert fresh - plain == pytest.approx(_fault_us(16 * MIB))
