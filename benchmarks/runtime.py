@@ -266,30 +266,37 @@ def _ranking(name: str, mesh: Any, here: dict[str, Any], warmup: int, steps: int
 
 
 def _calibrate_gloo(out_dir: str, mesh: Any) -> dict[str, Any]:
-    """Plan options for this machine: the CPU device with the collective model corrected by
-    collectives timed on the world's gloo group now (``apmodel calibrate`` from live timings) and
-    the compute model fitted to kernels timed on one thread now (``apmodel calibrate-compute
-    --quick --threads 1``, the benchmark's thread count). Every rank times the collectives on
-    each mesh axis's group; rank 0 times the kernels, fits and writes both, the others wait."""
+    """Plan options for this machine, measured as ``parallelize(device="auto")`` measures: the CPU
+    device with the collective model corrected by collectives timed on each mesh axis's gloo group
+    now, each after :data:`STEP_GAP_US` of compute on every rank (``apmodel calibrate`` from live
+    timings), and the compute model fitted to kernels timed on one thread now (``apmodel
+    calibrate-compute --quick --threads 1``, the benchmark's thread count) while every other
+    process times them too. Rank 0 fits and writes both."""
     import torch.distributed as dist
 
     import costmodels
     from apmodel.core.options import PlanOptions
+    from apmodel.frontend.machine import STEP_GAP_US
     from apmodel.problem.pricing import build_cost_context
     from costmodels.collective_timing import time_collectives
-    from costmodels.fitting import calibrate_compute
+    from costmodels.fitting import calibrate_compute, load_like_calibration
 
-    logs = [(log, axis) for axis in range(mesh.ndim) for log in time_collectives(mesh.get_group(axis))]
+    logs = [(log, axis) for axis in range(mesh.ndim)
+            for log in time_collectives(mesh.get_group(axis), busy_us=STEP_GAP_US)]
     path = Path(out_dir, "gloo_calibration.json")
     profile = Path(out_dir, "cpu_profile.json")
-    options = {"device": "cpu", "gpus_per_node": dist.get_world_size()}
+    world = dist.get_world_size()
+    options = {"device": "cpu", "gpus_per_node": world}
     if dist.get_rank() == 0:
         base = build_cost_context(tuple(mesh.shape), PlanOptions(**options)).comm.model
         costmodels.Calibration.fit(base, logs).save(path)
         for log, _ in logs:
             logger.warning("gloo %s, %d ranks: %s", log.kind, log.ranks,
                            ", ".join(f"{r.size_bytes // 1024} KiB {r.oop_time_us:.0f} µs" for r in log.rows))
-        profile.write_text(calibrate_compute(quick=True, threads=1).profile.dumps(), encoding="utf-8")
+        profile.write_text(calibrate_compute(quick=True, threads=1, host_processes=world).profile.dumps(),
+                           encoding="utf-8")
+    else:  # the step's conditions: every process computing at once
+        load_like_calibration(quick=True, threads=1)
     dist.barrier()
     return {**options, "dtype": "fp32", "calibration": str(path), "compute_profile": str(profile)}
 

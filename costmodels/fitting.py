@@ -512,10 +512,23 @@ class Calibrated:
     fit: FitResult
 
 
+def load_like_calibration(*, quick: bool = False, threads: int | None = None) -> None:
+    """Time the kernel set :func:`calibrate_compute` times, and discard the times: what the other
+    processes of a host run while one of them calibrates, so that its kernels are timed with the
+    host's cores and memory as busy as in a training step (every process computing at once). A
+    profile fitted alone on a host whose step runs several processes prices that step too fast
+    (the kernels of two processes on two cores share the memory bandwidth and the L3 cache)."""
+    from . import kernel_timing as kt
+
+    dev = kt.local_device()
+    with kt.threads_set(threads):
+        kt.measure_rows(kt.kernel_rows(dev.type, quick=quick), dev, quick=quick)
+
+
 def calibrate_compute(*, quick: bool = False, device_name: str | None = None, threads: int | None = None,
                       measurements_name: str = "(not saved)",
                       progress: Callable[[int, int], None] | None = None,
-                      log: Log | None = None) -> Calibrated:
+                      log: Log | None = None, host_processes: int = 1) -> Calibrated:
     """Measure the kernel set of :func:`costmodels.kernel_timing.kernel_rows` on the local device
     (CUDA when present, else the CPU), then fit a profile for it.
 
@@ -523,7 +536,9 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
     the GPU's name, "cpu" on a CPU). ``threads``: CPU threads for the measurement (default: torch's
     setting; recorded, a CPU profile holds for that many). ``progress(done, total)`` is called
     after each kernel of each timing pass. ``measurements_name`` is recorded in the profile's
-    provenance.
+    provenance. ``host_processes``: processes of this host timing the same kernels at the same time
+    (this one included; the others run :func:`load_like_calibration`), recorded: the profile
+    prices a step in which that many processes compute at once.
     """
     from . import kernel_timing as kt
 
@@ -555,6 +570,7 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
         "date": doc["date"],
         "method": doc["method"],
         "threads": n_threads,
+        "host_processes": host_processes,
         "kernel_set": "quick" if quick else "full",
         "fitted_by": FITTED_BY,
         "sources": {

@@ -52,3 +52,39 @@ def test_unknown_kind_is_named() -> None:
 
     with pytest.raises(ValueError, match="broadcast"):
         time_collectives(kinds=("broadcast",))
+
+
+#: The extra compute one rank runs before each timed call in the skew test, µs.
+INJECTED_SKEW_US = 20_000.0
+
+
+def _skewed_worker(rank: int, world: int) -> list[float]:
+    import time
+
+    from costmodels import collective_timing
+
+    def work_of_rank(busy_us, group, device, sync):  # rank 1 arrives INJECTED_SKEW_US after rank 0
+        return lambda: time.sleep(INJECTED_SKEW_US / 1e6) if rank == 1 else None
+
+    back_to_back = collective_timing.time_collectives(kinds=("all_reduce",), sizes_bytes=(1024,), warmup=1, iters=5)
+    collective_timing._fixed_work = work_of_rank
+    after_work = collective_timing.time_collectives(kinds=("all_reduce",), sizes_bytes=(1024,), warmup=1, iters=5,
+                                                    busy_us=1.0)
+    return [back_to_back[0].rows[0].oop_time_us, after_work[0].rows[0].oop_time_us]
+
+
+@pytest.mark.slow
+def test_collectives_timed_after_compute_include_the_wait_for_the_last_rank() -> None:
+    # rank 0 waits the injected skew for rank 1 at every call, rank 1 not at all: the average
+    # rank's stall is the collective plus half the skew (the number a step pays per collective)
+    per_rank = run_distributed(_skewed_worker, 2)
+    assert per_rank[0] == per_rank[1]
+    alone_us, after_us = per_rank[0]
+    assert INJECTED_SKEW_US / 2 <= after_us <= INJECTED_SKEW_US / 2 + alone_us + 5_000.0
+
+
+def test_fixed_work_is_refused_below_zero() -> None:
+    from costmodels.collective_timing import time_collectives
+
+    with pytest.raises(ValueError, match="busy_us=-1"):
+        time_collectives(busy_us=-1.0)

@@ -7,12 +7,13 @@ prices (its default).
 * CPU meshes (gloo): the ``cpu`` device spec at fp32, its collective model corrected by collectives
   timed now on each mesh axis's live process group (every rank takes part; nccl-tests' method,
   :func:`costmodels.collective_timing.time_collectives`), and its compute model fitted once per
-  machine to kernels timed on this process's thread count, cached on disk.
+  machine to kernels timed on this process's thread count while the host's other processes time
+  them too (a step's conditions: every process computing at once), cached on disk.
 
 The cache is :func:`cache_dir`: ``$APMODEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/apmodel``, else
 ``~/.cache/apmodel``; deleting the directory (or a file in it) clears it, and the next
 ``parallelize`` measures again. Only the planning rank (the mesh's first) fits and writes; the
-other ranks only time collectives with it.
+other ranks time collectives and kernels with it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ CACHE_ENV = "APMODEL_CACHE_DIR"
 #: Message sizes the CPU collectives are timed at, bytes: 4 B (a loss's all-reduce) to 16 MiB in
 #: factors of 4, so that a small model's collectives fall inside the measured range.
 TIMED_SIZES_BYTES = tuple(4 * 4**i for i in range(12))
+#: Compute every rank runs before each timed collective, µs (``time_collectives(busy_us=...)``):
+#: a step's collectives follow compute, and the ranks arrive apart by what that compute's time
+#: varies. The placeholder is set from the measurement in docs/design.md (*Collectives after compute*).
+STEP_GAP_US = 4000.0
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ def _cpu(mesh: DeviceMesh, given: dict[str, Any]) -> Machine:
     if "calibration" not in given:
         logger.info("device='auto': timing collectives on each axis of the %s mesh", shape)
         logs = [(log, axis) for axis in range(mesh.ndim)
-                for log in time_collectives(mesh.get_group(axis), sizes_bytes=TIMED_SIZES_BYTES)]
+                for log in time_collectives(mesh.get_group(axis), sizes_bytes=TIMED_SIZES_BYTES, busy_us=STEP_GAP_US)]
         path = cache_dir() / f"collectives-{platform.node() or 'host'}-{shape}.json"
         if _is_planner(mesh):
             fitted = Calibration.fit(_base_comm_model(mesh, options), logs)
@@ -134,24 +139,35 @@ def _cpu(mesh: DeviceMesh, given: dict[str, Any]) -> Machine:
         options["calibration"] = str(path)
         notes.append("collectives timed on the live process groups")
     if "compute_profile" not in given:
-        path = compute_profile_path()
-        if _is_planner(mesh) and not path.exists():
-            from costmodels.fitting import calibrate_compute
+        host_processes = _local_world_size(world)
+        path = compute_profile_path(host_processes)
+        if not path.exists():
+            # every process of the host times the kernels at once (a step's conditions: all of them
+            # computing); the planning rank fits and writes
+            from costmodels.fitting import calibrate_compute, load_like_calibration
 
-            logger.info("device='auto': fitting the CPU compute model (once per machine) into %s", path)
-            _write_atomically(path, calibrate_compute(quick=True, threads=torch.get_num_threads()).profile.dumps())
+            threads = torch.get_num_threads()
+            if _is_planner(mesh):
+                logger.info("device='auto': fitting the CPU compute model (once per machine, %d processes timing "
+                            "together) into %s", host_processes, path)
+                _write_atomically(path, calibrate_compute(quick=True, threads=threads,
+                                                          host_processes=host_processes).profile.dumps())
+            else:
+                load_like_calibration(quick=True, threads=threads)
         options["compute_profile"] = str(path)
         notes.append(f"compute profile {path.name}")
     return Machine(options, ", ".join(notes))
 
 
-def compute_profile_path() -> Path:
-    """The cached CPU compute profile of this machine at this process's thread count and torch."""
+def compute_profile_path(host_processes: int = 1) -> Path:
+    """The cached CPU compute profile of this machine at this process's thread count and torch,
+    timed with ``host_processes`` processes computing at once."""
     from costmodels.kernel_timing import describe_device
 
-    key = f"{describe_device(torch.device('cpu'))}|{torch.get_num_threads()}|{torch.__version__}"
+    threads = torch.get_num_threads()
+    key = f"{describe_device(torch.device('cpu'))}|{threads}|{host_processes}|{torch.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_dir() / f"compute-cpu-{torch.get_num_threads()}t-{digest}.json"
+    return cache_dir() / f"compute-cpu-{threads}t-{host_processes}p-{digest}.json"
 
 
 def _base_comm_model(mesh: DeviceMesh, options: dict[str, Any]) -> Any:
