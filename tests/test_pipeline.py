@@ -419,3 +419,15 @@ def test_a_stage_mesh_keeps_its_links():
     link = options.comm_model.topo.axis(0)
     assert (link.size, link.nodes, link.ranks_per_node) == (8, 4, 2)
     assert _stage_options(PlanOptions(device="h100"), (4, 8), 0, 4).comm_model is None  # row-major already
+
+
+def test_auto_prices_every_schedule_that_runs():
+    """pp_schedule "auto": each degree priced under every schedule that can run it (the V ones need
+    2·degree microbatches and layers); the choice records the schedule it priced."""
+    pp = PipelineOptions(pp_axis=0, pp_schedule="auto")
+    assert pp.candidates(2, 4, 8) == schedules.SCHEDULES
+    assert pp.candidates(4, 4, 8) == ("1f1b", "interleaved")       # V: 8 microbatches needed
+    assert pp.candidates(2, 4, 3) == ("1f1b",)                      # 4 stages, 3 layers
+    assert PipelineOptions(pp_axis=0, pp_schedule="zbv").candidates(2, 4) == ("zbv",)
+    with pytest.raises(PipelineError, match="7 microbatches cannot fill a zbv pipeline of degree 4"):
+        PipelineOptions(pp_axis=0, pp_degrees=(4,), microbatches=7, pp_schedule="zbv").resolve((4, 2), 56)

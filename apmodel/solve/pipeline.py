@@ -27,8 +27,8 @@ axis size ``P``; 1 means no pipelining):
   stage times and each stage's once-per-step work, with the point-to-point transfer of each
   boundary's activation (and its gradient) on the pipeline axis priced by :mod:`costmodels.p2p`.
   The step's objective is the timeline's length; the bubble is its idle part on the busiest rank.
-  A split backward's weight gradient (``W``, the zero-bubble schedules) is
-  :data:`apmodel.core.schedules.WEIGHT_GRAD_SHARE` of the stage's backward;
+  A split backward's weight gradient (``W``, the zero-bubble schedules) is priced as the lowering
+  runs it (:data:`LOWERED_WEIGHT_GRAD_SHARE`: inside the input-gradient action);
 * **the schedule**: ``pp_schedule`` names one, or ``"auto"``: every schedule that can run the
   degree and microbatches is priced on the same stage plan and the cheapest that fits kept, so the
   schedule is chosen with the degree.
@@ -70,6 +70,12 @@ logger = logging.getLogger(__name__)
 #: Default microbatches per pipeline rank: 2 per stage keeps 1F1B's bubble at (d - 1) / (3d - 1),
 #: under a third (torchtitan's examples run 2-4 microbatches per stage).
 DEFAULT_MICROBATCHES_PER_STAGE = 2
+#: Share of a stage's backward its weight-gradient action ``W`` runs as apmodel lowers it: none. A
+#: lowered stage is one ``autograd.Function`` whose backward graph makes input and weight gradients
+#: together, so the split schedules' ``I`` runs it whole and ``W`` is empty
+#: (:class:`apmodel.lowering.pipeline.WholeBackwardStage`); a lowering that split the graph would
+#: price :data:`apmodel.core.schedules.WEIGHT_GRAD_SHARE` instead.
+LOWERED_WEIGHT_GRAD_SHARE = 0.0
 #: ``pp_schedule`` value that prices every schedule with each degree and keeps the cheapest that fits.
 AUTO_SCHEDULE = "auto"
 
@@ -273,7 +279,7 @@ def price_degree(
         timeline = schedules.simulate(schedule, degree, microbatches, [w.forward_us for w in work],
                                       [w.backward_us for w in work], transfers, [p.activation_bytes for p in parts],
                                       [w.setup_us for w in work], [w.flush_us for w in work],
-                                      [schedules.WEIGHT_GRAD_SHARE * w.backward_us for w in work])
+                                      [LOWERED_WEIGHT_GRAD_SHARE * w.backward_us for w in work])
         per_rank = [sum(parts[k].state_bytes + work[k].extra_bytes for k in mine[r])
                     + timeline.held_bytes[r] + units.transient_bytes for r in range(degree)]
         over = [r for r in range(degree) if limit is not None and per_rank[r] > limit]
