@@ -140,12 +140,13 @@ class WholeBackwardStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:
         if not full_backward:
-            self._split_done = getattr(self, "_split_done", set())
-            self._split_done.add(bwd_chunk_id)
+            done: set[int] = getattr(self, "_split_done", set())
+            done.add(bwd_chunk_id)
+            self._split_done = done
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        done = getattr(self, "_split_done", set())
+        done: set[int] = getattr(self, "_split_done", set())
         if bwd_chunk_id not in done:
             raise PipelineLoweringError(f"stage {self.stage_index}: weight gradient of microbatch {bwd_chunk_id} "
                                         f"before its input gradient")
