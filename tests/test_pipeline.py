@@ -57,6 +57,84 @@ def test_orders_run_every_action_once_on_its_rank(schedule, degree, microbatches
                 assert acts.index(schedules.Action("F", a.stage, a.microbatch)) < acts.index(a)
 
 
+def _torch_compute_orders(schedule: str, degree: int, microbatches: int) -> list[list[tuple[str, int, int]]]:
+    """torch's own per-rank compute actions of a V schedule (its order generator run without
+    stages or a process group), the overlapped F&B pairs flattened into their two halves."""
+    from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    cls = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule]
+    sched = cls.__new__(cls)
+    sched.pp_group_size, sched._n_microbatches = degree, microbatches
+    sched.num_stages = sched._num_stages = 2 * degree
+    out = []
+    for r in range(degree):
+        acts = []
+        for a in sched._calculate_single_rank_operations(r):
+            for x in (() if a is None else a.sub_actions or (a,)):
+                acts.append((x.computation_type.value, x.stage_index, x.microbatch_index))
+        out.append(acts)
+    return out
+
+
+@pytest.mark.parametrize("schedule", schedules.V_SCHEDULES)
+@pytest.mark.parametrize("degree,microbatches", [(1, 2), (2, 4), (2, 7), (3, 6), (3, 10), (4, 8), (4, 13), (5, 12)])
+def test_v_orders_are_torchs(schedule, degree, microbatches):
+    ours = [[(a.kind, a.stage, a.microbatch) for a in acts] for acts in schedules.orders(schedule, degree, microbatches)]
+    assert ours == _torch_compute_orders(schedule, degree, microbatches)
+    for r in range(degree):  # the V: stage r and 2d - 1 - r on rank r
+        assert schedules.rank_stages(schedule, degree, r) == [r, 2 * degree - 1 - r]
+
+
+@pytest.mark.parametrize("degree,microbatches", [(2, 4), (3, 7), (4, 8), (4, 12)])
+@pytest.mark.parametrize("t", [1.0, 2.5])
+def test_zbv_is_zero_bubble_with_equal_passes(degree, microbatches, t):
+    """Qi et al., ZB-V (§6), with T_F = T_B(input) = T_W: no rank idles between its first and its
+    last pass; the step is the work plus the V's fill, (d - 1)·T_F (the parallelogram's offset, which
+    the paper's post-validation lets the next step reclaim and a synchronous step does not)."""
+    n = 2 * degree
+    tl = schedules.simulate("zbv", degree, microbatches, [t] * n, [2 * t] * n, weight_us=[t] * n)
+    work = 2 * microbatches * 3 * t
+    for r in range(degree):
+        assert tl.busy_us[r] == pytest.approx(work)
+        assert tl.last_us[r] - tl.first_us[r] == pytest.approx(work)  # zero bubble within the rank
+    assert tl.bubble_us == pytest.approx((degree - 1) * t)
+    assert tl.step_us == pytest.approx(work + (degree - 1) * t)
+
+
+@pytest.mark.parametrize("degree,microbatches", [(2, 4), (3, 6), (3, 10), (4, 8), (5, 13)])
+@pytest.mark.parametrize("t", [1.0, 3.0])
+def test_dualpipev_bubble_is_deepseeks(degree, microbatches, t):
+    """DeepSeek-V3's DualPipe table: bubble (PP/2 - 1)(F&B + B - 3W), PP stages on PP/2 ranks for
+    DualPipe-V; F&B = F + B as torch runs the pair (one stream, in turn); F = I = W = t, B = I + W."""
+    n = 2 * degree
+    f, b, w = t, 2 * t, t
+    tl = schedules.simulate("dualpipev", degree, microbatches, [f] * n, [b] * n, weight_us=[w] * n)
+    assert tl.bubble_us == pytest.approx((degree - 1) * ((f + b) + b - 3 * w))
+
+
+@pytest.mark.parametrize("schedule", schedules.V_SCHEDULES)
+def test_v_schedules_hold_activations_until_their_weight_gradient(schedule):
+    """The activations a stage holds: forwards whose W (or B) has not run; the V's first stage holds
+    the most, 2d (1F1B's first stage holds d)."""
+    d, m = 3, 9
+    got = schedules.in_flight(schedule, d, m)
+    assert got == schedules.simulate(schedule, d, m, [1.0] * 2 * d, [2.0] * 2 * d).in_flight
+    assert got[0] == 2 * d and got[-1] == 1
+    tl = schedules.simulate(schedule, d, m, [1.0] * 2 * d, [2.0] * 2 * d, activation_bytes=[1.0] * 2 * d)
+    for r in range(d):  # a rank's two stages do not peak together
+        assert got[r] <= tl.held_bytes[r] <= got[r] + got[2 * d - 1 - r]
+
+
+def test_v_turn_pays_no_transfer():
+    """Stages d - 1 and d share rank d - 1: their boundary's transfer is not paid."""
+    base = schedules.simulate("zbv", 2, 4, [1.0] * 4, [2.0] * 4)
+    turn = schedules.simulate("zbv", 2, 4, [1.0] * 4, [2.0] * 4, [0.0, 50.0, 0.0])
+    assert turn.step_us == pytest.approx(base.step_us)
+    assert schedules.simulate("zbv", 2, 4, [1.0] * 4, [2.0] * 4, [0.5, 0.0, 0.0]).step_us > base.step_us
+    with pytest.raises(schedules.ScheduleError, match="7 microbatches cannot fill a dualpipev pipeline of degree 4"):
+        schedules.orders("dualpipev", 4, 7)
+
+
 def test_transfers_delay_the_receiver():
     no = schedules.simulate("1f1b", 2, 2, [1, 1], [1, 1])
     yes = schedules.simulate("1f1b", 2, 2, [1, 1], [1, 1], [0.5])
@@ -341,3 +419,15 @@ def test_a_stage_mesh_keeps_its_links():
     link = options.comm_model.topo.axis(0)
     assert (link.size, link.nodes, link.ranks_per_node) == (8, 4, 2)
     assert _stage_options(PlanOptions(device="h100"), (4, 8), 0, 4).comm_model is None  # row-major already
+
+
+def test_auto_prices_every_schedule_that_runs():
+    """pp_schedule "auto": each degree priced under every schedule that can run it (the V ones need
+    2·degree microbatches and layers); the choice records the schedule it priced."""
+    pp = PipelineOptions(pp_axis=0, pp_schedule="auto")
+    assert pp.candidates(2, 4, 8) == schedules.SCHEDULES
+    assert pp.candidates(4, 4, 8) == ("1f1b", "interleaved")       # V: 8 microbatches needed
+    assert pp.candidates(2, 4, 3) == ("1f1b",)                      # 4 stages, 3 layers
+    assert PipelineOptions(pp_axis=0, pp_schedule="zbv").candidates(2, 4) == ("zbv",)
+    with pytest.raises(PipelineError, match="7 microbatches cannot fill a zbv pipeline of degree 4"):
+        PipelineOptions(pp_axis=0, pp_degrees=(4,), microbatches=7, pp_schedule="zbv").resolve((4, 2), 56)

@@ -166,3 +166,22 @@ def test_interleaved_pipeline_trains_like_one_device():
     for r in per_rank:  # two stages per rank: each reduces once per step (REDUCE_GRAD after its last backward)
         for step in r["per_step"]:
             assert step["windows"] == sorted(r["planned"]) and all(step["distinct"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_train_like_one_device(schedule):
+    """Two stages per pipeline rank in a V (ScheduleZBVZeroBubble, ScheduleDualPipeV): stage k and
+    3 - k on pipeline rank k, the backward split into input and weight gradients; the last stage,
+    and so the loss, on pipeline rank 0. Each stage still reduces its gradients once per step, after
+    its last weight gradient."""
+    per_rank = run_distributed(_worker, 4, schedule, ((0, 0), (1, 1), (2, 2), (3, 3)), timeout_s=900)
+    assert [r["stages"] for r in per_rank] == [[0, 3], [0, 3], [1, 2], [1, 2]]
+    assert [r["layers"] for r in per_rank[1:3]] == [[[0], [3]], [[1], [2]]]
+    reference = _reference_losses()
+    for r in per_rank[:2]:
+        assert r["losses"] == pytest.approx(reference, rel=1e-5)
+    assert per_rank[2]["losses"] == [None] * STEPS
+    for r in per_rank:
+        for step in r["per_step"]:
+            assert step["windows"] == sorted(r["planned"]) and all(step["distinct"])

@@ -28,7 +28,7 @@ def _units(n_layers: int = 4) -> StepUnits:
 
 
 def _price(microbatches: int, sync: tuple[str, ...] | None = None, limit: float | None = None):
-    return price_degree(_units(), 2, "1f1b", microbatches, lambda k, nbytes: 0.0, stage_mesh_shape=(8,),
+    return price_degree(_units(), 2, "1f1b", microbatches, lambda src, dst, nbytes: 0.0, stage_mesh_shape=(8,),
                         memory_limit_bytes=limit, weight_sync=sync)
 
 

@@ -155,8 +155,10 @@ DEFAULT_SEED_RADIUS = 2
 #: Param dtypes a mixed-precision step can compute in (the reduce dtype is always fp32).
 MIXED_PARAM_DTYPES = ("bf16", "fp16")
 
-#: Pipeline schedules: the ones :mod:`apmodel.core.schedules` declares (Schedule1F1B, ScheduleInterleaved1F1B).
-PP_SCHEDULES = SCHEDULES
+#: Pipeline schedules: the ones :mod:`apmodel.core.schedules` declares (Schedule1F1B,
+#: ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ScheduleDualPipeV), and "auto": each degree priced
+#: under every one, the cheapest that fits kept.
+PP_SCHEDULES = (*SCHEDULES, "auto")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -320,8 +322,10 @@ class PlanOptions:
         None, help="Microbatches per step of a pipeline (must divide the batch).", group="pipeline", kind="int", range="[1, inf)",
         default_doc="the smallest divisor of the batch that is at least twice the largest degree")
     pp_schedule: str = option(
-        "1f1b", help="Pipeline schedule: 1f1b (Schedule1F1B) or interleaved (ScheduleInterleaved1F1B, two stages "
-                     "per rank).", group="pipeline",
+        "1f1b", help="Pipeline schedule: 1f1b (Schedule1F1B), interleaved (ScheduleInterleaved1F1B, two stages "
+                     "per rank), zbv (ScheduleZBVZeroBubble) or dualpipev (ScheduleDualPipeV): two stages per rank "
+                     "in a V, the backward split into input and weight gradients; auto: every schedule priced with "
+                     "each degree, the cheapest that fits chosen.", group="pipeline",
         choices=PP_SCHEDULES)
     # solving
     solver: str = option(

@@ -17,8 +17,11 @@ coordinate form one stage mesh. Each rank:
    given by the caller: :func:`apmodel.entry.api.parallelize_pipeline` uses apmodel's planner and
    ``parallelize``);
 3. wraps it (:class:`StageModule`: plain tensors in and out, the full activation) in a
-   ``PipelineStage`` and builds the schedule (``Schedule1F1B`` or ``ScheduleInterleaved1F1B``) with
-   the loss function on the last stage.
+   ``PipelineStage`` and builds the schedule (:data:`SCHEDULE_CLASSES`) with the loss function on
+   the last stage. The V schedules (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) place stage
+   ``k`` and stage ``2d - 1 - k`` on pipeline rank ``k`` (:func:`apmodel.core.schedules.rank_of`)
+   and split a backward into its input gradient and, later, its weight gradient (torch's
+   ``stage_backward_input`` / ``stage_backward_weight``).
 
 The schedule's ``step(inputs, target=..., losses=...)`` runs one training step; gradients are
 accumulated over the microbatches and divided by their number (the schedule's ``scale_grads``), so
@@ -29,7 +32,9 @@ stage that reduces its gradients once per step runs each microbatch's backward w
 reduction (:func:`apmodel.lowering.defer_gradient_reduction`: the unreduced gradients are summed
 locally) and reduces the sum when the schedule says the stage's backwards are done
 (``perform_reduce_grad``, the ``REDUCE_GRAD`` action after its last backward, where torchtitan's
-FSDP reduces too): one collective per bucket per step. A stage priced as keeping its gathered
+FSDP reduces too): one collective per bucket per step. Under a split backward the schedule's
+``REDUCE_GRAD`` follows the stage's last weight-gradient action, so the reduction still sees
+every microbatch's gradient. A stage priced as keeping its gathered
 parameters (``gather_once``) also runs what its graphs compute from the parameters alone (their
 gathers and casts, :mod:`apmodel.lowering.static_split`) on its first microbatch and keeps it
 for the others, until that reduction.
@@ -45,17 +50,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor
 
-from apmodel.core.schedules import WEIGHT_SYNCS
+from apmodel.core.schedules import WEIGHT_SYNCS, rank_stages
 from apmodel.graph import conventions
 from apmodel.lowering.module import defer_gradient_reduction, reduce_gradients, release_kept
 
 logger = logging.getLogger(__name__)
 
 #: ``torch.distributed.pipelining`` schedule of each schedule name of :mod:`apmodel.core.schedules`.
-SCHEDULE_CLASSES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULE_CLASSES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                                     "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 
 
 class PipelineLoweringError(ValueError):
@@ -112,7 +124,36 @@ class StageModule(nn.Module):
         return out.full_tensor() if isinstance(out, DTensor) else out
 
 
-class StepReducingStage(PipelineStage):
+class WholeBackwardStage(PipelineStage):
+    """A ``PipelineStage`` whose split backward runs whole in its input-gradient action.
+
+    A lowered stage runs its step as one ``autograd.Function`` (:class:`apmodel.lowering.native.NativeStep`)
+    whose backward graph computes the input and the weight gradients together, and, where the
+    stage reduces once per step, hands back no parameter gradient at all: torch's split backward
+    (``stage_backward_input``, then ``autograd.grad`` from the saved intermediates to the weights)
+    finds no path to the weights ("differentiated Tensor ... not used in the graph"), and would run
+    the backward graph twice if it did. So the ``I`` action runs the full backward (the weight
+    gradients accumulate as under 1F1B) and the ``W`` action has nothing left to do: the order, the
+    sends and ``REDUCE_GRAD`` stay the schedule's; the planner prices ``W`` at 0 µs so
+    (:data:`apmodel.solve.pipeline.LOWERED_WEIGHT_GRAD_SHARE`)."""
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        if not full_backward:
+            done: set[int] = getattr(self, "_split_done", set())
+            done.add(bwd_chunk_id)
+            self._split_done = done
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        done: set[int] = getattr(self, "_split_done", set())
+        if bwd_chunk_id not in done:
+            raise PipelineLoweringError(f"stage {self.stage_index}: weight gradient of microbatch {bwd_chunk_id} "
+                                        f"before its input gradient")
+        done.discard(bwd_chunk_id)
+
+
+class StepReducingStage(WholeBackwardStage):
     """A ``PipelineStage`` whose module's gradients wait, unreduced, for the step's reduction: run
     when the schedule finishes the stage's backwards (``perform_reduce_grad``; or ``scale_grads``,
     which schedules without that action call after the last backward), before their scaling."""
@@ -198,8 +239,9 @@ def build(
 
     ``make_model()``: a fresh full model (ideally on meta) to cut a stage from. ``mesh``: the full
     mesh; ``pp_dim``: its pipeline dimension, whose size is the pipeline degree. ``stages``: the
-    ``[first, last]`` layers of every stage (``degree × v`` for the interleaved schedule; stage
-    ``k`` on pipeline rank ``k mod degree``). ``sample_inputs``: the model's inputs for the whole
+    ``[first, last]`` layers of every stage (``degree × 2`` for the interleaved and the V
+    schedules; stage ``k`` on pipeline rank ``k mod degree``, or in a V on rank ``k`` and
+    ``2·degree - 1 - k``). ``sample_inputs``: the model's inputs for the whole
     batch (meta tensors will do): shapes only. ``plan_stage(module, stage mesh shape, inputs)``
     plans one stage's step; ``lower_stage(module, stage mesh, inputs, plan)`` lowers it.
     ``weight_sync``: per stage, as priced (:data:`apmodel.core.schedules.WEIGHT_SYNCS`); None:
@@ -213,6 +255,9 @@ def build(
     degree = mesh.shape[pp_dim]
     if len(stages) % degree:
         raise PipelineLoweringError(f"{len(stages)} stages on a pipeline of degree {degree}: expected a multiple")
+    if schedule in ("zbv", "dualpipev") and len(stages) != 2 * degree:
+        raise PipelineLoweringError(f"the {schedule} schedule runs two stages per rank in a V: expected "
+                                    f"{2 * degree} stages on a pipeline of degree {degree}, got {len(stages)}")
     batch = int(sample_inputs[0].shape[0])
     if batch % microbatches:
         raise PipelineLoweringError(f"microbatches {microbatches} does not divide the batch {batch}")
@@ -231,7 +276,9 @@ def build(
     n_stages = len(stages)
     boundary = _boundary_inputs(make_model, stages, micro)
     mine, indices = [], []
-    for k in range(rank, n_stages, degree):
+    placed = (rank_stages(schedule, degree, rank) if schedule in ("zbv", "dualpipev")
+              else list(range(rank, n_stages, degree)))
+    for k in placed:
         first, last = stages[k]
         module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=k == n_stages - 1)
         inputs = micro if k == 0 else (boundary[k - 1],)
@@ -245,7 +292,7 @@ def build(
             defer_gradient_reduction(lowered, keep_gathered=syncs[k] == "gather_once")
         mine.append(lowered)
         indices.append(k)
-    pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else PipelineStage)(
+    pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else WholeBackwardStage)(
         StageModule(m), k, n_stages, device, group=pp_group) for m, k in zip(mine, indices, strict=True)]
     cls = SCHEDULE_CLASSES[schedule]
     sched = (cls(pipeline_stages[0], microbatches, loss_fn=loss_fn) if schedule == "1f1b"

@@ -39,13 +39,16 @@ class DegreePrice:
     """per stage: gathering its parameters once per step (0 unless kept gathered)"""
     reduce_step_us: tuple[float, ...] = ()
     """per stage: reducing its accumulated gradients once per step (0 if reduced per microbatch)"""
+    schedule: str = ""
+    """the schedule it was priced under (:data:`apmodel.core.schedules.SCHEDULES`; "" for degree 1)"""
 
     def to_json(self) -> dict[str, Any]:
         return {"degree": self.degree, "objective_us": self.objective_us, "peak_bytes": self.peak_bytes,
                 "fits": self.fits, "stage_mesh": list(self.stage_mesh), "stages": [list(s) for s in self.stages],
                 "bubble_us": self.bubble_us, "p2p_us": self.p2p_us, "stage_us": list(self.stage_us),
                 "stage_plan_layers": self.stage_plan_layers, "note": self.note, "weight_sync": list(self.weight_sync),
-                "gather_step_us": list(self.gather_step_us), "reduce_step_us": list(self.reduce_step_us)}
+                "gather_step_us": list(self.gather_step_us), "reduce_step_us": list(self.reduce_step_us),
+                "schedule": self.schedule}
 
 
 @dataclass
@@ -114,6 +117,9 @@ class PipelineChoice:
             syncs = d.get("weight_sync", [])  # absent before weight sync was priced: every stage per microbatch
             if not isinstance(syncs, list) or any(x not in schedules.WEIGHT_SYNCS for x in syncs):
                 raise bad(where("weight_sync"), f"a list of {', '.join(schedules.WEIGHT_SYNCS)}", syncs)
+            priced_under = d.get("schedule", "")  # absent before the schedule was chosen with the degree
+            if priced_under not in ("", *schedules.SCHEDULES):
+                raise bad(where("schedule"), f"one of {', '.join(schedules.SCHEDULES)}", priced_under)
             fits = d.get("fits")
             if fits is not None and not isinstance(fits, bool):
                 raise bad(where("fits"), "true, false or null", fits)
@@ -131,6 +137,7 @@ class PipelineChoice:
                 note=str(d.get("note", "")), weight_sync=tuple(syncs),
                 gather_step_us=tuple(number(x, where("gather_step_us")) or 0.0 for x in d.get("gather_step_us", [])),
                 reduce_step_us=tuple(number(x, where("reduce_step_us")) or 0.0 for x in d.get("reduce_step_us", [])),
+                schedule=priced_under,
             )
 
         if not isinstance(data, dict):

@@ -17,8 +17,9 @@ axis size ``P``; 1 means no pipelining):
   apart; bytes);
 * **the split**: contiguous layers per stage minimising the slowest stage (the embedding on the
   first, head and loss on the last; :func:`apmodel.core.schedules.balanced_split`), under the memory
-  limit for 1F1B (a stage's parameters, gradients and optimizer state, plus its activations times
-  the microbatches in flight there, plus the plan's largest transient);
+  limit (a stage's parameters, gradients and optimizer state, plus its activations times the
+  microbatches the schedule's order keeps in flight there, :func:`apmodel.core.schedules.in_flight`:
+  from a forward to its weight gradient, plus the plan's largest transient);
 * **the weights**: per stage the cheapest weight sync that fits
   (:data:`apmodel.core.schedules.WEIGHT_SYNCS`: parameters gathered once per step and kept, or per
   microbatch, gradients reduced once after the stage's last backward; or both per microbatch);
@@ -26,6 +27,11 @@ axis size ``P``; 1 means no pipelining):
   stage times and each stage's once-per-step work, with the point-to-point transfer of each
   boundary's activation (and its gradient) on the pipeline axis priced by :mod:`costmodels.p2p`.
   The step's objective is the timeline's length; the bubble is its idle part on the busiest rank.
+  A split backward's weight gradient (``W``, the zero-bubble schedules) is priced as the lowering
+  runs it (:data:`LOWERED_WEIGHT_GRAD_SHARE`: inside the input-gradient action);
+* **the schedule**: ``pp_schedule`` names one, or ``"auto"``: every schedule that can run the
+  degree and microbatches is priced on the same stage plan and the cheapest that fits kept, so the
+  schedule is chosen with the degree.
   A degree over the memory limit is solved again before it is reported so (:func:`_plan_degree`).
 
 Degree 1 is the ordinary plan of the full mesh and batch (memory-fitted as usual). The cheapest
@@ -64,6 +70,14 @@ logger = logging.getLogger(__name__)
 #: Default microbatches per pipeline rank: 2 per stage keeps 1F1B's bubble at (d - 1) / (3d - 1),
 #: under a third (torchtitan's examples run 2-4 microbatches per stage).
 DEFAULT_MICROBATCHES_PER_STAGE = 2
+#: Share of a stage's backward its weight-gradient action ``W`` runs as apmodel lowers it: none. A
+#: lowered stage is one ``autograd.Function`` whose backward graph makes input and weight gradients
+#: together, so the split schedules' ``I`` runs it whole and ``W`` is empty
+#: (:class:`apmodel.lowering.pipeline.WholeBackwardStage`); a lowering that split the graph would
+#: price :data:`apmodel.core.schedules.WEIGHT_GRAD_SHARE` instead.
+LOWERED_WEIGHT_GRAD_SHARE = 0.0
+#: ``pp_schedule`` value that prices every schedule with each degree and keeps the cheapest that fits.
+AUTO_SCHEDULE = "auto"
 
 
 @dataclass(frozen=True)
@@ -75,8 +89,9 @@ class PipelineOptions:
     ``pp_axis``: the mesh axis that may carry the pipeline. ``pp_degrees``: the pipeline degrees
     allowed (divisors of the axis size; 1 means none, and the axis joins the SPMD plan); None:
     every divisor. ``microbatches``: per step (must divide the batch); None: the smallest divisor
-    of the batch that is at least ``2 ×`` the largest degree (or the batch). ``pp_schedule``:
-    ``"1f1b"`` or ``"interleaved"`` (:mod:`apmodel.core.schedules`)."""
+    of the batch that is at least ``2 ×`` the largest degree (or the batch). ``pp_schedule``: one
+    of :data:`apmodel.core.schedules.SCHEDULES`, or ``"auto"``: each degree priced under every
+    schedule that can run it, the cheapest that fits kept (:meth:`candidates`)."""
 
     pp_axis: int
     pp_degrees: tuple[int, ...] | None = None
@@ -119,12 +134,30 @@ class PipelineOptions:
             raise PipelineError(f"microbatches {m} does not divide the batch {batch}: each microbatch must hold "
                                 f"the same number of samples")
         for d in degrees:
-            if d > 1:
+            if d > 1 and self.pp_schedule != AUTO_SCHEDULE:
                 try:
                     schedules.check(self.pp_schedule, d, m)
                 except schedules.ScheduleError as e:
                     raise PipelineError(f"pp_degrees: {e}") from None
+            elif d > 1 and not self.candidates(d, m):
+                raise PipelineError(f"pp_degrees: no pipeline schedule runs degree {d} with {m} microbatches "
+                                    f"(1F1B needs microbatches >= degree)")
         return tuple(degrees), m
+
+    def candidates(self, degree: int, microbatches: int, layers: int | None = None) -> tuple[str, ...]:
+        """The schedules to price for ``degree``: ``pp_schedule``, or under ``"auto"`` every one of
+        :data:`apmodel.core.schedules.SCHEDULES` that can run ``degree`` with ``microbatches`` (and
+        give each of its stages one of ``layers`` layers, when given)."""
+        out = []
+        for name in schedules.SCHEDULES if self.pp_schedule == AUTO_SCHEDULE else (self.pp_schedule,):
+            if self.pp_schedule == AUTO_SCHEDULE:
+                try:
+                    schedules.check(name, degree, microbatches)
+                except schedules.ScheduleError:
+                    continue
+            if layers is None or degree * schedules.stages_per_rank(name) <= layers:
+                out.append(name)
+        return tuple(out)
 
 
 def stage_mesh(mesh_shape: Sequence[int], axis: int, degree: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -189,7 +222,7 @@ def price_degree(
     degree: int,
     schedule: str,
     microbatches: int,
-    transfer_us: Callable[[int, float], float],
+    transfer_us: Callable[[int, int, float], float],
     *,
     stage_mesh_shape: Sequence[int],
     memory_limit_bytes: float | None,
@@ -199,8 +232,8 @@ def price_degree(
 ) -> DegreePrice:
     """Split, schedule and price one degree (> 1) from the per-unit costs of a microbatch.
 
-    ``transfer_us(k, nbytes)``: moving ``nbytes`` per device across boundary ``k`` (stage ``k`` to
-    ``k + 1``). ``stages``: a split to price instead of the balanced one (a replayed plan);
+    ``transfer_us(src, dst, nbytes)``: moving ``nbytes`` per device from pipeline rank ``src`` to
+    rank ``dst`` (a boundary's stages' ranks, :func:`apmodel.core.schedules.rank_of`). ``stages``: a split to price instead of the balanced one (a replayed plan);
     ``weight_sync``: each stage's weight synchronisation to price (a replayed plan) instead of the
     cheapest that fits: every stage starts kept gathered, and while a rank is over the memory limit
     its stage with the most extra bytes steps back (:func:`_less_memory`); the time of a stage only
@@ -215,9 +248,11 @@ def price_degree(
         return u.state_bytes + in_flight * u.activation_bytes + units.transient_bytes
 
     fits = None
-    if limit is not None and schedule == "1f1b":
-        def fits(k: int, i: int, j: int) -> bool:  # 1F1B: stage k holds min(m, d - k) microbatches
-            return stage_bytes(k, i, j, min(microbatches, degree - k)) <= limit
+    if limit is not None:
+        held = schedules.in_flight(schedule, degree, microbatches)  # 1F1B: stage k holds min(m, d - k)
+
+        def fits(k: int, i: int, j: int) -> bool:
+            return stage_bytes(k, i, j, held[k]) <= limit
     if stages is None:
         layer_us = [_balancing_us(u, microbatches) for u in units.layers]
         first_us, last_us = _balancing_us(units.pre, microbatches), _balancing_us(units.post, microbatches)
@@ -231,7 +266,11 @@ def price_degree(
         split = tuple((int(a), int(b)) for a, b in stages)
         _check_split(split, n_stages, n_layers)
     parts = [units.stage(a, b, with_pre=k == 0, with_post=k == n_stages - 1) for k, (a, b) in enumerate(split)]
-    transfers = [transfer_us(k, units.boundary_bytes[b]) for k, (_, b) in enumerate(split[:-1])]
+    home = [schedules.rank_of(schedule, degree, k) for k in range(n_stages)]
+    mine = [schedules.rank_stages(schedule, degree, r) for r in range(degree)]
+    # the V's turn (two stages on one rank) hands its activation over in place
+    transfers = [transfer_us(home[k], home[k + 1], units.boundary_bytes[b]) if home[k] != home[k + 1] else 0.0
+                 for k, (_, b) in enumerate(split[:-1])]
     if weight_sync is not None and len(weight_sync) != n_stages:
         raise PipelineError(f"weight sync {list(weight_sync)}: expected one per stage ({n_stages})")
     syncs = list(weight_sync) if weight_sync is not None else [schedules.WEIGHT_SYNCS[-1]] * n_stages
@@ -239,11 +278,12 @@ def price_degree(
         work = [stage_work(p, s) for p, s in zip(parts, syncs, strict=True)]
         timeline = schedules.simulate(schedule, degree, microbatches, [w.forward_us for w in work],
                                       [w.backward_us for w in work], transfers, [p.activation_bytes for p in parts],
-                                      [w.setup_us for w in work], [w.flush_us for w in work])
-        per_rank = [sum(parts[k].state_bytes + work[k].extra_bytes for k in range(r, n_stages, degree))
+                                      [w.setup_us for w in work], [w.flush_us for w in work],
+                                      [LOWERED_WEIGHT_GRAD_SHARE * w.backward_us for w in work])
+        per_rank = [sum(parts[k].state_bytes + work[k].extra_bytes for k in mine[r])
                     + timeline.held_bytes[r] + units.transient_bytes for r in range(degree)]
         over = [r for r in range(degree) if limit is not None and per_rank[r] > limit]
-        if weight_sync is not None or not over or not _less_memory(syncs, work, over, degree):
+        if weight_sync is not None or not over or not _less_memory(syncs, work, [mine[r] for r in over]):
             break
     peak = max(per_rank)
     ok = None if limit is None else peak <= limit
@@ -252,17 +292,17 @@ def price_degree(
         stages=split, bubble_us=timeline.bubble_us, p2p_us=2 * sum(transfers),
         stage_us=tuple(w.forward_us + w.backward_us for w in work), stage_plan_layers=stage_plan_layers,
         weight_sync=tuple(syncs), gather_step_us=tuple(w.setup_us for w in work),
-        reduce_step_us=tuple(w.flush_us for w in work),
+        reduce_step_us=tuple(w.flush_us for w in work), schedule=schedule,
         note="" if ok is not False else f"rank {per_rank.index(peak)} needs {peak / 1e9:.2f} GB",
     )
 
 
-def _less_memory(syncs: list[str], work: Sequence[StageWork], over: Sequence[int], degree: int) -> bool:
+def _less_memory(syncs: list[str], work: Sequence[StageWork], over: Sequence[Sequence[int]]) -> bool:
     """Step back (in place) the weight sync of the stage holding the most extra bytes on each rank
-    in ``over`` (gather_once -> reduce_once -> microbatch); False when none of them can."""
+    in ``over`` (its stages; gather_once -> reduce_once -> microbatch); False when none of them can."""
     changed = False
-    for r in over:
-        mine = [k for k in range(r, len(syncs), degree) if syncs[k] != schedules.WEIGHT_SYNCS[0]]
+    for stages in over:
+        mine = [k for k in stages if syncs[k] != schedules.WEIGHT_SYNCS[0]]
         if mine:
             k = max(mine, key=lambda k: work[k].extra_bytes)
             syncs[k] = schedules.WEIGHT_SYNCS[schedules.WEIGHT_SYNCS.index(syncs[k]) - 1]
@@ -410,9 +450,9 @@ def plan_pipeline(
     plans: dict[int, "Plan"] = {}
     priced: list[DegreePrice] = []
     n_layers = layer_count(workload)
-    v = schedules.stages_per_rank(pp.pp_schedule)
     for d in degrees:  # before any planning: each stage needs a layer
-        if d > 1 and d * v > n_layers:
+        if d > 1 and not pp.candidates(d, m, n_layers):
+            v = min((schedules.stages_per_rank(s) for s in pp.candidates(d, m)), default=1)
             raise PipelineError(f"pipeline degree {d} ({pp.pp_schedule}, {d * v} stages): more stages than the model's "
                                 f"{n_layers} repeated layers; each stage needs at least one layer (allow smaller "
                                 f"degrees with pp_degrees / --pp-degrees)")
@@ -436,20 +476,22 @@ def plan_pipeline(
                                       note="" if fits is not False else "no plan fits"))
             plans[1] = plan
             continue
+        names = pp.candidates(d, m, n_layers)
+        v = max(schedules.stages_per_rank(s) for s in names)  # one stage plan prices every schedule
         k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
-        progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {pp.pp_schedule}; "
+        progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {', '.join(names)}; "
                  f"stage plan of {k_layers} layers")
 
-        def transfer(k: int, nbytes: float, d: int = d) -> float:
-            src = stage_rank(mesh, pp.pp_axis, d, k % d)
-            dst = stage_rank(mesh, pp.pp_axis, d, (k + 1) % d)
-            return send_recv_us(nbytes, peer_link(full_topo, src, dst))
+        def transfer(src: int, dst: int, nbytes: float, d: int = d) -> float:
+            return send_recv_us(nbytes, peer_link(full_topo, stage_rank(mesh, pp.pp_axis, d, src),
+                                                  stage_rank(mesh, pp.pp_axis, d, dst)))
 
-        job = _StageJob(d, pp.pp_schedule, m, n_layers, k_layers, tuple(sub), transfer, fixed_stages, fixed_sync)
+        job = _StageJob(d, names, m, n_layers, k_layers, tuple(sub), transfer, fixed_stages, fixed_sync)
         plans[d], price = _plan_degree(job, workload, options, sub_options, record, plan_spmd, progress)
         priced.append(price)
     best = choose(priced)
-    choice = PipelineChoice(axis=pp.pp_axis, mesh=mesh, schedule=pp.pp_schedule, microbatches=m, chosen=best,
+    choice = PipelineChoice(axis=pp.pp_axis, mesh=mesh, schedule=best.schedule or pp.pp_schedule, microbatches=m,
+                            chosen=best,
                             alternatives=priced, planning_s=time.perf_counter() - start)
     plan = plans[best.degree]
     plan.pipeline = choice.to_json()
@@ -458,16 +500,17 @@ def plan_pipeline(
 
 @dataclass(frozen=True)
 class _StageJob:
-    """One degree (> 1) to plan and price: its schedule, microbatches, layers and transfers, and a
-    replayed plan's split and weight syncs (None: chosen here)."""
+    """One degree (> 1) to plan and price: the schedules to price it under (the cheapest that fits
+    kept), microbatches, layers and transfers, and a replayed plan's split and weight syncs (None:
+    chosen here)."""
 
     degree: int
-    schedule: str
+    schedules: tuple[str, ...]
     microbatches: int
     n_layers: int
     stage_layers: int
     stage_mesh: tuple[int, ...]
-    transfer_us: Callable[[int, float], float]
+    transfer_us: Callable[[int, int, float], float]
     stages: Sequence[tuple[int, int]] | None
     weight_sync: Sequence[str] | None
 
@@ -493,9 +536,16 @@ def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_o
         units = step_units(_placement_model(stage_plan), stage_plan.node_strategy)
         if cut or len(units.layers) != job.n_layers:
             units = units.with_layers(job.n_layers)
-        return price_degree(units, job.degree, job.schedule, m, job.transfer_us, stage_mesh_shape=job.stage_mesh,
-                            memory_limit_bytes=limit, stages=job.stages,
-                            stage_plan_layers=job.stage_layers if cut else None, weight_sync=job.weight_sync)
+        prices = []
+        for name in job.schedules:
+            one = price_degree(units, job.degree, name, m, job.transfer_us, stage_mesh_shape=job.stage_mesh,
+                               memory_limit_bytes=limit, stages=job.stages,
+                               stage_plan_layers=job.stage_layers if cut else None, weight_sync=job.weight_sync)
+            logger.info("pipeline degree %d, %s: %.1f µs (bubble %.1f µs), fits %s", job.degree, name,
+                        one.objective_us, one.bubble_us, one.fits)
+            prices.append(one)
+        fitting = [p for p in prices if p.fits is not False]
+        return min(fitting or prices, key=lambda p: p.objective_us if fitting else p.peak_bytes or math.inf)
 
     tried = [(plan, price(plan))]
     first = tried[0][1]
@@ -546,11 +596,14 @@ def _activation_copies(job: _StageJob) -> float:
     """Microbatches of a stage's activations a rank holds at once, on average over the ranks (the
     memory-aware split gives the ranks that hold more fewer layers): the schedule's timeline with
     every stage holding one unit per microbatch, a rank's layers split in ``v`` chunks."""
-    v = schedules.stages_per_rank(job.schedule)
-    n = job.degree * v
-    timeline = schedules.simulate(job.schedule, job.degree, job.microbatches, [1.0] * n, [1.0] * n,
-                                  activation_bytes=[1.0 / v] * n)
-    return sum(timeline.held_bytes) / job.degree
+    copies = 0.0
+    for name in job.schedules:  # the schedule that holds the most
+        v = schedules.stages_per_rank(name)
+        n = job.degree * v
+        timeline = schedules.simulate(name, job.degree, job.microbatches, [1.0] * n, [1.0] * n,
+                                      activation_bytes=[1.0 / v] * n)
+        copies = max(copies, sum(timeline.held_bytes) / job.degree)
+    return copies
 
 
 def _placement_model(plan: "Plan") -> Any:
