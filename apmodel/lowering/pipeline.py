@@ -47,7 +47,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
+from apmodel.core import placements as pl
 from apmodel.core.schedules import WEIGHT_SYNCS
 from apmodel.graph import conventions
 from apmodel.lowering.module import defer_gradient_reduction, reduce_gradients, release_kept
@@ -56,6 +58,11 @@ logger = logging.getLogger(__name__)
 
 #: ``torch.distributed.pipelining`` schedule of each schedule name of :mod:`apmodel.core.schedules`.
 SCHEDULE_CLASSES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+#: A stage plan's boundary placements: its inputs' (None for the model's own, on the first stage)
+#: and its outputs' (None for the last stage's), torch placements per stage-mesh axis.
+StagePlacements = tuple[list[tuple[Placement, ...]] | None, list[tuple[Placement, ...]] | None]
 
 
 class PipelineLoweringError(ValueError):
@@ -99,17 +106,53 @@ def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: 
     return model
 
 
-class StageModule(nn.Module):
-    """A lowered stage as ``PipelineStage`` runs it: the activation in and out as a plain tensor
-    (the full value, the same on every rank of the stage mesh)."""
+@dataclass(frozen=True)
+class Boundary:
+    """What crosses from one stage to the next: the activation of ``shape`` (global), placed
+    ``placements`` on the stage mesh (never a partial sum); each rank sends its local shard."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    shape: torch.Size
+    placements: tuple[Placement, ...]
+
+
+class StageModule(nn.Module):
+    """A lowered stage as ``PipelineStage`` runs it: plain tensors in and out, the activations
+    between stages as each rank's local shard at the boundary's placement (``receives``: the
+    boundary before the stage, None for the first; ``sends``: the one after, None for the last).
+    The received shard is made a DTensor again (``DTensor.from_local``; its gradient goes back as
+    a local shard at the same placement); the stage's output is redistributed to the boundary's
+    placement where the stage plan left it elsewhere (a partial sum reduced) and sent as its local
+    shard."""
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh | None = None, receives: Boundary | None = None,
+                 sends: Boundary | None = None) -> None:
         super().__init__()
         self.inner = inner
+        self.mesh = mesh
+        self.receives = receives
+        self.sends = sends
 
     def forward(self, *args: Any) -> Any:
+        if self.receives is not None and self.mesh is not None and args and isinstance(args[0], torch.Tensor):
+            b = self.receives
+            args = (DTensor.from_local(args[0], self.mesh, b.placements, run_check=False, shape=b.shape,
+                                       stride=_contiguous_stride(b.shape)), *args[1:])
         out = self.inner(*args)
-        return out.full_tensor() if isinstance(out, DTensor) else out
+        if not isinstance(out, DTensor):
+            return out
+        if self.sends is None or self.mesh is None:
+            return out.full_tensor()
+        if tuple(out.placements) != self.sends.placements:
+            out = out.redistribute(self.mesh, self.sends.placements)
+        return out.to_local()
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(int(n), 1)
+    return tuple(reversed(out))
 
 
 class StepReducingStage(PipelineStage):
@@ -189,10 +232,11 @@ def build(
     sample_inputs: Sequence[torch.Tensor],
     *,
     loss_fn: Callable[..., torch.Tensor],
-    plan_stage: Callable[[nn.Module, tuple[int, ...], tuple[torch.Tensor, ...]], Any],
+    plan_stage: Callable[[nn.Module, tuple[int, ...], tuple[torch.Tensor, ...], StagePlacements], Any],
     lower_stage: Callable[[nn.Module, DeviceMesh, tuple[torch.Tensor, ...], Any], nn.Module],
     schedule: str = "1f1b",
     weight_sync: Sequence[str] | None = None,
+    boundary_placements: Sequence[Sequence[str] | None] | None = None,
 ) -> PipelinedModel:
     """Cut, plan, lower and schedule this rank's stages (see the module docstring).
 
@@ -200,10 +244,14 @@ def build(
     mesh; ``pp_dim``: its pipeline dimension, whose size is the pipeline degree. ``stages``: the
     ``[first, last]`` layers of every stage (``degree × v`` for the interleaved schedule; stage
     ``k`` on pipeline rank ``k mod degree``). ``sample_inputs``: the model's inputs for the whole
-    batch (meta tensors will do): shapes only. ``plan_stage(module, stage mesh shape, inputs)``
-    plans one stage's step; ``lower_stage(module, stage mesh, inputs, plan)`` lowers it.
-    ``weight_sync``: per stage, as priced (:data:`apmodel.core.schedules.WEIGHT_SYNCS`); None:
-    every stage reduces its gradients once per step."""
+    batch (meta tensors will do): shapes only. ``plan_stage(module, stage mesh shape, inputs,
+    placements)`` plans one stage's step, its input and output placed as ``placements`` says
+    (:data:`StagePlacements`: the boundaries'); ``lower_stage(module, stage mesh, inputs, plan)``
+    lowers it. ``weight_sync``: per stage, as priced (:data:`apmodel.core.schedules.WEIGHT_SYNCS`);
+    None: every stage reduces its gradients once per step. ``boundary_placements``: per boundary
+    (stage ``k`` to ``k + 1``), the activation's placement on the stage mesh as priced (strings,
+    one per stage-mesh axis; ``apmodel.solve.pipeline`` records them); None (or a None entry): the
+    default boundary placement (batch sharded on the stage mesh's axis 0 where it divides)."""
     if schedule not in SCHEDULE_CLASSES:
         raise PipelineLoweringError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CLASSES)}")
     syncs = list(weight_sync) if weight_sync else ["reduce_once"] * len(stages)
@@ -230,14 +278,18 @@ def build(
     device = torch.device(mesh.device_type)
     n_stages = len(stages)
     boundary = _boundary_inputs(make_model, stages, micro)
+    agreed = _agreed_boundaries(boundary, boundary_placements, tuple(sub_mesh.shape))
     mine, indices = [], []
     for k in range(rank, n_stages, degree):
         first, last = stages[k]
         module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=k == n_stages - 1)
         inputs = micro if k == 0 else (boundary[k - 1],)
+        placed: StagePlacements = (None if k == 0 else [agreed[k - 1].placements],
+                                   None if k == n_stages - 1 else [agreed[k].placements])
 
-        def solve(module: nn.Module = module, inputs: tuple[torch.Tensor, ...] = inputs) -> Any:
-            return plan_stage(module, tuple(sub_mesh.shape), inputs)
+        def solve(module: nn.Module = module, inputs: tuple[torch.Tensor, ...] = inputs,
+                  placed: StagePlacements = placed) -> Any:
+            return plan_stage(module, tuple(sub_mesh.shape), inputs, placed)
 
         plan = plan_on_group(solve, sub_group, ranks[0])
         lowered = lower_stage(module, sub_mesh, inputs, plan)
@@ -246,12 +298,14 @@ def build(
         mine.append(lowered)
         indices.append(k)
     pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else PipelineStage)(
-        StageModule(m), k, n_stages, device, group=pp_group) for m, k in zip(mine, indices, strict=True)]
+        StageModule(m, sub_mesh, agreed[k - 1] if k > 0 else None, agreed[k] if k < n_stages - 1 else None),
+        k, n_stages, device, group=pp_group) for m, k in zip(mine, indices, strict=True)]
     cls = SCHEDULE_CLASSES[schedule]
     sched = (cls(pipeline_stages[0], microbatches, loss_fn=loss_fn) if schedule == "1f1b"
              else cls(pipeline_stages, microbatches, loss_fn=loss_fn))
-    logger.info("pipeline rank %d: stages %s of %d, layers %s, %s over %d microbatches, weights %s", rank, indices,
-                n_stages, [stages[k] for k in indices], schedule, microbatches, [syncs[k] for k in indices])
+    logger.info("pipeline rank %d: stages %s of %d, layers %s, %s over %d microbatches, weights %s, sending shards "
+                "placed %s", rank, indices, n_stages, [stages[k] for k in indices], schedule, microbatches,
+                [syncs[k] for k in indices], [pl.tuple_to_str(b.placements) for b in agreed])
     return PipelinedModel(stages=mine, stage_indices=indices, n_stages=n_stages, schedule=sched)
 
 
@@ -269,6 +323,29 @@ def _stage_group(mesh: DeviceMesh, pp_dim: int, mine: list[int]) -> dist.Process
         if ranks == mine:
             group = g
     return group
+
+
+def _agreed_boundaries(boundary: Sequence[torch.Tensor], given: Sequence[Sequence[str] | None] | None,
+                       mesh_shape: tuple[int, ...]) -> list[Boundary]:
+    """The placement each boundary's activation is sent at: ``given`` (as priced), else the
+    default boundary placement; a partial sum is refused (a stage sends reduced values)."""
+    from apmodel.problem.placement_model import default_batch_placement
+
+    if given is not None and len(given) != len(boundary):
+        raise PipelineLoweringError(f"boundary placements {list(given)}: expected one per boundary ({len(boundary)})")
+    out = []
+    for k, value in enumerate(boundary):
+        strs = given[k] if given is not None and given[k] is not None else default_batch_placement(value, mesh_shape)
+        try:
+            placed = tuple(pl.from_str(x) for x in strs)  # type: ignore[union-attr]  # not None here
+        except (TypeError, ValueError) as e:
+            raise PipelineLoweringError(f"boundary {k} (stage {k} to {k + 1}): placement {strs}: {e}") from None
+        if len(placed) != len(mesh_shape) or any(pl.is_partial(x) for x in placed):
+            raise PipelineLoweringError(f"boundary {k} (stage {k} to {k + 1}): placement {list(strs)}: expected one "
+                                        f"Replicate or Shard per axis of the stage mesh {mesh_shape} (a stage sends "
+                                        f"no partial sums)")
+        out.append(Boundary(value.shape, placed))
+    return out
 
 
 def _boundary_inputs(make_model: Callable[[], nn.Module], stages: Sequence[tuple[int, int]],

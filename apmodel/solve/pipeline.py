@@ -231,7 +231,9 @@ def price_degree(
         split = tuple((int(a), int(b)) for a, b in stages)
         _check_split(split, n_stages, n_layers)
     parts = [units.stage(a, b, with_pre=k == 0, with_post=k == n_stages - 1) for k, (a, b) in enumerate(split)]
-    transfers = [transfer_us(k, units.boundary_bytes[b]) for k, (_, b) in enumerate(split[:-1])]
+    sent = [units.boundary_bytes[b] for _, b in split[:-1]]  # each rank's shard at the boundary placement
+    transfers = [transfer_us(k, nbytes) for k, nbytes in enumerate(sent)]
+    placed = tuple(units.boundary_placements[b] for _, b in split[:-1]) if units.boundary_placements else ()
     if weight_sync is not None and len(weight_sync) != n_stages:
         raise PipelineError(f"weight sync {list(weight_sync)}: expected one per stage ({n_stages})")
     syncs = list(weight_sync) if weight_sync is not None else [schedules.WEIGHT_SYNCS[-1]] * n_stages
@@ -252,7 +254,7 @@ def price_degree(
         stages=split, bubble_us=timeline.bubble_us, p2p_us=2 * sum(transfers),
         stage_us=tuple(w.forward_us + w.backward_us for w in work), stage_plan_layers=stage_plan_layers,
         weight_sync=tuple(syncs), gather_step_us=tuple(w.setup_us for w in work),
-        reduce_step_us=tuple(w.flush_us for w in work),
+        reduce_step_us=tuple(w.flush_us for w in work), boundary_bytes=tuple(sent), boundary_placements=placed,
         note="" if ok is not False else f"rank {per_rank.index(peak)} needs {peak / 1e9:.2f} GB",
     )
 
