@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,14 +84,18 @@ def _layer_container(model: nn.Module) -> tuple[str, nn.ModuleDict]:
     return path, container
 
 
-def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool) -> nn.Module:
+def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool,
+              before: Collection[str] | None = None) -> nn.Module:
     """Cut ``model`` (in place) to the stage holding layers ``first_layer .. last_layer``
-    (inclusive); see the module docstring. Returns ``model``."""
+    (inclusive); see the module docstring. ``before``: the model's children (top-level names)
+    that run before its layers (:func:`children_before_layers`); None: those holding an
+    embedding (by the model's conventions). Returns ``model``."""
     path, container = _layer_container(model)
     keys = list(container.keys())
     if not 0 <= first_layer <= last_layer < len(keys):
-        raise PipelineLoweringError(f"stage layers [{first_layer}, {last_layer}] are not within the model's "
-                                    f"{len(keys)} layers")
+        raise PipelineLoweringError(f"stage layers [{first_layer}, {last_layer}] are not within the "
+                                    f"{type(model).__name__}'s {len(keys)} layers")
+    _refuse_ties_across_stages(model, path.split(".")[0])
     for key in keys:
         if not first_layer <= int(key) <= last_layer:
             del container[key]
@@ -100,10 +104,54 @@ def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: 
     for name, child in list(model.named_children()):
         if name == top or child is None or not any(True for _ in child.parameters()):
             continue
-        before = any(conv.role(f"{name}.{p}") == "embedding" for p, _ in child.named_parameters())
-        if (before and not is_first) or (not before and not is_last):
+        runs_before = (name in before if before is not None
+                       else any(conv.role(f"{name}.{p}") == "embedding" for p, _ in child.named_parameters()))
+        if (runs_before and not is_first) or (not runs_before and not is_last):
             setattr(model, name, None)
     return model
+
+
+def _refuse_ties_across_stages(model: nn.Module, layers: str) -> None:
+    """A parameter shared by two children of the model outside its layers (GPT-2's tied
+    embedding and head) would land on two stages, each with half of its gradient: refused."""
+    owners: dict[int, set[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        top = fqn.split(".")[0]
+        if top != layers:
+            owners.setdefault(id(p), set()).add(top)
+    shared = sorted(sorted(o) for o in owners.values() if len(o) > 1)
+    if shared:
+        raise PipelineLoweringError(f"{type(model).__name__}: modules {', '.join(shared[0])} share a parameter (tied "
+                                    f"weights), which pipeline stages would hold apart; untie them to pipeline it")
+
+
+def children_before_layers(model: nn.Module, inputs: Sequence[torch.Tensor]) -> set[str]:
+    """The model's children (top-level names, the layer container's excluded) whose parameters
+    the forward reads before its first layer runs: one forward on meta, every op's parameter
+    arguments noted (GPT-2's position table is read as a tensor, not called as a module)."""
+    path, container = _layer_container(model)
+    top = path.split(".")[0]
+    owner = {id(p): fqn.split(".")[0] for fqn, p in model.named_parameters(remove_duplicate=False)
+             if fqn.split(".")[0] != top}
+    seen: set[str] = set()
+    started = [False]
+
+    class _Reads(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not started[0]:
+                for a in [*args, *(kwargs or {}).values()]:
+                    if isinstance(a, nn.Parameter) and id(a) in owner:
+                        seen.add(owner[id(a)])
+            return func(*args, **(kwargs or {}))
+
+    first = next(iter(container.values()))
+    handle = first.register_forward_pre_hook(lambda *_: started.__setitem__(0, True))
+    try:
+        with torch.no_grad(), _Reads():
+            model(*inputs)
+    finally:
+        handle.remove()
+    return seen
 
 
 @dataclass(frozen=True)
@@ -277,12 +325,13 @@ def build(
     pp_group = mesh.get_group(pp_dim)
     device = torch.device(mesh.device_type)
     n_stages = len(stages)
-    boundary = _boundary_inputs(make_model, stages, micro)
+    before = children_before_layers(make_model().to("meta"), micro)
+    boundary = _boundary_inputs(make_model, stages, micro, before)
     agreed = _agreed_boundaries(boundary, boundary_placements, tuple(sub_mesh.shape))
     mine, indices = [], []
     for k in range(rank, n_stages, degree):
         first, last = stages[k]
-        module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=k == n_stages - 1)
+        module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=k == n_stages - 1, before=before)
         inputs = micro if k == 0 else (boundary[k - 1],)
         placed: StagePlacements = (None if k == 0 else [agreed[k - 1].placements],
                                    None if k == n_stages - 1 else [agreed[k].placements])
@@ -349,14 +398,14 @@ def _agreed_boundaries(boundary: Sequence[torch.Tensor], given: Sequence[Sequenc
 
 
 def _boundary_inputs(make_model: Callable[[], nn.Module], stages: Sequence[tuple[int, int]],
-                     micro: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+                     micro: tuple[torch.Tensor, ...], before: Collection[str] | None = None) -> list[torch.Tensor]:
     """The activation each stage hands to the next, as a meta tensor that requires grad (the stages
     run on meta in turn: shapes only)."""
     out = []
     x: tuple[torch.Tensor, ...] = micro
     with torch.no_grad():
         for k, (first, last) in enumerate(stages[:-1]):
-            module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=False).to("meta")
+            module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=False, before=before).to("meta")
             y = module(*x)
             out.append(torch.empty_like(y, device="meta").requires_grad_(y.is_floating_point()))
             x = (out[-1],)
