@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from apmodel.core import placements as pl
+
 from _dist_utils import CollectiveRecorder, run_distributed
 from _helpers import train
 from _tiny import fixed_tokens, tiny_llama
-from apmodel.core import placements as pl
 
 #: Layers of the tiny LLaMA here: 4, split unevenly so a stage holds more than one layer.
 LAYERS = 4

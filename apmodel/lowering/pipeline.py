@@ -7,18 +7,32 @@ coordinate form one stage mesh. Each rank:
 
 1. cuts its stage out of the model (:func:`cut_stage`): the layer container keeps the stage's
    layers (an ``nn.ModuleDict`` keyed by layer index, torchtitan's convention, so parameter names
-   stay those of the full model), and the modules outside the layers that the stage does not run
-   are set to None: the embedding on every stage but the first, the final norm and output
-   projection on every stage but the last. The model's ``forward`` must accept that
-   (:class:`apmodel.models.llama3.Transformer` does: without its embedding it takes the hidden
-   state, without its output projection it returns it);
+   stay those of the full model), and the model's other children that the stage does not run are
+   set to None: those the forward reads before its first layer (found by one forward on meta,
+   :func:`children_before_layers`: the embeddings, GPT-2's position table too) on every stage but
+   the first, the rest (final norm, output projection) on every stage but the last. The model's
+   ``forward`` must accept that (the presets do: LLaMA and its MoE, DeepSeek-V3 and hybrid
+   sliding-window descendants, and GPT-2: without the embeddings the input is the hidden state,
+   without the output projection it is returned). A parameter tied across two children (GPT-2's
+   ``tie_embeddings``) would sit on two stages and is refused;
 2. plans the stage's step at the microbatch size on the stage mesh (one rank of the stage mesh
-   plans, the plan is sent to the others), and lowers it (``plan_stage`` and ``lower_stage``,
-   given by the caller: :func:`apmodel.entry.api.parallelize_pipeline` uses apmodel's planner and
-   ``parallelize``);
-3. wraps it (:class:`StageModule`: plain tensors in and out, the full activation) in a
-   ``PipelineStage`` and builds the schedule (``Schedule1F1B`` or ``ScheduleInterleaved1F1B``) with
-   the loss function on the last stage.
+   plans, the plan is sent to the others), its input and output placed as the boundaries agree
+   (below), and lowers it (``plan_stage`` and ``lower_stage``, given by the caller:
+   :func:`apmodel.entry.api.parallelize_pipeline` uses apmodel's planner and ``parallelize``);
+3. wraps it (:class:`StageModule`) in a ``PipelineStage`` and builds the schedule
+   (``Schedule1F1B`` or ``ScheduleInterleaved1F1B``) with the loss function on the last stage.
+
+What crosses a boundary: the ranks of one pipeline share their coordinates on the other axes, so
+rank ``c`` of stage ``k``'s mesh sends to rank ``c`` of stage ``k + 1``'s. Both stages agree on
+the activation's placement on the stage mesh (:class:`Boundary`): the one the pipeline's price
+assumed (the plan's record, ``boundary_placements``; :mod:`apmodel.solve.pipeline`), else the
+default boundary placement (batch sharded on the stage mesh's axis 0 where it divides), never a
+partial sum (the price counts one reduced, as replicated). The sender's stage plan places its
+output there and each rank sends its local shard; the receiver makes it a DTensor again and its
+stage plan takes its input placed there; the gradient goes back as a local shard the same way.
+So each rank sends what the price charges (``boundary_bytes``, at the run's dtype). The lowered
+stage still reads its input whole (the native program's inputs are global values: one gather
+on the stage mesh where the placement shards it), which the price does not charge.
 
 The schedule's ``step(inputs, target=..., losses=...)`` runs one training step; gradients are
 accumulated over the microbatches and divided by their number (the schedule's ``scale_grads``), so
@@ -384,9 +398,10 @@ def _agreed_boundaries(boundary: Sequence[torch.Tensor], given: Sequence[Sequenc
         raise PipelineLoweringError(f"boundary placements {list(given)}: expected one per boundary ({len(boundary)})")
     out = []
     for k, value in enumerate(boundary):
-        strs = given[k] if given is not None and given[k] is not None else default_batch_placement(value, mesh_shape)
+        recorded = None if given is None else given[k]
+        strs: Sequence[str] = recorded if recorded is not None else default_batch_placement(value, mesh_shape)
         try:
-            placed = tuple(pl.from_str(x) for x in strs)  # type: ignore[union-attr]  # not None here
+            placed = tuple(pl.from_str(x) for x in strs)
         except (TypeError, ValueError) as e:
             raise PipelineLoweringError(f"boundary {k} (stage {k} to {k + 1}): placement {strs}: {e}") from None
         if len(placed) != len(mesh_shape) or any(pl.is_partial(x) for x in placed):

@@ -31,8 +31,12 @@ axis size ``P``; 1 means no pipelining):
 Degree 1 is the ordinary plan of the full mesh and batch (memory-fitted as usual). The cheapest
 degree whose every rank fits the memory limit wins; every degree is kept as an alternative.
 
+Each boundary's transfer is each rank's local shard of the activation at the placement the stage
+plan leaves it (a partial sum counted reduced), recorded with the choice (``boundary_bytes``,
+``boundary_placements``) for :mod:`apmodel.lowering.pipeline`, which sends exactly that.
+
 What the price leaves out (see the README's *Pipeline stages*): transfers do not overlap their
-own rank's compute; a stage's once-per-step gathers and reduction hold its rank (as
+own rank's compute, and the reduction of a partial sum before a send is not charged; a stage's once-per-step gathers and reduction hold its rank (as
 :mod:`apmodel.lowering.pipeline` runs them); the optimizer step is not priced (as in every plan).
 """
 
