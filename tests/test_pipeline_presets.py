@@ -1,6 +1,7 @@
 """Every preset with repeated layers lowers through the pipeline: a tiny GPT-2, DeepSeek-MoE,
-DeepSeek-V3 and hybrid sliding-window model on a real (2 pipeline × 2) gloo mesh, one layer per
-stage, 1F1B over 4 microbatches, train 3 AdamW steps with the losses of one device (rel 1e-5)."""
+DeepSeek-V3, hybrid sliding-window model and a transformers LLaMA (layers in an ``nn.ModuleList``)
+on a real (2 pipeline × 2) gloo mesh, one layer per stage, 1F1B over 4 microbatches, train 3 AdamW
+steps with the losses of one device (rel 1e-5)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,34 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                               n_shared_experts=1, top_k=2, n_group=2, topk_group=1, n_dense_layers=1,
                                               routed_scaling_factor=2.5)),
     "hybrid-swa": ("hybrid-swa-debug", dict(TINY, sliding_window=4, full_attention_every=2, qk_norm=True)),
+    # a transformers model: ``hf:`` workloads build these (apmodel.frontend.hf.build)
+    "hf-llama": ("hf", dict(model_type="llama", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, vocab_size=64, max_position_embeddings=16,
+                            tie_word_embeddings=False)),
 }
+
+
+def _build(name: str, device: str) -> torch.nn.Module:
+    preset, fields = PRESETS[name]
+    if preset != "hf":
+        return tiny_model(preset, device, **fields)
+    import transformers
+
+    from apmodel.frontend import hf
+
+    cfg = dict(fields)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device(device):
+        torch.manual_seed(0)
+        return hf.build(config)
+
+
+def _loss(name: str, model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from apmodel.models.loss import cross_entropy_loss
+
+    if PRESETS[name][0] == "hf":
+        return cross_entropy_loss(model(tokens).logits, targets)
+    return model(tokens, targets)
 
 
 def _worker(rank: int, world: int, name: str) -> dict[str, Any]:
@@ -35,13 +63,12 @@ def _worker(rank: int, world: int, name: str) -> dict[str, Any]:
     from apmodel.lowering import load_full_state_dict
     from apmodel.models.loss import cross_entropy_loss
 
-    preset, fields = PRESETS[name]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     tokens, targets = fixed_tokens()
-    pipelined = apmodel.parallelize_pipeline(lambda: tiny_model(preset, "meta", **fields), mesh, (tokens,),
+    pipelined = apmodel.parallelize_pipeline(lambda: _build(name, "meta"), mesh, (tokens,),
                                              loss_fn=cross_entropy_loss, pp_axis=0, stages=STAGES,
                                              microbatches=MICROBATCHES)
-    reference = tiny_model(preset, "cpu", **fields)
+    reference = _build(name, "cpu")
     full = {**reference.state_dict(), **dict(reference.named_buffers())}
     for module in pipelined.stages:
         module.to_empty(device="cpu")
@@ -53,7 +80,7 @@ def _worker(rank: int, world: int, name: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else float(loss))
-    layers = [sorted({int(n.split(".")[1]) for n, _ in m.named_parameters() if n.startswith("layers.")})
+    layers = [sorted({int(n.split("layers.")[1].split(".")[0]) for n, _ in m.named_parameters() if "layers." in n})
               for m in pipelined.stages]
     return {"losses": losses, "layers": layers}
 
@@ -61,9 +88,8 @@ def _worker(rank: int, world: int, name: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_trains_through_the_pipeline_like_one_device(name):
-    preset, fields = PRESETS[name]
     tokens, targets = fixed_tokens()
-    reference = train(tiny_model(preset, "cpu", **fields), lambda m: m(tokens, targets), STEPS)
+    reference = train(_build(name, "cpu"), lambda m: _loss(name, m, tokens, targets), STEPS)
     per_rank = run_distributed(_worker, 4, name, timeout_s=600)
     assert [r["layers"] for r in per_rank] == [[[0]], [[0]], [[1]], [[1]]]
     for r in per_rank[2:]:

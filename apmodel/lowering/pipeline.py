@@ -51,9 +51,10 @@ for the others, until that reduction.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,56 +84,108 @@ class PipelineLoweringError(ValueError):
     """A model or request the pipeline lowering cannot follow; the message says which."""
 
 
-def _layer_container(model: nn.Module) -> tuple[str, nn.ModuleDict]:
+class StageLayers(nn.ModuleDict):
+    """The layers of one stage of a model whose layers are an ``nn.ModuleList``: kept under their
+    indices in the full model (``model.layers.5.*`` stays ``model.layers.5.*``), iterated and sliced
+    like the list was (a forward's ``for layer in self.layers[:n]`` runs the stage's layers)."""
+
+    def __iter__(self) -> Any:  # the layers, as a ModuleList iterates (a ModuleDict gives its keys)
+        return iter(self._modules.values())
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return list(self._modules.values())[key]
+        if isinstance(key, int):
+            return list(self._modules.values())[key]
+        return super().__getitem__(key)
+
+
+def _layer_container(model: nn.Module) -> tuple[str, nn.ModuleDict | nn.ModuleList]:
     conv = conventions.from_module(model)
     pattern = conv.layer_pattern
     if pattern is None:
         raise PipelineLoweringError(f"{type(model).__name__} has no repeated layers to split into pipeline stages")
     path = pattern.split("{i}")[0].rstrip(".").lstrip("*")
     container = model.get_submodule(path) if path else model
-    if not isinstance(container, nn.ModuleDict):
+    if not isinstance(container, (nn.ModuleDict, nn.ModuleList)):
         raise PipelineLoweringError(
             f"{type(model).__name__}.{path} is a {type(container).__name__}: pipeline stages need the layers in an "
-            f"nn.ModuleDict keyed by index (torchtitan's convention), so that a stage keeps the full model's "
-            f"parameter names")
+            f"nn.ModuleDict keyed by index (torchtitan's convention) or an nn.ModuleList, so that a stage keeps the "
+            f"full model's parameter names")
     return path, container
+
+
+def _outside_layers(model: nn.Module, path: str) -> list[str]:
+    """The modules beside the layer container: the children of the model and of every module on
+    the container's path that are not on it (qualified names: ``lm_head``, ``model.embed_tokens``)."""
+    parts = path.split(".") if path else []
+    out = []
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        parent = model.get_submodule(prefix) if prefix else model
+        for name, _ in parent.named_children():
+            if name != parts[depth]:
+                out.append(f"{prefix}.{name}" if prefix else name)
+    return out
 
 
 def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool,
               before: Collection[str] | None = None) -> nn.Module:
     """Cut ``model`` (in place) to the stage holding layers ``first_layer .. last_layer``
-    (inclusive); see the module docstring. ``before``: the model's children (top-level names)
-    that run before its layers (:func:`children_before_layers`); None: those holding an
+    (inclusive); see the module docstring. ``before``: the modules beside the layers (qualified
+    names) that run before them (:func:`children_before_layers`); None: those holding an
     embedding (by the model's conventions). Returns ``model``."""
     path, container = _layer_container(model)
-    keys = list(container.keys())
-    if not 0 <= first_layer <= last_layer < len(keys):
+    n = len(container)
+    if not 0 <= first_layer <= last_layer < n:
         raise PipelineLoweringError(f"stage layers [{first_layer}, {last_layer}] are not within the "
-                                    f"{type(model).__name__}'s {len(keys)} layers")
-    _refuse_ties_across_stages(model, path.split(".")[0])
-    for key in keys:
-        if not first_layer <= int(key) <= last_layer:
-            del container[key]
+                                    f"{type(model).__name__}'s {n} layers")
+    outside = _outside_layers(model, path)
+    _refuse_ties_across_stages(model, outside)
+    listed = isinstance(container, nn.ModuleList)
+    if listed:
+        _refuse_position_tables(model)
+        kept = StageLayers({str(i): container[i] for i in range(first_layer, last_layer + 1)})
+        parent_path, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, leaf, kept)
+    else:
+        for key in list(container.keys()):
+            if not first_layer <= int(key) <= last_layer:
+                del container[key]
     conv = conventions.from_module(model)
-    top = path.split(".")[0]
-    for name, child in list(model.named_children()):
-        if name == top or child is None or not any(True for _ in child.parameters()):
+    for name in outside:
+        child = model.get_submodule(name)
+        if child is None or not any(True for _ in child.parameters()):
             continue
         runs_before = (name in before if before is not None
                        else any(conv.role(f"{name}.{p}") == "embedding" for p, _ in child.named_parameters()))
         if (runs_before and not is_first) or (not runs_before and not is_last):
-            setattr(model, name, None)
+            parent_path, _, leaf = name.rpartition(".")
+            # a forward that takes a missing module (the presets') gets None; one that calls every
+            # module (a transformers model, layers in a ModuleList) a pass-through
+            setattr(model.get_submodule(parent_path) if parent_path else model, leaf, nn.Identity() if listed else None)
     return model
 
 
-def _refuse_ties_across_stages(model: nn.Module, layers: str) -> None:
-    """A parameter shared by two children of the model outside its layers (GPT-2's tied
-    embedding and head) would land on two stages, each with half of its gradient: refused."""
+def _refuse_position_tables(model: nn.Module) -> None:
+    """A learned position table added to the embedding (GPT-2's ``wpe``, BERT's) cannot be passed
+    through on a later stage (it would be added again to the hidden state): refused."""
+    from apmodel.frontend.hf import position_limit
+
+    if position_limit(model) is not None:
+        raise PipelineLoweringError(f"{type(model).__name__}: its forward adds a learned position table to the "
+                                    f"embedding, which a later stage cannot skip; pipeline stages of a model with "
+                                    f"layers in an nn.ModuleList need rotary positions (LLaMA-style)")
+
+
+def _refuse_ties_across_stages(model: nn.Module, outside: Sequence[str]) -> None:
+    """A parameter shared by two modules beside the layers (GPT-2's tied embedding and head)
+    would land on two stages, each with part of its gradient: refused."""
     owners: dict[int, set[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        top = fqn.split(".")[0]
-        if top != layers:
-            owners.setdefault(id(p), set()).add(top)
+    for name in outside:
+        child = model.get_submodule(name)
+        for _, p in (child.named_parameters(remove_duplicate=False) if child is not None else ()):
+            owners.setdefault(id(p), set()).add(name)
     shared = sorted(sorted(o) for o in owners.values() if len(o) > 1)
     if shared:
         raise PipelineLoweringError(f"{type(model).__name__}: modules {', '.join(shared[0])} share a parameter (tied "
@@ -140,13 +193,15 @@ def _refuse_ties_across_stages(model: nn.Module, layers: str) -> None:
 
 
 def children_before_layers(model: nn.Module, inputs: Sequence[torch.Tensor]) -> set[str]:
-    """The model's children (top-level names, the layer container's excluded) whose parameters
-    the forward reads before its first layer runs: one forward on meta, every op's parameter
-    arguments noted (GPT-2's position table is read as a tensor, not called as a module)."""
+    """The modules beside the layer container (qualified names, :func:`_outside_layers`) whose
+    parameters the forward reads before its first layer runs: one forward on meta, every op's
+    parameter arguments noted (GPT-2's position table is read as a tensor, not called as a module)."""
     path, container = _layer_container(model)
-    top = path.split(".")[0]
-    owner = {id(p): fqn.split(".")[0] for fqn, p in model.named_parameters(remove_duplicate=False)
-             if fqn.split(".")[0] != top}
+    owner = {}
+    for name in _outside_layers(model, path):
+        child = model.get_submodule(name)
+        for _, p in (child.named_parameters(remove_duplicate=False) if child is not None else ()):
+            owner[id(p)] = name
     seen: set[str] = set()
     started = [False]
 
@@ -158,14 +213,35 @@ def children_before_layers(model: nn.Module, inputs: Sequence[torch.Tensor]) -> 
                         seen.add(owner[id(a)])
             return func(*args, **(kwargs or {}))
 
-    first = next(iter(container.values()))
+    first = next(iter(container.values() if isinstance(container, nn.ModuleDict) else container))
     handle = first.register_forward_pre_hook(lambda *_: started.__setitem__(0, True))
     try:
-        with torch.no_grad(), _Reads():
+        with _on_meta(), _Reads():
             model(*inputs)
     finally:
         handle.remove()
     return seen
+
+
+@contextlib.contextmanager
+def _on_meta() -> Iterator[None]:
+    """A forward on meta tensors for shapes only: no autograd, and libraries told they are traced
+    (transformers then skips its value-dependent host checks, which meta tensors cannot answer)."""
+    from apmodel._torch_private import composite_autograd_on_meta, fused_attention_on_meta, library_sees_tracing
+
+    with torch.no_grad(), composite_autograd_on_meta(), fused_attention_on_meta(), library_sees_tracing():
+        yield
+
+
+def stage_output(out: Any) -> Any:
+    """A stage's activation out of what its forward returned: the tensor itself, or the first
+    value of a transformers ``ModelOutput`` (a stage without its head returns the hidden state
+    as ``logits``) or of a one-element tuple."""
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (tuple, list)) and out:
+        return out[0]
+    return out
 
 
 @dataclass(frozen=True)
@@ -199,7 +275,7 @@ class StageModule(nn.Module):
             b = self.receives
             args = (DTensor.from_local(args[0], self.mesh, b.placements, run_check=False, shape=b.shape,
                                        stride=_contiguous_stride(b.shape)), *args[1:])
-        out = self.inner(*args)
+        out = stage_output(self.inner(*args))
         if not isinstance(out, DTensor):
             return out
         if self.sends is None or self.mesh is None:
@@ -418,10 +494,10 @@ def _boundary_inputs(make_model: Callable[[], nn.Module], stages: Sequence[tuple
     run on meta in turn: shapes only)."""
     out = []
     x: tuple[torch.Tensor, ...] = micro
-    with torch.no_grad():
+    with _on_meta():
         for k, (first, last) in enumerate(stages[:-1]):
             module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=False, before=before).to("meta")
-            y = module(*x)
+            y = stage_output(module(*x))
             out.append(torch.empty_like(y, device="meta").requires_grad_(y.is_floating_point()))
             x = (out[-1],)
     return out
