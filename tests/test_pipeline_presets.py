@@ -48,6 +48,19 @@ def _build(name: str, device: str) -> torch.nn.Module:
         return hf.build(config)
 
 
+def _balance(model: torch.nn.Module) -> int:
+    """DeepSeek-V3's aux-loss-free balancing after a step, as a trainer runs it: every MoE layer's
+    expert bias moved by fixed made-up loads, fast enough to change the routing (speed 0.5).
+    Returns how many layers it updated."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "update_expert_bias"):
+            experts = m.expert_bias.shape[0]
+            m.update_expert_bias((torch.arange(experts) >= experts // 2).long(), speed=0.5)  # the first half favoured
+            n += 1
+    return n
+
+
 def _loss(name: str, model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     from apmodel.models.loss import cross_entropy_loss
 
@@ -74,24 +87,44 @@ def _worker(rank: int, world: int, name: str) -> dict[str, Any]:
         module.to_empty(device="cpu")
         load_full_state_dict(module, full)
     opt = torch.optim.AdamW(pipelined.parameters(), lr=1e-2)
-    losses = []
+    losses, balanced = [], 0
     for _ in range(STEPS):
         loss = pipelined.step(tokens, target=targets)
         opt.step()
         opt.zero_grad()
+        balanced += sum(_balance(m) for m in pipelined.stages)  # the stage's own MoE layers' buffers
         losses.append(None if loss is None else float(loss))
     layers = [sorted({int(n.split("layers.")[1].split(".")[0]) for n, _ in m.named_parameters() if "layers." in n})
               for m in pipelined.stages]
-    return {"losses": losses, "layers": layers}
+    return {"losses": losses, "layers": layers, "balanced": balanced}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_trains_through_the_pipeline_like_one_device(name):
     tokens, targets = fixed_tokens()
-    reference = train(_build(name, "cpu"), lambda m: _loss(name, m, tokens, targets), STEPS)
+
+    def balanced_loss(m: torch.nn.Module) -> torch.Tensor:
+        _balance(m)  # before each step's forward but the first: after the previous step, as the stages do
+        return _loss(name, m, tokens, targets)
+
+    plain = train(_build(name, "cpu"), lambda m: _loss(name, m, tokens, targets), STEPS)
+    model = _build(name, "cpu")
+    first = [True]
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:
+        if first[0]:
+            first[0] = False
+            return _loss(name, m, tokens, targets)
+        return balanced_loss(m)
+
+    reference = train(model, loss_of, STEPS)
+    if name == "deepseek-v3":  # the bias updates change the routing, so the check below sees them
+        assert reference != pytest.approx(plain, rel=1e-5)
     per_rank = run_distributed(_worker, 4, name, timeout_s=600)
     assert [r["layers"] for r in per_rank] == [[[0]], [[0]], [[1]], [[1]]]
     for r in per_rank[2:]:
         assert r["losses"] == pytest.approx(reference, rel=1e-5), name
     assert per_rank[0]["losses"] == [None] * STEPS
+    # DeepSeek-V3's second layer is its MoE layer: updated on the second stage's ranks, every step
+    assert [r["balanced"] for r in per_rank] == ([0, 0, STEPS, STEPS] if name == "deepseek-v3" else [0] * 4)
