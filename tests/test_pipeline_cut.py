@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from _tiny import TINY, tiny_model
 from apmodel.lowering import pipeline as P
 from apmodel.result.pipeline_record import DegreePrice, PipelineChoice, PipelineError
+
+from _tiny import TINY, tiny_model
 
 GPT2 = dict(n_layers=2, dim=32, n_heads=4, vocab_size=64, max_seq_len=16)
 TOKENS = torch.zeros(2, 16, dtype=torch.long, device="meta")

@@ -6,14 +6,21 @@ axes form one pipeline (``PipelineStage`` p2p over that group); the ranks that s
 coordinate form one stage mesh. Each rank:
 
 1. cuts its stage out of the model (:func:`cut_stage`): the layer container keeps the stage's
-   layers (an ``nn.ModuleDict`` keyed by layer index, torchtitan's convention, so parameter names
-   stay those of the full model), and the model's other children that the stage does not run are
-   set to None: those the forward reads before its first layer (found by one forward on meta,
-   :func:`children_before_layers`: the embeddings, GPT-2's position table too) on every stage but
-   the first, the rest (final norm, output projection) on every stage but the last. The model's
-   ``forward`` must accept that (the presets do: LLaMA and its MoE, DeepSeek-V3 and hybrid
+   layers, parameter names staying those of the full model: an ``nn.ModuleDict`` keyed by layer
+   index (torchtitan's convention) loses the others; an ``nn.ModuleList`` (transformers models) is
+   replaced by a :class:`StageLayers` holding the stage's layers under their indices, which a
+   forward iterates and slices as it did the list (the list kept with the other layers swapped
+   out would need a pass-through that knows what each library's layer returns). The modules beside
+   the layers that the stage does not run go: those the forward reads before its first layer
+   (found by one forward on meta, :func:`children_before_layers`: the embeddings, GPT-2's
+   position table read as a tensor too) on every stage but the first, the rest (final norm,
+   output projection) on every stage but the last. A ``ModuleDict`` model's ``forward`` gets them
+   as None and must accept that (the presets do: LLaMA and its MoE, DeepSeek-V3 and hybrid
    sliding-window descendants, and GPT-2: without the embeddings the input is the hidden state,
-   without the output projection it is returned). A parameter tied across two children (GPT-2's
+   without the output projection it is returned); a ``ModuleList`` model's, which calls every
+   module, gets pass-throughs (``nn.Identity``: the hidden state goes in where the token ids did
+   and comes out as the logits), so a learned position table added to the embedding (a second
+   stage would add it again) is refused. A parameter tied across two of those modules (GPT-2's
    ``tie_embeddings``) would sit on two stages and is refused;
 2. plans the stage's step at the microbatch size on the stage mesh (one rank of the stage mesh
    plans, the plan is sent to the others), its input and output placed as the boundaries agree
@@ -143,7 +150,7 @@ def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: 
     outside = _outside_layers(model, path)
     _refuse_ties_across_stages(model, outside)
     listed = isinstance(container, nn.ModuleList)
-    if listed:
+    if isinstance(container, nn.ModuleList):
         _refuse_position_tables(model)
         kept = StageLayers({str(i): container[i] for i in range(first_layer, last_layer + 1)})
         parent_path, _, leaf = path.rpartition(".")
