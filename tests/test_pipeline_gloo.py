@@ -217,21 +217,25 @@ def _transfer_worker(rank: int, world: int, plan_json: dict) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_bytes_sent_between_stages_are_the_priced_bytes():
+@pytest.mark.parametrize(("options", "placed_as"), [({}, ["S(0)"]), ({"param_policy": "free"}, ["R"])],
+                         ids=["batch-sharded", "replicated"])
+def test_bytes_sent_between_stages_are_the_priced_bytes(options, placed_as):
     """A plan priced in fp32 (the dtype the gloo step runs in), lowered as planned: per step, each
     rank of the first stage sends its shard of every microbatch's activation and each rank of the
     second sends its shard of the gradient: microbatches × the plan's ``boundary_bytes`` each, at
-    the recorded boundary placement (the full activation would be twice that on this 2-rank stage
-    mesh). The losses are one device's."""
+    the recorded boundary placement. Batch-sharded (the default placement), the full activation
+    would be twice that on this 2-rank stage mesh; replicated (what the stage plan of free
+    parameter placements leaves there), the default placement would be half: the lowering follows
+    the record. The losses are one device's."""
     import apmodel
 
     tokens, targets = fixed_tokens()
     plan = apmodel.plan(tiny_llama("meta", n_layers=LAYERS), (2, 2), (tokens.to("meta"), targets.to("meta")),
-                        device="h100", dtype="fp32", pp_axis=0, pp_degrees=(2,), microbatches=MICROBATCHES)
+                        device="h100", dtype="fp32", pp_axis=0, pp_degrees=(2,), microbatches=MICROBATCHES, **options)
     record = plan.pipeline
     assert record["degree"] == 2 and len(record["boundary_bytes"]) == 1
     priced = record["boundary_bytes"][0]
-    assert priced > 0 and record["boundary_placements"][0] is not None
+    assert priced > 0 and record["boundary_placements"] == [placed_as]
     per_rank = run_distributed(_transfer_worker, 4, plan.to_json(), timeout_s=900)
     for r in per_rank[2:]:
         assert r["losses"] == pytest.approx(_reference_losses(), rel=1e-5)
