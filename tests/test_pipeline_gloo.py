@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from apmodel.core import placements as pl
+
 from _dist_utils import CollectiveRecorder, run_distributed
 from _helpers import train
 from _tiny import fixed_tokens, tiny_llama
@@ -185,3 +187,79 @@ def test_v_schedules_train_like_one_device(schedule):
     for r in per_rank:
         for step in r["per_step"]:
             assert step["windows"] == sorted(r["planned"]) and all(step["distinct"])
+
+
+# ------------------------------------------------------------------------------ transfers as priced
+def _transfer_worker(rank: int, world: int, plan_json: dict) -> dict[str, Any]:
+    """Trains the planned pipeline and counts the bytes each rank's stage sends per step (the
+    tensors of the schedule's point-to-point sends)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import schedules
+
+    import apmodel
+    from apmodel.lowering import load_full_state_dict
+    from apmodel.models.loss import cross_entropy_loss
+    from apmodel.result.plans import Plan
+
+    sent = [0]
+    batch_p2p = schedules._batch_p2p
+
+    def counted(ops: list, desc: str | None = None) -> list:
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch_p2p(ops, desc)
+
+    schedules._batch_p2p = counted  # what every schedule sends through
+    plan = Plan.from_json(plan_json, "the test's plan")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    tokens, targets = fixed_tokens()
+    pipelined = apmodel.parallelize_pipeline(lambda: tiny_llama("meta", n_layers=LAYERS), mesh, (tokens,),
+                                             loss_fn=cross_entropy_loss, pp_axis=0, plan=plan)
+    reference = tiny_llama("cpu", n_layers=LAYERS)
+    full = {**reference.state_dict(), **dict(reference.named_buffers())}
+    for module in pipelined.stages:
+        module.to_empty(device="cpu")
+        load_full_state_dict(module, full)
+    opt = torch.optim.AdamW(pipelined.parameters(), lr=1e-2)
+    losses, per_step = [], []
+    for _ in range(STEPS):
+        sent[0] = 0
+        loss = pipelined.step(tokens, target=targets)
+        per_step.append(sent[0])
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else float(loss))
+    stage = pipelined.schedule._stage if hasattr(pipelined.schedule, "_stage") else None
+    boundary = None if stage is None else (stage.submod.sends or stage.submod.receives)
+    return {"losses": losses, "sent": per_step,
+            "placements": None if boundary is None else [str(p) for p in boundary.placements]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("options", "placed_as"), [({}, ["S(0)"]), ({"param_policy": "free"}, ["R"])],
+                         ids=["batch-sharded", "replicated"])
+def test_bytes_sent_between_stages_are_the_priced_bytes(options, placed_as):
+    """A plan priced in fp32 (the dtype the gloo step runs in), lowered as planned: per step, each
+    rank of the first stage sends its shard of every microbatch's activation and each rank of the
+    second sends its shard of the gradient: microbatches × the plan's ``boundary_bytes`` each, at
+    the recorded boundary placement. Batch-sharded (the default placement), the full activation
+    would be twice that on this 2-rank stage mesh; replicated (what the stage plan of free
+    parameter placements leaves there), the default placement would be half: the lowering follows
+    the record. The losses are one device's."""
+    import apmodel
+
+    tokens, targets = fixed_tokens()
+    plan = apmodel.plan(tiny_llama("meta", n_layers=LAYERS), (2, 2), (tokens.to("meta"), targets.to("meta")),
+                        device="h100", dtype="fp32", pp_axis=0, pp_degrees=(2,), microbatches=MICROBATCHES, **options)
+    record = plan.pipeline
+    assert record["degree"] == 2 and len(record["boundary_bytes"]) == 1
+    priced = record["boundary_bytes"][0]
+    assert priced > 0 and record["boundary_placements"] == [placed_as]
+    per_rank = run_distributed(_transfer_worker, 4, plan.to_json(), timeout_s=900)
+    for r in per_rank[2:]:
+        assert r["losses"] == pytest.approx(_reference_losses(), rel=1e-5)
+    placed = [str(p) for p in pl.parse("".join(record["boundary_placements"][0]))]
+    for r in per_rank:
+        assert r["placements"] == placed
+        # after the first step (the schedule's shape inference and neighbour set-up send too)
+        assert r["sent"][1:] == [MICROBATCHES * priced] * (STEPS - 1), r["sent"]

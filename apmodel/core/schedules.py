@@ -329,6 +329,27 @@ class Timeline:
         return self.bubble_us / self.step_us if self.step_us > 0 else 0.0
 
 
+def _per_stage(schedule: str, degree: int, n_stages: int, forward_us: Sequence[float], backward_us: Sequence[float],
+               transfer_us: Sequence[float], activation_bytes: Sequence[float], setup_us: Sequence[float],
+               flush_us: Sequence[float], weight_us: Sequence[float]) -> tuple[list[float], ...]:
+    """:func:`simulate`'s per-stage inputs with their defaults, refused where a count is wrong:
+    transfers (one per boundary), activation bytes, setup, flush and weight-gradient times."""
+    if len(forward_us) != n_stages or len(backward_us) != n_stages:
+        raise ScheduleError(f"{schedule} on degree {degree} has {n_stages} stages; got times for "
+                            f"{len(forward_us)} forward and {len(backward_us)} backward")
+    transfer = list(transfer_us) or [0.0] * (n_stages - 1)
+    if len(transfer) != n_stages - 1:
+        raise ScheduleError(f"{n_stages} stages have {n_stages - 1} boundaries; got {len(transfer)} transfer times")
+    act = list(activation_bytes) or [0.0] * n_stages
+    setup = list(setup_us) or [0.0] * n_stages
+    flush = list(flush_us) or [0.0] * n_stages
+    weight = list(weight_us) or [WEIGHT_GRAD_SHARE * b for b in backward_us]
+    if len(act) != n_stages or len(setup) != n_stages or len(flush) != n_stages or len(weight) != n_stages:
+        raise ScheduleError(f"{n_stages} stages: got {len(act)} activation sizes, {len(setup)} setup, "
+                            f"{len(flush)} flush and {len(weight)} weight-gradient times")
+    return transfer, act, setup, flush, weight
+
+
 def simulate(
     schedule: str,
     degree: int,
@@ -350,19 +371,8 @@ def simulate(
     ``W``; default 0); ``weight_us[k]``: the part of ``backward_us[k]`` a split backward's ``W``
     runs (default: :data:`WEIGHT_GRAD_SHARE` of it; ``I`` runs the rest)."""
     n_stages = degree * stages_per_rank(schedule)
-    if len(forward_us) != n_stages or len(backward_us) != n_stages:
-        raise ScheduleError(f"{schedule} on degree {degree} has {n_stages} stages; got times for "
-                            f"{len(forward_us)} forward and {len(backward_us)} backward")
-    transfer = list(transfer_us) or [0.0] * (n_stages - 1)
-    if len(transfer) != n_stages - 1:
-        raise ScheduleError(f"{n_stages} stages have {n_stages - 1} boundaries; got {len(transfer)} transfer times")
-    act = list(activation_bytes) or [0.0] * n_stages
-    setup = list(setup_us) or [0.0] * n_stages
-    flush = list(flush_us) or [0.0] * n_stages
-    weight = list(weight_us) or [WEIGHT_GRAD_SHARE * b for b in backward_us]
-    if len(act) != n_stages or len(setup) != n_stages or len(flush) != n_stages or len(weight) != n_stages:
-        raise ScheduleError(f"{n_stages} stages: got {len(act)} activation sizes, {len(setup)} setup, "
-                            f"{len(flush)} flush and {len(weight)} weight-gradient times")
+    transfer, act, setup, flush, weight = _per_stage(schedule, degree, n_stages, forward_us, backward_us, transfer_us,
+                                                     activation_bytes, setup_us, flush_us, weight_us)
     home = [rank_of(schedule, degree, k) for k in range(n_stages)]
     own_us = {"F": list(forward_us), "B": list(backward_us), "W": weight,
               "I": [b - w for b, w in zip(backward_us, weight, strict=True)]}

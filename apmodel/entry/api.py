@@ -597,6 +597,7 @@ def parallelize_pipeline(
     from apmodel.lowering import pipeline as lowered_pipeline
 
     option_values = renamed_keywords(option_values, stacklevel=3)
+    boundary_placements = None
     if "pp_schedule" in option_values:  # given by its old name
         pp_schedule = option_values.pop("pp_schedule")
 
@@ -611,20 +612,25 @@ def parallelize_pipeline(
         microbatches = microbatches or record["microbatches"]
         pp_schedule = pp_schedule or record["schedule"]
         weight_sync = weight_sync or record.get("weight_sync") or None
+        if [list(s) for s in stages] == record["stages"]:  # the priced split: its boundaries as priced
+            boundary_placements = record.get("boundary_placements") or None
     if not stages or microbatches is None:
         raise TypeError("apmodel.parallelize_pipeline: give stages and microbatches (or a plan with a pipeline)")
     opts = make_options(options, **option_values)
 
-    def plan_stage(module: nn.Module, shape: tuple[int, ...], inputs: tuple[torch.Tensor, ...]) -> Plan:
+    def plan_stage(module: nn.Module, shape: tuple[int, ...], inputs: tuple[torch.Tensor, ...],
+                   placed: lowered_pipeline.StagePlacements) -> Plan:
         captured = checkpoint(lowering_stage.capture_on_meta(module, inputs, None), opts.ac)
-        return plan_workload(Workload(captured, shape), opts).plan
+        return plan_workload(Workload(captured, shape), opts.replace(input_placements=placed[0],
+                                                                     output_placements=placed[1])).plan
 
     def lower_stage(module: nn.Module, sub_mesh: DeviceMesh, inputs: tuple[torch.Tensor, ...], stage_plan: Plan) -> nn.Module:
         return parallelize(module, sub_mesh, inputs, plan=stage_plan, lowering=lowering)
 
     return lowered_pipeline.build(make_model, mesh, pp_axis, [(int(a), int(b)) for a, b in stages], microbatches,
                                   sample_inputs, loss_fn=loss_fn, plan_stage=plan_stage, lower_stage=lower_stage,
-                                  schedule=pp_schedule or "1f1b", weight_sync=weight_sync)
+                                  schedule=pp_schedule or "1f1b", weight_sync=weight_sync,
+                                  boundary_placements=boundary_placements)
 
 
 def plan_pipelined(

@@ -6,22 +6,44 @@ axes form one pipeline (``PipelineStage`` p2p over that group); the ranks that s
 coordinate form one stage mesh. Each rank:
 
 1. cuts its stage out of the model (:func:`cut_stage`): the layer container keeps the stage's
-   layers (an ``nn.ModuleDict`` keyed by layer index, torchtitan's convention, so parameter names
-   stay those of the full model), and the modules outside the layers that the stage does not run
-   are set to None: the embedding on every stage but the first, the final norm and output
-   projection on every stage but the last. The model's ``forward`` must accept that
-   (:class:`apmodel.models.llama3.Transformer` does: without its embedding it takes the hidden
-   state, without its output projection it returns it);
+   layers, parameter names staying those of the full model: an ``nn.ModuleDict`` keyed by layer
+   index (torchtitan's convention) loses the others; an ``nn.ModuleList`` (transformers models) is
+   replaced by a :class:`StageLayers` holding the stage's layers under their indices, which a
+   forward iterates and slices as it did the list (the list kept with the other layers swapped
+   out would need a pass-through that knows what each library's layer returns). The modules beside
+   the layers that the stage does not run go: those the forward reads before its first layer
+   (found by one forward on meta, :func:`children_before_layers`: the embeddings, GPT-2's
+   position table read as a tensor too) on every stage but the first, the rest (final norm,
+   output projection) on every stage but the last. A ``ModuleDict`` model's ``forward`` gets them
+   as None and must accept that (the presets do: LLaMA and its MoE, DeepSeek-V3 and hybrid
+   sliding-window descendants, and GPT-2: without the embeddings the input is the hidden state,
+   without the output projection it is returned); a ``ModuleList`` model's, which calls every
+   module, gets pass-throughs (``nn.Identity``: the hidden state goes in where the token ids did
+   and comes out as the logits), so a learned position table added to the embedding (a second
+   stage would add it again) is refused. A parameter tied across two of those modules (GPT-2's
+   ``tie_embeddings``) would sit on two stages and is refused;
 2. plans the stage's step at the microbatch size on the stage mesh (one rank of the stage mesh
-   plans, the plan is sent to the others), and lowers it (``plan_stage`` and ``lower_stage``,
-   given by the caller: :func:`apmodel.entry.api.parallelize_pipeline` uses apmodel's planner and
-   ``parallelize``);
-3. wraps it (:class:`StageModule`: plain tensors in and out, the full activation) in a
-   ``PipelineStage`` and builds the schedule (:data:`SCHEDULE_CLASSES`) with the loss function on
-   the last stage. The V schedules (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) place stage
-   ``k`` and stage ``2d - 1 - k`` on pipeline rank ``k`` (:func:`apmodel.core.schedules.rank_of`)
-   and split a backward into its input gradient and, later, its weight gradient (torch's
-   ``stage_backward_input`` / ``stage_backward_weight``).
+   plans, the plan is sent to the others), its input and output placed as the boundaries agree
+   (below), and lowers it (``plan_stage`` and ``lower_stage``, given by the caller:
+   :func:`apmodel.entry.api.parallelize_pipeline` uses apmodel's planner and ``parallelize``);
+3. wraps it (:class:`StageModule`) in a ``PipelineStage`` and builds the schedule
+   (:data:`SCHEDULE_CLASSES`) with the loss function on the last stage. The V schedules
+   (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) place stage ``k`` and stage ``2d - 1 - k``
+   on pipeline rank ``k`` (:func:`apmodel.core.schedules.rank_of`) and split a backward into its
+   input gradient and, later, its weight gradient (torch's ``stage_backward_input`` /
+   ``stage_backward_weight``).
+
+What crosses a boundary: the ranks of one pipeline share their coordinates on the other axes, so
+rank ``c`` of stage ``k``'s mesh sends to rank ``c`` of stage ``k + 1``'s. Both stages agree on
+the activation's placement on the stage mesh (:class:`Boundary`): the one the pipeline's price
+assumed (the plan's record, ``boundary_placements``; :mod:`apmodel.solve.pipeline`), else the
+default boundary placement (batch sharded on the stage mesh's axis 0 where it divides), never a
+partial sum (the price counts one reduced, as replicated). The sender's stage plan places its
+output there and each rank sends its local shard; the receiver makes it a DTensor again and its
+stage plan takes its input placed there; the gradient goes back as a local shard the same way.
+So each rank sends what the price charges (``boundary_bytes``, at the run's dtype). The lowered
+stage still reads its input whole (the native program's inputs are global values: one gather
+on the stage mesh where the placement shards it), which the price does not charge.
 
 The schedule's ``step(inputs, target=..., losses=...)`` runs one training step; gradients are
 accumulated over the microbatches and divided by their number (the schedule's ``scale_grads``), so
@@ -42,9 +64,10 @@ for the others, until that reduction.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,7 +81,9 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
+from apmodel.core import placements as pl
 from apmodel.core.schedules import WEIGHT_SYNCS, rank_stages
 from apmodel.graph import conventions
 from apmodel.lowering.module import defer_gradient_reduction, reduce_gradients, release_kept
@@ -70,58 +95,222 @@ SCHEDULE_CLASSES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved": Schedu
                                      "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 
 
+#: A stage plan's boundary placements: its inputs' (None for the model's own, on the first stage)
+#: and its outputs' (None for the last stage's), torch placements per stage-mesh axis.
+StagePlacements = tuple[list[tuple[Placement, ...]] | None, list[tuple[Placement, ...]] | None]
+
+
 class PipelineLoweringError(ValueError):
     """A model or request the pipeline lowering cannot follow; the message says which."""
 
 
-def _layer_container(model: nn.Module) -> tuple[str, nn.ModuleDict]:
+class StageLayers(nn.ModuleDict):
+    """The layers of one stage of a model whose layers are an ``nn.ModuleList``: kept under their
+    indices in the full model (``model.layers.5.*`` stays ``model.layers.5.*``), iterated and sliced
+    like the list was (a forward's ``for layer in self.layers[:n]`` runs the stage's layers)."""
+
+    def __iter__(self) -> Any:  # the layers, as a ModuleList iterates (a ModuleDict gives its keys)
+        return iter(self._modules.values())
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return list(self._modules.values())[key]
+        if isinstance(key, int):
+            return list(self._modules.values())[key]
+        return super().__getitem__(key)
+
+
+def _layer_container(model: nn.Module) -> tuple[str, nn.ModuleDict | nn.ModuleList]:
     conv = conventions.from_module(model)
     pattern = conv.layer_pattern
     if pattern is None:
         raise PipelineLoweringError(f"{type(model).__name__} has no repeated layers to split into pipeline stages")
     path = pattern.split("{i}")[0].rstrip(".").lstrip("*")
     container = model.get_submodule(path) if path else model
-    if not isinstance(container, nn.ModuleDict):
+    if not isinstance(container, (nn.ModuleDict, nn.ModuleList)):
         raise PipelineLoweringError(
             f"{type(model).__name__}.{path} is a {type(container).__name__}: pipeline stages need the layers in an "
-            f"nn.ModuleDict keyed by index (torchtitan's convention), so that a stage keeps the full model's "
-            f"parameter names")
+            f"nn.ModuleDict keyed by index (torchtitan's convention) or an nn.ModuleList, so that a stage keeps the "
+            f"full model's parameter names")
     return path, container
 
 
-def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool) -> nn.Module:
+def _outside_layers(model: nn.Module, path: str) -> list[str]:
+    """The modules beside the layer container: the children of the model and of every module on
+    the container's path that are not on it (qualified names: ``lm_head``, ``model.embed_tokens``)."""
+    parts = path.split(".") if path else []
+    out = []
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        parent = model.get_submodule(prefix) if prefix else model
+        for name, _ in parent.named_children():
+            if name != parts[depth]:
+                out.append(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def cut_stage(model: nn.Module, first_layer: int, last_layer: int, *, is_first: bool, is_last: bool,
+              before: Collection[str] | None = None) -> nn.Module:
     """Cut ``model`` (in place) to the stage holding layers ``first_layer .. last_layer``
-    (inclusive); see the module docstring. Returns ``model``."""
+    (inclusive); see the module docstring. ``before``: the modules beside the layers (qualified
+    names) that run before them (:func:`children_before_layers`); None: those holding an
+    embedding (by the model's conventions). Returns ``model``."""
     path, container = _layer_container(model)
-    keys = list(container.keys())
-    if not 0 <= first_layer <= last_layer < len(keys):
-        raise PipelineLoweringError(f"stage layers [{first_layer}, {last_layer}] are not within the model's "
-                                    f"{len(keys)} layers")
-    for key in keys:
-        if not first_layer <= int(key) <= last_layer:
-            del container[key]
+    n = len(container)
+    if not 0 <= first_layer <= last_layer < n:
+        raise PipelineLoweringError(f"stage layers [{first_layer}, {last_layer}] are not within the "
+                                    f"{type(model).__name__}'s {n} layers")
+    outside = _outside_layers(model, path)
+    _refuse_ties_across_stages(model, outside)
+    listed = isinstance(container, nn.ModuleList)
+    if isinstance(container, nn.ModuleList):
+        _refuse_position_tables(model)
+        kept = StageLayers({str(i): container[i] for i in range(first_layer, last_layer + 1)})
+        parent_path, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, leaf, kept)
+    else:
+        for key in list(container.keys()):
+            if not first_layer <= int(key) <= last_layer:
+                del container[key]
     conv = conventions.from_module(model)
-    top = path.split(".")[0]
-    for name, child in list(model.named_children()):
-        if name == top or child is None or not any(True for _ in child.parameters()):
+    for name in outside:
+        child = model.get_submodule(name)
+        if child is None or not any(True for _ in child.parameters()):
             continue
-        before = any(conv.role(f"{name}.{p}") == "embedding" for p, _ in child.named_parameters())
-        if (before and not is_first) or (not before and not is_last):
-            setattr(model, name, None)
+        runs_before = (name in before if before is not None
+                       else any(conv.role(f"{name}.{p}") == "embedding" for p, _ in child.named_parameters()))
+        if (runs_before and not is_first) or (not runs_before and not is_last):
+            parent_path, _, leaf = name.rpartition(".")
+            # a forward that takes a missing module (the presets') gets None; one that calls every
+            # module (a transformers model, layers in a ModuleList) a pass-through
+            setattr(model.get_submodule(parent_path) if parent_path else model, leaf, nn.Identity() if listed else None)
     return model
 
 
-class StageModule(nn.Module):
-    """A lowered stage as ``PipelineStage`` runs it: the activation in and out as a plain tensor
-    (the full value, the same on every rank of the stage mesh)."""
+def _refuse_position_tables(model: nn.Module) -> None:
+    """A learned position table added to the embedding (GPT-2's ``wpe``, BERT's) cannot be passed
+    through on a later stage (it would be added again to the hidden state): refused."""
+    from apmodel.frontend.hf import position_limit
 
-    def __init__(self, inner: nn.Module) -> None:
+    if position_limit(model) is not None:
+        raise PipelineLoweringError(f"{type(model).__name__}: its forward adds a learned position table to the "
+                                    f"embedding, which a later stage cannot skip; pipeline stages of a model with "
+                                    f"layers in an nn.ModuleList need rotary positions (LLaMA-style)")
+
+
+def _refuse_ties_across_stages(model: nn.Module, outside: Sequence[str]) -> None:
+    """A parameter shared by two modules beside the layers (GPT-2's tied embedding and head)
+    would land on two stages, each with part of its gradient: refused."""
+    owners: dict[int, set[str]] = {}
+    for name in outside:
+        child = model.get_submodule(name)
+        for _, p in (child.named_parameters(remove_duplicate=False) if child is not None else ()):
+            owners.setdefault(id(p), set()).add(name)
+    shared = sorted(sorted(o) for o in owners.values() if len(o) > 1)
+    if shared:
+        raise PipelineLoweringError(f"{type(model).__name__}: modules {', '.join(shared[0])} share a parameter (tied "
+                                    f"weights), which pipeline stages would hold apart; untie them to pipeline it")
+
+
+def children_before_layers(model: nn.Module, inputs: Sequence[torch.Tensor]) -> set[str]:
+    """The modules beside the layer container (qualified names, :func:`_outside_layers`) whose
+    parameters the forward reads before its first layer runs: one forward on meta, every op's
+    parameter arguments noted (GPT-2's position table is read as a tensor, not called as a module)."""
+    path, container = _layer_container(model)
+    owner = {}
+    for name in _outside_layers(model, path):
+        child = model.get_submodule(name)
+        for _, p in (child.named_parameters(remove_duplicate=False) if child is not None else ()):
+            owner[id(p)] = name
+    seen: set[str] = set()
+    started = [False]
+
+    class _Reads(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not started[0]:
+                for a in [*args, *(kwargs or {}).values()]:
+                    if isinstance(a, nn.Parameter) and id(a) in owner:
+                        seen.add(owner[id(a)])
+            return func(*args, **(kwargs or {}))
+
+    first = next(iter(container.values() if isinstance(container, nn.ModuleDict) else container))
+    handle = first.register_forward_pre_hook(lambda *_: started.__setitem__(0, True))
+    try:
+        with _on_meta(), _Reads():
+            model(*inputs)
+    finally:
+        handle.remove()
+    return seen
+
+
+@contextlib.contextmanager
+def _on_meta() -> Iterator[None]:
+    """A forward on meta tensors for shapes only: no autograd, and libraries told they are traced
+    (transformers then skips its value-dependent host checks, which meta tensors cannot answer)."""
+    from apmodel._torch_private import composite_autograd_on_meta, fused_attention_on_meta, library_sees_tracing
+
+    with torch.no_grad(), composite_autograd_on_meta(), fused_attention_on_meta(), library_sees_tracing():
+        yield
+
+
+def stage_output(out: Any) -> Any:
+    """A stage's activation out of what its forward returned: the tensor itself, or the first
+    value of a transformers ``ModelOutput`` (a stage without its head returns the hidden state
+    as ``logits``) or of a one-element tuple."""
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (tuple, list)) and out:
+        return out[0]
+    return out
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What crosses from one stage to the next: the activation of ``shape`` (global), placed
+    ``placements`` on the stage mesh (never a partial sum); each rank sends its local shard."""
+
+    shape: torch.Size
+    placements: tuple[Placement, ...]
+
+
+class StageModule(nn.Module):
+    """A lowered stage as ``PipelineStage`` runs it: plain tensors in and out, the activations
+    between stages as each rank's local shard at the boundary's placement (``receives``: the
+    boundary before the stage, None for the first; ``sends``: the one after, None for the last).
+    The received shard is made a DTensor again (``DTensor.from_local``; its gradient goes back as
+    a local shard at the same placement); the stage's output is redistributed to the boundary's
+    placement where the stage plan left it elsewhere (a partial sum reduced) and sent as its local
+    shard."""
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh | None = None, receives: Boundary | None = None,
+                 sends: Boundary | None = None) -> None:
         super().__init__()
         self.inner = inner
+        self.mesh = mesh
+        self.receives = receives
+        self.sends = sends
 
     def forward(self, *args: Any) -> Any:
-        out = self.inner(*args)
-        return out.full_tensor() if isinstance(out, DTensor) else out
+        if self.receives is not None and self.mesh is not None and args and isinstance(args[0], torch.Tensor):
+            b = self.receives
+            args = (DTensor.from_local(args[0], self.mesh, b.placements, run_check=False, shape=b.shape,
+                                       stride=_contiguous_stride(b.shape)), *args[1:])
+        out = stage_output(self.inner(*args))
+        if not isinstance(out, DTensor):
+            return out
+        if self.sends is None or self.mesh is None:
+            return out.full_tensor()
+        if tuple(out.placements) != self.sends.placements:
+            out = out.redistribute(self.mesh, self.sends.placements)
+        return out.to_local()
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(int(n), 1)
+    return tuple(reversed(out))
 
 
 class WholeBackwardStage(PipelineStage):
@@ -230,10 +419,11 @@ def build(
     sample_inputs: Sequence[torch.Tensor],
     *,
     loss_fn: Callable[..., torch.Tensor],
-    plan_stage: Callable[[nn.Module, tuple[int, ...], tuple[torch.Tensor, ...]], Any],
+    plan_stage: Callable[[nn.Module, tuple[int, ...], tuple[torch.Tensor, ...], StagePlacements], Any],
     lower_stage: Callable[[nn.Module, DeviceMesh, tuple[torch.Tensor, ...], Any], nn.Module],
     schedule: str = "1f1b",
     weight_sync: Sequence[str] | None = None,
+    boundary_placements: Sequence[Sequence[str] | None] | None = None,
 ) -> PipelinedModel:
     """Cut, plan, lower and schedule this rank's stages (see the module docstring).
 
@@ -242,25 +432,17 @@ def build(
     ``[first, last]`` layers of every stage (``degree × 2`` for the interleaved and the V
     schedules; stage ``k`` on pipeline rank ``k mod degree``, or in a V on rank ``k`` and
     ``2·degree - 1 - k``). ``sample_inputs``: the model's inputs for the whole
-    batch (meta tensors will do): shapes only. ``plan_stage(module, stage mesh shape, inputs)``
-    plans one stage's step; ``lower_stage(module, stage mesh, inputs, plan)`` lowers it.
-    ``weight_sync``: per stage, as priced (:data:`apmodel.core.schedules.WEIGHT_SYNCS`); None:
-    every stage reduces its gradients once per step."""
-    if schedule not in SCHEDULE_CLASSES:
-        raise PipelineLoweringError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CLASSES)}")
-    syncs = list(weight_sync) if weight_sync else ["reduce_once"] * len(stages)
-    if len(syncs) != len(stages) or any(x not in WEIGHT_SYNCS for x in syncs):
-        raise PipelineLoweringError(f"weight_sync {list(syncs)}: expected one of {', '.join(WEIGHT_SYNCS)} for each "
-                                    f"of the {len(stages)} stages")
+    batch (meta tensors will do): shapes only. ``plan_stage(module, stage mesh shape, inputs,
+    placements)`` plans one stage's step, its input and output placed as ``placements`` says
+    (:data:`StagePlacements`: the boundaries'); ``lower_stage(module, stage mesh, inputs, plan)``
+    lowers it. ``weight_sync``: per stage, as priced (:data:`apmodel.core.schedules.WEIGHT_SYNCS`);
+    None: every stage reduces its gradients once per step. ``boundary_placements``: per boundary
+    (stage ``k`` to ``k + 1``), the activation's placement on the stage mesh as priced (strings,
+    one per stage-mesh axis; ``apmodel.solve.pipeline`` records them); None (or a None entry): the
+    default boundary placement (batch sharded on the stage mesh's axis 0 where it divides)."""
     degree = mesh.shape[pp_dim]
-    if len(stages) % degree:
-        raise PipelineLoweringError(f"{len(stages)} stages on a pipeline of degree {degree}: expected a multiple")
-    if schedule in ("zbv", "dualpipev") and len(stages) != 2 * degree:
-        raise PipelineLoweringError(f"the {schedule} schedule runs two stages per rank in a V: expected "
-                                    f"{2 * degree} stages on a pipeline of degree {degree}, got {len(stages)}")
     batch = int(sample_inputs[0].shape[0])
-    if batch % microbatches:
-        raise PipelineLoweringError(f"microbatches {microbatches} does not divide the batch {batch}")
+    syncs = _checked_request(schedule, degree, len(stages), weight_sync, batch, microbatches)
     micro = tuple(torch.empty((batch // microbatches, *x.shape[1:]), dtype=x.dtype, device="meta")
                   for x in sample_inputs)
     rank, ranks = stage_ranks(mesh, pp_dim)
@@ -274,17 +456,22 @@ def build(
     pp_group = mesh.get_group(pp_dim)
     device = torch.device(mesh.device_type)
     n_stages = len(stages)
-    boundary = _boundary_inputs(make_model, stages, micro)
+    before = children_before_layers(make_model().to("meta"), micro)
+    boundary = _boundary_inputs(make_model, stages, micro, before)
+    agreed = _agreed_boundaries(boundary, boundary_placements, tuple(sub_mesh.shape))
     mine, indices = [], []
-    placed = (rank_stages(schedule, degree, rank) if schedule in ("zbv", "dualpipev")
-              else list(range(rank, n_stages, degree)))
-    for k in placed:
+    my_stages = (rank_stages(schedule, degree, rank) if schedule in ("zbv", "dualpipev")
+                 else list(range(rank, n_stages, degree)))
+    for k in my_stages:
         first, last = stages[k]
-        module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=k == n_stages - 1)
+        module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=k == n_stages - 1, before=before)
         inputs = micro if k == 0 else (boundary[k - 1],)
+        placed: StagePlacements = (None if k == 0 else [agreed[k - 1].placements],
+                                   None if k == n_stages - 1 else [agreed[k].placements])
 
-        def solve(module: nn.Module = module, inputs: tuple[torch.Tensor, ...] = inputs) -> Any:
-            return plan_stage(module, tuple(sub_mesh.shape), inputs)
+        def solve(module: nn.Module = module, inputs: tuple[torch.Tensor, ...] = inputs,
+                  placed: StagePlacements = placed) -> Any:
+            return plan_stage(module, tuple(sub_mesh.shape), inputs, placed)
 
         plan = plan_on_group(solve, sub_group, ranks[0])
         lowered = lower_stage(module, sub_mesh, inputs, plan)
@@ -293,13 +480,34 @@ def build(
         mine.append(lowered)
         indices.append(k)
     pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else WholeBackwardStage)(
-        StageModule(m), k, n_stages, device, group=pp_group) for m, k in zip(mine, indices, strict=True)]
+        StageModule(m, sub_mesh, agreed[k - 1] if k > 0 else None, agreed[k] if k < n_stages - 1 else None),
+        k, n_stages, device, group=pp_group) for m, k in zip(mine, indices, strict=True)]
     cls = SCHEDULE_CLASSES[schedule]
     sched = (cls(pipeline_stages[0], microbatches, loss_fn=loss_fn) if schedule == "1f1b"
              else cls(pipeline_stages, microbatches, loss_fn=loss_fn))
-    logger.info("pipeline rank %d: stages %s of %d, layers %s, %s over %d microbatches, weights %s", rank, indices,
-                n_stages, [stages[k] for k in indices], schedule, microbatches, [syncs[k] for k in indices])
+    logger.info("pipeline rank %d: stages %s of %d, layers %s, %s over %d microbatches, weights %s, sending shards "
+                "placed %s", rank, indices, n_stages, [stages[k] for k in indices], schedule, microbatches,
+                [syncs[k] for k in indices], [pl.tuple_to_str(b.placements) for b in agreed])
     return PipelinedModel(stages=mine, stage_indices=indices, n_stages=n_stages, schedule=sched)
+
+
+def _checked_request(schedule: str, degree: int, n_stages: int, weight_sync: Sequence[str] | None, batch: int,
+                     microbatches: int) -> list[str]:
+    """Refuse a request :func:`build` cannot run, naming what is at fault; the weight sync per stage."""
+    if schedule not in SCHEDULE_CLASSES:
+        raise PipelineLoweringError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CLASSES)}")
+    syncs = list(weight_sync) if weight_sync else ["reduce_once"] * n_stages
+    if len(syncs) != n_stages or any(x not in WEIGHT_SYNCS for x in syncs):
+        raise PipelineLoweringError(f"weight_sync {list(syncs)}: expected one of {', '.join(WEIGHT_SYNCS)} for each "
+                                    f"of the {n_stages} stages")
+    if n_stages % degree:
+        raise PipelineLoweringError(f"{n_stages} stages on a pipeline of degree {degree}: expected a multiple")
+    if schedule in ("zbv", "dualpipev") and n_stages != 2 * degree:
+        raise PipelineLoweringError(f"the {schedule} schedule runs two stages per rank in a V: expected "
+                                    f"{2 * degree} stages on a pipeline of degree {degree}, got {n_stages}")
+    if batch % microbatches:
+        raise PipelineLoweringError(f"microbatches {microbatches} does not divide the batch {batch}")
+    return syncs
 
 
 def _stage_group(mesh: DeviceMesh, pp_dim: int, mine: list[int]) -> dist.ProcessGroup | None:
@@ -318,16 +526,40 @@ def _stage_group(mesh: DeviceMesh, pp_dim: int, mine: list[int]) -> dist.Process
     return group
 
 
+def _agreed_boundaries(boundary: Sequence[torch.Tensor], given: Sequence[Sequence[str] | None] | None,
+                       mesh_shape: tuple[int, ...]) -> list[Boundary]:
+    """The placement each boundary's activation is sent at: ``given`` (as priced), else the
+    default boundary placement; a partial sum is refused (a stage sends reduced values)."""
+    from apmodel.problem.placement_model import default_batch_placement
+
+    if given is not None and len(given) != len(boundary):
+        raise PipelineLoweringError(f"boundary placements {list(given)}: expected one per boundary ({len(boundary)})")
+    out = []
+    for k, value in enumerate(boundary):
+        recorded = None if given is None else given[k]
+        strs: Sequence[str] = recorded if recorded is not None else default_batch_placement(value, mesh_shape)
+        try:
+            placed = tuple(pl.from_str(x) for x in strs)
+        except (TypeError, ValueError) as e:
+            raise PipelineLoweringError(f"boundary {k} (stage {k} to {k + 1}): placement {strs}: {e}") from None
+        if len(placed) != len(mesh_shape) or any(pl.is_partial(x) for x in placed):
+            raise PipelineLoweringError(f"boundary {k} (stage {k} to {k + 1}): placement {list(strs)}: expected one "
+                                        f"Replicate or Shard per axis of the stage mesh {mesh_shape} (a stage sends "
+                                        f"no partial sums)")
+        out.append(Boundary(value.shape, placed))
+    return out
+
+
 def _boundary_inputs(make_model: Callable[[], nn.Module], stages: Sequence[tuple[int, int]],
-                     micro: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+                     micro: tuple[torch.Tensor, ...], before: Collection[str] | None = None) -> list[torch.Tensor]:
     """The activation each stage hands to the next, as a meta tensor that requires grad (the stages
     run on meta in turn: shapes only)."""
     out = []
     x: tuple[torch.Tensor, ...] = micro
-    with torch.no_grad():
+    with _on_meta():
         for k, (first, last) in enumerate(stages[:-1]):
-            module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=False).to("meta")
-            y = module(*x)
+            module = cut_stage(make_model(), first, last, is_first=k == 0, is_last=False, before=before).to("meta")
+            y = stage_output(module(*x))
             out.append(torch.empty_like(y, device="meta").requires_grad_(y.is_floating_point()))
             x = (out[-1],)
     return out

@@ -101,14 +101,21 @@ class GPT2(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``, or the mean cross-entropy loss (scalar) when ``targets``
-        (int64 ``[batch, seq]``) is given."""
+        (int64 ``[batch, seq]``) is given.
+
+        A pipeline stage (:mod:`apmodel.lowering.pipeline`) holds some of the layers and sets the
+        modules it does not run to None: without the embeddings the input is the hidden state
+        ``[batch, seq, dim]``; without ``output`` (and ``norm``) the hidden state is returned."""
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"GPT2: sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        # positions as a slice of the position table (no arange factory op in the graph)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings.weight[:seq]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.pos_embeddings is not None:  # positions as a slice of the table (no arange factory op in the graph)
+            h = h + self.pos_embeddings.weight[:seq]
         for layer in self.layers.values():
             h = layer(h)
+        if self.output is None:
+            return h
         logits = self.output(self.norm(h))
         return logits if targets is None else cross_entropy_loss(logits, targets)
 

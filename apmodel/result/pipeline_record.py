@@ -41,6 +41,12 @@ class DegreePrice:
     """per stage: reducing its accumulated gradients once per step (0 if reduced per microbatch)"""
     schedule: str = ""
     """the schedule it was priced under (:data:`apmodel.core.schedules.SCHEDULES`; "" for degree 1)"""
+    boundary_bytes: tuple[float, ...] = ()
+    """per boundary (stage ``k`` to ``k + 1``): bytes each rank sends per microbatch, the activation
+    (and back, its gradient), as priced"""
+    boundary_placements: tuple[tuple[str, ...] | None, ...] = ()
+    """per boundary: the activation's placement on the stage mesh (strings, one per axis; never a
+    partial sum) whose local shard each rank sends; None: nothing crosses"""
 
     def to_json(self) -> dict[str, Any]:
         return {"degree": self.degree, "objective_us": self.objective_us, "peak_bytes": self.peak_bytes,
@@ -48,7 +54,9 @@ class DegreePrice:
                 "bubble_us": self.bubble_us, "p2p_us": self.p2p_us, "stage_us": list(self.stage_us),
                 "stage_plan_layers": self.stage_plan_layers, "note": self.note, "weight_sync": list(self.weight_sync),
                 "gather_step_us": list(self.gather_step_us), "reduce_step_us": list(self.reduce_step_us),
-                "schedule": self.schedule}
+                "schedule": self.schedule,
+                "boundary_bytes": list(self.boundary_bytes),
+                "boundary_placements": [None if p is None else list(p) for p in self.boundary_placements]}
 
 
 @dataclass
@@ -76,7 +84,8 @@ class PipelineChoice:
                 "stages": [list(s) for s in c.stages], "objective_us": c.objective_us, "bubble_us": c.bubble_us,
                 "p2p_us": c.p2p_us, "peak_bytes": c.peak_bytes, "stage_us": list(c.stage_us),
                 "weight_sync": list(c.weight_sync), "gather_step_us": list(c.gather_step_us),
-                "reduce_step_us": list(c.reduce_step_us),
+                "reduce_step_us": list(c.reduce_step_us), "boundary_bytes": list(c.boundary_bytes),
+                "boundary_placements": [None if p is None else list(p) for p in c.boundary_placements],
                 "alternatives": [a.to_json() for a in self.alternatives], "planning_s": self.planning_s}
 
     @classmethod
@@ -120,6 +129,14 @@ class PipelineChoice:
             priced_under = d.get("schedule", "")  # absent before the schedule was chosen with the degree
             if priced_under not in ("", *schedules.SCHEDULES):
                 raise bad(where("schedule"), f"one of {', '.join(schedules.SCHEDULES)}", priced_under)
+            placements = d.get("boundary_placements", [])  # absent before the lowering sent shards
+            if not isinstance(placements, list) or not all(
+                    p is None or (isinstance(p, list) and all(isinstance(x, str) and not x.startswith("P") for x in p))
+                    for p in placements):
+                raise bad(where("boundary_placements"), "a list of placements (lists of \"R\" / \"S(d)\") or nulls",
+                          placements)
+            if not isinstance(d.get("boundary_bytes", []), list):
+                raise bad(where("boundary_bytes"), "a list of bytes per boundary", d.get("boundary_bytes"))
             fits = d.get("fits")
             if fits is not None and not isinstance(fits, bool):
                 raise bad(where("fits"), "true, false or null", fits)
@@ -138,6 +155,8 @@ class PipelineChoice:
                 gather_step_us=tuple(number(x, where("gather_step_us")) or 0.0 for x in d.get("gather_step_us", [])),
                 reduce_step_us=tuple(number(x, where("reduce_step_us")) or 0.0 for x in d.get("reduce_step_us", [])),
                 schedule=priced_under,
+                boundary_bytes=tuple(number(x, where("boundary_bytes")) or 0.0 for x in d.get("boundary_bytes", [])),
+                boundary_placements=tuple(None if p is None else tuple(p) for p in placements),
             )
 
         if not isinstance(data, dict):

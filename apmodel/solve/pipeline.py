@@ -37,8 +37,12 @@ axis size ``P``; 1 means no pipelining):
 Degree 1 is the ordinary plan of the full mesh and batch (memory-fitted as usual). The cheapest
 degree whose every rank fits the memory limit wins; every degree is kept as an alternative.
 
+Each boundary's transfer is each rank's local shard of the activation at the placement the stage
+plan leaves it (a partial sum counted reduced), recorded with the choice (``boundary_bytes``,
+``boundary_placements``) for :mod:`apmodel.lowering.pipeline`, which sends exactly that.
+
 What the price leaves out (see the README's *Pipeline stages*): transfers do not overlap their
-own rank's compute; a stage's once-per-step gathers and reduction hold its rank (as
+own rank's compute, and the reduction of a partial sum before a send is not charged; a stage's once-per-step gathers and reduction hold its rank (as
 :mod:`apmodel.lowering.pipeline` runs them); the optimizer step is not priced (as in every plan).
 """
 
@@ -269,8 +273,10 @@ def price_degree(
     home = [schedules.rank_of(schedule, degree, k) for k in range(n_stages)]
     mine = [schedules.rank_stages(schedule, degree, r) for r in range(degree)]
     # the V's turn (two stages on one rank) hands its activation over in place
-    transfers = [transfer_us(home[k], home[k + 1], units.boundary_bytes[b]) if home[k] != home[k + 1] else 0.0
-                 for k, (_, b) in enumerate(split[:-1])]
+    sent = [units.boundary_bytes[b] for _, b in split[:-1]]  # each rank's shard at the boundary placement
+    transfers = [transfer_us(home[k], home[k + 1], nbytes) if home[k] != home[k + 1] else 0.0
+                 for k, nbytes in enumerate(sent)]
+    placed = tuple(units.boundary_placements[b] for _, b in split[:-1]) if units.boundary_placements else ()
     if weight_sync is not None and len(weight_sync) != n_stages:
         raise PipelineError(f"weight sync {list(weight_sync)}: expected one per stage ({n_stages})")
     syncs = list(weight_sync) if weight_sync is not None else [schedules.WEIGHT_SYNCS[-1]] * n_stages
@@ -292,7 +298,8 @@ def price_degree(
         stages=split, bubble_us=timeline.bubble_us, p2p_us=2 * sum(transfers),
         stage_us=tuple(w.forward_us + w.backward_us for w in work), stage_plan_layers=stage_plan_layers,
         weight_sync=tuple(syncs), gather_step_us=tuple(w.setup_us for w in work),
-        reduce_step_us=tuple(w.flush_us for w in work), schedule=schedule,
+        reduce_step_us=tuple(w.flush_us for w in work), schedule=schedule, boundary_bytes=tuple(sent),
+        boundary_placements=placed,
         note="" if ok is not False else f"rank {per_rank.index(peak)} needs {peak / 1e9:.2f} GB",
     )
 

@@ -104,9 +104,16 @@ class StepUnits:
     boundary_bytes: tuple[float, ...]
     """``boundary_bytes[i]``: bytes per device of the input-dependent forward values made at or
     before layer ``i`` and read after it (the activation a stage ending at layer ``i`` sends; the
-    last entry, after the last layer, is what the head reads)"""
+    last entry, after the last layer, is what the head reads), each at :attr:`boundary_placements`
+    (a partial sum counted reduced: replicated, the same bytes)"""
     transient_bytes: float
     """the plan's largest transient (peak less the linear terms), bytes per device"""
+    boundary_placements: tuple[tuple[str, ...] | None, ...] = ()
+    """``boundary_placements[i]``: the placement (strings, one per stage-mesh axis) of the largest
+    value crossing boundary ``i`` as the plan leaves it, a partial sum (``"P"``) replaced by
+    ``"R"`` (the sender reduces it: a pipeline sends no partial sums); None where nothing crosses.
+    The pipeline lowering sends each rank's local shard at this placement
+    (:mod:`apmodel.lowering.pipeline`); empty: not read"""
 
     def stage(self, first: int, last: int, *, with_pre: bool, with_post: bool) -> UnitCost:
         """The sum of layers ``first .. last`` (inclusive), with the part before / after."""
@@ -122,8 +129,11 @@ class StepUnits:
         fewer: layer ``i`` costs what this plan's layer ``min(i, L - 1)`` does (the layers share
         one placement; the last one here stands for every layer it lacks), and so do boundaries."""
         k = len(self.layers)
+        placements = self.boundary_placements
         return replace(self, layers=tuple(self.layers[min(i, k - 1)] for i in range(n_layers)),
-                       boundary_bytes=tuple(self.boundary_bytes[min(i, k - 1)] for i in range(n_layers)))
+                       boundary_bytes=tuple(self.boundary_bytes[min(i, k - 1)] for i in range(n_layers)),
+                       boundary_placements=tuple(placements[min(i, k - 1)] for i in range(n_layers)) if placements
+                       else ())
 
 
 def count_layers(fqns: Iterable[str]) -> int:
@@ -278,19 +288,23 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
     estimate = mem.estimate(node_strategy)
     transient = estimate.peak_bytes - (estimate.params_bytes + estimate.grads_bytes + estimate.optimizer_bytes
                                        + estimate.activations_bytes)
+    boundary_bytes, boundary_placements = _boundaries(pmodel, node_strategy, unit, n_layers)
     return StepUnits(
         pre=make(-1, PRE),
         layers=tuple(make(i, f"layer {i}") for i in range(n_layers)),
         post=make(n_layers, POST),
-        boundary_bytes=_boundary_bytes(pmodel, node_strategy, unit, n_layers),
+        boundary_bytes=boundary_bytes,
         transient_bytes=max(0.0, transient),
+        boundary_placements=boundary_placements,
     )
 
 
-def _boundary_bytes(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"], unit: Mapping[str, int],
-                    n_layers: int) -> tuple[float, ...]:
+def _boundaries(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"], unit: Mapping[str, int],
+                n_layers: int) -> tuple[tuple[float, ...], tuple[tuple[str, ...] | None, ...]]:
     """Per boundary after layer ``i``: local bytes of the forward values that depend on a graph
-    input, are made in a unit up to ``i`` and read in a unit after it (``i = L - 1``: by the head)."""
+    input, are made in a unit up to ``i`` and read in a unit after it (``i = L - 1``: by the head),
+    and the placement of the largest of them (partial sums as replicated; see
+    :attr:`StepUnits.boundary_placements`)."""
     cap = pmodel.captured
     is_bwd = cap.is_backward
     data: set[str] = {name for name, role in cap.roles.items() if role == "input"}
@@ -306,12 +320,18 @@ def _boundary_bytes(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strat
         lo, hi = unit[e.producer], unit[e.consumer]
         for i in range(max(lo, 0), min(hi, n_layers)):
             crossing[i].add((e.producer, e.out_index))
-    out = []
+    sizes: list[float] = []
+    placements: list[tuple[str, ...] | None] = []
     for values in crossing:
-        total = 0.0
-        for name, k in values:
+        total, largest, where = 0.0, -1.0, None
+        for name, k in sorted(values):
             node = pmodel.node_by_name[name]
-            total += pmodel.memory.local_bytes(node, node_strategy[name].outputs[k] if k < len(node_strategy[name].outputs)
-                                               else None, k)
-        out.append(total)
-    return tuple(out)
+            placed = node_strategy[name].outputs[k] if k < len(node_strategy[name].outputs) else None
+            nbytes = pmodel.memory.local_bytes(node, placed, k)
+            total += nbytes
+            strs = pmodel.output_strs(node_strategy[name], k)
+            if strs is not None and nbytes > largest:
+                largest, where = nbytes, tuple("R" if x.startswith("P") else x for x in strs)
+        sizes.append(total)
+        placements.append(where)
+    return tuple(sizes), tuple(placements)
