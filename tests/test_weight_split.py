@@ -52,7 +52,7 @@ def _split_worker(rank: int, world: int) -> dict[str, Any]:
         if mode == "deferred":
             defer_gradient_reduction(lowered)
 
-        def backward(split: bool) -> dict[str, Any]:
+        def backward(split: bool, mode: str = mode) -> dict[str, Any]:
             lowered.zero_grad(set_to_none=True)
             xin = x.clone().requires_grad_(True)
             y = _full(lowered(xin))

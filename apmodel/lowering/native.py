@@ -398,7 +398,7 @@ class NativeProgram:
         outs = self.run(split.input_part, *args)
         return list(outs[:split.n_input_grads]), list(outs[split.n_input_grads:])
 
-    def run_backward_weight(self, split: WeightSplit, kept: Sequence[Any], params: Sequence[torch.Tensor]) -> None:
+    def run_backward_weight(self, split: WeightSplit, kept: Sequence[Any], params: Sequence[DTensor]) -> None:
         """The weight-gradient part of the backward on the values its input part ``kept``: the
         parameters' gradients added to ``params``' ``.grad`` (DTensors, as autograd would), or,
         deferred, into :attr:`pending_grads`."""
@@ -678,7 +678,8 @@ class NativeStep(torch.autograd.Function):
         if work is not None and split is not None and grads_accumulate_into(params):
             # a pipeline's input-gradient action: the weight-gradient part waits for its W action
             input_grads, kept = native.run_backward_input(split, ctx.saved_tensors, grads[:n_out])
-            work.append(lambda: native.run_backward_weight(split, kept, params))
+            dparams = cast(Sequence[DTensor], params)  # eager: the DTensor parameters themselves
+            work.append(lambda: native.run_backward_weight(split, kept, dparams))
             ctx.params = None
             it_in = iter(input_grads)
             return (None, None, *[None] * len(native.param_has_grad), *[None] * len(native.prog.buffers),

@@ -148,7 +148,7 @@ class SplitBackwardStage(PipelineStage):
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device,
                  group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(submodule, stage_index, num_stages, device, group, dw_builder=self._weight_runner)
+        super().__init__(submodule, stage_index, num_stages, device, group=group, dw_builder=self._weight_runner)
         self._weight_work: list[Callable[[], None]] | None = None
         self.weight_parts_run = 0
 

@@ -28,7 +28,8 @@ axis size ``P``; 1 means no pipelining):
   boundary's activation (and its gradient) on the pipeline axis priced by :mod:`costmodels.p2p`.
   The step's objective is the timeline's length; the bubble is its idle part on the busiest rank.
   A split backward's weight gradient (``W``, the zero-bubble schedules) is priced as the lowering
-  runs it (:data:`LOWERED_WEIGHT_GRAD_SHARE`: inside the input-gradient action);
+  runs it (:func:`lowered_weight_us`: the weight-gradient part of the stage's backward graph,
+  :data:`LOWERED_WEIGHT_GRAD_SHARE` of its time; all of it on the first stage);
 * **the schedule**: ``pp_schedule`` names one, or ``"auto"``: every schedule that can run the
   degree and microbatches is priced on the same stage plan and the cheapest that fits kept, so the
   schedule is chosen with the degree.
@@ -70,14 +71,23 @@ logger = logging.getLogger(__name__)
 #: Default microbatches per pipeline rank: 2 per stage keeps 1F1B's bubble at (d - 1) / (3d - 1),
 #: under a third (torchtitan's examples run 2-4 microbatches per stage).
 DEFAULT_MICROBATCHES_PER_STAGE = 2
-#: Share of a stage's backward its weight-gradient action ``W`` runs as apmodel lowers it: none. A
-#: lowered stage is one ``autograd.Function`` whose backward graph makes input and weight gradients
-#: together, so the split schedules' ``I`` runs it whole and ``W`` is empty
-#: (:class:`apmodel.lowering.pipeline.WholeBackwardStage`); a lowering that split the graph would
-#: price :data:`apmodel.core.schedules.WEIGHT_GRAD_SHARE` instead.
-LOWERED_WEIGHT_GRAD_SHARE = 0.0
+#: Share of a stage's backward its weight-gradient action ``W`` runs as apmodel lowers it: the
+#: stage's backward graph is cut into the part its input's gradient needs (``I``) and the rest
+#: (``W``: the weight-gradient matmuls, the norms' weight sums, their casts;
+#: :mod:`apmodel.lowering.weight_split`, :class:`apmodel.lowering.pipeline.SplitBackwardStage`), so
+#: the share is the schedules' :data:`apmodel.core.schedules.WEIGHT_GRAD_SHARE` (a linear layer's
+#: ``dW`` matmul has the FLOPs of its ``dX`` one). The first stage's input (the tokens) has no
+#: gradient: its ``W`` runs its whole backward (:func:`lowered_weight_us`).
+LOWERED_WEIGHT_GRAD_SHARE = schedules.WEIGHT_GRAD_SHARE
 #: ``pp_schedule`` value that prices every schedule with each degree and keeps the cheapest that fits.
 AUTO_SCHEDULE = "auto"
+
+
+def lowered_weight_us(backward_us: Sequence[float]) -> list[float]:
+    """Per stage, µs of its backward (``backward_us``, µs per microbatch) that the lowered split
+    backward runs in ``W``: all of the first stage's (its input has no gradient, so its input part
+    computes nothing), :data:`LOWERED_WEIGHT_GRAD_SHARE` of every other's."""
+    return [b if k == 0 else LOWERED_WEIGHT_GRAD_SHARE * b for k, b in enumerate(backward_us)]
 
 
 @dataclass(frozen=True)
@@ -279,7 +289,7 @@ def price_degree(
         timeline = schedules.simulate(schedule, degree, microbatches, [w.forward_us for w in work],
                                       [w.backward_us for w in work], transfers, [p.activation_bytes for p in parts],
                                       [w.setup_us for w in work], [w.flush_us for w in work],
-                                      [LOWERED_WEIGHT_GRAD_SHARE * w.backward_us for w in work])
+                                      lowered_weight_us([w.backward_us for w in work]))
         per_rank = [sum(parts[k].state_bytes + work[k].extra_bytes for k in mine[r])
                     + timeline.held_bytes[r] + units.transient_bytes for r in range(degree)]
         over = [r for r in range(degree) if limit is not None and per_rank[r] > limit]
