@@ -197,3 +197,20 @@ def test_v_schedules_train_like_one_device(schedule):
             assert step["windows"] == sorted(r["planned"]) and all(step["distinct"])
             # each W action ran the weight-gradient part of its native backward
             assert step["weight_parts"] == w_actions, (rank, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_sync", ["microbatch", "gather_once"])
+def test_split_backward_under_every_weight_sync(weight_sync):
+    """ZB-V with the gradients reduced in each W action (``microbatch``: the weight part reduces
+    and adds to ``.grad``) and with the parameters kept gathered (``gather_once``: the weight part
+    cut from the kept-gathered main graph): the losses of one device."""
+    per_rank = run_distributed(_worker, 4, "zbv", ((0, 0), (1, 1), (2, 2), (3, 3)), weight_sync, timeout_s=900)
+    reference = _reference_losses()
+    for r in per_rank[:2]:
+        assert r["losses"] == pytest.approx(reference, rel=1e-5)
+    for r in per_rank:
+        for step in r["per_step"]:
+            assert step["weight_parts"] == 2 * MICROBATCHES, step
+            if weight_sync == "microbatch":
+                assert step["windows"] == [] and step["outside_reducing"] > 0
