@@ -19,8 +19,17 @@ from apmodel.core.options import PlanOptions
 from apmodel.entry import api
 from apmodel.frontend.workloads import Workload
 from apmodel.result.plans import Plan, PlanFileError
-from apmodel.solve.pipeline import PipelineChoice, PipelineError, PipelineOptions, plan_pipeline, stage_mesh, stage_rank
-from apmodel.solve.stage_costs import step_units
+from apmodel.solve.pipeline import (
+    PipelineChoice,
+    PipelineError,
+    PipelineOptions,
+    lowered_weight_us,
+    plan_pipeline,
+    stage_mesh,
+    stage_rank,
+    stage_work,
+)
+from apmodel.solve.stage_costs import assign_units, step_units, weight_only_nodes
 from costmodels.p2p import peer_link, send_recv_us
 
 
@@ -267,6 +276,31 @@ def test_units_add_up_to_the_plan(unequal_plan):
     assert units.layers[0].total_us > 2 * units.layers[2].total_us
     # the residual stream crosses every boundary, the last one into the head
     assert all(b > 0 for b in units.boundary_bytes)
+
+
+def test_units_price_the_weight_side_of_the_backward(unequal_plan):
+    """weight_us: the backward a split backward's W runs: in a layer, its weight-gradient matmuls
+    (dW = Xᵀ·dY; dX = dY·Wᵀ and the ReLU's backward are the input side), a share of the layer's
+    backward under a half; the part before the layers has no earlier unit, its backward all weight
+    side; the price of a V schedule's W is it (all of the first stage's backward)."""
+    pmodel = unequal_plan.model
+    unit, _ = assign_units(pmodel)
+    layer_side = {pmodel.node_by_name[n] for n in weight_only_nodes(pmodel, unit) if 0 <= unit[n] < len(HIDDENS)}
+    assert {str(n.target) for n in layer_side} == {"apmodel_linear.mm_nd_wgrad.default", "aten.t.default"}
+    assert sum(str(n.target).endswith("wgrad.default") for n in layer_side) == 2 * len(HIDDENS)
+    units = step_units(pmodel, unequal_plan.node_strategy)
+    for u in units.layers:
+        share = u.weight_us / (u.backward_us - u.reduce_us)
+        assert 0.1 < share < 0.5, (u.name, share)
+    pre = units.pre
+    assert 0 < pre.weight_us <= pre.backward_us - pre.reduce_us
+    assert units.post.weight_us < units.post.backward_us
+    work = [stage_work(units.stage(0, 2, with_pre=True, with_post=False), "reduce_once"),
+            stage_work(units.stage(3, 5, with_pre=False, with_post=True), "reduce_once")]
+    assert lowered_weight_us(work) == [work[0].backward_us, work[1].weight_us]
+    per_microbatch = stage_work(units.stage(3, 5, with_pre=False, with_post=True), "microbatch")
+    assert per_microbatch.weight_us == pytest.approx(work[1].weight_us + units.stage(3, 5, with_pre=False,
+                                                                                    with_post=True).reduce_us)
 
 
 def test_planned_split_is_brute_force_over_splits():

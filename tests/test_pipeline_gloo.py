@@ -73,7 +73,10 @@ def _worker(rank: int, world: int, schedule: str, stages: tuple, weight_sync: st
         load_full_state_dict(module, full)
     opt = torch.optim.AdamW(pipelined.parameters(), lr=1e-2)
     losses, per_step = [], []
+    sched = pipelined.schedule
+    pipeline_stages = list(getattr(sched, "_stages", None) or [sched._stage])
     for _ in range(STEPS):
+        parts_before = sum(s.weight_parts_run for s in pipeline_stages)
         recorder.calls.clear()
         windows.clear()
         with recorder:
@@ -83,7 +86,9 @@ def _worker(rank: int, world: int, schedule: str, stages: tuple, weight_sync: st
                          "distinct": [len(set(calls)) == len(calls) for calls in inside],
                          "all_gathers": sum(1 for c in recorder.calls if c[0] == "all_gather"),
                          "outside_reducing": sum(1 for c in recorder.calls if c[0] in REDUCING) - sum(
-                             1 for calls in inside for c in calls if c[0] in REDUCING)})
+                             1 for calls in inside for c in calls if c[0] in REDUCING),
+                         # weight-gradient parts of the native backward the W actions ran
+                         "weight_parts": sum(s.weight_parts_run for s in pipeline_stages) - parts_before})
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else float(loss))
@@ -174,9 +179,10 @@ def test_interleaved_pipeline_trains_like_one_device():
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_schedules_train_like_one_device(schedule):
     """Two stages per pipeline rank in a V (ScheduleZBVZeroBubble, ScheduleDualPipeV): stage k and
-    3 - k on pipeline rank k, the backward split into input and weight gradients; the last stage,
-    and so the loss, on pipeline rank 0. Each stage still reduces its gradients once per step, after
-    its last weight gradient."""
+    3 - k on pipeline rank k, the backward split into input and weight gradients (the native
+    backward graph's two parts, the weight part run by the W action); the last stage, and so the
+    loss, on pipeline rank 0. Each stage still reduces its gradients once per step, after its last
+    weight gradient."""
     per_rank = run_distributed(_worker, 4, schedule, ((0, 0), (1, 1), (2, 2), (3, 3)), timeout_s=900)
     assert [r["stages"] for r in per_rank] == [[0, 3], [0, 3], [1, 2], [1, 2]]
     assert [r["layers"] for r in per_rank[1:3]] == [[[0], [3]], [[1], [2]]]
@@ -184,9 +190,32 @@ def test_v_schedules_train_like_one_device(schedule):
     for r in per_rank[:2]:
         assert r["losses"] == pytest.approx(reference, rel=1e-5)
     assert per_rank[2]["losses"] == [None] * STEPS
-    for r in per_rank:
+    from apmodel.core.schedules import orders
+
+    for rank, r in enumerate(per_rank):
+        w_actions = sum(a.kind == "W" for a in orders(schedule, 2, MICROBATCHES)[rank // 2])
+        assert w_actions > 0
         for step in r["per_step"]:
             assert step["windows"] == sorted(r["planned"]) and all(step["distinct"])
+            # each W action ran the weight-gradient part of its native backward
+            assert step["weight_parts"] == w_actions, (rank, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_sync", ["microbatch", "gather_once"])
+def test_split_backward_under_every_weight_sync(weight_sync):
+    """ZB-V with the gradients reduced in each W action (``microbatch``: the weight part reduces
+    and adds to ``.grad``) and with the parameters kept gathered (``gather_once``: the weight part
+    cut from the kept-gathered main graph): the losses of one device."""
+    per_rank = run_distributed(_worker, 4, "zbv", ((0, 0), (1, 1), (2, 2), (3, 3)), weight_sync, timeout_s=900)
+    reference = _reference_losses()
+    for r in per_rank[:2]:
+        assert r["losses"] == pytest.approx(reference, rel=1e-5)
+    for r in per_rank:
+        for step in r["per_step"]:
+            assert step["weight_parts"] == 2 * MICROBATCHES, step
+            if weight_sync == "microbatch":
+                assert step["windows"] == [] and step["outside_reducing"] > 0
 
 
 # ------------------------------------------------------------------------------ transfers as priced

@@ -46,6 +46,7 @@ from apmodel.lowering.module import (
     plan_on_one_rank,
     reduce_gradients,
     release_kept,
+    split_weight_backward,
 )
 from apmodel.lowering.program import LoweredProgram
 from apmodel.lowering.records import (
@@ -67,4 +68,5 @@ __all__ = [
     "defer_gradient_reduction",
     "reduce_gradients",
     "release_kept",
+    "split_weight_backward",
 ]

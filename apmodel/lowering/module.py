@@ -4,9 +4,10 @@ on meta for any model and planning on one rank of a process group.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -74,6 +75,29 @@ def defer_gradient_reduction(model: nn.Module, *, keep_gathered: bool = False) -
     prog.native = None  # traced again (if it was), with the reduction apart
     prog.defer_grad_reduction = True
     prog.keep_gathered = keep_gathered
+
+
+@contextlib.contextmanager
+def split_weight_backward(model: nn.Module) -> Iterator[list[Callable[[], None]]]:
+    """Within: a backward through ``model`` (native lowering, eager) runs only the input-gradient
+    part of its backward graph (:mod:`apmodel.lowering.weight_split`) and returns no parameter
+    gradient; the weight-gradient part of each such backward is appended to the list yielded, a
+    closure that computes the parameters' gradients and adds them to ``.grad`` (or, deferred,
+    :func:`defer_gradient_reduction`, to the pending sum). Call each once, later (a zero-bubble
+    pipeline's ``W`` action). Any other module: nothing is split and the list stays empty."""
+    prog: LoweredProgram | None = getattr(model, "_apmodel_program", None)
+    natives = [] if prog is None or prog.lowering != "native" else [
+        p.native for p in (prog, *prog.variants.values()) if p.native is not None]
+    work: list[Callable[[], None]] = []
+    for native in natives:
+        if native.weight_work is not None:
+            raise RuntimeError(f"{type(model).__name__}: split_weight_backward entered twice")
+        native.weight_work = work
+    try:
+        yield work
+    finally:
+        for native in natives:
+            native.weight_work = None
 
 
 def release_kept(model: nn.Module) -> None:

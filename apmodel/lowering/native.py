@@ -50,6 +50,7 @@ from apmodel.graph.linear3d import LOCAL_IMPLS
 from apmodel.graph.regions import region_of
 from apmodel.lowering.graph import flatten_args, unflatten_args
 from apmodel.lowering.static_split import StaticSplit, split_static
+from apmodel.lowering.weight_split import WeightSplit, split_weight
 from apmodel.result.step_timeline import op_kind
 from costmodels.overlap import GLOO_MAX_INFLIGHT, ProgramOp, issue_order, serial_order
 
@@ -121,7 +122,10 @@ class NativeProgram:
     reduction of the sum equals the sum of one per microbatch). ``keep_gathered`` (with
     ``defer_grad_reduction``): what the graphs compute from the parameters alone (their gathers
     and casts; :mod:`apmodel.lowering.static_split`) runs on the first call after
-    :meth:`release_kept` and is kept for the calls after it (a pipeline stage's microbatches)."""
+    :meth:`release_kept` and is kept for the calls after it (a pipeline stage's microbatches).
+    A backward may also run in two parts (:attr:`weight_work`, :mod:`apmodel.lowering.weight_split`):
+    the inputs' gradients now, the parameters' gradients later (a zero-bubble pipeline's ``I`` and
+    ``W`` actions)."""
 
     def __init__(self, prog: LoweredProgram, param_locals: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
                  inputs: Sequence[torch.Tensor], device: torch.device, bucket_mb: float | None = None,
@@ -139,6 +143,11 @@ class NativeProgram:
         self.gradient_redistributions: list[Any] = []
         self._splits: dict[str, StaticSplit | None] = {}  # keep_gathered: per graph, its parameters-only prologue
         self._kept: dict[str, list[torch.Tensor]] = {}  # keep_gathered: each prologue's values since release_kept
+        self._weight_split: WeightSplit | None = None
+        self._weight_split_made = False
+        self.weight_work: list[Callable[[], None]] | None = None
+        """while not None (a pipeline stage's input-gradient action, :func:`apmodel.lowering.split_weight_backward`):
+        a backward runs only its input-gradient part and appends here what runs its weight-gradient part"""
         self.device = device
         self.mesh = prog.mesh
         start = time.perf_counter()
@@ -352,14 +361,61 @@ class NativeProgram:
         split = self._splits.get(phase)
         if split is None:
             return self.run(graph, *[list(g) for g in groups])
-        flat = [x for g in groups for x in g]
+        return self.run(split.main, *self._main_args(phase, split, [x for g in groups for x in g]))
+
+    def _main_args(self, phase: str, split: StaticSplit, flat: list[Any]) -> list[Any]:
+        """The main graph's arguments: the prologue's kept values (computed on the first call
+        since :meth:`release_kept`), then the arguments that are not static."""
         flags = self._static_flags(phase, len(flat))
         static = [x for x, f in zip(flat, flags, strict=True) if f]
         rest = [x for x, f in zip(flat, flags, strict=True) if not f]
         kept = self._kept.get(phase)
         if kept is None:
             kept = self._kept[phase] = list(self.run(split.prologue, *static))
-        return self.run(split.main, *kept, *rest)
+        return [*kept, *rest]
+
+    def weight_split(self) -> WeightSplit | None:
+        """The backward graph that runs (the main graph when kept gathered) cut into its
+        input-gradient and weight-gradient parts (:func:`apmodel.lowering.weight_split.split_weight`),
+        made on first use; None when no node is left for the weight part."""
+        if not self._weight_split_made:
+            split = self._splits.get("backward")
+            graph = self.backward_graph if split is None else split.main
+            self._weight_split = split_weight(graph, sum(self.param_has_grad))
+            self._weight_split_made = True
+            if self._weight_split is not None:
+                logger.info("native backward graph split: %d nodes for the weight gradients, %d values kept for them",
+                            self._weight_split.n_weight_nodes, self._weight_split.n_kept)
+        return self._weight_split
+
+    def run_backward_input(self, split: WeightSplit, saved: Sequence[torch.Tensor],
+                           tangents: Sequence[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+        """The input-gradient part of the backward: (the inputs' gradients, one per input with a
+        gradient; the values :meth:`run_backward_weight` reads)."""
+        flat = [*saved, *tangents]
+        static = self._splits.get("backward")
+        args = flat if static is None else self._main_args("backward", static, flat)
+        outs = self.run(split.input_part, *args)
+        return list(outs[:split.n_input_grads]), list(outs[split.n_input_grads:])
+
+    def run_backward_weight(self, split: WeightSplit, kept: Sequence[Any], params: Sequence[DTensor]) -> None:
+        """The weight-gradient part of the backward on the values its input part ``kept``: the
+        parameters' gradients added to ``params``' ``.grad`` (DTensors, as autograd would), or,
+        deferred, into :attr:`pending_grads`."""
+        grads = list(self.run(split.weight_part, *kept))
+        if self.defer_grad_reduction:
+            self.accumulate(grads)
+            return
+        it = iter(grads)
+        with torch.no_grad():
+            for param, has in zip(params, self.param_has_grad, strict=True):
+                if not has:
+                    continue
+                g = next(it)
+                if not param.requires_grad:
+                    continue
+                value = dtensor_like(param, g)
+                param.grad = value if param.grad is None else param.grad + value
 
     def _static_flags(self, phase: str, n: int) -> list[bool]:
         if phase == "forward":
@@ -592,7 +648,11 @@ class NativeStep(torch.autograd.Function):
     tensors are read here and their gradients come back as DTensors; under ``torch.compile`` they
     come as local tensors from a differentiable ``to_local``, which dynamo traces), then the
     parameters, the buffers and the inputs (global values). Returns the forward outputs (local, at
-    their planned placements) and the buffers' new values."""
+    their planned placements) and the buffers' new values.
+
+    While the program's :attr:`NativeProgram.weight_work` is set (eager, accumulating into the
+    parameters), the backward runs the input-gradient part of the graph only and returns no
+    parameter gradient; the closure it appends there runs the weight-gradient part later."""
 
     @staticmethod
     def forward(ctx: Any, native: NativeProgram, as_dtensors: bool, *values: torch.Tensor) -> Any:
@@ -612,10 +672,21 @@ class NativeStep(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         native: NativeProgram = ctx.native
         n_out = native.n_outputs
+        params = ctx.params
+        work = native.weight_work
+        split = native.weight_split() if work is not None and params is not None else None
+        if work is not None and split is not None and grads_accumulate_into(params):
+            # a pipeline's input-gradient action: the weight-gradient part waits for its W action
+            input_grads, kept = native.run_backward_input(split, ctx.saved_tensors, grads[:n_out])
+            dparams = cast(Sequence[DTensor], params)  # eager: the DTensor parameters themselves
+            work.append(lambda: native.run_backward_weight(split, kept, dparams))
+            ctx.params = None
+            it_in = iter(input_grads)
+            return (None, None, *[None] * len(native.param_has_grad), *[None] * len(native.prog.buffers),
+                    *[next(it_in) if has else None for has in native.input_has_grad])
         grads_in = native.run_step("backward", ctx.saved_tensors, grads[:n_out])
         it = iter(grads_in)
         result: list[Any] = [None, None]
-        params = ctx.params
         if native.defer_grad_reduction:  # the parameters' gradients wait in the program for the step's reduction
             unreduced = [next(it) for has in native.param_has_grad if has]
             if params is None or grads_accumulate_into(params):  # not for autograd.grad of the inputs alone

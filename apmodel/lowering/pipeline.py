@@ -86,7 +86,12 @@ from torch.distributed.tensor.placement_types import Placement
 from apmodel.core import placements as pl
 from apmodel.core.schedules import WEIGHT_SYNCS, rank_stages
 from apmodel.graph import conventions
-from apmodel.lowering.module import defer_gradient_reduction, reduce_gradients, release_kept
+from apmodel.lowering.module import (
+    defer_gradient_reduction,
+    reduce_gradients,
+    release_kept,
+    split_weight_backward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -313,36 +318,59 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-class WholeBackwardStage(PipelineStage):
-    """A ``PipelineStage`` whose split backward runs whole in its input-gradient action.
+class SplitBackwardStage(PipelineStage):
+    """A ``PipelineStage`` whose split backward runs the lowered stage's backward graph in two
+    parts: the input-gradient part in the ``I`` action, the weight-gradient part in the ``W`` action.
 
-    A lowered stage runs its step as one ``autograd.Function`` (:class:`apmodel.lowering.native.NativeStep`)
-    whose backward graph computes the input and the weight gradients together, and, where the
-    stage reduces once per step, hands back no parameter gradient at all: torch's split backward
-    (``stage_backward_input``, then ``autograd.grad`` from the saved intermediates to the weights)
-    finds no path to the weights ("differentiated Tensor ... not used in the graph"), and would run
-    the backward graph twice if it did. So the ``I`` action runs the full backward (the weight
-    gradients accumulate as under 1F1B) and the ``W`` action has nothing left to do: the order, the
-    sends and ``REDUCE_GRAD`` stay the schedule's; the planner prices ``W`` at 0 µs so
-    (:data:`apmodel.solve.pipeline.LOWERED_WEIGHT_GRAD_SHARE`)."""
+    A lowered stage runs its step as one ``autograd.Function`` (:class:`apmodel.lowering.native.NativeStep`),
+    so torch's own split (``stage_backward_input``, then ``autograd.grad`` from the saved
+    intermediates to the weights) cannot cut inside it. The stage hands torch a ``dw_builder``
+    instead (the hook ``PipelineStage`` has for this): the ``I`` action runs the autograd backward
+    under :func:`apmodel.lowering.split_weight_backward`, so the native program runs the part of its
+    backward graph the inputs' gradients need and leaves the rest
+    (:mod:`apmodel.lowering.weight_split`); the builder, called right after, takes what was left as
+    that microbatch's ``W`` runner, which computes the parameters' gradients and accumulates them
+    (into ``.grad``, or into the pending sum of a stage that reduces once per step). A full
+    backward (1F1B's ``B``) runs whole. A module the native program does not run (the
+    interpreter) is not split: its ``I`` runs the whole backward and its ``W`` nothing.
+    :attr:`weight_parts_run` counts the weight-gradient parts its ``W`` actions ran."""
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, group=group, dw_builder=self._weight_runner)
+        self._weight_work: list[Callable[[], None]] | None = None
+        self.weight_parts_run = 0
+
+    def _lowered(self) -> nn.Module:
+        return self.submod.inner if isinstance(self.submod, StageModule) else self.submod
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:
-        if not full_backward:
-            done: set[int] = getattr(self, "_split_done", set())
-            done.add(bwd_chunk_id)
-            self._split_done = done
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+        if full_backward:
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+            return
+        with split_weight_backward(self._lowered()) as work:
+            self._weight_work = work
+            try:
+                super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=False, last_backward=last_backward)
+            finally:
+                self._weight_work = None
 
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        done: set[int] = getattr(self, "_split_done", set())
-        if bwd_chunk_id not in done:
-            raise PipelineLoweringError(f"stage {self.stage_index}: weight gradient of microbatch {bwd_chunk_id} "
-                                        f"before its input gradient")
-        done.discard(bwd_chunk_id)
+    def _weight_runner(self) -> Callable[[], None]:
+        """The ``W`` runner of the backward that just ran: its weight-gradient parts (none after a
+        full backward)."""
+        parts = list(self._weight_work or ())
+
+        def run() -> None:
+            for part in parts:
+                part()
+            self.weight_parts_run += len(parts)
+            parts.clear()
+
+        return run
 
 
-class StepReducingStage(WholeBackwardStage):
+class StepReducingStage(SplitBackwardStage):
     """A ``PipelineStage`` whose module's gradients wait, unreduced, for the step's reduction: run
     when the schedule finishes the stage's backwards (``perform_reduce_grad``; or ``scale_grads``,
     which schedules without that action call after the last backward), before their scaling."""
@@ -479,7 +507,7 @@ def build(
             defer_gradient_reduction(lowered, keep_gathered=syncs[k] == "gather_once")
         mine.append(lowered)
         indices.append(k)
-    pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else WholeBackwardStage)(
+    pipeline_stages = [(StepReducingStage if syncs[k] != "microbatch" else SplitBackwardStage)(
         StageModule(m, sub_mesh, agreed[k - 1] if k > 0 else None, agreed[k] if k < n_stages - 1 else None),
         k, n_stages, device, group=pp_group) for m, k in zip(mine, indices, strict=True)]
     cls = SCHEDULE_CLASSES[schedule]

@@ -28,7 +28,9 @@ axis size ``P``; 1 means no pipelining):
   boundary's activation (and its gradient) on the pipeline axis priced by :mod:`costmodels.p2p`.
   The step's objective is the timeline's length; the bubble is its idle part on the busiest rank.
   A split backward's weight gradient (``W``, the zero-bubble schedules) is priced as the lowering
-  runs it (:data:`LOWERED_WEIGHT_GRAD_SHARE`: inside the input-gradient action);
+  runs it (:func:`lowered_weight_us`: the plan's price of the backward nodes only the
+  parameters' gradients need, :func:`apmodel.solve.stage_costs.weight_only_nodes`; all of the
+  first stage's backward);
 * **the schedule**: ``pp_schedule`` names one, or ``"auto"``: every schedule that can run the
   degree and microbatches is priced on the same stage plan and the cheapest that fits kept, so the
   schedule is chosen with the degree.
@@ -74,12 +76,6 @@ logger = logging.getLogger(__name__)
 #: Default microbatches per pipeline rank: 2 per stage keeps 1F1B's bubble at (d - 1) / (3d - 1),
 #: under a third (torchtitan's examples run 2-4 microbatches per stage).
 DEFAULT_MICROBATCHES_PER_STAGE = 2
-#: Share of a stage's backward its weight-gradient action ``W`` runs as apmodel lowers it: none. A
-#: lowered stage is one ``autograd.Function`` whose backward graph makes input and weight gradients
-#: together, so the split schedules' ``I`` runs it whole and ``W`` is empty
-#: (:class:`apmodel.lowering.pipeline.WholeBackwardStage`); a lowering that split the graph would
-#: price :data:`apmodel.core.schedules.WEIGHT_GRAD_SHARE` instead.
-LOWERED_WEIGHT_GRAD_SHARE = 0.0
 #: ``pp_schedule`` value that prices every schedule with each degree and keeps the cheapest that fits.
 AUTO_SCHEDULE = "auto"
 
@@ -188,7 +184,9 @@ def stage_rank(mesh_shape: Sequence[int], axis: int, degree: int, rank: int) -> 
 class StageWork:
     """One stage under one weight synchronisation (:data:`apmodel.core.schedules.WEIGHT_SYNCS`):
     µs per microbatch, µs once per step, and the bytes per device it adds to the stage's state and
-    activations (parameters kept gathered, gradients accumulated before their reduction)."""
+    activations (parameters kept gathered, gradients accumulated before their reduction).
+    ``weight_us``: the part of ``backward_us`` only the parameters' gradients need (a split
+    backward's ``W``; with the gradients reduced per microbatch, their reductions too)."""
 
     sync: str
     forward_us: float
@@ -196,22 +194,32 @@ class StageWork:
     setup_us: float
     flush_us: float
     extra_bytes: float
+    weight_us: float = 0.0
 
 
 def stage_work(unit: UnitCost, sync: str) -> StageWork:
     """``unit`` (one stage, its costs of one microbatch) under weight synchronisation ``sync``. Kept
     gathered, the backward's gathers go too (they gather to what the forward's did)."""
     if sync == "microbatch":
-        return StageWork(sync, unit.forward_us, unit.backward_us, 0.0, 0.0, 0.0)
+        return StageWork(sync, unit.forward_us, unit.backward_us, 0.0, 0.0, 0.0, unit.weight_us + unit.reduce_us)
     if sync == "reduce_once":
         return StageWork(sync, unit.forward_us, unit.backward_us - unit.reduce_us, 0.0, unit.reduce_us,
-                         unit.unreduced_grad_bytes)
+                         unit.unreduced_grad_bytes, unit.weight_us)
     if sync == "gather_once":
         backward_gathers = unit.gather_us - unit.gather_once_us
         return StageWork(sync, unit.forward_us - unit.gather_once_us,
                          unit.backward_us - backward_gathers - unit.reduce_us, unit.gather_once_us, unit.reduce_us,
-                         unit.unreduced_grad_bytes + unit.gathered_bytes)
+                         unit.unreduced_grad_bytes + unit.gathered_bytes, unit.weight_us)
     raise PipelineError(f"weight sync {sync!r}: expected one of {', '.join(schedules.WEIGHT_SYNCS)}")
+
+
+def lowered_weight_us(work: Sequence[StageWork]) -> list[float]:
+    """Per stage, µs of its backward (one microbatch) that the lowered split backward runs in
+    ``W``: the stage's backward graph is cut into the part its input's gradient needs (``I``) and
+    the rest (:mod:`apmodel.lowering.weight_split`, :class:`apmodel.lowering.pipeline.SplitBackwardStage`),
+    priced as the plan prices those nodes (:attr:`StageWork.weight_us`); the first stage's input
+    (the tokens) has no gradient, so its ``W`` runs its whole backward."""
+    return [w.backward_us if k == 0 else min(w.weight_us, w.backward_us) for k, w in enumerate(work)]
 
 
 def _balancing_us(unit: UnitCost, microbatches: int) -> float:
@@ -285,7 +293,7 @@ def price_degree(
         timeline = schedules.simulate(schedule, degree, microbatches, [w.forward_us for w in work],
                                       [w.backward_us for w in work], transfers, [p.activation_bytes for p in parts],
                                       [w.setup_us for w in work], [w.flush_us for w in work],
-                                      [LOWERED_WEIGHT_GRAD_SHARE * w.backward_us for w in work])
+                                      lowered_weight_us(work))
         per_rank = [sum(parts[k].state_bytes + work[k].extra_bytes for k in mine[r])
                     + timeline.held_bytes[r] + units.transient_bytes for r in range(degree)]
         over = [r for r in range(degree) if limit is not None and per_rank[r] > limit]

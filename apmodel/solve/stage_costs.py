@@ -30,7 +30,8 @@ them from activations' collectives). Memory is :class:`apmodel.problem.memory.Me
 unit: parameter, gradient and optimizer bytes; activations saved for the backward of one step (one
 microbatch); ``gathered_bytes`` the parameters as the forward's gathers leave them (what keeping
 them gathered holds); ``unreduced_grad_bytes`` the gradients before their reduction (what
-accumulating them over microbatches holds).
+accumulating them over microbatches holds). ``weight_us``: the part of the backward only the
+parameters' gradients need (:func:`weight_only_nodes`), what a split backward runs in ``W``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 PRE, POST = "pre", "post"
 #: The fields of :class:`UnitCost` a stage sums over its units.
 _SUMMED = ("forward_us", "backward_us", "gather_us", "reduce_us", "state_bytes", "activation_bytes", "gather_once_us",
-           "gathered_bytes", "unreduced_grad_bytes")
+           "gathered_bytes", "unreduced_grad_bytes", "weight_us")
 
 
 class NoRepeatedLayers(ValueError):
@@ -83,6 +84,10 @@ class UnitCost:
     """the parameters as gathered for the forward, per device"""
     unreduced_grad_bytes: float = 0.0
     """the gradients before their reduction, per device"""
+    weight_us: float = 0.0
+    """the backward's weight side (included in backward_us, reductions excluded): compute, and
+    activations' redistributions, of the backward nodes no backward of an earlier unit reads
+    (:func:`weight_only_nodes`), what a split backward's ``W`` runs"""
 
     @property
     def total_us(self) -> float:
@@ -217,9 +222,30 @@ def assign_units(pmodel: "PlacementModel") -> tuple[dict[str, int], int]:
     return unit, n_layers
 
 
+def weight_only_nodes(pmodel: "PlacementModel", unit: Mapping[str, int]) -> set[str]:
+    """The backward nodes on the weights' side of their unit's backward: no backward node of an
+    earlier unit (``unit``: :func:`assign_units`) reads them, through any chain of backward nodes.
+    The rest of a unit's backward makes the gradient the earlier units read (a stage's input
+    gradient, ``I``); these make only its parameters' gradients (the weight-gradient matmuls, the
+    norms' weight sums: ``W``), as :mod:`apmodel.lowering.weight_split` cuts a stage's backward
+    graph. The part before the layers reads no earlier unit: all of its backward is here."""
+    is_bwd = pmodel.captured.is_backward
+    lowest: dict[str, int] = {}  # backward node -> the lowest unit among it and the backward nodes reading it
+    for n in reversed(list(pmodel.nodes)):
+        if not is_bwd.get(n.name) or n.op == "placeholder":
+            continue
+        low = unit[n.name]
+        for user in n.users:
+            if user.name in lowest:
+                low = min(low, lowest[user.name])
+        lowest[n.name] = low
+    return {name for name, low in lowest.items() if low >= unit[name]}
+
+
 def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]) -> StepUnits:
     """The per-unit costs and bytes of the plan ``node_strategy`` of ``pmodel``."""
     unit, n_layers = assign_units(pmodel)
+    weight_side = weight_only_nodes(pmodel, unit)
     cap, cost = pmodel.captured, pmodel.cost
     is_bwd = cap.is_backward
     fwd: dict[int, float] = defaultdict(float)
@@ -229,6 +255,7 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
     reduce: dict[int, float] = defaultdict(float)
     gathered: dict[int, float] = defaultdict(float)
     unreduced: dict[int, float] = defaultdict(float)
+    weight: dict[int, float] = defaultdict(float)
     seen: set[Any] = set()  # (value, placement) of gathered parameters and unreduced gradients, counted once
     memo: dict[Any, float] = {}
     for n in pmodel.nodes:
@@ -238,6 +265,8 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         if c is None:
             c = memo[key] = float(cost.compute_vector(n, [s])[0])
         (bwd if is_bwd.get(n.name) else fwd)[unit[n.name]] += c
+        if n.name in weight_side:
+            weight[unit[n.name]] += c
     for e, val, src, dst in planned_edges(pmodel, node_strategy):
         gradient = pmodel.is_param_gradient(e)
         weights = pmodel.is_bucketed(e)  # a parameter's gather or its gradient's reduction
@@ -251,6 +280,8 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
         u = unit[e.consumer]
         (bwd if backward else fwd)[u] += us
         if not weights:
+            if e.consumer in weight_side:
+                weight[u] += us
             continue
         producer = pmodel.node_by_name[e.producer]
         if gradient:
@@ -283,7 +314,7 @@ def step_units(pmodel: "PlacementModel", node_strategy: Mapping[str, "Strategy"]
 
     def make(u: int, name: str) -> UnitCost:
         return UnitCost(name, fwd[u], bwd[u], gather[u], reduce[u], state[u], acts[u], gather_once[u], gathered[u],
-                        unreduced[u])
+                        unreduced[u], weight[u])
 
     estimate = mem.estimate(node_strategy)
     transient = estimate.peak_bytes - (estimate.params_bytes + estimate.grads_bytes + estimate.optimizer_bytes
