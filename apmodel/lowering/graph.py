@@ -124,3 +124,12 @@ def tensor_leaves(node: fx.Node) -> list[tuple[int, fx.Node, int]]:
     if len(positions) != len(slots):
         raise ValueError(f"node {node.name!r} ({node.target}): cannot match its {len(slots)} input slots to its arguments")
     return [(i, prod, k) for i, (prod, k) in zip(positions, slots, strict=True)]
+
+
+def add_to_grad(param: Any, local: torch.Tensor) -> None:
+    """Add a gradient computed on local shards to ``param``'s ``.grad`` (a DTensor parameter: the
+    gradient placed as the parameter is), as autograd's accumulation would."""
+    from apmodel._torch_private import dtensor_like
+
+    g = dtensor_like(param, local)
+    param.grad = g if param.grad is None else param.grad + g

@@ -14,11 +14,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from apmodel._torch_private import dtensor_like
 from apmodel.core.kernels import local_kernels as default_local_kernels
 from apmodel.core.options import default_of, renamed_keywords
 from apmodel.lowering.autograd import FromGlobal, JointStep
-from apmodel.lowering.graph import format_placements, placement_tokens
+from apmodel.lowering.graph import add_to_grad, format_placements, placement_tokens
 from apmodel.lowering.modes import ModelModes
 from apmodel.lowering.native import NativeProgram, NativeStep, trace_device
 from apmodel.lowering.program import LoweredProgram
@@ -121,9 +120,7 @@ def reduce_gradients(model: nn.Module) -> int:
         param_owners, _ = _owners(model, program)
         with_grad = [o for o, has in zip(param_owners, native.param_has_grad, strict=True) if has]
         for (owner, leaf), local in zip(with_grad, reduced, strict=True):
-            param = getattr(owner, leaf)
-            g = dtensor_like(param, local)
-            param.grad = g if param.grad is None else param.grad + g
+            add_to_grad(getattr(owner, leaf), local)
             count += 1
     release_kept(model)  # the step's backwards are done: what they kept gathered goes
     return count

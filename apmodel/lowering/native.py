@@ -48,7 +48,7 @@ from apmodel._torch_private import (
 )
 from apmodel.graph.linear3d import LOCAL_IMPLS
 from apmodel.graph.regions import region_of
-from apmodel.lowering.graph import flatten_args, unflatten_args
+from apmodel.lowering.graph import add_to_grad, flatten_args, unflatten_args
 from apmodel.lowering.static_split import StaticSplit, split_static
 from apmodel.lowering.weight_split import WeightSplit, split_weight
 from apmodel.result.step_timeline import op_kind
@@ -412,10 +412,8 @@ class NativeProgram:
                 if not has:
                     continue
                 g = next(it)
-                if not param.requires_grad:
-                    continue
-                value = dtensor_like(param, g)
-                param.grad = value if param.grad is None else param.grad + value
+                if param.requires_grad:
+                    add_to_grad(param, g)
 
     def _static_flags(self, phase: str, n: int) -> list[bool]:
         if phase == "forward":
