@@ -127,3 +127,25 @@ def test_parallelize_on_cpu_processes_prices_them_with_timed_collectives(tmp_pat
     assert all(x["priced_for"] == r["priced_for"] for x in results)  # every rank runs rank 0's plan
     got, want = r["losses"]
     assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def _one_rank_worker(rank: int, world: int, cache: str) -> dict[str, Any]:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ[machine.CACHE_ENV] = cache
+    mesh = dist.init_device_mesh("cpu", (1,))
+    tokens, targets = fixed_tokens()
+    model = apmodel.parallelize(tiny_llama("meta"), mesh, (tokens,), loss_fn=_lm_loss, targets=(targets,))
+    workload = model._apmodel_program.plan.workload
+    return {k: workload.get(k) for k in ("device", "calibration", "priced_for")}
+
+
+@pytest.mark.slow
+def test_a_mesh_of_one_rank_is_priced_without_timing_collectives(tmp_path):
+    # an axis of one rank sends nothing: timing it gave a calibration with nothing to correct
+    # (the fit refused "model time is 0 for all_reduce on axis 0")
+    [r] = run_distributed(_one_rank_worker, 1, str(tmp_path), timeout_s=300)
+    assert r["device"] == "cpu" and r["calibration"] is None
+    assert "collectives timed" not in r["priced_for"]

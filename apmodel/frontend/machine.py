@@ -128,9 +128,10 @@ def _cpu(mesh: DeviceMesh, given: dict[str, Any]) -> Machine:
     options |= given
     notes = [f"CPU processes ({world} ranks, {torch.get_num_threads()} thread(s) each)"]
     shape = "x".join(map(str, mesh.shape))
-    if "calibration" not in given:
+    communicating = [axis for axis in range(mesh.ndim) if mesh.shape[axis] > 1]  # an axis of one rank sends nothing
+    if "calibration" not in given and communicating:
         logger.info("device='auto': timing collectives on each axis of the %s mesh", shape)
-        logs = [(log, axis) for axis in range(mesh.ndim)
+        logs = [(log, axis) for axis in communicating
                 for log in time_collectives(mesh.get_group(axis), sizes_bytes=TIMED_SIZES_BYTES, busy_us=STEP_GAP_US)]
         path = cache_dir() / f"collectives-{platform.node() or 'host'}-{shape}.json"
         if _is_planner(mesh):
