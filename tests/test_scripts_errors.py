@@ -52,3 +52,10 @@ def test_train_llama_checks_mesh_against_world_size(mesh, world, expect):
                           text=True, timeout=300, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert expect in proc.stderr.splitlines()[-1]
+
+
+def test_pipelines_benchmark_names_what_is_wrong(tmp_path):
+    proc = run("benchmarks/pipelines.py", "--only", "no-such-run")
+    assert proc.returncode == 2 and "no-such-run" in proc.stderr.splitlines()[-1] and "70b-4x8x8" in proc.stderr
+    proc = run("benchmarks/pipelines.py", "--json", str(tmp_path / "nope" / "x.json"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr.splitlines()[-1]

@@ -1,0 +1,129 @@
+"""The README's pipeline tables in one run: each command planned with ``apmodel plan --json``, every
+pipeline degree it priced read off its ``pipeline`` record.
+
+    python benchmarks/pipelines.py                      # every run below (about 15 minutes here)
+    python benchmarks/pipelines.py --only 405b-16x8x8   # the runs whose name starts so
+    python benchmarks/pipelines.py --json pipelines.json
+
+Each run is a separate ``apmodel plan`` process (a run's planning time is its own, wall clock,
+imports included). Per run the table shows, per degree: the schedule it was priced under, the step
+(µs), the bubble, the point-to-point time, each stage's weight sync, the peak per device on the
+fullest rank and whether it fits; the chosen degree is marked. Degree 1 is the whole-mesh plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+logger = logging.getLogger("benchmarks.pipelines")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Common arguments of the H100 runs (8 GPUs per node, the pipeline on mesh axis 0).
+_H100 = ("--device", "h100", "--gpus-per-node", "8", "--pp-axis", "0")
+#: The runs, by name: ``apmodel plan`` arguments (``--json`` added).
+RUNS: dict[str, tuple[str, ...]] = {
+    "70b-4x8x8": ("--model", "llama3-70b", "--mesh", "4x8x8", *_H100, "--seq", "4096", "--batch", "64"),
+    "70b-4x8x8-auto": ("--model", "llama3-70b", "--mesh", "4x8x8", *_H100, "--seq", "4096", "--batch", "64",
+                       "--pp-schedule", "auto"),
+    "405b-4x8x8": ("--model", "llama3-405b", "--mesh", "4x8x8", *_H100, "--seq", "4096", "--batch", "64",
+                   "--pp-schedule", "auto"),
+    "405b-4x8x8-ac": ("--model", "llama3-405b", "--mesh", "4x8x8", *_H100, "--seq", "4096", "--batch", "64",
+                      "--pp-schedule", "auto", "--ac", "selective"),
+    "405b-16x8x8": ("--model", "llama3-405b", "--mesh", "16x8x8", *_H100, "--seq", "8192", "--batch", "256",
+                    "--pp-schedule", "auto"),
+    "405b-16x8x8-ac": ("--model", "llama3-405b", "--mesh", "16x8x8", *_H100, "--seq", "8192", "--batch", "256",
+                       "--pp-schedule", "auto", "--ac", "selective"),
+    "dsv3-16x8x8": ("--model", "deepseek-v3", "--mesh", "16x8x8", *_H100, "--seq", "4096", "--batch", "256",
+                    "--pp-schedule", "auto"),
+    "70b-a100-8x8-ac": ("--model", "llama3-70b", "--mesh", "8x8", "--pp-axis", "0", "--device", "a100",
+                        "--gpus-per-node", "8", "--seq", "4096", "--batch", "32", "--ac", "selective",
+                        "--pp-schedule", "auto"),
+    "70b-a100-8x8": ("--model", "llama3-70b", "--mesh", "8x8", "--pp-axis", "0", "--device", "a100",
+                     "--gpus-per-node", "8", "--seq", "4096", "--batch", "32", "--pp-schedule", "auto"),
+    **{f"70b-4x8x8-b{b}-m{m}": ("--model", "llama3-70b", "--mesh", "4x8x8", *_H100, "--seq", "4096", "--batch",
+                                str(b), "--pp-degrees", "4", "--microbatches", str(m))
+       for b in (64, 128) for m in (8, 16, 32)},
+}
+
+
+def run(name: str, args: tuple[str, ...]) -> dict[str, Any]:
+    """One ``apmodel plan --json`` process: its pipeline record and wall time (seconds)."""
+    cmd = [sys.executable, "-m", "apmodel", "plan", *args, "--json"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        logger.warning("%s failed (exit %d): %s", name, done.returncode, tail)
+        return {"name": name, "command": "apmodel plan " + " ".join(args), "error": tail, "seconds": seconds}
+    out = json.loads(done.stdout)
+    pipe = out.get("pipeline") or {}
+    degrees = []
+    for alt in pipe.get("alternatives", []):
+        degrees.append({k: alt.get(k) for k in ("degree", "schedule", "objective_us", "bubble_us", "p2p_us",
+                                                "peak_bytes", "fits", "weight_sync", "stages", "note")})
+    return {"name": name, "command": "apmodel plan " + " ".join(args), "seconds": seconds,
+            "objective_us": out.get("objective_us"), "degree": pipe.get("degree"), "schedule": pipe.get("schedule"),
+            "microbatches": pipe.get("microbatches"), "degrees": degrees}
+
+
+def _table(results: list[dict[str, Any]]) -> Table:
+    table = Table(title="pipeline degrees priced (µs per step; peak per device, fullest rank)")
+    for col in ("run", "degree", "schedule", "step µs", "bubble", "p2p µs", "weights", "peak GB", "fits", "chosen",
+                "s"):
+        table.add_column(col, justify="right" if col not in ("run", "schedule", "weights") else "left")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["name"], "", "", r["error"][:60], "", "", "", "", "", "", f"{r['seconds']:.1f}")
+            continue
+        for i, d in enumerate(r["degrees"]):
+            step = d["objective_us"]
+            bubble = "" if d["degree"] == 1 or not step else f"{100 * (d['bubble_us'] or 0) / step:.1f}%"
+            syncs = " ".join(s[0] for s in d.get("weight_sync") or [])
+            peak = "" if d["peak_bytes"] is None else f"{d['peak_bytes'] / 1e9:.1f}"
+            table.add_row(r["name"] if i == 0 else "", str(d["degree"]), d.get("schedule") or "",
+                          f"{step:,.0f}", bubble, f"{d['p2p_us'] or 0:,.0f}", syncs, peak, str(d["fits"]),
+                          "yes" if d["degree"] == r["degree"] else "", f"{r['seconds']:.1f}" if i == 0 else "")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], help="run names starting with this (repeatable)")
+    parser.add_argument("--json", help="write the results here ('-' for stdout only)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.json and args.json != "-" and not Path(args.json).resolve().parent.is_dir():
+        parser.error(f"--json {args.json}: the directory {Path(args.json).resolve().parent} does not exist")
+    names = [n for n in RUNS if not args.only or any(n.startswith(p) for p in args.only)]
+    if not names:
+        parser.error(f"--only {args.only}: no run matches; runs: {', '.join(RUNS)}")
+    results = []
+    for name in names:
+        logger.info("%s: apmodel plan %s", name, " ".join(RUNS[name]))
+        results.append(run(name, RUNS[name]))
+        logger.info("%s: %.1f s", name, results[-1]["seconds"])
+    if args.json != "-":
+        Console(width=160).print(_table(results))
+    if args.json:
+        text = json.dumps(results, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text, encoding="utf-8")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
