@@ -512,6 +512,20 @@ class Calibrated:
     fit: FitResult
 
 
+def _host_cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_share(host_processes: int, threads: int) -> float:
+    """The share of a core each thread of ``host_processes`` processes of ``threads`` threads gets
+    over a step on this host: 1 while there are cores enough, else cores / (processes × threads)
+    (the scheduler's fair share). Kernel timings cannot see it (a short kernel runs within one time
+    slice, at a whole core's speed); a step of several hundred milliseconds does."""
+    return min(1.0, _host_cores() / max(1, host_processes * threads))
+
+
 def load_like_calibration(*, quick: bool = False, threads: int | None = None) -> None:
     """Time the kernel set :func:`calibrate_compute` times, and discard the times: what the other
     processes of a host run while one of them calibrates, so that its kernels are timed with the
@@ -538,7 +552,9 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
     after each kernel of each timing pass. ``measurements_name`` is recorded in the profile's
     provenance. ``host_processes``: processes of this host timing the same kernels at the same time
     (this one included; the others run :func:`load_like_calibration`), recorded: the profile
-    prices a step in which that many processes compute at once.
+    prices a step in which that many processes compute at once; where they have fewer cores than
+    threads, the kernel times are divided by :func:`cpu_share` before the fit (recorded as
+    ``cpu_share``).
     """
     from . import kernel_timing as kt
 
@@ -550,6 +566,11 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
         say(f"measuring {len(rows)} kernels on {kt.describe_device(dev)} ({spec.name}; "
             f"{'quick' if quick else 'full'} set; {n_threads} CPU threads)")
         measured, skipped = kt.measure_rows(rows, dev, quick=quick, progress=progress)
+    share = cpu_share(host_processes, n_threads) if dev.type == "cpu" else 1.0
+    if share < 1.0:  # oversubscribed: a kernel timed within one time slice ran at a whole core's speed
+        say(f"{host_processes} processes of {n_threads} thread(s) on {_host_cores()} cores: each runs "
+            f"{share:.2f} of the time; kernel times divided by that")
+        measured = [{**r, "meas_us": r["meas_us"] / share} for r in measured]
     if skipped:
         say(f"skipped {len(skipped)} kernels the device cannot run (first: {skipped[0]['row']}: {skipped[0]['error']})")
     if not measured:
@@ -571,6 +592,7 @@ def calibrate_compute(*, quick: bool = False, device_name: str | None = None, th
         "method": doc["method"],
         "threads": n_threads,
         "host_processes": host_processes,
+        "cpu_share": share,
         "kernel_set": "quick" if quick else "full",
         "fitted_by": FITTED_BY,
         "sources": {

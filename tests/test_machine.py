@@ -149,3 +149,12 @@ def test_a_mesh_of_one_rank_is_priced_without_timing_collectives(tmp_path):
     [r] = run_distributed(_one_rank_worker, 1, str(tmp_path), timeout_s=300)
     assert r["device"] == "cpu" and r["calibration"] is None
     assert "collectives timed" not in r["priced_for"]
+
+
+@pytest.mark.parametrize(("processes", "threads", "cores", "share"),
+                         [(2, 1, 2, 1.0), (4, 1, 2, 0.5), (1, 4, 2, 0.5), (3, 2, 8, 1.0), (8, 1, 2, 0.25)])
+def test_cpu_share_is_the_fair_share_of_an_oversubscribed_host(monkeypatch, processes, threads, cores, share):
+    from costmodels import fitting
+
+    monkeypatch.setattr(fitting, "_host_cores", lambda: cores)
+    assert fitting.cpu_share(processes, threads) == share
