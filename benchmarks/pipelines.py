@@ -59,7 +59,7 @@ RUNS: dict[str, tuple[str, ...]] = {
 
 def run(name: str, args: tuple[str, ...]) -> dict[str, Any]:
     """One ``apmodel plan --json`` process: its pipeline record and wall time (seconds)."""
-    cmd = [sys.executable, "-m", "apmodel", "plan", *args, "--json"]
+    cmd = [sys.executable, "-m", "apmodel.cli", "plan", *args, "--json"]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
