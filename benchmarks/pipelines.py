@@ -98,10 +98,53 @@ def _table(results: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _stages(d: dict[str, Any]) -> str:
+    stages = d.get("stages") or []
+    if d["degree"] == 1 or not stages:
+        return "no pipelining" if d["degree"] == 1 else ""
+    if len(stages) > 4:
+        sizes = [b - a + 1 for a, b in stages]
+        return f"{len(stages)} stages of {min(sizes)}-{max(sizes)}"
+    return ", ".join(f"{a}-{b}" for a, b in stages)
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """The README's table: a row per run and degree (µs per step; the peak per device on the
+    fullest rank, "over" past the memory limit), the chosen degree in bold, then each run's command
+    and planning seconds."""
+    lines = ["| run | degree | schedule | stages (layers) | step µs | bubble | p2p µs | weights | peak | chosen |",
+             "|---|---:|---|---|---:|---:|---:|---|---:|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | | | | {r['error']} | | | | | |")
+            continue
+        base = next((d["objective_us"] for d in r["degrees"] if d["degree"] == 1), None)
+        for i, d in enumerate(r["degrees"]):
+            chosen = d["degree"] == r["degree"]
+            step = f"{d['objective_us']:,.0f}"
+            bubble = "–" if d["degree"] == 1 else f"{100 * (d['bubble_us'] or 0) / d['objective_us']:.1f}%"
+            p2p = "–" if d["degree"] == 1 else f"{d['p2p_us'] or 0:,.0f}"
+            syncs = " ".join(s[0] for s in d.get("weight_sync") or [])
+            peak = "" if d["peak_bytes"] is None else f"{d['peak_bytes'] / 1e9:.1f} GB" + (
+                " (over)" if d["fits"] is False else "")
+            mark = ""
+            if chosen:
+                gain = "" if base is None or d["degree"] == 1 else f" ({100 * (d['objective_us'] / base - 1):+.1f}%)"
+                mark = f"**yes**{gain}"
+            lines.append(f"| {r['name'] if i == 0 else ''} | {d['degree']} | {d.get('schedule') or '–'} | {_stages(d)} | "
+                         f"{'**' + step + '**' if chosen else step} | {bubble} | {p2p} | {syncs} | {peak} | {mark} |")
+    lines += ["", "```bash"]
+    lines += [f"{r['command']} --json   # {r['name']}: {r['seconds']:.1f} s" for r in results]
+    lines.append("```")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="run names starting with this (repeatable)")
     parser.add_argument("--json", help="write the results here ('-' for stdout only)")
+    parser.add_argument("--markdown", help="also write the README's table (markdown) here")
+    parser.add_argument("--from-json", help="read the results of an earlier run instead of planning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.json and args.json != "-" and not Path(args.json).resolve().parent.is_dir():
@@ -110,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
         parser.error(f"--only {args.only}: no run matches; runs: {', '.join(RUNS)}")
     results = []
-    for name in names:
+    if args.from_json:
+        results = [r for r in json.loads(Path(args.from_json).read_text(encoding="utf-8")) if r["name"] in names]
+    for name in names if not args.from_json else []:
         logger.info("%s: apmodel plan %s", name, " ".join(RUNS[name]))
         results.append(run(name, RUNS[name]))
         logger.info("%s: %.1f s", name, results[-1]["seconds"])
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results) + "\n", encoding="utf-8")
     if args.json != "-":
         Console(width=160).print(_table(results))
     if args.json:

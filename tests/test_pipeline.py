@@ -465,3 +465,36 @@ def test_auto_prices_every_schedule_that_runs():
     assert PipelineOptions(pp_axis=0, pp_schedule="zbv").candidates(2, 4) == ("zbv",)
     with pytest.raises(PipelineError, match="7 microbatches cannot fill a zbv pipeline of degree 4"):
         PipelineOptions(pp_axis=0, pp_degrees=(4,), microbatches=7, pp_schedule="zbv").resolve((4, 2), 56)
+
+
+@pytest.mark.parametrize(("model", "needed", "first_of_last_kind"),
+                         [("deepseek-v3", 4, 3), ("hybrid-swa-30b", 6, 0), ("llama3-70b", 1, 0), ("moe-debug", 2, 1)])
+def test_the_stage_plan_holds_a_layer_of_every_kind(model, needed, first_of_last_kind):
+    """The configs say it: DeepSeek-V3's first three layers dense (n_dense_layers), Gemma 3's hybrid
+    full attention every sixth layer (sliding window otherwise), LLaMA's layers alike."""
+    from apmodel.frontend.workloads import load_workload
+    from apmodel.solve.pipeline import layers_to_plan, stand_ins
+
+    workload = load_workload(model, (8,), batch=8, seq=128)
+    k, kinds = layers_to_plan(workload)
+    assert k == needed and kinds is not None
+    assert kinds.index(kinds[-1]) == first_of_last_kind
+    priced_as = stand_ins(kinds, k, len(kinds))
+    assert all(kinds[j] == kinds[i] for i, j in enumerate(priced_as))  # every layer priced as one of its kind
+    assert priced_as[:k] == list(range(k))
+
+
+def test_a_moe_layer_is_not_priced_as_a_dense_one():
+    """moe-debug (a dense layer, then a MoE layer) on two stages of one layer: the stage plan is
+    solved on both layers (a one-layer cut would hold the dense layer only, and price the MoE layer
+    as it), and the second stage's layer costs what the MoE layer of the whole-model plan does."""
+    from apmodel.frontend.workloads import load_workload
+
+    workload = load_workload("moe-debug", (2, 2), batch=8, seq=64)
+    chosen = api.plan_pipelined(workload, PlanOptions(device="h100"), PipelineOptions(pp_axis=0, pp_degrees=(2,)))
+    record = chosen.plan.pipeline
+    assert record["degree"] == 2 and record["stages"] == [[0, 0], [1, 1]]
+    units = step_units(chosen.plan.model, chosen.plan.node_strategy)
+    assert len(units.layers) == 2  # both layers planned, not one standing for the other
+    dense, moe = units.layers
+    assert moe.forward_us != pytest.approx(dense.forward_us)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from apmodel._torch_private import op_schema
+
 
 @dataclass(frozen=True)
 class WeightSplit:
@@ -45,7 +47,7 @@ class WeightSplit:
 
 def _writes(node: fx.Node) -> list[fx.Node]:
     """The argument nodes ``node`` writes into (its schema's mutable arguments)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    schema = op_schema(node.target) if node.op == "call_function" else None
     if schema is None:
         return []
     written = []

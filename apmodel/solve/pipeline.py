@@ -62,6 +62,7 @@ import solvers
 from apmodel.core import schedules
 from apmodel.core.options import OptionsError, PlanOptions
 from apmodel.frontend.workloads import Workload, WorkloadError, load_workload
+from apmodel.graph.conventions import layer_pattern_from_names
 from apmodel.problem.memory import OutOfMemory
 from apmodel.result.pipeline_record import DegreePrice, PipelineChoice, PipelineError
 from apmodel.solve import search
@@ -380,6 +381,62 @@ def layer_count(workload: Workload) -> int:
     return n
 
 
+#: Module attributes a layer's kind does not depend on: its position in the stack.
+_POSITION_ATTRIBUTES = ("layer_id", "layer_idx", "layer_index", "idx", "index", "block_idx")
+
+
+def _layer_kind(layer: Any) -> tuple[Any, ...]:
+    """What a repeated layer computes, to compare layers: each module's path, class, parameter
+    shapes and integer, boolean and string settings (a sliding window, a head count), its position
+    in the stack left out, and floats too (an initialisation scale that grows with the depth)."""
+    kind = []
+    for path, module in layer.named_modules():
+        settings = tuple(sorted((k, v) for k, v in vars(module).items()
+                                if not k.startswith("_") and k != "training" and k not in _POSITION_ATTRIBUTES
+                                and (v is None or isinstance(v, (bool, int, str)))))  # floats: init scales
+        shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
+        kind.append((path, type(module).__name__, shapes, settings))
+    return tuple(kind)
+
+
+def layers_to_plan(workload: Workload) -> tuple[int, tuple[int, ...] | None]:
+    """How many leading layers a stage plan's model needs so that every layer of the model has one
+    of its kind among them (:func:`_layer_kind`), and each layer's kind (a number; :func:`stand_ins`
+    reads which planned layer prices it, :meth:`apmodel.solve.stage_costs.StepUnits.with_layers`).
+    DeepSeek-V3's first three layers are dense and the rest mixtures of experts: a stage plan of
+    two layers would price every MoE layer as a dense one; Gemma 3's hybrid needs its first full
+    attention layer, the sixth. ``(1, None)`` where the layers cannot be compared (a captured
+    graph, no layer container): every layer is priced as the stage plan's last."""
+    from apmodel.graph.capture import CapturedGraph
+
+    model = workload.model
+    if isinstance(model, CapturedGraph):
+        return 1, None
+    pattern = layer_pattern_from_names([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    if pattern is None:
+        return 1, None
+    path = pattern.split("{i}")[0].strip("*.")
+    try:
+        container = model.get_submodule(path) if path else model
+    except AttributeError:
+        return 1, None
+    ids: dict[tuple[Any, ...], int] = {}
+    kinds = tuple(ids.setdefault(_layer_kind(layer), len(ids)) for layer in container.children())
+    return max(kinds.index(kind) for kind in set(kinds)) + 1 if kinds else 1, kinds
+
+
+def stand_ins(kinds: Sequence[int] | None, planned: int, n_layers: int) -> list[int]:
+    """For each of ``n_layers`` layers of kinds ``kinds`` (:func:`layers_to_plan`), the layer of a
+    stage plan of the first ``planned`` that prices it: itself where planned, else the last planned
+    layer of its kind (the last planned layer where none is: ``kinds`` None, or a replayed plan cut
+    shorter)."""
+    out = []
+    for i in range(n_layers):
+        same = [j for j in range(min(planned, i + 1)) if kinds is not None and kinds[j] == kinds[i]]
+        out.append(i if i < planned else same[-1] if same else planned - 1)
+    return out
+
+
 def microbatch_workload(workload: Workload, mesh_shape: Sequence[int], microbatches: int,
                         layers: int | None = None) -> tuple[Workload, bool]:
     """The workload of one microbatch on ``mesh_shape``, and whether it has ``layers`` layers: a
@@ -465,6 +522,7 @@ def plan_pipeline(
     plans: dict[int, "Plan"] = {}
     priced: list[DegreePrice] = []
     n_layers = layer_count(workload)
+    kept_layers, kinds = layers_to_plan(workload)
     for d in degrees:  # before any planning: each stage needs a layer
         if d > 1 and not pp.candidates(d, m, n_layers):
             v = min((schedules.stages_per_rank(s) for s in pp.candidates(d, m)), default=1)
@@ -493,7 +551,8 @@ def plan_pipeline(
             continue
         names = pp.candidates(d, m, n_layers)
         v = max(schedules.stages_per_rank(s) for s in names)  # one stage plan prices every schedule
-        k_layers = fixed_layers or min(n_layers, -(-n_layers // (d * v)))  # the largest balanced stage
+        # the largest balanced stage, with at least one layer of every kind the model's last stands for
+        k_layers = fixed_layers or min(n_layers, max(-(-n_layers // (d * v)), kept_layers))
         progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {', '.join(names)}; "
                  f"stage plan of {k_layers} layers")
 
@@ -501,7 +560,7 @@ def plan_pipeline(
             return send_recv_us(nbytes, peer_link(full_topo, stage_rank(mesh, pp.pp_axis, d, src),
                                                   stage_rank(mesh, pp.pp_axis, d, dst)))
 
-        job = _StageJob(d, names, m, n_layers, k_layers, tuple(sub), transfer, fixed_stages, fixed_sync)
+        job = _StageJob(d, names, m, n_layers, k_layers, kinds, tuple(sub), transfer, fixed_stages, fixed_sync)
         plans[d], price = _plan_degree(job, workload, options, sub_options, record, plan_spmd, progress)
         priced.append(price)
     best = choose(priced)
@@ -524,6 +583,7 @@ class _StageJob:
     microbatches: int
     n_layers: int
     stage_layers: int
+    layer_kinds: tuple[int, ...] | None
     stage_mesh: tuple[int, ...]
     transfer_us: Callable[[int, int, float], float]
     stages: Sequence[tuple[int, int]] | None
@@ -550,7 +610,7 @@ def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_o
     def price(stage_plan: "Plan") -> DegreePrice:
         units = step_units(_placement_model(stage_plan), stage_plan.node_strategy)
         if cut or len(units.layers) != job.n_layers:
-            units = units.with_layers(job.n_layers)
+            units = units.with_layers(job.n_layers, stand_ins(job.layer_kinds, len(units.layers), job.n_layers))
         prices = []
         for name in job.schedules:
             one = price_degree(units, job.degree, name, m, job.transfer_us, stage_mesh_shape=job.stage_mesh,

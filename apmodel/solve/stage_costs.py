@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from apmodel.graph.conventions import ModelConventions, layer_pattern_from_names
 from apmodel.problem.clustering import local_signature
@@ -129,16 +129,19 @@ class StepUnits:
     def total_us(self) -> float:
         return self.pre.total_us + self.post.total_us + sum(u.total_us for u in self.layers)
 
-    def with_layers(self, n_layers: int) -> "StepUnits":
+    def with_layers(self, n_layers: int, stand_ins: Sequence[int] | None = None) -> "StepUnits":
         """The units of the same model with ``n_layers`` repeated layers, read off this plan of
-        fewer: layer ``i`` costs what this plan's layer ``min(i, L - 1)`` does (the layers share
-        one placement; the last one here stands for every layer it lacks), and so do boundaries."""
+        fewer: layer ``i`` costs what this plan's layer ``stand_ins[i]`` does (a layer of the same
+        kind; None: ``min(i, L - 1)``, the last one here standing for every layer it lacks), and so
+        do boundaries."""
         k = len(self.layers)
+        of = list(stand_ins) if stand_ins is not None else [min(i, k - 1) for i in range(n_layers)]
+        if len(of) != n_layers or any(not 0 <= j < k for j in of):
+            raise ValueError(f"with_layers: {n_layers} layers need a stand-in each among this plan's {k}, got {of}")
         placements = self.boundary_placements
-        return replace(self, layers=tuple(self.layers[min(i, k - 1)] for i in range(n_layers)),
-                       boundary_bytes=tuple(self.boundary_bytes[min(i, k - 1)] for i in range(n_layers)),
-                       boundary_placements=tuple(placements[min(i, k - 1)] for i in range(n_layers)) if placements
-                       else ())
+        return replace(self, layers=tuple(self.layers[j] for j in of),
+                       boundary_bytes=tuple(self.boundary_bytes[j] for j in of),
+                       boundary_placements=tuple(placements[j] for j in of) if placements else ())
 
 
 def count_layers(fqns: Iterable[str]) -> int:
