@@ -498,3 +498,15 @@ def test_a_moe_layer_is_not_priced_as_a_dense_one():
     assert len(units.layers) == 2  # both layers planned, not one standing for the other
     dense, moe = units.layers
     assert moe.forward_us != pytest.approx(dense.forward_us)
+
+
+def test_auto_is_never_worse_than_one_schedule_alone():
+    """``pp_schedule="auto"`` prices 1F1B on its own stage plan (stages of twice the layers of the
+    two-per-rank schedules'), so at every degree it is at least as cheap as 1F1B alone."""
+    priced = {}
+    for schedule in ("1f1b", "auto"):
+        chosen = api.plan_pipelined(_unequal_workload((2, 2)), PlanOptions(device="h100"),
+                                    PipelineOptions(pp_axis=0, pp_degrees=(2,), microbatches=4, pp_schedule=schedule))
+        priced[schedule] = {a["degree"]: a for a in chosen.plan.pipeline["alternatives"]}
+    for degree, one in priced["1f1b"].items():
+        assert priced["auto"][degree]["objective_us"] <= one["objective_us"] * (1 + 1e-9)
