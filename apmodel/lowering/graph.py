@@ -133,3 +133,19 @@ def add_to_grad(param: Any, local: torch.Tensor) -> None:
 
     g = dtensor_like(param, local)
     param.grad = g if param.grad is None else param.grad + g
+
+
+def copy_nodes(gm: fx.GraphModule, keep: Any, inputs: Sequence[fx.Node] = ()) -> tuple[fx.Graph, dict[fx.Node, Any]]:
+    """A new graph of the nodes of ``gm`` for which ``keep(node)`` holds, in their order, reading
+    ``inputs`` (nodes of ``gm`` computed elsewhere) as its first placeholders, ``kept_0``...; and
+    the map from ``gm``'s nodes to the new graph's. How a graph is cut in two parts, the second
+    reading what the first hands it."""
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    for k, n in enumerate(inputs):
+        env[n] = graph.placeholder(f"kept_{k}")
+        env[n].meta = dict(n.meta)
+    for n in gm.graph.nodes:
+        if keep(n):
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    return graph, env

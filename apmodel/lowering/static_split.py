@@ -18,10 +18,12 @@ tags ``nondeterministic_seeded`` (random numbers) stay in the main graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.fx as fx
+
+from apmodel.lowering.graph import copy_nodes
 
 
 @dataclass(frozen=True)
@@ -66,20 +68,7 @@ def split_static(gm: fx.GraphModule, static_inputs: Sequence[bool]) -> StaticSpl
     if not any(n.op != "placeholder" for n in frontier):
         return None
 
-    prologue = fx.Graph()
-    env: dict[fx.Node, Any] = {}
-    for n in gm.graph.nodes:
-        if n in static:
-            env[n] = prologue.node_copy(n, lambda a: env[a])
+    prologue, env = copy_nodes(gm, lambda n: n in static)
     prologue.output(tuple(env[n] for n in frontier))
-
-    main = fx.Graph()
-    env = {}
-    for k, n in enumerate(frontier):
-        env[n] = main.placeholder(f"kept_{k}")
-        env[n].meta = dict(n.meta)
-    for n in gm.graph.nodes:
-        if n in static:
-            continue
-        env[n] = main.node_copy(n, lambda a: env[a])
+    main, _ = copy_nodes(gm, lambda n: n not in static, frontier)
     return StaticSplit(fx.GraphModule(gm, prologue), fx.GraphModule(gm, main), len(frontier))

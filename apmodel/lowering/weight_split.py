@@ -22,12 +22,12 @@ reader in the input part pulls the writers before it into it, a writer the earli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
 
 from apmodel._torch_private import op_schema
+from apmodel.lowering.graph import copy_nodes
 
 
 @dataclass(frozen=True)
@@ -132,22 +132,9 @@ def split_weight(gm: fx.GraphModule, n_param_grads: int) -> WeightSplit | None:
             kept.append(n)
             kept_set.add(n)
 
-    first = fx.Graph()
-    env: dict[fx.Node, Any] = {}
-    for n in gm.graph.nodes:
-        if n is output or n in weight_only:
-            continue
-        env[n] = first.node_copy(n, lambda a: env[a])
+    first, env = copy_nodes(gm, lambda n: n is not output and n not in weight_only)
     first.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in input_out) + tuple(env[n] for n in kept))
-
-    second = fx.Graph()
-    env = {}
-    for k, n in enumerate(kept):
-        env[n] = second.placeholder(f"kept_{k}")
-        env[n].meta = dict(n.meta)
-    for n in gm.graph.nodes:
-        if n in weight_only:
-            env[n] = second.node_copy(n, lambda a: env[a])
+    second, env = copy_nodes(gm, lambda n: n in weight_only, kept)
     second.output(tuple(env[v] if isinstance(v, fx.Node) else v for v in param_out))
     first.lint()
     second.lint()
