@@ -32,9 +32,9 @@ axis size ``P``; 1 means no pipelining):
   parameters' gradients need, :func:`apmodel.solve.stage_costs.weight_only_nodes`; all of the
   first stage's backward);
 * **the schedule**: ``pp_schedule`` names one, or ``"auto"``: every schedule that can run the
-  degree and microbatches is priced, each on the stage plan of its stage size (one for 1F1B, one
-  for the schedules of two stages per rank), and the cheapest that fits kept, so the schedule is
-  chosen with the degree.
+  degree and microbatches is priced on a stage plan of each stage size (one for 1F1B's stages,
+  one for the schedules of two stages per rank) and the cheapest that fits kept, so the schedule
+  is chosen with the degree.
   A degree over the memory limit is solved again before it is reported so (:func:`_plan_degree`).
 
 Degree 1 is the ordinary plan of the full mesh and batch (memory-fitted as usual). The cheapest
@@ -554,18 +554,16 @@ def plan_pipeline(
             return send_recv_us(nbytes, peer_link(full_topo, stage_rank(mesh, pp.pp_axis, d, src),
                                                   stage_rank(mesh, pp.pp_axis, d, dst)))
 
-        # one stage plan per stage size: the schedules of one rank per stage, and those of two
-        by_size: dict[int, list[str]] = {}
-        for name in pp.candidates(d, m, n_layers):
-            by_size.setdefault(schedules.stages_per_rank(name), []).append(name)
+        # a stage plan per stage size (1F1B's stages hold twice the layers of the two-per-rank
+        # schedules'), every schedule priced on each: the per-layer costs of either may be the better
+        names = pp.candidates(d, m, n_layers)
         tried = []
-        for v, names in sorted(by_size.items()):
+        for v in sorted({schedules.stages_per_rank(name) for name in names}):
             # the largest balanced stage, with at least one layer of every kind the model has
             k_layers = fixed_layers or min(n_layers, max(-(-n_layers // (d * v)), kept_layers))
             progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {', '.join(names)}; "
                      f"stage plan of {k_layers} layers")
-            job = _StageJob(d, tuple(names), m, n_layers, k_layers, kinds, tuple(sub), transfer, fixed_stages,
-                            fixed_sync)
+            job = _StageJob(d, names, m, n_layers, k_layers, kinds, tuple(sub), transfer, fixed_stages, fixed_sync)
             tried.append(_plan_degree(job, workload, options, sub_options, record, plan_spmd, progress))
         plans[d], price = min(tried, key=lambda t: (t[1].fits is False, t[1].objective_us if t[1].fits is not False
                                                     else t[1].peak_bytes or math.inf))
