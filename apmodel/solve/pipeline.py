@@ -557,14 +557,16 @@ def plan_pipeline(
         # a stage plan per stage size (1F1B's stages hold twice the layers of the two-per-rank
         # schedules'), every schedule priced on each: the per-layer costs of either may be the better
         names = pp.candidates(d, m, n_layers)
-        tried = []
-        for v in sorted({schedules.stages_per_rank(name) for name in names}):
+        tried: list[tuple[Plan, DegreePrice]] = []
+        for v in sorted({schedules.stages_per_rank(name) for name in names}, reverse=True):
             # the largest balanced stage, with at least one layer of every kind the model has
             k_layers = fixed_layers or min(n_layers, max(-(-n_layers // (d * v)), kept_layers))
             progress(f"pipeline degree {d}: stage mesh {sub}, {m} microbatches of {batch // m}, {', '.join(names)}; "
                      f"stage plan of {k_layers} layers")
             job = _StageJob(d, names, m, n_layers, k_layers, kinds, tuple(sub), transfer, fixed_stages, fixed_sync)
-            tried.append(_plan_degree(job, workload, options, sub_options, record, plan_spmd, progress))
+            # the second plan is solved again under memory only where the first left nothing that fits
+            tried.append(_plan_degree(job, workload, options, sub_options, record, plan_spmd, progress,
+                                      solve_again=all(t[1].fits is False for t in tried)))
         plans[d], price = min(tried, key=lambda t: (t[1].fits is False, t[1].objective_us if t[1].fits is not False
                                                     else t[1].peak_bytes or math.inf))
         priced.append(price)
@@ -597,7 +599,7 @@ class _StageJob:
 
 def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_options: PlanOptions,
                  record: Mapping[str, Any], plan_spmd: PlanSpmd,
-                 progress: Callable[[str], None]) -> tuple["Plan", DegreePrice]:
+                 progress: Callable[[str], None], *, solve_again: bool = True) -> tuple["Plan", DegreePrice]:
     """The stage plan of one degree and its price. The stage plan is solved with its weights'
     traffic shared by the microbatches; if its split does not fit the memory limit, or fits only
     with some stage's weights synchronised per microbatch, two more are tried before the degree is
@@ -631,7 +633,7 @@ def _plan_degree(job: _StageJob, workload: Workload, options: PlanOptions, sub_o
     first = tried[0][1]
     # kept within the limit only by synchronising some stage's weights per microbatch, or not at all
     squeezed = first.fits is False or schedules.WEIGHT_SYNCS[0] in first.weight_sync
-    if not squeezed or job.stages is not None or limit is None:
+    if not squeezed or job.stages is not None or limit is None or not solve_again:
         return plan, first
     progress(f"pipeline degree {job.degree}: a rank needs {(first.peak_bytes or 0) / 1e9:.2f} GB with weight syncs "
              f"{', '.join(first.weight_sync)}; the stage plan solved again, its weights' traffic per microbatch")
