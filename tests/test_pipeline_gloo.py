@@ -176,14 +176,14 @@ def test_interleaved_pipeline_trains_like_one_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_v_schedules_train_like_one_device(schedule):
+@pytest.mark.parametrize(("schedule", "weight_sync"), [("zbv", "reduce_once"), ("dualpipev", "gather_once")])
+def test_v_schedules_train_like_one_device(schedule, weight_sync):
     """Two stages per pipeline rank in a V (ScheduleZBVZeroBubble, ScheduleDualPipeV): stage k and
     3 - k on pipeline rank k, the backward split into input and weight gradients (the native
-    backward graph's two parts, the weight part run by the W action); the last stage, and so the
-    loss, on pipeline rank 0. Each stage still reduces its gradients once per step, after its last
-    weight gradient."""
-    per_rank = run_distributed(_worker, 4, schedule, ((0, 0), (1, 1), (2, 2), (3, 3)), timeout_s=900)
+    backward graph's two parts, the weight part run by the W action; kept gathered, cut from the
+    kept-gathered main graph); the last stage, and so the loss, on pipeline rank 0. Each stage
+    still reduces its gradients once per step, after its last weight gradient."""
+    per_rank = run_distributed(_worker, 4, schedule, ((0, 0), (1, 1), (2, 2), (3, 3)), weight_sync, timeout_s=900)
     assert [r["stages"] for r in per_rank] == [[0, 3], [0, 3], [1, 2], [1, 2]]
     assert [r["layers"] for r in per_rank[1:3]] == [[[0], [3]], [[1], [2]]]
     reference = _reference_losses()
@@ -202,20 +202,18 @@ def test_v_schedules_train_like_one_device(schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weight_sync", ["microbatch", "gather_once"])
-def test_split_backward_under_every_weight_sync(weight_sync):
+def test_split_backward_reducing_per_microbatch():
     """ZB-V with the gradients reduced in each W action (``microbatch``: the weight part reduces
-    and adds to ``.grad``) and with the parameters kept gathered (``gather_once``: the weight part
-    cut from the kept-gathered main graph): the losses of one device."""
-    per_rank = run_distributed(_worker, 4, "zbv", ((0, 0), (1, 1), (2, 2), (3, 3)), weight_sync, timeout_s=900)
+    and adds to ``.grad``; the V test covers the syncs that reduce once per step): the losses of
+    one device."""
+    per_rank = run_distributed(_worker, 4, "zbv", ((0, 0), (1, 1), (2, 2), (3, 3)), "microbatch", timeout_s=900)
     reference = _reference_losses()
     for r in per_rank[:2]:
         assert r["losses"] == pytest.approx(reference, rel=1e-5)
     for r in per_rank:
         for step in r["per_step"]:
             assert step["weight_parts"] == 2 * MICROBATCHES, step
-            if weight_sync == "microbatch":
-                assert step["windows"] == [] and step["outside_reducing"] > 0
+            assert step["windows"] == [] and step["outside_reducing"] > 0
 
 
 # ------------------------------------------------------------------------------ transfers as priced
