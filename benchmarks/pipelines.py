@@ -78,23 +78,38 @@ def run(name: str, args: tuple[str, ...]) -> dict[str, Any]:
             "microbatches": pipe.get("microbatches"), "degrees": degrees}
 
 
+#: The columns of one priced degree, in both tables.
+COLUMNS = ("degree", "schedule", "stages (layers)", "step µs", "bubble", "p2p µs", "weights", "peak", "chosen")
+
+
+def _cells(r: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    """One degree ``d`` of run ``r`` as the tables show it (:data:`COLUMNS`): the peak per device
+    on the fullest rank, "over" past the memory limit; the chosen degree marked with its change
+    against the whole-mesh plan."""
+    base = next((x["objective_us"] for x in r["degrees"] if x["degree"] == 1), None)
+    piped = d["degree"] > 1
+    peak = "" if d["peak_bytes"] is None else f"{d['peak_bytes'] / 1e9:.1f} GB" + (" (over)" if d["fits"] is False
+                                                                                  else "")
+    mark = ""
+    if d["degree"] == r["degree"]:
+        gain = f" ({100 * (d['objective_us'] / base - 1):+.1f}%)" if base is not None and piped else ""
+        mark = f"yes{gain}"
+    return [str(d["degree"]), d.get("schedule") or "–", _stages(d), f"{d['objective_us']:,.0f}",
+            f"{100 * (d['bubble_us'] or 0) / d['objective_us']:.1f}%" if piped else "–",
+            f"{d['p2p_us'] or 0:,.0f}" if piped else "–", " ".join(s[0] for s in d.get("weight_sync") or []),
+            peak, mark]
+
+
 def _table(results: list[dict[str, Any]]) -> Table:
     table = Table(title="pipeline degrees priced (µs per step; peak per device, fullest rank)")
-    for col in ("run", "degree", "schedule", "step µs", "bubble", "p2p µs", "weights", "peak GB", "fits", "chosen",
-                "s"):
-        table.add_column(col, justify="right" if col not in ("run", "schedule", "weights") else "left")
+    for col in ("run", *COLUMNS, "s"):
+        table.add_column(col, justify="left" if col in ("run", "schedule", "stages (layers)", "weights") else "right")
     for r in results:
         if "error" in r:
-            table.add_row(r["name"], "", "", r["error"][:60], "", "", "", "", "", "", f"{r['seconds']:.1f}")
+            table.add_row(r["name"], "", "", "", r["error"][:60], "", "", "", "", "", f"{r['seconds']:.1f}")
             continue
         for i, d in enumerate(r["degrees"]):
-            step = d["objective_us"]
-            bubble = "" if d["degree"] == 1 or not step else f"{100 * (d['bubble_us'] or 0) / step:.1f}%"
-            syncs = " ".join(s[0] for s in d.get("weight_sync") or [])
-            peak = "" if d["peak_bytes"] is None else f"{d['peak_bytes'] / 1e9:.1f}"
-            table.add_row(r["name"] if i == 0 else "", str(d["degree"]), d.get("schedule") or "",
-                          f"{step:,.0f}", bubble, f"{d['p2p_us'] or 0:,.0f}", syncs, peak, str(d["fits"]),
-                          "yes" if d["degree"] == r["degree"] else "", f"{r['seconds']:.1f}" if i == 0 else "")
+            table.add_row(r["name"] if i == 0 else "", *_cells(r, d), f"{r['seconds']:.1f}" if i == 0 else "")
     return table
 
 
@@ -109,30 +124,19 @@ def _stages(d: dict[str, Any]) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    """The README's table: a row per run and degree (µs per step; the peak per device on the
-    fullest rank, "over" past the memory limit), the chosen degree in bold, then each run's command
-    and planning seconds."""
-    lines = ["| run | degree | schedule | stages (layers) | step µs | bubble | p2p µs | weights | peak | chosen |",
-             "|---|---:|---|---|---:|---:|---:|---|---:|---|"]
+    """The README's table: a row per run and degree (:func:`_cells`), the chosen degree's step and
+    mark in bold, then each run's command and planning seconds."""
+    lines = ["| run | " + " | ".join(COLUMNS) + " |", "|---|---:|---|---|---:|---:|---:|---|---:|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['name']} | | | | {r['error']} | | | | | |")
             continue
-        base = next((d["objective_us"] for d in r["degrees"] if d["degree"] == 1), None)
         for i, d in enumerate(r["degrees"]):
-            chosen = d["degree"] == r["degree"]
-            step = f"{d['objective_us']:,.0f}"
-            bubble = "–" if d["degree"] == 1 else f"{100 * (d['bubble_us'] or 0) / d['objective_us']:.1f}%"
-            p2p = "–" if d["degree"] == 1 else f"{d['p2p_us'] or 0:,.0f}"
-            syncs = " ".join(s[0] for s in d.get("weight_sync") or [])
-            peak = "" if d["peak_bytes"] is None else f"{d['peak_bytes'] / 1e9:.1f} GB" + (
-                " (over)" if d["fits"] is False else "")
-            mark = ""
-            if chosen:
-                gain = "" if base is None or d["degree"] == 1 else f" ({100 * (d['objective_us'] / base - 1):+.1f}%)"
-                mark = f"**yes**{gain}"
-            lines.append(f"| {r['name'] if i == 0 else ''} | {d['degree']} | {d.get('schedule') or '–'} | {_stages(d)} | "
-                         f"{'**' + step + '**' if chosen else step} | {bubble} | {p2p} | {syncs} | {peak} | {mark} |")
+            cells = _cells(r, d)
+            if d["degree"] == r["degree"]:  # bold: the step and the mark (its change left plain)
+                cells[3] = f"**{cells[3]}**"
+                cells[8] = "**yes**" + cells[8][len("yes"):]
+            lines.append(f"| {r['name'] if i == 0 else ''} | " + " | ".join(cells) + " |")
     lines += ["", "```bash"]
     lines += [f"{r['command']} --json   # {r['name']}: {r['seconds']:.1f} s" for r in results]
     lines.append("```")

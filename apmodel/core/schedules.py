@@ -293,9 +293,13 @@ def _dualpipev_order(degree: int, m: int, r: int) -> list[Action]:
 def in_flight(schedule: str, degree: int, microbatches: int) -> tuple[int, ...]:
     """Per stage: the most microbatches whose forward ran and whose weight gradient (``W``, or the
     full backward ``B``) did not yet, by the rank's order alone (the activations it holds)."""
-    n = degree * stages_per_rank(schedule)
-    live, most = [0] * n, [0] * n
-    for acts in orders(schedule, degree, microbatches):
+    return _held_microbatches(orders(schedule, degree, microbatches), degree * stages_per_rank(schedule))
+
+
+def _held_microbatches(ranks: Sequence[Sequence[Action]], n_stages: int) -> tuple[int, ...]:
+    """:func:`in_flight` of the per-rank orders ``ranks``."""
+    live, most = [0] * n_stages, [0] * n_stages
+    for acts in ranks:
         for a in acts:
             if a.kind == "F":
                 live[a.stage] += 1
@@ -388,8 +392,6 @@ def simulate(
     free = [sum(setup[k] for k in range(n_stages) if home[k] == r) for r in range(degree)]
     pos = [0] * degree
     busy = list(free)
-    live = [0] * n_stages
-    most = [0] * n_stages
     finished = [0] * n_stages  # backwards (B or W) run per stage: the flush follows the last
     first = [math.inf] * degree
     left = sum(len(r) for r in ranks)
@@ -435,10 +437,7 @@ def simulate(
                 free[r] = end + after
                 busy[r] += own_us[a.kind][k] + after
                 if a.kind != "I":
-                    step = 1 if a.kind == "F" else -1
-                    live[k] += step
-                    most[k] = max(most[k], live[k])
-                    held[r] += step * act[k]
+                    held[r] += (1 if a.kind == "F" else -1) * act[k]
                     most_held[r] = max(most_held[r], held[r])
                 pos[r] += 1
                 left -= 1
@@ -447,7 +446,7 @@ def simulate(
             stuck = {r: str(acts[pos[r]]) for r, acts in enumerate(ranks) if pos[r] < len(acts)}
             raise ScheduleError(f"{schedule} schedule deadlocks (ranks waiting at {stuck})")
     step_us = max(free)
-    return Timeline(step_us=step_us, busy_us=tuple(busy), bubble_us=step_us - max(busy), in_flight=tuple(most),
+    return Timeline(step_us=step_us, busy_us=tuple(busy), bubble_us=step_us - max(busy), in_flight=_held_microbatches(ranks, n_stages),
                     held_bytes=tuple(most_held), first_us=tuple(first), last_us=tuple(free))
 
 

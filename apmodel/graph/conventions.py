@@ -130,6 +130,12 @@ class ModelConventions:
         prefix = ".*?".join(re.escape(part) for part in head.split("*"))
         return re.compile(rf"^({prefix}(\d+){re.escape(tail)})(?:\.(.*))?$")
 
+    @property
+    def layer_container(self) -> str | None:
+        """The qualified name of the module holding the repeated layers (``"layers"``,
+        ``"model.layers"``; ``""``: the model itself), read off the layer pattern; None without one."""
+        return None if self.layer_pattern is None else self.layer_pattern.split("{i}")[0].strip("*.")
+
     def split(self, fqn: str) -> tuple[str, str]:
         """``("layers.3", "attention.wq.weight")`` for a parameter (or module path) inside layer 3,
         ``("", fqn)`` outside the layers."""

@@ -84,7 +84,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from apmodel.core import placements as pl
-from apmodel.core.schedules import WEIGHT_SYNCS, rank_stages
+from apmodel.core.schedules import V_SCHEDULES, WEIGHT_SYNCS, rank_stages
 from apmodel.graph import conventions
 from apmodel.lowering.module import (
     defer_gradient_reduction,
@@ -118,19 +118,15 @@ class StageLayers(nn.ModuleDict):
         return iter(self._modules.values())
 
     def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, slice):
-            return list(self._modules.values())[key]
-        if isinstance(key, int):
+        if isinstance(key, (slice, int)):
             return list(self._modules.values())[key]
         return super().__getitem__(key)
 
 
 def _layer_container(model: nn.Module) -> tuple[str, nn.ModuleDict | nn.ModuleList]:
-    conv = conventions.from_module(model)
-    pattern = conv.layer_pattern
-    if pattern is None:
+    path = conventions.from_module(model).layer_container
+    if path is None:
         raise PipelineLoweringError(f"{type(model).__name__} has no repeated layers to split into pipeline stages")
-    path = pattern.split("{i}")[0].rstrip(".").lstrip("*")
     container = model.get_submodule(path) if path else model
     if not isinstance(container, (nn.ModuleDict, nn.ModuleList)):
         raise PipelineLoweringError(
@@ -203,15 +199,20 @@ def _refuse_position_tables(model: nn.Module) -> None:
                                     f"layers in an nn.ModuleList need rotary positions (LLaMA-style)")
 
 
-def _refuse_ties_across_stages(model: nn.Module, outside: Sequence[str]) -> None:
-    """A parameter shared by two modules beside the layers (GPT-2's tied embedding and head)
-    would land on two stages, each with part of its gradient: refused."""
+def _owners(model: nn.Module, outside: Sequence[str]) -> dict[int, set[str]]:
+    """Per parameter (by id) of the modules beside the layers (qualified names), the modules holding it."""
     owners: dict[int, set[str]] = {}
     for name in outside:
         child = model.get_submodule(name)
         for _, p in (child.named_parameters(remove_duplicate=False) if child is not None else ()):
             owners.setdefault(id(p), set()).add(name)
-    shared = sorted(sorted(o) for o in owners.values() if len(o) > 1)
+    return owners
+
+
+def _refuse_ties_across_stages(model: nn.Module, outside: Sequence[str]) -> None:
+    """A parameter shared by two modules beside the layers (GPT-2's tied embedding and head)
+    would land on two stages, each with part of its gradient: refused."""
+    shared = sorted(sorted(o) for o in _owners(model, outside).values() if len(o) > 1)
     if shared:
         raise PipelineLoweringError(f"{type(model).__name__}: modules {', '.join(shared[0])} share a parameter (tied "
                                     f"weights), which pipeline stages would hold apart; untie them to pipeline it")
@@ -222,11 +223,7 @@ def children_before_layers(model: nn.Module, inputs: Sequence[torch.Tensor]) -> 
     parameters the forward reads before its first layer runs: one forward on meta, every op's
     parameter arguments noted (GPT-2's position table is read as a tensor, not called as a module)."""
     path, container = _layer_container(model)
-    owner = {}
-    for name in _outside_layers(model, path):
-        child = model.get_submodule(name)
-        for _, p in (child.named_parameters(remove_duplicate=False) if child is not None else ()):
-            owner[id(p)] = name
+    owner = _owners(model, _outside_layers(model, path))
     seen: set[str] = set()
     started = [False]
 
@@ -235,7 +232,7 @@ def children_before_layers(model: nn.Module, inputs: Sequence[torch.Tensor]) -> 
             if not started[0]:
                 for a in [*args, *(kwargs or {}).values()]:
                     if isinstance(a, nn.Parameter) and id(a) in owner:
-                        seen.add(owner[id(a)])
+                        seen.update(owner[id(a)])
             return func(*args, **(kwargs or {}))
 
     first = next(iter(container.values() if isinstance(container, nn.ModuleDict) else container))
@@ -376,8 +373,7 @@ class StepReducingStage(SplitBackwardStage):
     which schedules without that action call after the last backward), before their scaling."""
 
     def _reduce(self) -> None:
-        module = self.submod.inner if isinstance(self.submod, StageModule) else self.submod
-        reduce_gradients(module)
+        reduce_gradients(self._lowered())
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         self._reduce()
@@ -488,7 +484,7 @@ def build(
     boundary = _boundary_inputs(make_model, stages, micro, before)
     agreed = _agreed_boundaries(boundary, boundary_placements, tuple(sub_mesh.shape))
     mine, indices = [], []
-    my_stages = (rank_stages(schedule, degree, rank) if schedule in ("zbv", "dualpipev")
+    my_stages = (rank_stages(schedule, degree, rank) if schedule in V_SCHEDULES
                  else list(range(rank, n_stages, degree)))
     for k in my_stages:
         first, last = stages[k]
@@ -530,7 +526,7 @@ def _checked_request(schedule: str, degree: int, n_stages: int, weight_sync: Seq
                                     f"of the {n_stages} stages")
     if n_stages % degree:
         raise PipelineLoweringError(f"{n_stages} stages on a pipeline of degree {degree}: expected a multiple")
-    if schedule in ("zbv", "dualpipev") and n_stages != 2 * degree:
+    if schedule in V_SCHEDULES and n_stages != 2 * degree:
         raise PipelineLoweringError(f"the {schedule} schedule runs two stages per rank in a V: expected "
                                     f"{2 * degree} stages on a pipeline of degree {degree}, got {n_stages}")
     if batch % microbatches:

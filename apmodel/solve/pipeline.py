@@ -63,7 +63,7 @@ import solvers
 from apmodel.core import schedules
 from apmodel.core.options import OptionsError, PlanOptions
 from apmodel.frontend.workloads import Workload, WorkloadError, load_workload
-from apmodel.graph.conventions import layer_pattern_from_names
+from apmodel.graph.conventions import ModelConventions, layer_pattern_from_names
 from apmodel.problem.memory import OutOfMemory
 from apmodel.result.pipeline_record import DegreePrice, PipelineChoice, PipelineError
 from apmodel.solve import search
@@ -414,9 +414,9 @@ def layers_to_plan(workload: Workload) -> tuple[int, tuple[int, ...] | None]:
     if isinstance(model, CapturedGraph):
         return 1, None
     pattern = layer_pattern_from_names([n for n, _ in model.named_parameters(remove_duplicate=False)])
-    if pattern is None:
+    path = ModelConventions(layer_pattern=pattern).layer_container
+    if path is None:
         return 1, None
-    path = pattern.split("{i}")[0].strip("*.")
     try:
         container = model.get_submodule(path) if path else model
     except AttributeError:
@@ -431,10 +431,10 @@ def stand_ins(kinds: Sequence[int] | None, planned: int, n_layers: int) -> list[
     stage plan of the first ``planned`` that prices it: itself where planned, else the last planned
     layer of its kind (the last planned layer where none is: ``kinds`` None, or a replayed plan cut
     shorter)."""
-    out = []
-    for i in range(n_layers):
-        same = [j for j in range(min(planned, i + 1)) if kinds is not None and kinds[j] == kinds[i]]
-        out.append(i if i < planned else same[-1] if same else planned - 1)
+    out = list(range(min(planned, n_layers)))
+    for i in range(planned, n_layers):
+        same = [j for j in range(planned) if kinds is not None and kinds[j] == kinds[i]]
+        out.append(same[-1] if same else planned - 1)
     return out
 
 
